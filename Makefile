@@ -1,0 +1,20 @@
+# The two commands a newcomer needs: `make up` (the main job) and `make test` (the whole suite).
+# Both install what they need first (idempotent; see scripts/setup.sh).
+PY ?= python3
+VENV := .venv
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: up test setup setup-python
+
+setup-python:
+	@PY=$(PY) ./scripts/setup.sh python
+
+setup:
+	@PY=$(PY) ./scripts/setup.sh all
+
+up: setup-python
+	$(VENV)/bin/pdcluster generate --model kimi-k3.1-mini --prompt "Disaggregated serving splits prefill and decode." --max-tokens 32 $(ARGS)
+
+test: setup
+	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/python -m pytest -m "not gpu" $(PYTEST_ARGS)

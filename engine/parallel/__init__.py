@@ -1,0 +1,1 @@
+"""Every collective lives here: process groups, token-sharded prefill, DCP decode merges, head-sharded baseline."""

@@ -1,0 +1,1 @@
+"""Load generator: AgentX-like sessions, random and trace workloads, TTFT/TPOT/ITL/goodput reports."""

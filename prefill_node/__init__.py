@@ -1,0 +1,1 @@
+"""Prefill node: FastAPI server plus W rank processes running the token-sharded prefill."""
