@@ -1,0 +1,128 @@
+"""`pdcluster up`: the whole PD cluster on this machine, in the foreground, until Ctrl-C or SIGTERM.
+
+    pdcluster up [--config FILE.yaml] [--engine reference|vllm] [--model DIR] [--router-port 8000]
+                 [--log-dir DIR] [--vllm-python PATH]
+
+Without `--config` the reference topology of cluster/default.yaml runs (router, prefill TP=2, decode
+pools `tp` TP=1 and `dcp` DCP=2 on kimi-k3.1-mini); with `--engine vllm` and no config, the CPU
+topology of cluster/vllm-cpu.yaml (one producer, one consumer: two cores) or, when an NVIDIA GPU is
+visible, the default topology. Exit codes: 0 after a clean stop, 1 when startup fails, 2 for a bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cluster.config import DEFAULT_CONFIG_PATH, VLLM_CPU_CONFIG_PATH, ConfigError, ClusterConfig, load_config, with_overrides
+
+
+class _Stop(Exception):
+    """Raised from the SIGTERM handler so startup and the watch loop unwind through `finally`."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdcluster up", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, help="cluster config YAML (default: cluster/default.yaml)")
+    parser.add_argument("--engine", choices=["reference", "vllm"], help="override the engine of every pool")
+    parser.add_argument("--model", help="model preset (reference) or model directory (vllm)")
+    parser.add_argument("--router-port", type=int, help="router port (default 8000; 0 picks a free port)")
+    parser.add_argument("--log-dir", type=Path, help="one log per process (default: a new temp dir)")
+    parser.add_argument("--vllm-python", help="python with vLLM installed (default: .venv-vllm/bin/python)")
+    return parser
+
+
+def resolve_config(args: argparse.Namespace) -> ClusterConfig:
+    """The config file (or the default for the engine) with command-line overrides."""
+    from cluster.plan import vllm_on_cpu
+
+    if args.config is not None:
+        config = load_config(args.config)
+    elif args.engine == "vllm":
+        config = load_config(DEFAULT_CONFIG_PATH)
+        if vllm_on_cpu(config):
+            config = load_config(VLLM_CPU_CONFIG_PATH)
+    else:
+        config = load_config(DEFAULT_CONFIG_PATH)
+    router_port = args.router_port or None
+    config = with_overrides(config, engine=args.engine, model=args.model, router_port=router_port)
+    if args.router_port == 0:
+        config = config.model_copy(update={"router": config.router.model_copy(update={"port": None})})
+    if args.vllm_python:
+        config = config.model_copy(update={"vllm": config.vllm.model_copy(update={"python": args.vllm_python})})
+    if any(config.engine_of(pool) == "vllm" for pool in config.pools) and not Path(config.model).is_dir():
+        raise ConfigError(f"--engine vllm needs --model DIR (a local model directory); {config.model!r} is not one")
+    return config
+
+
+def _banner(cluster) -> str:
+    from cluster.plan import served_model_name
+
+    model = served_model_name(cluster.config)
+    lines = [f"pdcluster is up: {cluster.router_url}/v1  (model {model!r}, engine {cluster.config.engine})", ""]
+    for node in cluster.nodes:
+        width = f"dcp={node.dcp}" if node.dcp > 1 else f"tp={node.tp}"
+        lines.append(f"  {node.role:<8} {node.name:<12} pool={node.pool:<8} {width:<6} {node.url}  pid {node.pid}")
+    lines += [
+        "",
+        "try:",
+        f"  curl -s {cluster.router_url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+        "\"max_tokens\": 16}'",
+        "",
+        f"logs:    {cluster.log_dir}/<name>.log (router config: {cluster.router_config_path})",
+        "metrics: " + "  ".join(cluster.metrics_urls.values()),
+        "Ctrl-C stops every process.",
+    ]
+    return "\n".join(lines)
+
+
+def _watch(cluster, poll_s: float = 1.0) -> None:
+    """Report processes that exit after startup; run until interrupted."""
+    reported: set[str] = set()
+    while True:
+        for name in cluster.dead():
+            if name not in reported:
+                child = cluster.children[name]
+                print(f"pdcluster up: {name} exited with code {child.popen.returncode}; log {child.log_path}",
+                      file=sys.stderr, flush=True)
+                reported.add(name)
+        time.sleep(poll_s)
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = resolve_config(args)
+    except ConfigError as exc:
+        print(f"pdcluster up: {exc}", file=sys.stderr)
+        return 2
+    from cluster.launcher import Cluster, ClusterStartError
+
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdcluster-up-"))
+
+    def _on_term(signum: int, _frame: object) -> None:
+        raise _Stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, _on_term)
+    cluster = Cluster(config, log_dir)
+    print(f"pdcluster up: starting {len(cluster.plans)} processes, logs in {log_dir}", flush=True)
+    started = time.monotonic()
+    try:
+        cluster.start()
+        print(f"(healthy after {time.monotonic() - started:.1f} s)\n\n{_banner(cluster)}", flush=True)
+        _watch(cluster)
+    except ClusterStartError as exc:
+        print(f"pdcluster up: startup failed: {exc}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _Stop):
+        print("\npdcluster up: stopping...", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cluster.stop()
+    print("pdcluster up: every process stopped.", flush=True)
+    return 0

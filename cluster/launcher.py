@@ -1,0 +1,164 @@
+"""Start, watch, restart and stop a whole cluster on this machine.
+
+`Cluster(config, log_dir).start()` starts every prefill and decode instance, waits (bounded by
+`startup_timeout_s`) until each answers `GET /health` with 200, then writes the router's registry file and
+starts the router and waits for it too. If any process exits during startup, or the bound passes, every
+process already started is stopped and `ClusterStartError` says which one failed with its log tail.
+`stop()` stops the router first, then the nodes, each as a process tree (cluster/process.py).
+
+The same object serves `pdcluster up` and the e2e `cluster` fixture (kill / restart of one node).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+from cluster.config import ClusterConfig
+from cluster.plan import ProcessPlan, assign_ports, plan_nodes, plan_router, router_config, served_model_name
+from cluster.process import Child, kill_tree, spawn, stop_tree
+
+
+class ClusterStartError(RuntimeError):
+    """A process died or stayed unhealthy during startup; the message carries its log tail."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What tests and operators need to know about one running process."""
+
+    name: str
+    role: str
+    pool: str
+    url: str
+    pid: int
+    tp: int
+    dcp: int
+    engine: str
+    log_path: Path
+
+
+def is_healthy(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        return httpx.get(url, timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Cluster:
+    """The processes of one cluster, started from a validated config."""
+
+    def __init__(self, config: ClusterConfig, log_dir: Path, python: str = sys.executable) -> None:
+        self.config = config
+        self.log_dir = Path(log_dir)
+        self.python = python
+        ports = assign_ports(config)
+        self.router_config_path = self.log_dir / "router.yaml"
+        self.node_plans = plan_nodes(config, ports, python)
+        self.router_plan = plan_router(config, ports, self.router_config_path, python)
+        self.plans: dict[str, ProcessPlan] = {plan.name: plan for plan in [*self.node_plans, self.router_plan]}
+        self.children: dict[str, Child] = {}
+
+    @property
+    def router_url(self) -> str:
+        return self.router_plan.url
+
+    @property
+    def model_name(self) -> str:
+        return served_model_name(self.config)
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """`/metrics` of the router and every node, by process name."""
+        return {name: plan.metrics_url for name, plan in self.plans.items()}
+
+    @property
+    def nodes(self) -> list[NodeInfo]:
+        """Every started prefill and decode instance (not the router)."""
+        return [self.info(plan.name) for plan in self.node_plans if plan.name in self.children]
+
+    def info(self, name: str) -> NodeInfo:
+        plan, child = self.plans[name], self.children[name]
+        return NodeInfo(name=name, role=plan.role, pool=plan.pool, url=plan.url, pid=child.pid, tp=plan.tp,
+                        dcp=plan.dcp, engine=plan.engine, log_path=child.log_path)
+
+    def start(self) -> "Cluster":
+        """Start nodes, wait for them, start the router, wait for it. Stops everything on failure."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        try:
+            for plan in self.node_plans:
+                self._spawn(plan)
+            self.wait_healthy([plan.name for plan in self.node_plans], deadline)
+            registry = router_config(self.config, self.node_plans)
+            self.router_config_path.write_text(yaml.safe_dump(registry, sort_keys=False))
+            self._spawn(self.router_plan)
+            self.wait_healthy(["router"], deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, plan: ProcessPlan) -> Child:
+        child = spawn(plan.name, plan.argv, plan.env, self.log_dir / f"{plan.name}.log")
+        self.children[plan.name] = child
+        return child
+
+    def wait_healthy(self, names: list[str], deadline: float) -> None:
+        """Poll /health of `names` until all answer 200; raise if one exits or the deadline passes."""
+        pending = list(names)
+        while pending:
+            for name in list(pending):
+                child = self.children[name]
+                if not child.is_alive():
+                    raise ClusterStartError(
+                        f"{name} exited with code {child.popen.returncode} during startup; "
+                        f"log {child.log_path}:\n{child.log_tail()}"
+                    )
+                if is_healthy(self.plans[name].health_url):
+                    pending.remove(name)
+            if pending and time.monotonic() > deadline:
+                tails = "\n".join(f"--- {name} ({self.children[name].log_path}):\n{self.children[name].log_tail(15)}"
+                                  for name in pending)
+                raise ClusterStartError(f"not healthy within {self.config.startup_timeout_s:.0f} s: "
+                                        f"{', '.join(pending)}\n{tails}")
+            if pending:
+                time.sleep(0.5)
+
+    def dead(self) -> list[str]:
+        """Names of started processes that have exited."""
+        return [name for name, child in self.children.items() if not child.is_alive()]
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process and everything it started (a crash)."""
+        kill_tree(self.children[name])
+
+    def terminate(self, name: str, grace_s: float = 10.0) -> None:
+        stop_tree(self.children[name], grace_s)
+
+    def restart(self, name: str, timeout_s: float | None = None) -> NodeInfo:
+        """Stop `name` if it still runs, start it again with the same command line, wait for /health."""
+        if name in self.children and self.children[name].is_alive():
+            stop_tree(self.children[name])
+        self._spawn(self.plans[name])
+        self.wait_healthy([name], time.monotonic() + (timeout_s or self.config.startup_timeout_s))
+        return self.info(name)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the router, then every node; safe to call twice."""
+        if "router" in self.children:
+            self._stop_one("router", grace_s)
+        nodes = [plan.name for plan in self.node_plans if plan.name in self.children]
+        with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
+            list(pool.map(lambda name: self._stop_one(name, grace_s), nodes))
+
+    def _stop_one(self, name: str, grace_s: float) -> None:
+        child = self.children[name]
+        # An exited child may have left descendants in its process group: stop the tree either way.
+        stop_tree(child, grace_s if child.is_alive() else 0.5)

