@@ -1,0 +1,1 @@
+"""Tests of engine/parallel: real gloo ranks on free ports."""

@@ -1,0 +1,35 @@
+"""Functions the test rank processes run (importable by spawned children)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.parallel.dcp_attention import dcp_combine, partial_attention
+from engine.parallel.dcp_layout import DCPLayout
+from engine.parallel.dcp_merge import compact_merge, generic_merge
+from engine.parallel.groups import ParallelContext
+
+
+def merge_case(ctx: ParallelContext, scores: torch.Tensor, k: int, interleave: int, method: str,
+               key_bits: int | None) -> dict:
+    layout = DCPLayout(ctx.world_size, interleave)
+    local = layout.shard(scores, ctx.rank, dim=1)
+    if method == "compact":
+        res = compact_merge(ctx, local, k, layout, key_bits=key_bits)
+    else:
+        res = generic_merge(ctx, local, k, layout)
+    gids = layout.global_ids(ctx.rank, local.shape[1])
+    own = [gids[row[row >= 0]].tolist() for row in res.local_ids]
+    return {"own": own, "counts": res.counts, "fallback": res.num_fallback_rows, "bytes": res.bytes_sent}
+
+
+def attention_case(ctx: ParallelContext, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   selected: torch.Tensor, interleave: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank attends over its owned selected tokens, then the LSE merge."""
+    layout = DCPLayout(ctx.world_size, interleave)
+    owned = (layout.owner(selected.clamp(min=0)) == ctx.rank) & (selected >= 0)
+    ids = torch.where(owned, selected, 0)
+    k_sel = keys.gather(1, ids[..., None].expand(-1, -1, keys.shape[2]))
+    v_sel = values.gather(1, ids[..., None].expand(-1, -1, values.shape[2]))
+    merged = dcp_combine(ctx, partial_attention(q, k_sel, v_sel, owned, scale))
+    return merged.out, merged.lse
