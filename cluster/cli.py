@@ -1,7 +1,7 @@
 """`pdcluster up`: the whole PD cluster on this machine, in the foreground, until Ctrl-C or SIGTERM.
 
     pdcluster up [--config FILE.yaml] [--engine reference|vllm] [--model DIR] [--router-port 8000]
-                 [--log-dir DIR] [--vllm-python PATH]
+                 [--log-dir DIR] [--vllm-python PATH] [--node-python PATH]
 
 Without `--config` the reference topology of cluster/default.yaml runs (router, prefill TP=2, decode
 pools `tp` TP=1 and `dcp` DCP=2 on kimi-k3.1-mini); with `--engine vllm` and no config, the CPU
@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--router-port", type=int, help="router port (default 8000; 0 picks a free port)")
     parser.add_argument("--log-dir", type=Path, help="one log per process (default: a new temp dir)")
     parser.add_argument("--vllm-python", help="python with vLLM installed (default: .venv-vllm/bin/python)")
+    parser.add_argument("--node-python", default=sys.executable,
+                        help="python that runs the router and reference nodes (default: this interpreter)")
     return parser
 
 
@@ -109,7 +111,7 @@ def main(argv: list[str]) -> int:
         raise _Stop(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, _on_term)
-    cluster = Cluster(config, log_dir)
+    cluster = Cluster(config, log_dir, python=args.node_python)
     print(f"pdcluster up: starting {len(cluster.plans)} processes, logs in {log_dir}", flush=True)
     started = time.monotonic()
     try:

@@ -1,0 +1,46 @@
+"""A stand-in process for launcher tests: answers /health like a node and starts two "rank" children.
+
+Invoked as `fake_node.py [-m module] ... --port P ...` (the launcher's command lines with the interpreter
+replaced). One rank child stays in the node's process group, the other starts its own session, as rank
+processes of a real node may. `FAKE_EXIT_CODE=N` exits at once with N (a node that dies at startup);
+`FAKE_IGNORE_TERM=1` ignores SIGTERM (a node that hangs on shutdown).
+"""
+
+import http.server
+import os
+import signal
+import subprocess
+import sys
+import time
+
+RANK = [sys.executable, "-c", "import time\nwhile True: time.sleep(1)"]
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"ok\n" if self.path == "/health" else b"# fake metrics\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def main() -> None:
+    if os.environ.get("FAKE_EXIT_CODE"):
+        sys.exit(int(os.environ["FAKE_EXIT_CODE"]))
+    if os.environ.get("FAKE_IGNORE_TERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    same_group = subprocess.Popen(RANK)
+    own_session = subprocess.Popen(RANK, start_new_session=True)
+    print(f"PIDS {os.getpid()} {same_group.pid} {own_session.pid}", flush=True)
+    time.sleep(float(os.environ.get("FAKE_HEALTH_DELAY_S", "0")))
+    server = http.server.HTTPServer(("127.0.0.1", port), Handler)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Command lines, environments and the router registry built for each node kind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cluster.config import DEFAULT_CONFIG_PATH, VLLM_CPU_CONFIG_PATH, load_config, parse_config
+from cluster.plan import assign_ports, plan_nodes, plan_router, router_config
+
+
+def _by_name(plans):
+    return {plan.name: plan for plan in plans}
+
+
+def _flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_reference_command_lines():
+    config = load_config(DEFAULT_CONFIG_PATH)
+    ports = assign_ports(config)
+    nodes = _by_name(plan_nodes(config, ports, python="/py"))
+    assert list(nodes) == ["prefill-0", "tp-0", "dcp-0"]
+    prefill, tp, dcp = nodes["prefill-0"], nodes["tp-0"], nodes["dcp-0"]
+    assert prefill.argv == ("/py", "-m", "pdcluster.cli", "prefill", "--model", "kimi-k3.1-mini",
+                            "--port", str(ports.http["prefill-0"]), "--host", "127.0.0.1", "--tp", "2")
+    assert tp.argv[3] == "decode" and _flag(tp.argv, "--tp") == "1" and _flag(tp.argv, "--pool") == "tp"
+    assert "--dcp" not in tp.argv
+    assert _flag(dcp.argv, "--dcp") == "2" and _flag(dcp.argv, "--pool") == "dcp" and "--tp" not in dcp.argv
+    assert (dcp.role, dcp.pool, dcp.dcp, dcp.url) == ("decode", "dcp", 2, f"http://127.0.0.1:{ports.http['dcp-0']}")
+    assert not ports.side_channel  # no vLLM instance, no side channel
+
+
+def test_ports_are_distinct_and_configured_ports_kept():
+    config = parse_config({
+        "router": {"port": None},
+        "pools": [{"name": "p", "role": "prefill", "count": 3}, {"name": "d", "role": "decode", "ports": [18123]}],
+    })
+    ports = assign_ports(config)
+    assert ports.http["d-0"] == 18123
+    assert len(set(ports.http.values())) == len(ports.http) == 5
+
+
+def test_vllm_producer_consumer_on_cpu(tmp_path):
+    config = load_config(VLLM_CPU_CONFIG_PATH).model_copy(update={"model": str(tmp_path / "tiny-llama")})
+    ports = assign_ports(config)
+    nodes = _by_name(plan_nodes(config, ports))
+    prefill, decode = nodes["prefill-0"], nodes["tp-0"]
+    for plan, role, core in ((prefill, "kv_producer", "0"), (decode, "kv_consumer", "1")):
+        assert plan.argv[1:3] == ("-m", "vllm.entrypoints.openai.api_server")
+        assert _flag(plan.argv, "--model") == str(tmp_path / "tiny-llama")
+        assert _flag(plan.argv, "--served-model-name") == "tiny-llama"
+        assert _flag(plan.argv, "--port") == str(plan.port)
+        assert json.loads(_flag(plan.argv, "--kv-transfer-config")) == {"kv_connector": "NixlConnector",
+                                                                         "kv_role": role}
+        assert plan.env["VLLM_CPU_OMP_THREADS_BIND"] == core
+        assert plan.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+        assert plan.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and plan.env["HF_HUB_OFFLINE"] == "1"
+        assert plan.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    side = {prefill.env["VLLM_NIXL_SIDE_CHANNEL_PORT"], decode.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]}
+    assert len(side) == 2 and not side & {str(p) for p in ports.http.values()}
+
+
+def test_vllm_dcp_and_gpu_settings():
+    config = parse_config({
+        "engine": "vllm", "model": "/m/kimi", "vllm": {"cpu": False, "python": "/venv/bin/python"},
+        "pools": [{"name": "p", "role": "prefill", "tp": 8}, {"name": "dcp", "role": "decode", "tp": 8, "dcp": 8}],
+    })
+    nodes = _by_name(plan_nodes(config, assign_ports(config)))
+    dcp = nodes["dcp-0"]
+    assert dcp.argv[0] == "/venv/bin/python"
+    assert _flag(dcp.argv, "--tensor-parallel-size") == "8"
+    assert _flag(dcp.argv, "--decode-context-parallel-size") == "8"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in dcp.env and "VLLM_NIXL_SIDE_CHANNEL_PORT" in dcp.env
+
+
+def test_router_plan_and_registry_match_the_router_schema(tmp_path):
+    from router.config import RouterConfig
+
+    config = parse_config({
+        "router": {"port": None, "admin_token": "tok", "settings": {"session_growth_tokens": 64}},
+        "pools": [{"name": "prefill", "role": "prefill", "tp": 2},
+                  {"name": "tp", "role": "decode", "max_context_tokens": 512},
+                  {"name": "dcp", "role": "decode", "dcp": 2}],
+    })
+    ports = assign_ports(config)
+    nodes = plan_nodes(config, ports, python="/py")
+    router = plan_router(config, ports, tmp_path / "router.yaml", python="/py")
+    assert router.argv == ("/py", "-m", "pdcluster.cli", "router", "--config", str(tmp_path / "router.yaml"),
+                           "--port", str(ports.http["router"]), "--host", "127.0.0.1")
+    registry = RouterConfig.model_validate(router_config(config, nodes))
+    assert [(p.name, p.kind, p.max_context_tokens) for p in registry.pools] == [("tp", "tp", 512), ("dcp", "dcp", None)]
+    assert [(i.name, i.role, i.pool, i.tp, i.dcp, i.engine) for i in registry.instances] == [
+        ("prefill-0", "prefill", "prefill", 2, 1, "reference"),
+        ("tp-0", "decode", "tp", 1, 1, "reference"),
+        ("dcp-0", "decode", "dcp", 1, 2, "reference"),
+    ]
+    assert registry.router == {"session_growth_tokens": 64, "admin_token": "tok"}
+    assert all(i.url == f"http://127.0.0.1:{ports.http[i.name]}" for i in registry.instances)
+    assert Path(router.argv[5]).name == "router.yaml"
