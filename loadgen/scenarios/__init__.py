@@ -1,0 +1,1 @@
+"""Workload scenarios: `agentx` (agent sessions), `random` (independent requests), `trace` (Mooncake replay)."""
