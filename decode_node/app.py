@@ -1,0 +1,65 @@
+"""The decode node's FastAPI app: OpenAI endpoints (remote-prefill import or colocated generation),
+/health, /v1/models, /metrics, /abort_requests. TP pool (`--tp B`) or DCP pool (`--dcp W`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from decode_node.remote import PeerDirectory, serve_remote
+from decode_node.settings import Settings
+from prefill_node.export import parse_params
+from serving.errors import APIError
+from serving.local import serve_local
+from serving.node_app import NodeRuntime, build_app
+from serving.runtime import RankInfo, start_runtime, worker_config
+from serving.textgen import PreparedRequest
+
+
+class Geometry:
+    """This pool's pairing facts (what kv_transfer.remap.pair_problems reads)."""
+
+    def __init__(self, tp: int, dcp: int, block_size: int, layout_fingerprint: str) -> None:
+        self.tp, self.dcp, self.block_size, self.layout_fingerprint = tp, dcp, block_size, layout_fingerprint
+
+
+def _handler(settings: Settings):  # noqa: ANN202 - returns the node's Handler
+    async def handle(runtime: NodeRuntime, prepared: PreparedRequest, request: Request) -> Response:
+        params = parse_params(prepared)
+        if params is not None and params.do_remote_decode:
+            raise APIError(400, "this is a decode node: do_remote_decode requests go to a prefill node",
+                           "kv_transfer_params")
+        if params is not None and params.do_remote_prefill:
+            return await serve_remote(runtime, prepared, request, params, settings.kv_load_failure_policy)
+        return await serve_local(runtime, prepared, request)
+    return handle
+
+
+def create_app(settings: Settings) -> FastAPI:
+    if settings.tp > 1 and settings.dcp > 1:
+        raise ValueError("choose --tp B or --dcp W, not both")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        world = settings.world_size
+        config = worker_config(settings, "decode", dcp_size=settings.dcp)
+        config = dataclasses.replace(config, tp_size=world)
+        runtime = await asyncio.to_thread(start_runtime, settings, config, world)
+        head: RankInfo = runtime.executor.startup_info[0]
+        runtime.extras["geometry"] = Geometry(world, settings.dcp, head.block_size, head.layout_fingerprint)
+        runtime.extras["peers"] = PeerDirectory(timeout_s=settings.transfer_timeout_s)
+        app.state.runtime = runtime
+        try:
+            yield
+        finally:
+            app.state.runtime = None
+            await runtime.extras["peers"].close()
+            await asyncio.to_thread(runtime.executor.stop)
+
+    return build_app(f"pdcluster decode node ({settings.pool})", _handler(settings), lifespan)

@@ -1,0 +1,126 @@
+"""The remote-prefill path of the decode node: check the prefill node's params, read the rows over the
+transport (every rank reads its own share, one READ per source rank, remapped), notify the prefill node,
+then decode from the imported rows and answer as a normal (streaming or JSON) completion.
+
+Failures before admission (malformed params, unknown engine, expired lease, geometry mismatch) are 4xx
+answers that touch no memory; the prefill node is told to release its rows where the lease is ours to end.
+A failed read follows `kv_load_failure_policy`: `fail` answers 502 and frees the rows on both sides,
+`recompute` prefills locally.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.executor import Abort, ImportKV, ImportOutcome, StartDecode
+from kv_transfer.params import KVParamsError, KVTransferParams, check_readable
+from kv_transfer.remap import pair_problems
+from serving.errors import APIError
+from serving.local import respond, serve_local
+from serving.node_app import NodeRuntime, until_disconnect
+from serving.side_channel import SideChannelInfo
+from serving.textgen import PreparedRequest
+
+
+class PeerDirectory:
+    """Side-channel metadata of prefill instances, fetched once per (host, port) and engine id."""
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self._cache: dict[tuple[str, int], SideChannelInfo] = {}
+        self._client = httpx.AsyncClient(timeout=timeout_s)
+
+    async def get(self, host: str, port: int, engine_id: str | None) -> SideChannelInfo:
+        key = (host, port)
+        info = self._cache.get(key)
+        if info is None or info.engine_id != engine_id:
+            resp = await self._client.get(f"http://{host}:{port}/kv_transfer/metadata")
+            resp.raise_for_status()
+            info = SideChannelInfo.model_validate(resp.json())
+            self._cache[key] = info
+        return info
+
+    async def release(self, params: KVTransferParams) -> None:
+        """Best effort: tell the prefill node we will not read (its lease would expire anyway)."""
+        try:
+            await self._client.post(f"http://{params.remote_host}:{params.remote_port}/kv_transfer/release",
+                                    json={"request_id": params.remote_request_id, "lease_id": params.lease_id})
+        except httpx.HTTPError:
+            pass
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class _Geometry:  # the prefill side of pair_problems
+    def __init__(self, tp: int, dcp: int, block_size: int, layout_fingerprint: str) -> None:
+        self.tp, self.dcp, self.block_size, self.layout_fingerprint = tp, dcp, block_size, layout_fingerprint
+
+
+async def _admit(runtime: NodeRuntime, prepared: PreparedRequest, params: KVTransferParams) -> SideChannelInfo:
+    """Every check before memory is touched; raises APIError (4xx) naming the problem."""
+    if params.remote_host is None or params.remote_port is None:
+        raise APIError(400, "kv_transfer_params: remote_host and remote_port are required", "kv_transfer_params")
+    if params.first_token_id is None:
+        raise APIError(400, "kv_transfer_params: first_token_id is missing", "kv_transfer_params")
+    if params.remote_num_tokens != len(prepared.prompt_token_ids):
+        raise APIError(400, f"kv_transfer_params: remote_num_tokens {params.remote_num_tokens} does not match the "
+                            f"prompt's {len(prepared.prompt_token_ids)} tokens", "kv_transfer_params")
+    peers: PeerDirectory = runtime.extras["peers"]
+    try:
+        info = await peers.get(params.remote_host, params.remote_port, params.remote_engine_id)
+    except (httpx.HTTPError, ValueError) as exc:
+        raise APIError(502, f"cannot reach the prefill node's side channel at {params.remote_host}:"
+                            f"{params.remote_port}: {exc}") from exc
+    try:
+        check_readable(params, engine_id=info.engine_id, fingerprint=info.layout_fingerprint, num_rows=info.num_rows,
+                       kda_groups=info.kda_groups, block_size=info.block_size)
+    except KVParamsError as exc:
+        raise APIError(400, f"kv_transfer_params: {exc}", "kv_transfer_params") from exc
+    local = runtime.extras["geometry"]
+    problems = pair_problems(_Geometry(info.tp_size, 1, info.block_size, info.layout_fingerprint), local)
+    if problems:
+        raise APIError(400, f"kv_transfer_params: prefill geometry cannot feed this decode node: "
+                            f"{'; '.join(problems)}", "kv_transfer_params")
+    return info
+
+
+async def serve_remote(runtime: NodeRuntime, prepared: PreparedRequest, request: Request,
+                       params: KVTransferParams, policy: str) -> Response:
+    """Import the prefill node's rows and decode."""
+    started = time.monotonic()
+    peers: PeerDirectory = runtime.extras["peers"]
+    try:
+        info = await _admit(runtime, prepared, params)
+    except APIError as exc:
+        if exc.status != 502 and "remote_engine_id" not in exc.message and "expired" not in exc.message:
+            await peers.release(params)
+        raise
+    cmd = ImportKV(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
+                   sampling=prepared.sampling, first_token=int(params.first_token_id or 0), params=params,
+                   peer=tuple(rank.endpoint() for rank in info.ranks))
+    events = runtime.executor.events(cmd)
+    outcome = await until_disconnect(request, events.__anext__())
+    if not isinstance(outcome, ImportOutcome) or outcome.error:
+        await events.aclose()
+        runtime.executor.abort(prepared.request_id)
+        runtime.metrics.failed_transfers.inc()
+        await peers.release(params)
+        reason = outcome.error if isinstance(outcome, ImportOutcome) else getattr(outcome, "error", "import failed")
+        if policy == "recompute":
+            return await serve_local(runtime, prepared, request)
+        raise APIError(502, f"KV transfer from {params.remote_engine_id} failed: {reason}")
+    runtime.metrics.xfer_time.observe(outcome.seconds)
+    runtime.metrics.xfer_bytes.observe(outcome.num_bytes)
+    if outcome.num_descriptors:
+        runtime.metrics.xfer_descs.observe(outcome.num_descriptors)
+    runtime.executor.submit(StartDecode(request_id=prepared.request_id))
+    cached = int(params.remote_prefill_cached_tokens or 0)
+    out = respond(runtime, prepared, request, events, started, cached_tokens=cached)
+    return out if prepared.stream else await out
+
+
+__all__ = ["serve_remote", "PeerDirectory", "Abort"]

@@ -1,0 +1,476 @@
+"""Hosts a node's engine on W rank processes and offers an asyncio interface to the HTTP layer.
+
+Design (SPMD lockstep):
+- Every rank process builds the same engine replica for its rank (model shard, row pool, scheduler) through
+  a `WorkerSpec` factory, one torch thread each, pinned to a core.
+- The driver is a thread in the server process. Each round it takes the commands the HTTP layer queued
+  (submit, abort, export, import, release), sends the same `StepPlan` to every rank and waits for every
+  rank's `StepReply`. All ranks apply the same commands in the same order and then run one engine step, so
+  their deterministic schedulers make identical decisions (same batch, same row ids) and their collectives
+  line up. Token events are taken from rank 0; import outcomes and transport notifications from all ranks.
+- Failure: a rank that exits, closes its pipe or misses the reply deadline marks the executor dead; every
+  in-flight request receives a failure event (no hang), `healthy` turns False, new work is refused.
+The module never imports torch: rank processes do, inside the worker factory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import socket
+
+
+# ---------------------------------------------------------------------- commands (driver -> ranks)
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Per-request sampling: temperature 0 is greedy."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Prefill and decode locally; with `export`, prefill only and keep the rows for a remote reader."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    export: bool = False
+
+
+@dataclass(frozen=True)
+class ImportKV:
+    """Allocate rows for the prompt, read them from the prefill node (`params`: KVTransferParams; `peer`:
+    the prefill node's transport metadata), notify it; the rows wait for `StartDecode`."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    first_token: int
+    params: Any
+    peer: Any
+
+
+@dataclass(frozen=True)
+class StartDecode:
+    """Every rank imported its share: decode from the imported rows, starting after `first_token`."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Drop a request wherever it is (queued, running, exported or imported) and free its rows."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """Free the rows an export kept (reader done, lease expired or aborted): by request id, or by row ids."""
+
+    request_id: str = ""
+    row_ids: tuple[int, ...] = ()
+
+
+Command = Submit | ImportKV | StartDecode | Abort | Release
+
+
+# ---------------------------------------------------------------------- events (ranks -> driver)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token; `finish_reason` set on the last one ("stop", "length", "abort")."""
+
+    request_id: str
+    token_id: int | None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ExportedRows:
+    """A prefill-for-export finished: the rows stay allocated until `Release`."""
+
+    request_id: str
+    attn_row_ids: tuple[int, ...]
+    kda_row_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+    num_cached_tokens: int = 0
+    is_final: bool = True
+
+
+@dataclass(frozen=True)
+class ImportOutcome:
+    """A rank's (and after merging, the node's) result of an `ImportKV`."""
+
+    request_id: str
+    error: str | None = None
+    num_bytes: int = 0
+    seconds: float = 0.0
+    num_descriptors: int = 0
+
+    @property
+    def is_final(self) -> bool:
+        return self.error is not None
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """The request cannot continue (bad input found by the engine, or a rank died)."""
+
+    request_id: str
+    error: str
+    status: int = 500
+    is_final: bool = True
+
+
+@dataclass(frozen=True)
+class TransportNotice:
+    """A transport notification a rank received (lease DONE / HB / ABORT message from a reader)."""
+
+    rank: int
+    sender: str
+    message: bytes
+    request_id: str = ""
+    is_final: bool = False
+
+
+Event = TokenEvent | ExportedRows | ImportOutcome | EngineFailure | TransportNotice
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's load after a round."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_rows_used: int = 0
+    num_rows_total: int = 0
+    has_work: bool = False
+    counters: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    round_id: int
+    commands: tuple[Command, ...]
+    run_step: bool = True
+
+
+@dataclass(frozen=True)
+class StepReply:
+    rank: int
+    events: list[Event]
+    stats: RankStats
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How a rank builds its worker: `factory` is "module:function", called as
+    `factory(config, ctx)` (ctx: engine.parallel.groups.ParallelContext) inside the rank process, returning an object with
+    `startup_info() -> Any`, `apply(cmd) -> list[Event]`, `step() -> list[Event]`, `stats() -> RankStats`
+    and `close()`."""
+
+    factory: str
+    config: Any
+    world_size: int = 1
+    pin_cores: bool = True
+    step_timeout_s: float = 120.0
+    idle_poll_s: float = 0.02
+
+
+class ExecutorDead(RuntimeError):
+    """The executor lost a rank; no more work is accepted."""
+
+
+def _rank_main(spec: WorkerSpec, rank: int, init_method: str, conn: Any) -> None:
+    """Entry of one rank process: join the group, build the worker, serve StepPlans until told to stop."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        import torch
+
+        from engine.parallel.groups import default_backend, init_context
+
+        torch.set_num_threads(1)
+        if spec.pin_cores and hasattr(os, "sched_setaffinity"):
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        ctx = init_context(rank, spec.world_size, init_method, default_backend())
+        module_name, func_name = spec.factory.split(":")
+        worker = getattr(importlib.import_module(module_name), func_name)(spec.config, ctx)
+        conn.send(("ready", worker.startup_info()))
+    except BaseException as exc:  # report, then exit: the driver turns this into a start failure
+        conn.send(("error", f"rank {rank} failed to start: {type(exc).__name__}: {exc}"))
+        return
+    while True:
+        plan = conn.recv()
+        if plan is None:
+            break
+        events: list[Event] = []
+        for cmd in plan.commands:
+            try:
+                events.extend(worker.apply(cmd))
+            except ValueError as exc:  # bad input the engine found: this request fails, the ranks go on
+                events.append(EngineFailure(request_id=cmd.request_id, error=str(exc), status=400))
+        if plan.run_step:
+            events.extend(worker.step())
+        conn.send(StepReply(rank=rank, events=events, stats=worker.stats()))
+    worker.close()
+
+
+@dataclass
+class _Inflight:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class ExecutorState:
+    """What the driver knows after the last round (read by /metrics and /health)."""
+
+    healthy: bool = False
+    error: str | None = None
+    stats: list[RankStats] = field(default_factory=list)
+    rounds: int = 0
+
+
+class Executor:
+    """The node's handle on its ranks. Start with `start()`, stop with `stop()`."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.state = ExecutorState()
+        self.startup_info: list[Any] = []
+        self._commands: queue.Queue[Command] = queue.Queue()
+        self._inflight: dict[str, _Inflight] = {}
+        self._notice_handlers: list[Any] = []
+        self._lock = threading.Lock()
+        self._procs: list[mp.Process] = []
+        self._conns: list[Any] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        """Spawn the ranks, wait for every rank to be ready, start the driver thread."""
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        for rank in range(self.spec.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(self.spec, rank, init_method, child), daemon=True,
+                               name=f"pdcluster-rank{rank}")
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        deadline = time.monotonic() + timeout_s
+        for rank, conn in enumerate(self._conns):
+            reply = self._recv(rank, conn, deadline)
+            if reply is None or reply[0] != "ready":
+                message = reply[1] if reply else self.state.error or f"rank {rank} did not start"
+                self._terminate()
+                raise ExecutorDead(message)
+            self.startup_info.append(reply[1])
+        self.state.healthy = True
+        self._thread = threading.Thread(target=self._drive, name="pdcluster-driver", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+        self._terminate()
+        self.state.healthy = False
+
+    def _terminate(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs if proc.pid is not None]
+
+    @property
+    def healthy(self) -> bool:
+        return self.state.healthy and all(proc.is_alive() for proc in self._procs)
+
+    # ------------------------------------------------------------------ async interface
+
+    def on_notice(self, handler: Any) -> None:
+        """Call `handler(TransportNotice)` (from the driver thread) for every transport notice of any rank."""
+        self._notice_handlers.append(handler)
+
+    def submit(self, cmd: Command) -> None:
+        """Queue a command that has no event stream of its own (abort, release, ...)."""
+        if not self.healthy:
+            raise ExecutorDead(self.state.error or "executor is not running")
+        self._commands.put(cmd)
+
+    async def events(self, cmd: Command) -> AsyncIterator[Event]:
+        """Queue `cmd` (it must carry a request_id) and yield its events until a final one.
+
+        If the consumer stops early (client disconnect), the request is aborted on every rank."""
+        request_id = cmd.request_id
+        loop = asyncio.get_running_loop()
+        inflight = _Inflight(asyncio.Queue(), loop)
+        with self._lock:
+            if request_id in self._inflight:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._inflight[request_id] = inflight
+        finished = False
+        try:
+            self.submit(cmd)
+            while True:
+                event = await inflight.queue.get()
+                yield event
+                if event.is_final:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._inflight.pop(request_id, None)
+            if not finished and self.healthy:
+                self._commands.put(Abort(request_id=request_id))
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request on every rank; True if it was in flight here."""
+        with self._lock:
+            known = request_id in self._inflight
+        if self.healthy:
+            self._commands.put(Abort(request_id=request_id))
+        return known
+
+    # ------------------------------------------------------------------ driver thread
+
+    def _recv(self, rank: int, conn: Any, deadline: float) -> Any:
+        while time.monotonic() < deadline:
+            if conn.poll(0.05):
+                try:
+                    return conn.recv()
+                except (EOFError, OSError):
+                    self.state.error = f"rank {rank} closed its pipe"
+                    return None
+            if not self._procs[rank].is_alive():
+                self.state.error = f"rank {rank} exited with code {self._procs[rank].exitcode}"
+                return None
+        self.state.error = f"rank {rank} missed its deadline"
+        return None
+
+    def _next_plan(self) -> StepPlan | None:
+        busy = any(s.has_work for s in self.state.stats)
+        try:
+            first = self._commands.get(timeout=0 if busy else self.spec.idle_poll_s)
+            commands = [first]
+        except queue.Empty:
+            commands = []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        return StepPlan(round_id=next(self._ids), commands=tuple(commands), run_step=True)
+
+    def _drive(self) -> None:
+        while not self._stopping.is_set():
+            plan = self._next_plan()
+            replies = self._round(plan)
+            if replies is None:
+                self._fail_all(self.state.error or "a rank failed")
+                return
+            self._dispatch(replies)
+
+    def _round(self, plan: StepPlan) -> list[StepReply] | None:
+        try:
+            for conn in self._conns:
+                conn.send(plan)
+        except (OSError, BrokenPipeError):
+            self.state.error = "a rank pipe is closed"
+            return None
+        deadline = time.monotonic() + self.spec.step_timeout_s
+        replies = []
+        for rank, conn in enumerate(self._conns):
+            reply = self._recv(rank, conn, deadline)
+            if reply is None:
+                return None
+            replies.append(reply)
+        return replies
+
+    def _dispatch(self, replies: list[StepReply]) -> None:
+        self.state.stats = [reply.stats for reply in replies]
+        self.state.rounds += 1
+        outcomes: dict[str, list[ImportOutcome]] = {}
+        for reply in replies:
+            for event in reply.events:
+                if isinstance(event, ImportOutcome):
+                    outcomes.setdefault(event.request_id, []).append(event)
+                elif isinstance(event, TransportNotice):
+                    for handler in self._notice_handlers:
+                        handler(event)
+                elif reply.rank == 0:
+                    self._deliver(event)
+        for request_id, parts in outcomes.items():
+            errors = [p.error for p in parts if p.error]
+            self._deliver(ImportOutcome(request_id=request_id, error="; ".join(errors) or None,
+                                        num_bytes=sum(p.num_bytes for p in parts),
+                                        seconds=max(p.seconds for p in parts)))
+
+    def _deliver(self, event: Event) -> None:
+        with self._lock:
+            inflight = self._inflight.get(event.request_id)
+        if inflight is not None:
+            inflight.loop.call_soon_threadsafe(inflight.queue.put_nowait, event)
+
+    def _fail_all(self, message: str) -> None:
+        self.state.healthy = False
+        self.state.error = message
+        with self._lock:
+            pending = list(self._inflight.values())
+            ids = list(self._inflight)
+        for request_id, inflight in zip(ids, pending):
+            inflight.loop.call_soon_threadsafe(inflight.queue.put_nowait,
+                                               EngineFailure(request_id=request_id, error=message))
+
+

@@ -1,0 +1,66 @@
+"""The prefill node's FastAPI app: OpenAI endpoints (remote-decode export or colocated generation),
+/health, /v1/models, /metrics, /abort_requests and the NIXL side channel (agent metadata of every rank).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from prefill_node.export import parse_params, serve_export
+from prefill_node.exports import ExportIdentity, ExportTable
+from prefill_node.settings import Settings
+from serving.local import serve_local
+from serving.node_app import NodeRuntime, build_app
+from serving.runtime import RankInfo, start_runtime, worker_config
+from serving.side_channel import side_channel_router
+from serving.textgen import PreparedRequest
+
+
+async def handle(runtime: NodeRuntime, prepared: PreparedRequest, request: Request) -> Response:
+    params = parse_params(prepared)
+    if params is not None and params.do_remote_decode:
+        return await serve_export(runtime, prepared, request)
+    return await serve_local(runtime, prepared, request)
+
+
+def _attach_exports(runtime: NodeRuntime, settings: Settings) -> ExportTable:
+    head: RankInfo = runtime.executor.startup_info[0]
+    identity = ExportIdentity(engine_id=settings.engine_id, host=settings.public_host, port=settings.port,
+                              tp_size=settings.tp, block_size=head.block_size, subblock_tokens=head.subblock_tokens,
+                              layout_fingerprint=head.layout_fingerprint)
+    table = ExportTable(identity, runtime.executor, runtime.metrics, settings.lease_seconds)
+    runtime.executor.on_notice(table.on_notice)
+    runtime.extras["exports"] = table
+    runtime.extras["abort_hook"] = lambda external: any(table.abort(i) for i in (external,))
+    return table
+
+
+async def _sweep(table: ExportTable, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        table.sweep()
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        config = worker_config(settings, "prefill", token_shard_min_tokens=settings.token_shard_min_tokens)
+        runtime = await asyncio.to_thread(start_runtime, settings, config, settings.tp)
+        table = _attach_exports(runtime, settings)
+        app.state.runtime = runtime
+        sweeper = asyncio.create_task(_sweep(table, settings.lease_sweep_s))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            app.state.runtime = None
+            await asyncio.to_thread(runtime.executor.stop)
+
+    app = build_app("pdcluster prefill node", handle, lifespan)
+    app.include_router(side_channel_router())
+    return app

@@ -1,0 +1,19 @@
+"""Prefill node settings (env prefix PREFILL_)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from serving.node_settings import NodeSettings
+
+
+class Settings(NodeSettings):
+    model_config = SettingsConfigDict(env_prefix="PREFILL_")
+
+    port: int = 8100
+    lease_seconds: float = Field(default=30.0, gt=0)
+    """How long exported rows wait for their reader (extended by heartbeats)."""
+    lease_sweep_s: float = Field(default=0.25, gt=0)
+    token_shard_min_tokens: int = Field(default=1024, ge=1)
+    """Prefill steps with at least this many tokens use the token-sharded attention (else head-sharded)."""

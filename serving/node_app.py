@@ -1,0 +1,159 @@
+"""The HTTP surface both node kinds share: OpenAI endpoints, /health, /v1/models, /metrics, abort by id.
+
+A node supplies a `NodeRuntime` (executor, tokenizer, limits, metrics) and a `handle` coroutine that
+serves one prepared request; this module parses, validates, assigns request ids, watches for client
+disconnects and answers errors as OpenAI JSON. Request ids: the `X-Request-Id` header when given (the
+router sends the same id to both legs), else a fresh one; `/abort_requests` takes those ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from engine.executor import Executor
+from serving import sse
+from serving.errors import APIError, error_body
+from serving.node_metrics import NodeMetrics
+from serving.protocol import AbortRequests, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from serving.textgen import Kind, Limits, PreparedRequest, Tokenizer, prepare
+
+
+@dataclass
+class NodeRuntime:
+    """Everything a node's handlers use; built in the app's lifespan."""
+
+    executor: Executor
+    tokenizer: Tokenizer
+    limits: Limits
+    metrics: NodeMetrics
+    model: str
+    role: str
+    extras: dict[str, Any] = field(default_factory=dict)
+    request_ids: dict[str, str] = field(default_factory=dict)
+    """external id -> internal id of requests in flight here."""
+
+    def new_request_id(self, header: str | None) -> str:
+        external = header or uuid.uuid4().hex
+        internal = external if external not in self.request_ids.values() else f"{external}-{uuid.uuid4().hex[:8]}"
+        self.request_ids[internal] = external
+        return internal
+
+    def done(self, internal: str) -> None:
+        self.request_ids.pop(internal, None)
+
+    def internal_ids(self, external: str) -> list[str]:
+        return [i for i, e in self.request_ids.items() if e == external or i == external]
+
+    def refresh_load(self) -> None:
+        stats = self.executor.state.stats
+        if stats:
+            head = stats[0]
+            self.metrics.set_load(head.num_running, head.num_waiting, head.num_rows_used, head.num_rows_total)
+
+
+Handler = Callable[[NodeRuntime, PreparedRequest, Request], Awaitable[Response]]
+
+
+def runtime_of(request: Request) -> NodeRuntime:
+    runtime = getattr(request.app.state, "runtime", None)
+    if runtime is None:
+        raise APIError(503, "the node is starting")
+    return runtime
+
+
+def streaming(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
+    return StreamingResponse(sse.with_done(chunks), media_type=sse.MEDIA_TYPE)
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any], poll_s: float = 0.1) -> Any:
+    """Await `work`; if the client goes away first, cancel it (its cleanup aborts the request)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client closed the request")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _models(runtime: NodeRuntime) -> ModelList:
+    return ModelList(data=[ModelCard(id=runtime.model, root=runtime.model, max_model_len=runtime.limits.max_context)])
+
+
+def node_router(handle: Handler) -> APIRouter:
+    """Routes shared by the prefill and decode nodes; `handle` serves one prepared request."""
+    router = APIRouter()
+
+    async def _serve(request: Request, body: CompletionRequest | ChatCompletionRequest, kind: Kind) -> Response:
+        runtime = runtime_of(request)
+        if not runtime.executor.healthy:
+            raise APIError(503, f"the engine is down: {runtime.executor.state.error or 'not running'}")
+        request_id = runtime.new_request_id(request.headers.get("x-request-id"))
+        try:
+            prepared = prepare(body, kind, request_id, runtime.model, runtime.tokenizer, runtime.limits)
+            return await handle(runtime, prepared, request)
+        finally:
+            runtime.done(request_id)
+
+    @router.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await _serve(request, body, "completion")
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await _serve(request, body, "chat")
+
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        runtime = getattr(request.app.state, "runtime", None)
+        if runtime is None or not runtime.executor.healthy:
+            reason = runtime.executor.state.error if runtime else "starting"
+            return JSONResponse(status_code=503, content=error_body(503, f"unhealthy: {reason}"))
+        return Response(status_code=200)
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        return _models(runtime_of(request))
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        runtime = runtime_of(request)
+        runtime.refresh_load()
+        return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @router.post("/abort_requests")
+    async def abort_requests(request: Request, body: AbortRequests) -> dict[str, list[str]]:
+        runtime = runtime_of(request)
+        aborted = []
+        for external in body.request_ids:
+            for internal in runtime.internal_ids(external):
+                runtime.executor.abort(internal)
+                aborted.append(external)
+            abort_hook = runtime.extras.get("abort_hook")
+            if abort_hook is not None and abort_hook(external):
+                aborted.append(external)
+        return {"aborted": sorted(set(aborted))}
+
+    return router
+
+
+def build_app(title: str, handle: Handler, lifespan: Any) -> FastAPI:
+    from serving.errors import install_error_handlers
+
+    app = FastAPI(title=title, lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(node_router(handle))
+    return app

@@ -1,0 +1,40 @@
+"""Settings fields both node kinds share (each node subclasses with its own env prefix)."""
+
+from __future__ import annotations
+
+import uuid
+
+from pydantic import Field
+from pydantic_settings import BaseSettings
+
+
+class NodeSettings(BaseSettings):
+    """Common node settings; values come from CLI flags or the node's environment prefix."""
+
+    model: str = "kimi-k3.1-mini"
+    """Model preset name (engine.model.config presets); also the served model id."""
+    host: str = "127.0.0.1"
+    port: int = 8100
+    advertise_host: str | None = None
+    """Host the peers should use to reach this node (kv_transfer_params.remote_host); default `host`."""
+    engine_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    """This instance's engine id (vLLM's remote_engine_id)."""
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel ranks."""
+    num_rows: int = Field(default=256, ge=4)
+    """Packed rows in each rank's pool."""
+    block_size: int | None = None
+    """Tokens per attention row; default: the layout planner's smallest legal power of two."""
+    max_context: int | None = None
+    """Longest prompt + output; default: the model's max_context."""
+    default_max_tokens: int = Field(default=256, ge=1)
+    max_num_seqs: int = Field(default=16, ge=1)
+    step_timeout_s: float = Field(default=300.0, gt=0)
+    """A rank that does not answer a step within this long is declared dead."""
+    seed: int = 0
+    """Weights seed of the reference model (every node of a cluster must agree)."""
+    pin_cores: bool = True
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host

@@ -1,0 +1,73 @@
+"""Build OpenAI response bodies and stream chunks from generated pieces (completion and chat alike).
+
+Streams follow vLLM: chat streams open with a `role: assistant` delta; every piece is one chunk with
+`usage: null`; the last content chunk carries `finish_reason`; with `stream_options.include_usage` a final
+chunk with empty `choices` carries the usage. The `[DONE]` terminator is added by serving.sse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel
+
+from serving.protocol import (
+    ChatCompletionChoice, ChatCompletionResponse, ChatCompletionStreamResponse, ChatMessageOut, ChatStreamChoice,
+    CompletionChoice, CompletionResponse, CompletionStreamChoice, CompletionStreamResponse, DeltaMessage, UsageInfo,
+    new_id,
+)
+from serving.textgen import GenerationResult, Piece, PreparedRequest
+
+
+def response_id(prepared: PreparedRequest) -> str:
+    return f"{'chatcmpl' if prepared.kind == 'chat' else 'cmpl'}-{prepared.request_id}"
+
+
+def usage_of(prepared: PreparedRequest, result: GenerationResult) -> UsageInfo:
+    return UsageInfo.of(len(prepared.prompt_token_ids), len(result.token_ids), result.num_cached_tokens)
+
+
+def final_response(prepared: PreparedRequest, result: GenerationResult,
+                   kv_transfer_params: dict[str, Any] | None = None) -> BaseModel:
+    """The non-streaming body."""
+    usage = usage_of(prepared, result)
+    if prepared.kind == "chat":
+        choice = ChatCompletionChoice(message=ChatMessageOut(content=result.text),
+                                      finish_reason=result.finish_reason)
+        return ChatCompletionResponse(id=response_id(prepared), model=prepared.model, choices=[choice],
+                                      usage=usage, kv_transfer_params=kv_transfer_params)
+    choice = CompletionChoice(text=result.text, finish_reason=result.finish_reason,
+                              token_ids=list(result.token_ids))
+    return CompletionResponse(id=response_id(prepared), model=prepared.model, choices=[choice], usage=usage,
+                              kv_transfer_params=kv_transfer_params)
+
+
+def _chunk(prepared: PreparedRequest, rid: str, text: str | None, finish: str | None,
+           role: bool = False) -> BaseModel:
+    if prepared.kind == "chat":
+        delta = DeltaMessage(role="assistant" if role else None, content=text)
+        return ChatCompletionStreamResponse(id=rid, model=prepared.model,
+                                            choices=[ChatStreamChoice(delta=delta, finish_reason=finish)])
+    return CompletionStreamResponse(id=rid, model=prepared.model,
+                                    choices=[CompletionStreamChoice(text=text or "", finish_reason=finish)])
+
+
+async def stream_chunks(prepared: PreparedRequest, pieces: AsyncIterator[Piece],
+                        result: GenerationResult) -> AsyncIterator[BaseModel]:
+    """Chunks for one streamed request (without `[DONE]`)."""
+    rid = response_id(prepared)
+    if prepared.kind == "chat":
+        yield _chunk(prepared, rid, "", None, role=True)
+    async for piece in pieces:
+        if piece.text or piece.finish_reason:
+            yield _chunk(prepared, rid, piece.text, piece.finish_reason)
+    if prepared.include_usage:
+        usage = usage_of(prepared, result)
+        if prepared.kind == "chat":
+            yield ChatCompletionStreamResponse(id=rid, model=prepared.model, choices=[], usage=usage)
+        else:
+            yield CompletionStreamResponse(id=rid, model=prepared.model, choices=[], usage=usage)
+
+
+__all__ = ["final_response", "stream_chunks", "usage_of", "response_id", "new_id"]

@@ -1,0 +1,75 @@
+"""Start a node's engine: the worker config the ranks build from, and the NodeRuntime the app serves with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.executor import Executor, WorkerSpec
+from serving.node_app import NodeRuntime
+from serving.node_metrics import CacheInfo, NodeMetrics
+from serving.node_settings import NodeSettings
+from serving.textgen import Limits
+
+WORKER_FACTORY = "serving.engine_worker:build_worker"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every rank needs to build its engine replica (picklable)."""
+
+    model: str
+    role: str
+    seed: int
+    num_rows: int
+    block_size: int | None
+    tp_size: int
+    dcp_size: int
+    max_num_seqs: int
+    engine_id: str
+    token_shard_min_tokens: int = 1024
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank reports once ready."""
+
+    rank: int
+    num_rows: int
+    block_size: int
+    subblock_tokens: int
+    layout_fingerprint: str
+    cache_dtype: str
+    kda_groups: int
+    endpoint: Any = None
+    """kv_transfer.transport.RankEndpoint of this rank's registered pool (None without a transport)."""
+
+
+def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_shard_min_tokens: int = 1024
+                  ) -> WorkerConfig:
+    return WorkerConfig(model=settings.model, role=role, seed=settings.seed, num_rows=settings.num_rows,
+                        block_size=settings.block_size, tp_size=settings.tp, dcp_size=dcp_size,
+                        max_num_seqs=settings.max_num_seqs, engine_id=settings.engine_id,
+                        token_shard_min_tokens=token_shard_min_tokens)
+
+
+def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int) -> NodeRuntime:
+    """Spawn the ranks (blocking until ready) and assemble the runtime."""
+    from engine.model.config import get_preset
+    from engine.tokenizer import load_tokenizer
+
+    model_cfg = get_preset(settings.model)
+    spec = WorkerSpec(factory=WORKER_FACTORY, config=config, world_size=world_size, pin_cores=settings.pin_cores,
+                      step_timeout_s=settings.step_timeout_s)
+    executor = Executor(spec)
+    executor.start()
+    head: RankInfo = executor.startup_info[0]
+    metrics = NodeMetrics(settings.model, config.role)
+    metrics.set_cache_info(CacheInfo(block_size=head.block_size, cache_dtype=head.cache_dtype,
+                                     num_gpu_blocks=head.num_rows, layout_fingerprint=head.layout_fingerprint,
+                                     tp_size=config.tp_size, dcp_size=config.dcp_size))
+    metrics.set_load(0, 0, 0, head.num_rows)
+    limits = Limits(max_context=settings.max_context or model_cfg.max_context,
+                    default_max_tokens=settings.default_max_tokens)
+    return NodeRuntime(executor=executor, tokenizer=load_tokenizer(model_cfg), limits=limits, metrics=metrics,
+                       model=settings.model, role=config.role)

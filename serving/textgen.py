@@ -1,0 +1,199 @@
+"""From an OpenAI request to engine input, and from engine token events back to text.
+
+- `prepare()`: chat template or prompt -> token ids, limits checked against the context (OpenAI-style 400s
+  naming the bad value), sampling fields -> `SamplingSpec`.
+- `TextAssembler`: incremental detokenisation that never emits half a UTF-8 character, and stop strings
+  (the text up to the stop string is emitted, the stop string is not, as in vLLM).
+- `generate_pieces()`: drives one request's event stream into text pieces with finish reasons and a
+  `RequestTiming` for the metrics. Leaving the iterator early aborts the request on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from engine.executor import EngineFailure, Executor, SamplingSpec, TokenEvent
+from serving.errors import APIError
+from serving.node_metrics import RequestTiming
+from serving.protocol import ChatCompletionRequest, CompletionRequest
+
+Kind = Literal["completion", "chat"]
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request limits of a node."""
+
+    max_context: int
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    kind: Kind
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    stop_strings: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    raw_kv_params: dict[str, Any] | None
+
+
+def render_chat(messages: list[Any]) -> str:
+    """The reference chat template: `<|role|>\\ncontent\\n` per message, then the assistant header."""
+    parts = [f"<|{m.role}|>\n{m.text()}\n" for m in messages]
+    return "".join(parts) + "<|assistant|>\n"
+
+
+def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    if isinstance(req, ChatCompletionRequest):
+        try:
+            return tokenizer.encode(render_chat(req.messages))
+        except ValueError as exc:
+            raise APIError(400, str(exc), "messages") from exc
+    if isinstance(req.prompt, str):
+        return tokenizer.encode(req.prompt) if req.prompt else []
+    bad = [tok for tok in req.prompt if not 0 <= tok < tokenizer.vocab_size]
+    if bad:
+        raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})",
+                       "prompt")
+    return list(req.prompt)
+
+
+def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_id: str, model: str,
+            tokenizer: Tokenizer, limits: Limits) -> PreparedRequest:
+    """Validate and convert one request; raises APIError(400) on bad input."""
+    if req.model is not None and req.model != model:
+        raise APIError(404, f"The model `{req.model}` does not exist; this node serves `{model}`", "model",
+                       "NotFoundError")
+    ids = _prompt_ids(req, tokenizer)
+    param = "messages" if kind == "chat" else "prompt"
+    if not ids:
+        raise APIError(400, "the prompt is empty: send at least one token", param)
+    room = limits.max_context - len(ids)
+    if room < 1:
+        raise APIError(400, f"This model's maximum context length is {limits.max_context} tokens. However, your "
+                            f"prompt has {len(ids)} tokens, leaving no room for output.", param)
+    max_tokens = req.max_tokens if req.max_tokens is not None else min(limits.default_max_tokens, room)
+    if len(ids) + max_tokens > limits.max_context:
+        raise APIError(400, f"This model's maximum context length is {limits.max_context} tokens. However, you "
+                            f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {param}, {max_tokens} "
+                            f"in the completion).", "max_tokens")
+    sampling = SamplingSpec(
+        max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+    )
+    return PreparedRequest(request_id=request_id, kind=kind, model=model, prompt_token_ids=tuple(ids),
+                           sampling=sampling, stop_strings=tuple(req.stop_strings), stream=req.stream,
+                           include_usage=req.include_usage, raw_kv_params=req.kv_transfer_params)
+
+
+class TextAssembler:
+    """Token ids in, text deltas out; holds back incomplete UTF-8 and possible stop-string prefixes."""
+
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = [s for s in stop_strings if s]
+        self.token_ids: list[int] = []
+        self.emitted = 0
+        self.text = ""
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        """The text that became final with this token ('' when held back). Sets `stopped` on a stop string."""
+        self.token_ids.append(token_id)
+        self.text = self.tokenizer.decode(self.token_ids)
+        for stop in self.stop_strings:
+            at = self.text.find(stop, max(0, self.emitted - len(stop)))
+            if at >= 0:
+                self.stopped = True
+                self.text = self.text[:at]
+                return self._take(len(self.text))
+        limit = len(self.text)
+        if self.text.endswith("\ufffd"):
+            limit = len(self.text.rstrip("\ufffd"))
+        hold = max((len(s) - 1 for s in self.stop_strings), default=0)
+        return self._take(max(self.emitted, limit - hold))
+
+    def flush(self) -> str:
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        delta = self.text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
+        return delta
+
+
+@dataclass
+class Piece:
+    """A step of a response: text delta, the token it came from, finish reason on the last one."""
+
+    text: str
+    token_id: int | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    """Filled while `generate_pieces` runs; complete once the iterator ends."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    timing: RequestTiming | None = None
+
+
+async def generate_pieces(events: AsyncIterator[Any], prepared: PreparedRequest, tokenizer: Tokenizer,
+                          result: GenerationResult, started: float | None = None) -> AsyncIterator[Piece]:
+    """Turn a request's token events into text pieces; raises APIError when the engine fails it."""
+    started = time.monotonic() if started is None else started
+    assembler = TextAssembler(tokenizer, prepared.stop_strings)
+    stamps: list[float] = []
+    try:
+        async for event in events:
+            if isinstance(event, EngineFailure):
+                raise APIError(event.status, event.error)
+            if not isinstance(event, TokenEvent):
+                continue
+            result.num_cached_tokens = max(result.num_cached_tokens, event.num_cached_tokens)
+            finish = event.finish_reason
+            delta = ""
+            if event.token_id is not None and finish != "abort":
+                stamps.append(time.monotonic())
+                result.token_ids.append(event.token_id)
+                delta = assembler.add(event.token_id)
+            if assembler.stopped:
+                finish = "stop"
+            if finish is not None:
+                delta += assembler.flush()
+                result.finish_reason = finish
+                result.text = assembler.text
+                yield Piece(delta, event.token_id, finish)
+                return
+            if delta:
+                yield Piece(delta, event.token_id)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]  # stops (aborts) the request if still running
+        end = time.monotonic()
+        gaps = tuple(b - a for a, b in zip(stamps, stamps[1:]))
+        result.timing = RequestTiming(
+            num_prompt_tokens=len(prepared.prompt_token_ids), num_output_tokens=len(result.token_ids),
+            finish_reason=result.finish_reason or "abort", e2e=end - started,
+            ttft=(stamps[0] - started) if stamps else None, gaps=gaps)
+
