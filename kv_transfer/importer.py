@@ -1,0 +1,52 @@
+"""Decode-side import of one request's rows: validate, plan, read, notify - in that order.
+
+`import_request(transport, cfg, d_layout, d_rank, params, meta, d_attn_rows, d_kda_rows)` is what a decode
+rank runs once the router handed it P's kv_transfer_params and the node fetched P's side-channel metadata:
+1. `check_readable` (engine id, fingerprint, block size, row ids, lease expiry) -> KVParamsError;
+2. P's layout is rebuilt from the metadata and must carry the same fingerprint as D's;
+3. `remap.plan_reads` (IncompatiblePair if the pair cannot be remapped);
+4. `nixl_transport.read_request`: one READ per source P rank, polled to completion, DONE notification.
+Steps 1-3 touch no memory; a failure there leaves both pools and P's lease untouched.
+"""
+
+from __future__ import annotations
+
+from engine.model.config import ModelConfig
+from kv_transfer.layout import RowLayout, plan_layout
+from kv_transfer.params import KVParamsError, KVTransferParams, check_readable
+from kv_transfer.remap import ReadPlan, plan_reads
+from kv_transfer.side_channel import InstanceMetadata
+from kv_transfer.transport import ReadResult
+
+
+def prefill_layout(cfg: ModelConfig, meta: InstanceMetadata, d_layout: RowLayout) -> RowLayout:
+    """P's layout as the metadata describes it (formats as D's; the fingerprint proves they agree)."""
+    p = plan_layout(cfg, tp_size=meta.tp_size, dcp_size=meta.dcp_size, latent_format=d_layout.latent_format,
+                    index_key_format=d_layout.index_key_format, subblock_tokens=meta.subblock_tokens,
+                    block_size=meta.block_size)
+    if p.fingerprint != meta.layout_fingerprint or p.row_bytes != meta.row_bytes:
+        raise KVParamsError(f"prefill layout {meta.layout_fingerprint} ({meta.row_bytes} B rows) is not this "
+                            f"model's {p.fingerprint} ({p.row_bytes} B rows) in D's formats")
+    return p
+
+
+def plan_import(cfg: ModelConfig, d_layout: RowLayout, params: KVTransferParams, meta: InstanceMetadata,
+                d_attn_rows: list[int], d_kda_rows: list[int], now: float | None = None) -> ReadPlan:
+    """Steps 1-3 of the module docstring: the read plan, or an error before any memory is touched."""
+    check_readable(params, engine_id=meta.engine_id, fingerprint=meta.layout_fingerprint, num_rows=meta.num_rows,
+                   kda_groups=meta.kda_groups, block_size=meta.block_size, now=now)
+    if params.layout_fingerprint != d_layout.fingerprint:
+        raise KVParamsError(f"layout_fingerprint {params.layout_fingerprint} does not match D's {d_layout.fingerprint}")
+    p_layout = prefill_layout(cfg, meta, d_layout)
+    return plan_reads(p_layout, d_layout, int(params.remote_num_tokens or 0), params.attention_rows,
+                      params.kda_rows, d_attn_rows, d_kda_rows)
+
+
+def import_request(transport, cfg: ModelConfig, d_layout: RowLayout, d_rank: int, params: KVTransferParams,
+                   meta: InstanceMetadata, d_attn_rows: list[int], d_kda_rows: list[int],
+                   timeout_s: float | None = None) -> list[ReadResult]:
+    """All four steps for one D rank; the read results (one per source P rank)."""
+    from kv_transfer.nixl_transport import read_request  # noqa: PLC0415 - keeps NIXL out of planning imports
+
+    plan = plan_import(cfg, d_layout, params, meta, d_attn_rows, d_kda_rows)
+    return read_request(transport, d_rank, plan, meta.endpoints(), str(params.lease_id), timeout_s)
