@@ -147,8 +147,9 @@ def served_model_name(config: ClusterConfig, pool: PoolSpec | None = None) -> st
 
 
 def _vllm_argv(config: ClusterConfig, pool: PoolSpec, port: int, python: str) -> tuple[str, ...]:
-    role = "kv_producer" if pool.role == "prefill" else "kv_consumer"
-    kv_config = json.dumps({"kv_connector": "NixlConnector", "kv_role": role}, separators=(",", ":"))
+    kv_config = {"kv_connector": "NixlConnector", "kv_role": "kv_producer" if pool.role == "prefill" else "kv_consumer"}
+    if vllm_on_cpu(config):
+        kv_config["kv_buffer_device"] = "cpu"
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", config.model_of(pool),
@@ -156,7 +157,7 @@ def _vllm_argv(config: ClusterConfig, pool: PoolSpec, port: int, python: str) ->
         "--host", config.host, "--port", str(port),
         "--tensor-parallel-size", str(pool.tp),
         "--max-model-len", str(config.vllm.max_model_len),
-        "--kv-transfer-config", kv_config,
+        "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
     ]
     if pool.dcp > 1:
         argv += ["--decode-context-parallel-size", str(pool.dcp)]
@@ -168,12 +169,14 @@ def _vllm_env(config: ClusterConfig, side_channel_port: int, core: int) -> dict[
         "VLLM_NIXL_SIDE_CHANNEL_HOST": config.host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
         "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
     }
     if vllm_on_cpu(config):
         env |= {
             "VLLM_CPU_OMP_THREADS_BIND": str(core),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "VLLM_CPU_KVCACHE_SPACE": str(config.vllm.kvcache_space_gib),
+            "OMP_NUM_THREADS": "1",
         }
     return env
 

@@ -52,8 +52,8 @@ def test_vllm_producer_consumer_on_cpu(tmp_path):
         assert _flag(plan.argv, "--model") == str(tmp_path / "tiny-llama")
         assert _flag(plan.argv, "--served-model-name") == "tiny-llama"
         assert _flag(plan.argv, "--port") == str(plan.port)
-        assert json.loads(_flag(plan.argv, "--kv-transfer-config")) == {"kv_connector": "NixlConnector",
-                                                                         "kv_role": role}
+        assert json.loads(_flag(plan.argv, "--kv-transfer-config")) == {
+            "kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
         assert plan.env["VLLM_CPU_OMP_THREADS_BIND"] == core
         assert plan.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
         assert plan.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and plan.env["HF_HUB_OFFLINE"] == "1"
@@ -73,6 +73,7 @@ def test_vllm_dcp_and_gpu_settings():
     assert _flag(dcp.argv, "--tensor-parallel-size") == "8"
     assert _flag(dcp.argv, "--decode-context-parallel-size") == "8"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in dcp.env and "VLLM_NIXL_SIDE_CHANNEL_PORT" in dcp.env
+    assert "kv_buffer_device" not in json.loads(_flag(dcp.argv, "--kv-transfer-config"))
 
 
 def test_router_plan_and_registry_match_the_router_schema(tmp_path):
