@@ -1,0 +1,128 @@
+{{/* Names, labels and the resolved view of one pool. */}}
+
+{{- define "pdcluster.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pdcluster.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains (include "pdcluster.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "pdcluster.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdcluster.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdcluster.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pdcluster.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "pdcluster.selectorLabels" . }}
+app.kubernetes.io/part-of: pdcluster
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "pdcluster.routerName" -}}
+{{- printf "%s-router" (include "pdcluster.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pdcluster.nodeServiceAccount" -}}
+{{- printf "%s-node" (include "pdcluster.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pdcluster.computeDomainName" -}}
+{{- printf "%s-nvlink" (include "pdcluster.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pdcluster.computeDomainClaim" -}}
+{{- printf "%s-nvlink-channel" (include "pdcluster.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+pdcluster.pool: one pool with defaults applied and checked, as YAML (use with fromYaml).
+Input: dict "root" $ "pool" <pool values>.
+*/}}
+{{- define "pdcluster.pool" -}}
+{{- $root := .root -}}
+{{- $p := .pool -}}
+{{- $d := $root.Values.poolDefaults -}}
+{{- $engine := $p.engine | default "reference" -}}
+{{- $tp := int ($p.tp | default 1) -}}
+{{- $dcp := int ($p.dcp | default 1) -}}
+{{- $world := max $tp $dcp | int -}}
+{{- $nodes := int ($p.nodesPerInstance | default 1) -}}
+{{- if ne (mod $world $nodes) 0 -}}
+{{- fail (printf "pool %s: max(tp, dcp) = %d is not divisible by nodesPerInstance = %d" $p.name $world $nodes) -}}
+{{- end -}}
+{{- $gpusPerPod := div $world $nodes | int -}}
+{{- if and $root.Values.gpu.enabled (gt $gpusPerPod (int $root.Values.gpu.perNode)) -}}
+{{- fail (printf "pool %s: %d GPUs per pod exceed gpu.perNode = %d; raise nodesPerInstance" $p.name $gpusPerPod (int $root.Values.gpu.perNode)) -}}
+{{- end -}}
+{{- if and (eq $p.role "prefill") (gt $dcp 1) -}}
+{{- fail (printf "prefill pool %s: dcp must be 1 (prefill is token-sharded over its TP group), got %d" $p.name $dcp) -}}
+{{- end -}}
+{{- if eq $engine "vllm" -}}
+{{- if ne (mod $tp $dcp) 0 -}}
+{{- fail (printf "pool %s: vLLM needs tp divisible by dcp, got tp=%d dcp=%d" $p.name $tp $dcp) -}}
+{{- end -}}
+{{- else -}}
+{{- if and (gt $tp 1) (gt $dcp 1) -}}
+{{- fail (printf "pool %s: the reference engine runs TP or DCP, not both (tp=%d, dcp=%d)" $p.name $tp $dcp) -}}
+{{- end -}}
+{{- if gt $nodes 1 -}}
+{{- fail (printf "pool %s: the reference engine runs one instance on one node (nodesPerInstance=%d)" $p.name $nodes) -}}
+{{- end -}}
+{{- end -}}
+{{- $img := $root.Values.images.pdcluster -}}
+{{- if eq $engine "vllm" -}}{{- $img = $root.Values.images.vllm -}}{{- end -}}
+{{- $img = merge (deepCopy ($p.image | default dict)) $img -}}
+name: {{ $p.name }}
+fullName: {{ printf "%s-%s" (include "pdcluster.fullname" $root) $p.name | trunc 63 | trimSuffix "-" }}
+role: {{ $p.role }}
+replicas: {{ $p.replicas | default 1 | int }}
+tp: {{ $tp }}
+dcp: {{ $dcp }}
+worldSize: {{ $world }}
+engine: {{ $engine }}
+model: {{ $p.model | default $root.Values.servedModelName | quote }}
+nodesPerInstance: {{ $nodes }}
+gpusPerPod: {{ $gpusPerPod }}
+multiNode: {{ gt $nodes 1 }}
+port: {{ $p.port | default $d.port | int }}
+image: {{- toYaml $img | nindent 2 }}
+resources: {{- toYaml ($p.resources | default $d.resources) | nindent 2 }}
+nodeSelector: {{- toYaml ($p.nodeSelector | default $d.nodeSelector) | nindent 2 }}
+tolerations: {{- toYaml ($p.tolerations | default $d.tolerations) | nindent 2 }}
+env: {{- toYaml (concat ($d.env | default list) ($p.env | default list)) | nindent 2 }}
+extraArgs: {{- toYaml ($p.extraArgs | default list) | nindent 2 }}
+{{- with $p.maxContextTokens }}
+maxContextTokens: {{ int . }}
+{{- end }}
+{{- end -}}
+
+{{/* Labels of a pool's pods (and its objects). Input: dict "root" $ "p" <resolved pool>. */}}
+{{- define "pdcluster.poolLabels" -}}
+{{ include "pdcluster.selectorLabels" .root }}
+app.kubernetes.io/component: node
+pdcluster.io/pool: {{ .p.name }}
+{{- end -}}
+
+{{/* Discovery labels: only on pods that serve HTTP (Deployment pods, LWS leaders). */}}
+{{- define "pdcluster.discoveryLabels" -}}
+app.kubernetes.io/part-of: pdcluster
+pdcluster.io/serving: "true"
+pdcluster.io/role: {{ .p.role }}
+pdcluster.io/tp: {{ .p.tp | quote }}
+pdcluster.io/dcp: {{ .p.dcp | quote }}
+pdcluster.io/engine: {{ .p.engine }}
+{{- end -}}
+
+{{/* The router's discovery selector: serving node pods of this release. */}}
+{{- define "pdcluster.discoverySelector" -}}
+app.kubernetes.io/instance={{ .Release.Name }},app.kubernetes.io/component=node,pdcluster.io/serving=true
+{{- end -}}
