@@ -101,6 +101,10 @@ class ModelConfig:
     """Bytes per KDA recurrent-state value (fp32)."""
     conv_state_bytes: int = 4
     """Bytes per KDA conv-state value (model dtype; fp32 in the reference, bf16 in K3)."""
+    latent_fp8_scale: float = 0.03125
+    """Static per-tensor FP8 scale of the cached latent (a power of two, so scaling is exact)."""
+    init_std_scale: float = 1.0
+    """Random init: weights ~ N(0, (init_std_scale / sqrt(fan_in))^2)."""
 
     eos_token_id: int = 257
     """End-of-sequence token."""

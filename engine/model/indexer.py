@@ -1,0 +1,120 @@
+"""DSA lightning indexer: FP8 index keys, exact index scores, stable causal top-k.
+
+Math (research/model.md section 2; NoPE: no RoPE on the indexer, as K3.1's attention):
+    q^I_{t,h} = Hadamard(W_q qr_t)_h            k^I_s = Hadamard(LayerNorm(W_k x_s))
+    (q^, s^q) = fp8 per head vector             (k^, s^k) = fp8 per token (one fp32 scale per token)
+    w_{t,h}   = (W_w x_t)_h * H_I^-1/2 * d_I^-1/2 * s^q_{t,h}
+    I_{t,s}   = s^k_s * sum_h w_{t,h} * ReLU(q^_{t,h} . k^_s)      for s <= t
+    Sel_t     = the index_topk best s (ties to the lower position); every s <= t when t + 1 <= index_topk
+
+Exactness: e4m3 x e4m3 products are multiples of 2^-18 below 2^18, so a d_I-term dot product in float64 is exact
+and independent of summation order (R7). The rest is element-wise fp32 with the head sum in fixed order, so a
+score does not depend on the query block, the batch, or how many keys are scored alongside it.
+Selections come back as [T, k] int64 ascending positions, padded with -1 at the end (R4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.model.config import ModelConfig
+from engine.model.numerics import RowLinear, fp8_quantize_rowwise, fp8_to_float, hadamard_matrix
+
+
+@dataclass
+class IndexQueries:
+    """Per query token: FP8 query values (as exact fp32) and the per-head weights that fold in s^q."""
+
+    q: torch.Tensor  # [T, H_I, d_I] float32 holding e4m3 values
+    weights: torch.Tensor  # [T, H_I] float32
+
+
+class Indexer(nn.Module):
+    """Projections of the indexer; scoring and selection are the free functions below."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.index_num_heads
+        self.head_dim = cfg.index_head_dim
+        self.wq = RowLinear(cfg.q_lora_rank, cfg.index_num_heads * cfg.index_head_dim)
+        self.wk = RowLinear(cfg.d_model, cfg.index_head_dim)
+        self.k_norm = nn.LayerNorm(cfg.index_head_dim)
+        self.k_norm.requires_grad_(False)
+        self.w_proj = RowLinear(cfg.d_model, cfg.index_num_heads)
+        self.register_buffer("hadamard", hadamard_matrix(cfg.index_head_dim), persistent=False)
+
+    def keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [R, d] (rows padded) -> (key bytes [R, d_I] uint8, key scale [R] float32)."""
+        k = self.k_norm(self.wk(x)) @ self.hadamard
+        return fp8_quantize_rowwise(k)
+
+    def queries(self, qr: torch.Tensor, x: torch.Tensor) -> IndexQueries:
+        """qr [R, q_lora] (the MLA query latent), x [R, d] -> IndexQueries for R rows."""
+        num_rows = x.shape[0]
+        q = self.wq(qr).view(num_rows, self.num_heads, self.head_dim) @ self.hadamard
+        q_bytes, q_scale = fp8_quantize_rowwise(q)
+        const = (self.num_heads * self.head_dim) ** -0.5
+        weights = self.w_proj(x) * const * q_scale
+        return IndexQueries(q=fp8_to_float(q_bytes), weights=weights)
+
+
+def index_scores(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scale: torch.Tensor
+) -> torch.Tensor:
+    """Scores [T, L] of T queries against L keys. q [T,H,D] fp8-valued, weights [T,H], keys [L,D] fp8-valued."""
+    dots = torch.matmul(q.double(), keys.double().t()).to(torch.float32)  # [T, H, L], exact before rounding
+    dots = F.relu(dots)
+    total = dots[:, 0] * weights[:, 0:1]
+    for h in range(1, q.shape[1]):
+        total = total + dots[:, h] * weights[:, h : h + 1]
+    return total * key_scale
+
+
+def select_topk(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
+    """Stable causal top-k. scores [T, L] over keys 0..L-1, positions [T] -> [T, topk] ascending ids, -1 padded.
+
+    Keeps the topk highest scores among keys s <= position; equal scores go to the lower position.
+    """
+    num_q, num_keys = scores.shape
+    key_ids = torch.arange(num_keys)
+    valid = key_ids.unsqueeze(0) <= positions.unsqueeze(1)  # [T, L]
+    take = valid.clone()
+    full = (positions + 1) > topk
+    if bool(full.any()) and num_keys > topk:
+        rows = full.nonzero().squeeze(1)
+        masked = scores[rows].masked_fill(~valid[rows], float("-inf"))
+        thresh = torch.topk(masked, topk, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+        above = masked > thresh
+        equal = masked == thresh
+        need = topk - above.sum(-1, keepdim=True)
+        take[rows] = above | (equal & (torch.cumsum(equal, -1) <= need))
+    slot = torch.cumsum(take, -1) - 1
+    slot = torch.where(take, slot, torch.full_like(slot, topk))
+    out = torch.full((num_q, topk + 1), -1, dtype=torch.int64)
+    out.scatter_(1, slot, key_ids.expand(num_q, -1).contiguous())
+    out = out[:, :topk].contiguous()
+    return out
+
+
+def naive_index_scores(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scale: torch.Tensor
+) -> torch.Tensor:
+    """Reference: the whole formula in float64 with einsum, rounded to fp32 once at the end."""
+    dots = torch.einsum("thd,ld->thl", q.double(), keys.double()).clamp_min(0)
+    total = torch.einsum("thl,th->tl", dots, weights.double()) * key_scale.double()
+    return total.to(torch.float32)
+
+
+def naive_select_topk(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
+    """Reference: per query, a stable descending sort over keys 0..pos, first topk, re-sorted ascending."""
+    out = torch.full((scores.shape[0], topk), -1, dtype=torch.int64)
+    for i, pos in enumerate(positions.tolist()):
+        row = scores[i, : pos + 1]
+        order = torch.sort(row, descending=True, stable=True).indices[:topk]
+        chosen = torch.sort(order).values
+        out[i, : chosen.numel()] = chosen
+    return out

@@ -1,0 +1,220 @@
+"""Kimi Delta Attention (KDA): projections, short conv, and the chunked (prefill) / recurrent (decode) cores.
+
+Per layer, H heads of d = d_k = d_v, gates per channel (research/model.md section 3):
+    q, k, v  = SiLU(causal depthwise conv over time (width W) of W_qkv x)     conv state: last W-1 inputs
+    q, k     = l2-normalised per head; q *= d^-1/2
+    g_t      = lb * sigmoid(exp(A_log_h) * (W_fb W_fa x + dt_bias))   (log decay, in (lb, 0));  beta = sigmoid(W_b x)
+    S_t      = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T ;   o_t = S_t^T q_t
+    out      = W_O( RMSNorm_d(o) * sigmoid(W_g x) )
+State per request and layer: S [H, d_k, d_v] fp32 and conv [W-1, 3*H*d] (channels ordered q | k | v, head-major
+inside each). The core functions work on any subset of heads (they never mix heads), so TP can shard heads.
+
+Chunked form (chunk C=64 anchored at the first prefill token; zero padding at the end is exact because beta=0 and
+g=0 leave the state untouched). Pairwise decays exp(G_i - G_j) are never formed from exp(G) * exp(-G) over a whole
+chunk (G reaches -320 there): they are factored through the start r of the query's 8-token sub-chunk,
+exp(G_i - G_r) * exp(G_r - G_j), whose exponents stay within +-40 for gates >= MIN_GATE (K3's lb = -5 qualifies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.model.config import ModelConfig
+from engine.model.numerics import RowLinear, rms_norm
+
+SUB_CHUNK = 8
+CHUNK_GROUP = 16
+LOG_DECAY_CLAMP = 40.0
+MIN_GATE = -LOG_DECAY_CLAMP / (SUB_CHUNK - 1)
+
+
+@dataclass
+class KDAProjection:
+    """Token-wise outputs of the KDA input projections for R (padded) rows."""
+
+    qkv: torch.Tensor  # [R, 3*H*d] before the conv
+    gate_out: torch.Tensor  # [R, H*d]
+    g: torch.Tensor  # [R, H, d] log decay
+    beta: torch.Tensor  # [R, H]
+
+
+class KDA(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.kda_num_heads, cfg.kda_head_dim
+        self.num_heads, self.head_dim = h, d
+        self.w_qkv = RowLinear(cfg.d_model, 3 * h * d)
+        self.w_g = RowLinear(cfg.d_model, h * d)
+        self.w_fa = RowLinear(cfg.d_model, d)
+        self.w_fb = RowLinear(d, h * d)
+        self.w_b = RowLinear(cfg.d_model, h)
+        self.conv_weight = nn.Parameter(torch.empty(3 * h * d, cfg.kda_conv_size), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(h), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.zeros(h * d), requires_grad=False)
+        self.o_norm = nn.Parameter(torch.ones(d), requires_grad=False)
+        self.wo = RowLinear(h * d, cfg.d_model)
+
+    def project(self, x: torch.Tensor) -> KDAProjection:
+        num_rows = x.shape[0]
+        h, d = self.num_heads, self.head_dim
+        raw = self.w_fb(self.w_fa(x))
+        rate = torch.exp(self.A_log).repeat_interleave(d)
+        g = self.cfg.kda_gate_lower_bound * torch.sigmoid(rate * (raw + self.dt_bias))
+        return KDAProjection(
+            qkv=self.w_qkv(x),
+            gate_out=self.w_g(x),
+            g=g.view(num_rows, h, d),
+            beta=torch.sigmoid(self.w_b(x)),
+        )
+
+    def split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, 3*H*d] after the conv -> normalised q (scaled), k and v, each [T, H, d]."""
+        h, d = self.num_heads, self.head_dim
+        q, k, v = conv_out.view(-1, 3, h, d).unbind(1)
+        q = l2_normalize(q) * d**-0.5
+        return q, l2_normalize(k), v
+
+    def output(self, o: torch.Tensor, gate_out: torch.Tensor) -> torch.Tensor:
+        """o [R, H, d] -> [R, d_model]."""
+        normed = rms_norm(o, self.o_norm, self.cfg.rms_eps).reshape(o.shape[0], -1)
+        return self.wo(normed * torch.sigmoid(gate_out))
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU. x [T, C], state [W-1, C] (previous inputs), weight [C, W] -> (y [T,C], state).
+
+    Terms are added in a fixed order (oldest first), so the decode step computes exactly what prefill computes.
+    """
+    width = weight.shape[1]
+    padded = torch.cat([state, x], dim=0)  # [T + W - 1, C]
+    num_tokens = x.shape[0]
+    acc = padded[0:num_tokens] * weight[:, 0]
+    for w in range(1, width):
+        acc = acc + padded[w : w + num_tokens] * weight[:, w]
+    return F.silu(acc), padded[num_tokens:].clone()
+
+
+def causal_conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched one-token conv. x [B, C], state [B, W-1, C] -> (y [B, C], new state [B, W-1, C])."""
+    window = torch.cat([state, x.unsqueeze(1)], dim=1)  # [B, W, C]
+    acc = window[:, 0] * weight[:, 0]
+    for w in range(1, weight.shape[1]):
+        acc = acc + window[:, w] * weight[:, w]
+    return F.silu(acc), window[:, 1:].clone()
+
+
+def kda_recurrent_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step for B requests. q,k,v,g [B,H,d], beta [B,H], state [B,H,d_k,d_v] -> (o [B,H,d], state)."""
+    s = state * torch.exp(g).unsqueeze(-1)
+    ks = (k.unsqueeze(-1) * s).sum(-2)  # S^T k  [B, H, d_v]
+    u = beta.unsqueeze(-1) * (v - ks)
+    s = s + k.unsqueeze(-1) * u.unsqueeze(-2)
+    return (q.unsqueeze(-1) * s).sum(-2), s
+
+
+def _exp_decay(x: torch.Tensor) -> torch.Tensor:
+    """exp of a log decay clamped to [-LOG_DECAY_CLAMP, LOG_DECAY_CLAMP]. Keeps every factor and every product of
+    two factors a normal fp32 number (denormals are ~100x slower on x86); it changes a decay only where the true
+    value is below e^-40 (4e-18)."""
+    return torch.exp(x.clamp(-LOG_DECAY_CLAMP, LOG_DECAY_CLAMP))
+
+
+def _pairwise(q: torch.Tensor, k: torch.Tensor, cum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Within each chunk: A_ij = sum_c k_ic k_jc e^(G_ic - G_jc) for j < i and P_ij (q_i instead of k_i), j <= i.
+
+    q, k, cum [N, H, C, d] -> (A, P) each [N, H, C, C]. For a row i in sub-chunk s with start r, the decay is
+    factored through r: e^(G_i - G_r) <= 1 times e^(G_r - G_j), which is <= 1 for j < r and at most
+    e^(|g_min| * (SUB_CHUNK - 1)) < e^40 for j inside the sub-chunk, so each row block is one matmul.
+    """
+    n, h, c, d = k.shape
+    ns = c // SUB_CHUNK
+    ref = cum[:, :, ::SUB_CHUNK]  # [N, H, ns, d]: G at each sub-chunk start r
+    to_ref = _exp_decay(cum - ref.repeat_interleave(SUB_CHUNK, dim=2))  # e^(G_i - G_r)
+    reach = torch.arange(c).view(1, c) < (torch.arange(1, ns + 1) * SUB_CHUNK).view(ns, 1)  # [ns, C]: j < r + S
+    k_ref = k.unsqueeze(2) * _exp_decay(ref.unsqueeze(3) - cum.unsqueeze(2))  # [N, H, ns, C, d]
+    k_ref_t = k_ref.masked_fill(~reach.view(1, 1, ns, c, 1), 0.0).transpose(-1, -2)
+    i_c = torch.arange(c)
+    lower = i_c.view(-1, 1) > i_c.view(1, -1)
+    a_kk = torch.matmul((k * to_ref).view(n, h, ns, SUB_CHUNK, d), k_ref_t).reshape(n, h, c, c) * lower
+    p_qk = torch.matmul((q * to_ref).view(n, h, ns, SUB_CHUNK, d), k_ref_t).reshape(n, h, c, c)
+    return a_kk, p_qk * (lower | torch.eye(c, dtype=torch.bool))
+
+
+def kda_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked KDA over one request's T tokens. q,k,v,g [T,H,d], beta [T,H], state [H,d_k,d_v] -> (o [T,H,d], state)."""
+    num_tokens, h, d = q.shape
+    assert float(g.min()) >= MIN_GATE if g.numel() else True, f"chunked KDA needs log decays >= {MIN_GATE}"
+    pad = (-num_tokens) % chunk_size
+    if pad:
+        q, k, v, g = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    n = q.shape[0] // chunk_size
+    # [N, H, C, d] / [N, H, C]
+    q, k, v, g = (t.view(n, chunk_size, h, d).transpose(1, 2).contiguous() for t in (q, k, v, g))
+    beta = beta.view(n, chunk_size, h).transpose(1, 2).contiguous()
+    outputs = []
+    s = state
+    for lo in range(0, n, CHUNK_GROUP):
+        hi = min(lo + CHUNK_GROUP, n)
+        o, s = _chunk_group(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], s)
+        outputs.append(o)
+    o = torch.cat(outputs, 0).transpose(1, 2).reshape(n * chunk_size, h, d)
+    return o[:num_tokens], s
+
+
+def _chunk_group(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
+    """Intra-chunk work for a group of chunks at once, then the sequential state pass over them."""
+    n, h, c, d = q.shape
+    cum = torch.cumsum(g, dim=2)
+    a, p = _pairwise(q, k, cum)
+    a = a * beta.unsqueeze(-1)
+    eye = torch.eye(c).expand(n, h, c, c)
+    t_mat = torch.linalg.solve_triangular(eye + a, torch.diag_embed(beta), upper=False, unitriangular=True)
+    w = torch.matmul(t_mat, k * _exp_decay(cum))
+    u = torch.matmul(t_mat, v)
+    last = cum[:, :, -1:]  # [N, H, 1, d]
+    q_dec = q * _exp_decay(cum)
+    k_dec = k * _exp_decay(last - cum)
+    last_dec = _exp_decay(last).transpose(-1, -2)  # [N, H, d, 1]
+    outs = []
+    s = state
+    for i in range(n):
+        v_new = u[i] - torch.matmul(w[i], s)
+        outs.append(torch.matmul(q_dec[i], s) + torch.matmul(p[i], v_new))
+        s = last_dec[i] * s + torch.matmul(k_dec[i].transpose(-1, -2), v_new)
+    return torch.stack(outs, 0), s
+
+
+def naive_recurrent_kda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: token-by-token delta rule in float64. Shapes as kda_chunked."""
+    s = state.double().clone()
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        for hh in range(q.shape[1]):
+            kt, vt, qt = k[t, hh].double(), v[t, hh].double(), q[t, hh].double()
+            sh = torch.diag(torch.exp(g[t, hh].double())) @ s[hh]
+            sh = sh + beta[t, hh].double() * torch.outer(kt, vt - sh.t() @ kt)
+            s[hh] = sh
+            out[t, hh] = sh.t() @ qt
+    return out.to(torch.float32), s.to(torch.float32)

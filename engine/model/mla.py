@@ -1,0 +1,203 @@
+"""Multi-head latent attention (MLA) with the DSA indexer, split into projections and an attention core.
+
+Projections (token-wise, `MLA.project` / `MLA.output`):
+    qr = RMSNorm(W_DQ x)   q = W_UQ qr -> per head [q^C (qk_nope) | q^R (qk_rope)]
+    c  = RMSNorm(W_DKV x)  k^R = W_KR x       cached latent row [c | k^R] (kv_lora + rope values, FP8)
+    absorbed query q~_h = [W_UK_h^T q^C_h | q^R_h]   (kv_lora + rope dims, one MQA "KV head")
+    out = W_O( (W_UV_h o^lat_h) * sigmoid(W_g x) )
+NoPE: k^R and q^R stay unrotated (K3.1). Softmax scale tau = (qk_nope + qk_rope)^-1/2.
+
+Attention core (`sparse_attention`): for any subset of query tokens of one request, score the request's cached
+index keys, select the top-k positions per query, and attend in the absorbed form over exactly those cached,
+dequantized latents. Queries run in blocks; each query's keys are gathered into a fixed [k] buffer in ascending
+position order, padded with -inf (R4), so a query's output does not depend on its block or batch.
+The latent cache is FP8 with a per-tensor static scale (`latent_scale`); prefill and decode both attend over the
+quantised values, so prefill -> transfer -> decode agrees with a teacher-forced forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.model.config import ModelConfig
+from engine.model.indexer import IndexQueries, Indexer, index_scores, select_topk
+from engine.model.numerics import RMSNorm, RowLinear, fp8_quantize_static
+
+QUERY_BLOCK = 256
+
+
+@dataclass
+class AttentionContext:
+    """One request's cached attention state for one layer, dequantized: positions 0..L-1."""
+
+    latent: torch.Tensor  # [L, kv_lora + rope] float32
+    index_keys: torch.Tensor  # [L, d_I] float32 holding e4m3 values
+    index_scale: torch.Tensor  # [L] float32
+
+
+@dataclass
+class MLAProjection:
+    """Everything the projections produce for R (padded) rows of tokens."""
+
+    q_absorbed: torch.Tensor  # [R, H, kv_lora + rope]
+    latent_bytes: torch.Tensor  # [R, kv_lora + rope] uint8 (FP8)
+    index_queries: IndexQueries
+    index_key_bytes: torch.Tensor  # [R, d_I] uint8 (FP8)
+    index_key_scale: torch.Tensor  # [R] float32
+    gate: torch.Tensor | None  # [R, H * v_head_dim]
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, nope, rope, v = cfg.num_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim
+        self.wq_a = RowLinear(cfg.d_model, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_eps)
+        self.wq_b = RowLinear(cfg.q_lora_rank, h * (nope + rope))
+        self.wkv_a = RowLinear(cfg.d_model, cfg.kv_lora_rank + rope)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.rms_eps)
+        self.wkv_b = nn.Parameter(torch.empty(h * (nope + v), cfg.kv_lora_rank), requires_grad=False)
+        self.wg = RowLinear(cfg.d_model, h * v) if cfg.mla_output_gate else None
+        self.wo = RowLinear(h * v, cfg.d_model)
+        self.indexer = Indexer(cfg)
+        self.softmax_scale = (nope + rope) ** -0.5
+        self.latent_scale = cfg.latent_fp8_scale
+
+    def w_uk(self) -> torch.Tensor:
+        """[H, qk_nope, kv_lora]"""
+        cfg = self.cfg
+        return self.wkv_b.view(cfg.num_heads, cfg.qk_nope_dim + cfg.v_head_dim, -1)[:, : cfg.qk_nope_dim]
+
+    def w_uv(self) -> torch.Tensor:
+        """[H, v_head_dim, kv_lora]"""
+        cfg = self.cfg
+        return self.wkv_b.view(cfg.num_heads, cfg.qk_nope_dim + cfg.v_head_dim, -1)[:, cfg.qk_nope_dim :]
+
+    def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [R, d] -> (qr [R, q_lora], q_nope [R, H, nope], q_rope [R, H, rope])."""
+        cfg = self.cfg
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(x.shape[0], cfg.num_heads, cfg.qk_nope_dim + cfg.qk_rope_dim)
+        return qr, q[..., : cfg.qk_nope_dim], q[..., cfg.qk_nope_dim :]
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, d] -> unquantised latent rows [R, kv_lora + rope] = [RMSNorm(c) | k^R]."""
+        kv = self.wkv_a(x)
+        c = self.kv_norm(kv[:, : self.cfg.kv_lora_rank])
+        return torch.cat([c, kv[:, self.cfg.kv_lora_rank :]], dim=-1)
+
+    def project(self, x: torch.Tensor) -> MLAProjection:
+        qr, q_nope, q_rope = self.queries(x)
+        q_lat = torch.matmul(q_nope.transpose(0, 1), self.w_uk()).transpose(0, 1)  # [R, H, kv_lora]
+        key_bytes, key_scale = self.indexer.keys(x)
+        return MLAProjection(
+            q_absorbed=torch.cat([q_lat, q_rope], dim=-1).contiguous(),
+            latent_bytes=fp8_quantize_static(self.latent(x), self.latent_scale),
+            index_queries=self.indexer.queries(qr, x),
+            index_key_bytes=key_bytes,
+            index_key_scale=key_scale,
+            gate=self.wg(x) if self.wg is not None else None,
+        )
+
+    def output(self, o_latent: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o_latent [R, H, kv_lora] -> [R, d]: W_UV per head, sigmoid gate, W_O."""
+        o = torch.matmul(o_latent.transpose(0, 1), self.w_uv().transpose(1, 2)).transpose(0, 1)
+        o = o.reshape(o.shape[0], -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.wo(o)
+
+
+def sparse_mla(
+    q_absorbed: torch.Tensor, latent: torch.Tensor, selected: torch.Tensor, scale: float, kv_lora_rank: int
+) -> torch.Tensor:
+    """Absorbed MLA over selected keys. q [T,H,C], latent [L,C], selected [T,k] (-1 pads) -> o^lat [T,H,kv_lora]."""
+    gathered = latent[selected.clamp_min(0)]  # [T, k, C]
+    scores = torch.matmul(q_absorbed, gathered.transpose(1, 2)) * scale  # [T, H, k]
+    scores = scores.masked_fill((selected < 0).unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, gathered[..., :kv_lora_rank])
+
+
+def sparse_attention(
+    q_absorbed: torch.Tensor,
+    index_queries: IndexQueries,
+    positions: torch.Tensor,
+    ctx: AttentionContext,
+    topk: int,
+    softmax_scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Indexer scoring + top-k + sparse MLA for T query tokens of one request -> o^lat [T, H, kv_lora].
+
+    positions [T] are absolute positions; ctx must hold every position up to max(positions).
+    """
+    outputs = []
+    for start in range(0, positions.shape[0], QUERY_BLOCK):
+        end = min(start + QUERY_BLOCK, positions.shape[0])
+        pos = positions[start:end]
+        num_keys = int(pos.max()) + 1
+        scores = index_scores(
+            index_queries.q[start:end],
+            index_queries.weights[start:end],
+            ctx.index_keys[:num_keys],
+            ctx.index_scale[:num_keys],
+        )
+        selected = select_topk(scores, pos, topk)
+        outputs.append(sparse_mla(q_absorbed[start:end], ctx.latent, selected, softmax_scale, kv_lora_rank))
+    return torch.cat(outputs, dim=0)
+
+
+def naive_mla_expanded(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    selected: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference, expanded form: per-head keys k_h = [W_UK_h c | k^R], values W_UV_h c, masked to `selected`.
+
+    q_nope [T,H,n], q_rope [T,H,r], latent [L, kv_lora + r] -> [T, H, v] (float64 inside).
+    """
+    kv_lora = w_uk.shape[-1]
+    c, k_rope = latent[:, :kv_lora].double(), latent[:, kv_lora:].double()
+    keys = torch.einsum("hnc,lc->hln", w_uk.double(), c)  # [H, L, n]
+    values = torch.einsum("hvc,lc->hlv", w_uv.double(), c)  # [H, L, v]
+    scores = torch.einsum("thn,hln->thl", q_nope.double(), keys) + torch.einsum(
+        "thr,lr->thl", q_rope.double(), k_rope
+    )
+    allowed = torch.zeros(q_nope.shape[0], latent.shape[0], dtype=torch.bool)
+    for t in range(selected.shape[0]):
+        ids = selected[t][selected[t] >= 0]
+        allowed[t, ids] = True
+    scores = (scores * scale).masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    return torch.einsum("thl,hlv->thv", torch.softmax(scores, -1), values).to(torch.float32)
+
+
+def naive_mla_absorbed(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    selected: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference, absorbed form, one query and head at a time: q~ = W_UK^T q^C, MQA over [c | k^R], then W_UV."""
+    kv_lora = w_uk.shape[-1]
+    out = torch.zeros(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1], dtype=torch.float64)
+    lat = latent.double()
+    for t in range(q_nope.shape[0]):
+        ids = selected[t][selected[t] >= 0]
+        keys = lat[ids]
+        for h in range(q_nope.shape[1]):
+            q_abs = torch.cat([w_uk[h].double().t() @ q_nope[t, h].double(), q_rope[t, h].double()])
+            probs = torch.softmax(keys @ q_abs * scale, dim=0)
+            out[t, h] = w_uv[h].double() @ (probs @ keys[:, :kv_lora])
+    return out.to(torch.float32)

@@ -1,0 +1,179 @@
+"""The K3.1-style hybrid decoder: KDA and MLA+DSA layers, dense-then-MoE feed-forward, tied to no cache layout.
+
+`KimiModel.prefill(tokens, cache, start)` runs T new tokens of one request (chunked KDA, query-blocked sparse MLA)
+and `KimiModel.decode(tokens, positions, caches)` runs one token for each of B requests (recurrent KDA, one sparse
+MLA call per request). Both read and write through the `SequenceCache` protocol (engine.model.state).
+
+Batch invariance (decode): every token-wise op runs on rows padded to a multiple of 64 (numerics.py), the attention
+core runs per request with the same shapes it has when that request runs alone, and the KDA step is element-wise
+plus last-dims reductions. So a request's logits are bit-identical whether it decodes alone or in any batch.
+Prefill runs one request at a time and needs no such care beyond determinism.
+
+Pieces the parallel wrappers reuse: `Layer.mixer` (MLA: `project` / `sparse_attention` / `output`; KDA:
+`project` / core functions / `output`), `Layer.ffn` (MoE or DenseMLP), and `embed` / `final_norm` / `lm_head`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.config import ModelConfig
+from engine.model.indexer import IndexQueries
+from engine.model.kda import KDA, causal_conv, causal_conv_step, kda_chunked, kda_recurrent_step
+from engine.model.mla import MLA, AttentionContext, sparse_attention
+from engine.model.moe import DenseMLP, MoE
+from engine.model.numerics import RMSNorm, RowLinear, fp8_to_float, pad_rows
+from engine.model.state import CachedAttention, KDAState, SequenceCache
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.is_mla = (layer_id + 1) in cfg.mla_layers
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+        self.mixer: MLA | KDA = MLA(cfg) if self.is_mla else KDA(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+        self.ffn: MoE | DenseMLP = (
+            DenseMLP(cfg.d_model, cfg.dense_intermediate) if layer_id < cfg.first_dense_layers else MoE(cfg)
+        )
+
+
+def dequantize_context(cached: CachedAttention, latent_scale: float) -> AttentionContext:
+    return AttentionContext(
+        latent=fp8_to_float(cached.latent) * latent_scale,
+        index_keys=fp8_to_float(cached.index_key),
+        index_scale=cached.index_scale,
+    )
+
+
+def _slice_queries(q: IndexQueries, lo: int, hi: int) -> IndexQueries:
+    return IndexQueries(q=q.q[lo:hi], weights=q.weights[lo:hi])
+
+
+class KimiModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model), requires_grad=False)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
+        self.final_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+        self.lm_head = RowLinear(cfg.d_model, cfg.vocab_size)
+        self.mla_index = {i: cfg.mla_layers.index(i + 1) for i in range(cfg.num_layers) if (i + 1) in cfg.mla_layers}
+        self.kda_index = {i: cfg.kda_layers.index(i + 1) for i in range(cfg.num_layers) if (i + 1) in cfg.kda_layers}
+
+    # ---- prefill: T tokens of one request ----
+    def prefill(
+        self, token_ids: torch.Tensor, cache: SequenceCache, start: int = 0, all_logits: bool = False
+    ) -> torch.Tensor:
+        """token_ids [T] at positions start..start+T-1 -> logits [T, V] (all_logits) or [1, V] (last token)."""
+        num_tokens = token_ids.shape[0]
+        x = pad_rows(self.embed[token_ids])
+        for layer_id, layer in enumerate(self.layers):
+            h = layer.mixer_norm(x)
+            if layer.is_mla:
+                out = self._mla_prefill(layer.mixer, h, num_tokens, start, cache, self.mla_index[layer_id])
+            else:
+                out = self._kda_prefill(layer.mixer, h, num_tokens, cache, self.kda_index[layer_id])
+            x = x + out
+            x = x + layer.ffn(layer.ffn_norm(x), num_tokens)
+        rows = x[:num_tokens] if all_logits else x[num_tokens - 1 : num_tokens]
+        return self.logits(rows)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d] (unpadded) -> logits [N, V] on padded row blocks."""
+        return self.lm_head(self.final_norm(pad_rows(hidden)))[: hidden.shape[0]]
+
+    def _mla_prefill(
+        self, mla: MLA, h: torch.Tensor, num_tokens: int, start: int, cache: SequenceCache, mla_index: int
+    ) -> torch.Tensor:
+        proj = mla.project(h)
+        cache.write_attention(
+            mla_index,
+            start,
+            proj.latent_bytes[:num_tokens],
+            proj.index_key_bytes[:num_tokens],
+            proj.index_key_scale[:num_tokens],
+        )
+        ctx = dequantize_context(cache.read_attention(mla_index, start + num_tokens), mla.latent_scale)
+        o_lat = sparse_attention(
+            proj.q_absorbed[:num_tokens],
+            _slice_queries(proj.index_queries, 0, num_tokens),
+            torch.arange(start, start + num_tokens),
+            ctx,
+            self.cfg.index_topk,
+            mla.softmax_scale,
+            self.cfg.kv_lora_rank,
+        )
+        return mla.output(_pad_to(o_lat, h.shape[0]), proj.gate)
+
+    def _kda_prefill(
+        self, kda: KDA, h: torch.Tensor, num_tokens: int, cache: SequenceCache, kda_index: int
+    ) -> torch.Tensor:
+        proj = kda.project(h)
+        state = cache.read_kda(kda_index)
+        conv_out, conv_state = causal_conv(proj.qkv[:num_tokens], state.conv, kda.conv_weight)
+        q, k, v = kda.split_qkv(conv_out)
+        o, recurrent = kda_chunked(
+            q, k, v, proj.g[:num_tokens], proj.beta[:num_tokens], state.recurrent, self.cfg.kda_chunk_size
+        )
+        cache.write_kda(kda_index, KDAState(recurrent, conv_state))
+        return kda.output(_pad_to(o, h.shape[0]), proj.gate_out)
+
+    # ---- decode: one token for each of B requests ----
+    def decode(self, token_ids: torch.Tensor, positions: list[int], caches: list[SequenceCache]) -> torch.Tensor:
+        """token_ids [B] at the given positions -> logits [B, V]."""
+        batch = token_ids.shape[0]
+        x = pad_rows(self.embed[token_ids])
+        for layer_id, layer in enumerate(self.layers):
+            h = layer.mixer_norm(x)
+            if layer.is_mla:
+                out = self._mla_decode(layer.mixer, h, positions, caches, self.mla_index[layer_id])
+            else:
+                out = self._kda_decode(layer.mixer, h, caches, self.kda_index[layer_id])
+            x = x + out
+            x = x + layer.ffn(layer.ffn_norm(x), batch)
+        return self.logits(x[:batch])
+
+    def _mla_decode(
+        self, mla: MLA, h: torch.Tensor, positions: list[int], caches: list[SequenceCache], mla_index: int
+    ) -> torch.Tensor:
+        proj = mla.project(h)
+        o_lat = h.new_zeros(h.shape[0], self.cfg.num_heads, self.cfg.kv_lora_rank)
+        for b, (pos, cache) in enumerate(zip(positions, caches)):
+            cache.write_attention(
+                mla_index, pos, proj.latent_bytes[b : b + 1], proj.index_key_bytes[b : b + 1],
+                proj.index_key_scale[b : b + 1],
+            )
+            ctx = dequantize_context(cache.read_attention(mla_index, pos + 1), mla.latent_scale)
+            o_lat[b] = sparse_attention(
+                proj.q_absorbed[b : b + 1],
+                _slice_queries(proj.index_queries, b, b + 1),
+                torch.tensor([pos]),
+                ctx,
+                self.cfg.index_topk,
+                mla.softmax_scale,
+                self.cfg.kv_lora_rank,
+            )[0]
+        return mla.output(o_lat, proj.gate)
+
+    def _kda_decode(self, kda: KDA, h: torch.Tensor, caches: list[SequenceCache], kda_index: int) -> torch.Tensor:
+        batch = len(caches)
+        proj = kda.project(h)
+        states = [cache.read_kda(kda_index) for cache in caches]
+        conv_state = torch.stack([s.conv for s in states])
+        recurrent = torch.stack([s.recurrent for s in states])
+        conv_out, conv_state = causal_conv_step(proj.qkv[:batch], conv_state, kda.conv_weight)
+        q, k, v = kda.split_qkv(conv_out)
+        o, recurrent = kda_recurrent_step(q, k, v, proj.g[:batch], proj.beta[:batch], recurrent)
+        for b, cache in enumerate(caches):
+            cache.write_kda(kda_index, KDAState(recurrent[b], conv_state[b]))
+        return kda.output(_pad_to(o, h.shape[0]), proj.gate_out)
+
+
+def _pad_to(x: torch.Tensor, num_rows: int) -> torch.Tensor:
+    if x.shape[0] == num_rows:
+        return x
+    out = x.new_zeros((num_rows,) + tuple(x.shape[1:]))
+    out[: x.shape[0]] = x
+    return out

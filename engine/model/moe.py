@@ -1,0 +1,105 @@
+"""Feed-forward blocks: the dense SiLU-GLU MLP and the latent MoE with a sigmoid router and correction bias.
+
+MoE (research/model.md section 4; SiLU-GLU experts stand in for K3's SiTU/clipup):
+    s = sigmoid(W_r x);  Sel = top-k(s + correction_bias) (stable: ties to the lower expert id)
+    w_e = s_e / sum_{Sel} s * routed_scaling_factor    (the bias only picks experts, it never weighs them)
+    z = W_down x;  y = W_up(RMSNorm(sum_{e in Sel, ascending e} w_e * expert_e(z))) + shared(x)
+Batch invariance: each expert runs on its gathered tokens padded to 64-row blocks (R3), and the chosen experts'
+outputs are added in ascending expert id, so a token's output does not depend on the other tokens in its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.model.config import ModelConfig
+from engine.model.numerics import ROW_BLOCK, RMSNorm, RowLinear, pad_rows
+
+
+class DenseMLP(nn.Module):
+    """SiLU-GLU: W_down(silu(W_gate x) * W_up x)."""
+
+    def __init__(self, d_model: int, intermediate: int) -> None:
+        super().__init__()
+        self.w_gate = RowLinear(d_model, intermediate)
+        self.w_up = RowLinear(d_model, intermediate)
+        self.w_down = RowLinear(intermediate, d_model)
+
+    def forward(self, x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        e, lat, inter = cfg.num_experts, cfg.moe_latent_dim, cfg.moe_intermediate
+        self.router = RowLinear(cfg.d_model, e)
+        self.correction_bias = nn.Parameter(torch.zeros(e), requires_grad=False)
+        self.w_down_latent = RowLinear(cfg.d_model, lat)
+        self.latent_norm = RMSNorm(lat, cfg.rms_eps)
+        self.w_up_latent = RowLinear(lat, cfg.d_model)
+        self.w1 = nn.Parameter(torch.empty(e, inter, lat), requires_grad=False)
+        self.w3 = nn.Parameter(torch.empty(e, inter, lat), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, lat, inter), requires_grad=False)
+        self.shared = DenseMLP(cfg.d_model, cfg.shared_intermediate) if cfg.num_shared_experts else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [R, d] -> (expert ids [R, k] ascending, weights [R, k])."""
+        scores = torch.sigmoid(self.router(x))
+        order = torch.sort(scores + self.correction_bias, dim=-1, descending=True, stable=True).indices
+        ids = torch.sort(order[:, : self.cfg.num_experts_per_tok], dim=-1).values
+        picked = scores.gather(1, ids)
+        total = picked[:, 0]
+        for j in range(1, picked.shape[1]):
+            total = total + picked[:, j]
+        return ids, picked / total.unsqueeze(1) * self.cfg.routed_scaling_factor
+
+    def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
+        """One routed expert on z [n, latent] (n a multiple of 64)."""
+        blocks = z.view(-1, ROW_BLOCK, z.shape[-1])
+        hidden = F.silu(blocks @ self.w1[e].t()) * (blocks @ self.w3[e].t())
+        return (hidden @ self.w2[e].t()).view(z.shape[0], -1)
+
+    def forward(self, x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+        """x [R, d] (padded rows); only the first num_rows rows are routed (the rest yield the shared part only)."""
+        num_rows = x.shape[0] if num_rows is None else num_rows
+        ids, weights = self.route(x)
+        ids, weights = ids[:num_rows], weights[:num_rows]
+        z = self.w_down_latent(x)
+        slots = torch.zeros(num_rows, ids.shape[1], z.shape[1])
+        for e in torch.unique(ids).tolist():
+            rows, cols = (ids == e).nonzero(as_tuple=True)
+            slots[rows, cols] = self.expert(e, pad_rows(z[rows]))[: rows.shape[0]]
+        mixed = slots[:, 0] * weights[:, 0:1]
+        for j in range(1, ids.shape[1]):
+            mixed = mixed + slots[:, j] * weights[:, j : j + 1]
+        full = x.new_zeros(x.shape[0], z.shape[1])
+        full[:num_rows] = mixed
+        out = self.w_up_latent(self.latent_norm(full))
+        return out + self.shared(x) if self.shared is not None else out
+
+
+def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Reference: one token at a time, float64, experts chosen by a plain stable sort."""
+    cfg = moe.cfg
+    out = torch.zeros(x.shape[0], cfg.d_model, dtype=torch.float64)
+    params = {name: p.double() for name, p in moe.named_parameters()}
+    for t in range(x.shape[0]):
+        xt = x[t].double()
+        scores = torch.sigmoid(params["router.weight"] @ xt)
+        chosen = torch.sort(scores + params["correction_bias"], descending=True, stable=True).indices
+        chosen = chosen[: cfg.num_experts_per_tok]
+        z = params["w_down_latent.weight"] @ xt
+        acc = torch.zeros(cfg.moe_latent_dim, dtype=torch.float64)
+        for e in chosen.tolist():
+            hidden = F.silu(params["w1"][e] @ z) * (params["w3"][e] @ z)
+            acc += scores[e] / scores[chosen].sum() * cfg.routed_scaling_factor * (params["w2"][e] @ hidden)
+        acc = acc * torch.rsqrt(acc.pow(2).mean() + cfg.rms_eps) * params["latent_norm.weight"]
+        out[t] = params["w_up_latent.weight"] @ acc
+        if moe.shared is not None:
+            g = F.silu(params["shared.w_gate.weight"] @ xt) * (params["shared.w_up.weight"] @ xt)
+            out[t] += params["shared.w_down.weight"] @ g
+    return out.to(torch.float32)
