@@ -1,0 +1,111 @@
+"""The router's FastAPI app: `create_app(settings) -> FastAPI`.
+
+Public: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /health,
+GET /metrics. Admin (bearer token): see router/admin.py. The lifespan builds the RouterState (registry
+from the YAML config or the quick-start URLs), runs one health round, then keeps health checking and,
+when configured, Kubernetes discovery running in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from router import admin
+from router.config import RouterConfig, load_config, quick_start_config
+from router.discovery import KubeDiscovery, make_core_api
+from router.health import HealthChecker
+from router.metrics import CONTENT_TYPE
+from router.service import serve
+from router.settings import Settings
+from router.state import RouterState
+from serving.errors import APIError, install_error_handlers
+
+
+def resolve_config(settings: Settings) -> tuple[Settings, RouterConfig]:
+    """The config file (or quick-start URLs), with its `router:` section under explicit settings."""
+    if settings.config_file:
+        config = load_config(settings.config_file)
+    else:
+        config = quick_start_config(settings.prefill_urls, settings.decode_urls, settings.engine)
+    if config.router:
+        explicit = settings.model_dump(exclude_unset=True)
+        settings = Settings(**{**config.router, **explicit})
+    return settings, config
+
+
+def create_app(settings: Settings | None = None, *, config: RouterConfig | None = None,
+               transport: httpx.AsyncBaseTransport | None = None, kube_api: object | None = None) -> FastAPI:
+    """`transport` replaces the network for in-process tests; `kube_api` replaces the CoreV1Api."""
+    settings = settings or Settings()
+    if config is None:
+        settings, config = resolve_config(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        timeout = httpx.Timeout(None, connect=settings.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        async with httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits) as client:
+            state = RouterState(settings=settings, config=config, client=client)
+            app.state.router = state
+            checker = HealthChecker(state.registry, client, interval_s=settings.health_interval_s,
+                                    timeout_s=settings.health_timeout_s,
+                                    unhealthy_threshold=settings.unhealthy_threshold,
+                                    healthy_threshold=settings.healthy_threshold,
+                                    facts_interval_s=settings.facts_interval_s)
+            app.state.health_checker = checker
+            await checker.check_all()
+            tasks = [asyncio.create_task(checker.run())]
+            kube = config.kubernetes
+            if kube is not None or settings.kube_namespace:
+                namespace = kube.namespace if kube else settings.kube_namespace
+                selector = kube.label_selector if kube else settings.kube_label_selector
+                discovery = KubeDiscovery(state.registry, kube_api or make_core_api(), namespace, selector,
+                                          timeout_s=settings.kube_watch_timeout_s)
+                tasks.append(asyncio.create_task(discovery.run()))
+            try:
+                yield
+            finally:
+                for task in tasks + list(state.background):
+                    task.cancel()
+                for task in tasks:
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+
+    app = FastAPI(title="pdcluster router", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(admin.router)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request.app.state.router, request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request.app.state.router, request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        return {"object": "list", "data": request.app.state.router.registry.served_models()}
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        state: RouterState = request.app.state.router
+        usable = [s.spec.name for s in state.registry.states()
+                  if s.spec.role == "decode" and s.is_healthy and not s.is_draining]
+        if not usable:
+            raise APIError(503, "no healthy decode instance")
+        return JSONResponse({"status": "ok", "decode_instances": usable})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state: RouterState = request.app.state.router
+        state.refresh_gauges()
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

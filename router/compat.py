@@ -1,0 +1,119 @@
+"""The P x D pairing matrix: which prefill instance may hand KV to which decode instance, and why not.
+
+Computed from node geometry before any request; an incompatible pair is never used, and `/v1/pools`
+shows every verdict with its reasons.
+
+Rules:
+- engines: a vLLM instance never pairs with a reference instance (different wire-level KV layouts).
+- both engines: same served model, same KV cache dtype, every geometry fact known.
+- vLLM (NixlConnector, vLLM 0.32/0.33): TP sizes divide one another (either direction); D's block size
+  is a multiple of P's (P <= D), and equal when P_TP > D_TP; DCP sizes divide their TP size and divide
+  one another.
+- reference engine: the pair is decided by the reference KV planner (`reference_pair_problems`, the
+  adapter onto kv_transfer's remap rules) plus equal layout fingerprints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What pairing needs to know about one instance (None: not known yet)."""
+
+    name: str
+    engine: str | None
+    model: str | None
+    tp: int | None
+    dcp: int | None
+    block_size: int | None
+    cache_dtype: str | None
+    layout_fingerprint: str | None = None
+
+
+@dataclass(frozen=True)
+class PairVerdict:
+    prefill: str
+    decode: str
+    reasons: tuple[str, ...]
+
+    @property
+    def is_compatible(self) -> bool:
+        return not self.reasons
+
+
+def _missing(g: Geometry, fields: tuple[str, ...]) -> list[str]:
+    return [f"{g.name}: {f} unknown" for f in fields if getattr(g, f) is None]
+
+
+def vllm_pair_problems(p: Geometry, d: Geometry) -> list[str]:
+    """vLLM NixlConnector's pairing rules (TP ratio, block-size ratio, DCP)."""
+    problems: list[str] = []
+    p_tp, d_tp = p.tp or 1, d.tp or 1
+    if max(p_tp, d_tp) % min(p_tp, d_tp):
+        problems.append(f"TP sizes {p_tp} (prefill) and {d_tp} (decode) do not divide one another")
+    if p.block_size and d.block_size:
+        if d.block_size % p.block_size:
+            problems.append(f"decode block size {d.block_size} is not a multiple of prefill block size {p.block_size}")
+        elif p_tp > d_tp and p.block_size != d.block_size:
+            problems.append(f"prefill TP {p_tp} > decode TP {d_tp} needs equal block sizes "
+                            f"({p.block_size} vs {d.block_size})")
+    p_dcp, d_dcp = p.dcp or 1, d.dcp or 1
+    for g, dcp, tp in ((p, p_dcp, p_tp), (d, d_dcp, d_tp)):
+        if tp % dcp:
+            problems.append(f"{g.name}: DCP {dcp} does not divide TP {tp}")
+    if max(p_dcp, d_dcp) % min(p_dcp, d_dcp):
+        problems.append(f"DCP sizes {p_dcp} (prefill) and {d_dcp} (decode) do not divide one another")
+    return problems
+
+
+def reference_pair_problems(p: Geometry, d: Geometry) -> list[str]:
+    """Adapter onto the reference engine's KV remap rules.
+
+    The reference KV planner (kv_transfer/remap.py) decides whether its packed rows can be remapped
+    from P's TP / block size onto D's TP or DCP layout. Until that module is importable the rules it
+    documents are applied here: power-of-two TP and block sizes that divide one another, DCP only on the
+    decode side and dividing D's TP, and equal layout fingerprints.
+    """
+    try:
+        from kv_transfer import remap  # noqa: PLC0415 - optional, owned by the KV planner
+    except ImportError:
+        remap = None
+    checker = getattr(remap, "pair_problems", None) if remap is not None else None
+    if checker is not None:
+        return list(checker(p, d))
+    problems: list[str] = []
+    if p.layout_fingerprint != d.layout_fingerprint:
+        problems.append(f"layout fingerprints differ ({p.layout_fingerprint} vs {d.layout_fingerprint})")
+    p_tp, d_tp = p.tp or 1, d.tp or 1
+    for label, value in (("prefill TP", p_tp), ("decode TP", d_tp), ("prefill block size", p.block_size),
+                         ("decode block size", d.block_size)):
+        if value is not None and value & (value - 1):
+            problems.append(f"{label} {value} is not a power of two")
+    if (p.dcp or 1) != 1:
+        problems.append(f"prefill DCP {p.dcp} unsupported (DCP is a decode-pool layout)")
+    if d_tp % (d.dcp or 1):
+        problems.append(f"decode DCP {d.dcp} does not divide decode TP {d_tp}")
+    return problems
+
+
+def pair_verdict(p: Geometry, d: Geometry) -> PairVerdict:
+    """Every reason the pair (p -> d) cannot transfer KV; no reasons means compatible."""
+    required = ("engine", "model", "cache_dtype", "block_size")
+    reasons = _missing(p, required) + _missing(d, required)
+    if p.engine and d.engine and p.engine != d.engine:
+        reasons.append(f"engines differ ({p.engine} vs {d.engine}): never mix vLLM and reference nodes")
+    if p.model and d.model and p.model != d.model:
+        reasons.append(f"models differ ({p.model} vs {d.model})")
+    if p.cache_dtype and d.cache_dtype and p.cache_dtype != d.cache_dtype:
+        reasons.append(f"KV cache dtypes differ ({p.cache_dtype} vs {d.cache_dtype})")
+    if not reasons:
+        rules = vllm_pair_problems if p.engine == "vllm" else reference_pair_problems
+        reasons.extend(rules(p, d))
+    return PairVerdict(prefill=p.name, decode=d.name, reasons=tuple(reasons))
+
+
+def compat_matrix(prefills: list[Geometry], decodes: list[Geometry]) -> dict[tuple[str, str], PairVerdict]:
+    """Verdicts for every (prefill, decode) pair, keyed by instance names."""
+    return {(p.name, d.name): pair_verdict(p, d) for p in prefills for d in decodes}

@@ -1,0 +1,63 @@
+"""vLLM's PD wire protocol (`kv_transfer_params` in request/response bodies), typed.
+
+- P leg: the client body with max_tokens=1 (and max_completion_tokens=1 when present), stream=false,
+  no stream_options / min_tokens, and `kv_transfer_params` asking for a remote decode.
+- P answer: `kv_transfer_params` with do_remote_prefill, remote_engine_id, remote_request_id,
+  remote_block_ids, remote_host, remote_port, tp_size, ... (`KVHandoff`); forwarded to D verbatim except
+  remote_host, rewritten to P's URL host when the node reports localhost or nothing.
+- D leg: the client body (never the client's own kv_transfer_params) plus the handoff params.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+LOCAL_HOSTS = (None, "", "localhost", "127.0.0.1", "0.0.0.0", "::1")
+REQUIRED_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """P's answer, ready for D."""
+
+    prefill: str
+    params: dict[str, Any]
+
+    @property
+    def remote_engine_id(self) -> str | None:
+        return self.params.get("remote_engine_id")
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(body)
+    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    for key in ("stream_options", "min_tokens", "min_completion_tokens"):
+        out.pop(key, None)
+    return out
+
+
+def handoff_from_answer(prefill: str, prefill_host: str, answer: Any) -> KVHandoff | None:
+    """The handoff in P's JSON answer, or None when P returned none (nothing to transfer)."""
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return None
+    if any(key not in params for key in REQUIRED_KEYS if key != "remote_host"):
+        return None
+    params = dict(params)
+    if params.get("remote_host") in LOCAL_HOSTS:
+        params["remote_host"] = prefill_host
+    return KVHandoff(prefill=prefill, params=params)
+
+
+def decode_body(body: dict[str, Any], handoff: KVHandoff | None) -> dict[str, Any]:
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if handoff is not None:
+        out["kv_transfer_params"] = dict(handoff.params)
+    return out

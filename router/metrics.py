@@ -1,0 +1,54 @@
+"""The router's Prometheus series (`pdcluster_*`, names per docs/METRICS.md), in a registry per app.
+
+Client-seen latency histograms carry (pool, model); TTFT buckets include 2.0 s. `refresh_gauges`
+recomputes instance, pair and session gauges from the registry at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+LEG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled")
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = reg = CollectorRegistry()
+        pm = ["pool", "model"]
+        self.ttft = Histogram("pdcluster_time_to_first_token_seconds", "Client-seen time to first token.", pm,
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.tpot = Histogram("pdcluster_time_per_output_token_seconds", "Client-seen time per output token.",
+                              pm, buckets=ITL_BUCKETS, registry=reg)
+        self.itl = Histogram("pdcluster_inter_token_latency_seconds", "Client-seen gap between chunks.", pm,
+                             buckets=ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram("pdcluster_e2e_request_latency_seconds", "Client-seen request latency.", pm,
+                             buckets=E2E_BUCKETS, registry=reg)
+        self.leg = Histogram("pdcluster_leg_duration_seconds", "Per-leg duration.", ["leg", "pool"],
+                             buckets=LEG_BUCKETS, registry=reg)
+        self.requests = Counter("pdcluster_requests", "Requests by outcome.", ["outcome", "pool"], registry=reg)
+        self.leg_timeouts = Counter("pdcluster_leg_timeouts", "Per-leg timeouts.", ["leg"], registry=reg)
+        self.retries = Counter("pdcluster_retries", "Retried legs.", ["leg"], registry=reg)
+        self.active_sessions = Gauge("pdcluster_active_sessions", "Sessions with a placement.", ["pool"],
+                                     registry=reg)
+        self.instance_healthy = Gauge("pdcluster_instance_healthy", "1 healthy, 0 not.",
+                                      ["instance", "role", "pool"], registry=reg)
+        self.pair_healthy = Gauge("pdcluster_pair_healthy", "1 usable pair, 0 broken or open breaker.",
+                                  ["prefill", "decode"], registry=reg)
+        self.pair_compatible = Gauge("pdcluster_pair_compatible", "1 if the pairing matrix allows the pair.",
+                                     ["prefill", "decode"], registry=reg)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def reset_gauges(self) -> None:
+        for gauge in (self.instance_healthy, self.pair_healthy, self.pair_compatible, self.active_sessions):
+            gauge.clear()

@@ -1,0 +1,180 @@
+"""Placement policy, pure: which decode pool, decode instance and prefill instances serve a request.
+
+Inputs are frozen snapshots (instances, pools, the session's record, compatible and warm pairs); the
+output is a `Placement`. Rules:
+- session: `X-Session-ID` header, else the body's `user`; no session -> a one-off request.
+- projected context = max(prompt estimate, the session's known context) + max_tokens + expected growth
+  (setting or the `X-Expected-Context-Tokens` hint). Pools that fit it: TP pools first (smallest capacity
+  that fits), then DCP pools; when none fits, the largest pool.
+- sticky: a session stays on its decode instance (prefix reuse) while that instance is usable and its
+  pool still fits; it migrates explicitly (`is_migration`) when it outgrows the pool.
+- least-loaded decode within the pool (router in-flight + node running/waiting + KV usage), preferring
+  instances that have a usable compatible prefill.
+- prefill ranking: compatible and usable only, least-loaded, warm (already handshaken) pairs preferred.
+- conditional disaggregation: skip the P leg when the uncached part of the prompt (prompt minus what the
+  sticky decode instance already holds) is below `min_uncached_tokens`, or when no prefill is compatible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from router.registry import InstanceView
+
+WARM_PAIR_BONUS = 2.0
+"""Load units a cold P-D pair must be ahead by to be picked over a warm one (first handshake is slow)."""
+
+
+@dataclass(frozen=True)
+class PoolView:
+    name: str
+    kind: str
+    capacity_tokens: int | None
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    session_id: str
+    pool: str
+    decode: str
+    context_tokens: int
+    last_seen: float
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    session_id: str | None
+    prompt_tokens: int
+    max_tokens: int
+    expected_growth_tokens: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    pool: str
+    decode: str
+    prefills: tuple[str, ...]
+    disaggregate: bool
+    is_migration: bool
+    reason: str
+    projected_tokens: int
+    cached_tokens_estimate: int
+
+
+class NoPlacement(Exception):
+    """No decode instance can take the request (the message says why)."""
+
+
+def session_id_of(headers: Mapping[str, str], body: Mapping) -> str | None:
+    value = headers.get("x-session-id") or body.get("user")
+    return str(value) if isinstance(value, (str, int)) and str(value) else None
+
+
+def estimate_prompt_tokens(body: Mapping, chars_per_token: float) -> int:
+    """Tokenize-free prompt length: token-id lists count exactly, text by characters."""
+    def text_tokens(text: str) -> int:
+        return int(len(text) / chars_per_token) + 1
+
+    if "messages" in body:
+        total = 0
+        for message in body["messages"]:
+            content = message.get("content") if isinstance(message, Mapping) else None
+            if isinstance(content, str):
+                total += text_tokens(content)
+            elif isinstance(content, list):
+                total += sum(text_tokens(str(p.get("text", ""))) for p in content if isinstance(p, Mapping))
+            total += 4
+        return total
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, str):
+        return text_tokens(prompt)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        return max(len(p) for p in prompt)
+    return sum(text_tokens(p) for p in prompt if isinstance(p, str))
+
+
+def projected_context(shape: RequestShape, session: SessionRecord | None) -> int:
+    known = session.context_tokens if session else 0
+    return max(shape.prompt_tokens, known) + shape.max_tokens + shape.expected_growth_tokens
+
+
+def _fits(pool: PoolView, tokens: int) -> bool:
+    return pool.capacity_tokens is None or pool.capacity_tokens >= tokens
+
+
+def _capacity_key(pool: PoolView) -> float:
+    return float("inf") if pool.capacity_tokens is None else float(pool.capacity_tokens)
+
+
+def choose_pool(pools: list[PoolView], projected_tokens: int) -> PoolView:
+    """Smallest fitting TP pool, else smallest fitting DCP pool, else the largest pool."""
+    if not pools:
+        raise NoPlacement("no decode pool has a usable instance")
+    for kind in ("tp", "dcp"):
+        fitting = [p for p in pools if p.kind == kind and _fits(p, projected_tokens)]
+        if fitting:
+            return min(fitting, key=lambda p: (_capacity_key(p), p.name))
+    return max(pools, key=lambda p: (_capacity_key(p), p.name))
+
+
+def load_score(view: InstanceView) -> float:
+    return view.num_inflight + view.load.num_running + 2.0 * view.load.num_waiting + 4.0 * view.load.kv_usage
+
+
+def rank_prefills(prefills: list[InstanceView], decode: str, compatible: frozenset[tuple[str, str]],
+                  warm: frozenset[tuple[str, str]]) -> tuple[str, ...]:
+    """Usable prefills compatible with `decode`, best first (least loaded, warm pairs favoured)."""
+    ok = [p for p in prefills if p.is_usable and (p.name, decode) in compatible]
+    key = lambda p: (load_score(p) - (WARM_PAIR_BONUS if (p.name, decode) in warm else 0.0), p.name)  # noqa: E731
+    return tuple(p.name for p in sorted(ok, key=key))
+
+
+def choose_decode(candidates: list[InstanceView], prefills: list[InstanceView],
+                  compatible: frozenset[tuple[str, str]]) -> InstanceView:
+    """Least-loaded usable decode, preferring those with a usable compatible prefill."""
+    usable_prefills = {p.name for p in prefills if p.is_usable}
+
+    def has_prefill(d: InstanceView) -> bool:
+        return any((p, d.name) in compatible for p in usable_prefills)
+
+    return min(candidates, key=lambda d: (not has_prefill(d), load_score(d), d.name))
+
+
+def should_disaggregate(prompt_tokens: int, cached_tokens: int, min_uncached_tokens: int) -> bool:
+    return prompt_tokens - cached_tokens >= min_uncached_tokens
+
+
+def place(shape: RequestShape, session: SessionRecord | None, pools: list[PoolView],
+          instances: list[InstanceView], compatible: frozenset[tuple[str, str]],
+          warm: frozenset[tuple[str, str]], min_uncached_tokens: int) -> Placement:
+    decodes = [v for v in instances if v.role == "decode" and v.is_usable]
+    prefills = [v for v in instances if v.role == "prefill"]
+    live_pools = [p for p in pools if any(d.pool == p.name for d in decodes)]
+    projected = projected_context(shape, session)
+    by_name = {d.name: d for d in decodes}
+    current_pool = next((p for p in live_pools if session and p.name == session.pool), None)
+    is_migration = False
+    if current_pool is not None and _fits(current_pool, projected):
+        pool = current_pool
+        if session.decode in by_name and by_name[session.decode].pool == pool.name:
+            decode, reason = by_name[session.decode], "sticky"
+        else:
+            decode = choose_decode([d for d in decodes if d.pool == pool.name], prefills, compatible)
+            reason = f"session's instance {session.decode} unusable; least-loaded in pool {pool.name}"
+    else:
+        pool = choose_pool(live_pools, projected)
+        decode = choose_decode([d for d in decodes if d.pool == pool.name], prefills, compatible)
+        if session is not None and session.pool != pool.name:
+            is_migration = True
+            reason = f"session moved from pool {session.pool} to {pool.name} (projected {projected} tokens)"
+        else:
+            reason = f"least-loaded in pool {pool.name} (projected {projected} tokens)"
+    cached = min(session.context_tokens, shape.prompt_tokens) if session and session.decode == decode.name else 0
+    ranked = rank_prefills(prefills, decode.name, compatible, warm)
+    disaggregate = bool(ranked) and should_disaggregate(shape.prompt_tokens, cached, min_uncached_tokens)
+    return Placement(pool=pool.name, decode=decode.name, prefills=ranked, disaggregate=disaggregate,
+                     is_migration=is_migration, reason=reason, projected_tokens=projected,
+                     cached_tokens_estimate=cached)

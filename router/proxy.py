@@ -1,0 +1,252 @@
+"""The two legs of a PD request, per vLLM's protocol, with retries, breakers, timeouts and aborts.
+
+P leg: `kvparams.prefill_body` to the best compatible prefill (same X-Request-Id as D), retried on the
+next candidate after a failure or timeout (up to `prefill_max_attempts`); when every attempt fails the
+fallback policy either sends D the plain request (D prefills locally) or answers 502/504.
+D leg: `kvparams.decode_body` (P's handoff, never the client's kv_transfer_params). Non-streaming waits
+for the whole answer; streaming returns once the first chunk arrived (within `first_token_timeout_s`),
+and relay.py streams the rest. Breakers: P failures count against P; D failures against D and, when a
+handoff was used, against the P-D link (a broken transfer path). A cancelled leg (client gone) closes its
+connection and calls the engine's aborter on both legs so neither node keeps rows for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from router.aborts import aborter_for
+from router.kvparams import KVHandoff, decode_body, handoff_from_answer, prefill_body
+from router.placement import Placement, RequestShape
+from router.registry import InstanceState
+from router.state import RouterState
+from router.validation import ValidRequest
+from serving.errors import APIError
+
+
+@dataclass
+class RequestContext:
+    request_id: str
+    path: str
+    valid: ValidRequest
+    shape: RequestShape
+    placement: Placement
+    started: float
+    handoff: KVHandoff | None = None
+    prefill_s: float | None = None
+    first_decode_s: float | None = None
+    kv_transfer_s: float | None = None
+    is_prefill_timeout: bool = False
+    fallback_reason: str | None = None
+    outcome: str = "ok"
+    notes: list[str] = field(default_factory=list)
+
+
+class UpstreamReply(Exception):
+    """A node's own 4xx answer, relayed to the client unchanged."""
+
+    def __init__(self, status: int, content: bytes, content_type: str | None) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.content = content
+        self.content_type = content_type or "application/json"
+
+
+class Orchestrator:
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+        self.settings = state.settings
+
+    def _headers(self, ctx: RequestContext) -> dict[str, str]:
+        return {"X-Request-Id": ctx.request_id}
+
+    def abort(self, state: InstanceState | None, request_id: str) -> None:
+        """Fire-and-forget abort on one node (survives the cancellation of the request)."""
+        if state is None:
+            return
+        engine = self.state.registry.view(state).geometry.engine
+        self.state.spawn(aborter_for(engine).abort(self.state.client, state.spec.url, request_id))
+
+    def abort_legs(self, ctx: RequestContext) -> None:
+        reg = self.state.registry
+        self.abort(reg.get(ctx.placement.decode), ctx.request_id)
+        if ctx.handoff is not None:
+            self.abort(reg.get(ctx.handoff.prefill), ctx.request_id)
+
+    async def prefill(self, ctx: RequestContext) -> KVHandoff | None:
+        """Run the P leg; None means 'D prefills locally' (fallback or nothing to hand off)."""
+        num_attempts = 0
+        for name in ctx.placement.prefills:
+            if num_attempts >= self.settings.prefill_max_attempts:
+                break
+            now = time.monotonic()
+            breakers = self.state.breakers
+            state = self.state.registry.get(name)
+            if state is None or not state.is_healthy or state.is_draining or not breakers.instance(name).allows(now) \
+                    or not breakers.link(name, ctx.placement.decode).allows(now):
+                continue
+            if num_attempts:
+                self.state.metrics.retries.labels("prefill").inc()
+            num_attempts += 1
+            handoff = await self._prefill_once(ctx, state)
+            if handoff is not None or ctx.fallback_reason == "no handoff":
+                return handoff
+        if self.settings.prefill_fallback == "decode_only":
+            ctx.fallback_reason = ctx.fallback_reason or f"prefill failed after {num_attempts} attempt(s)"
+            return None
+        if ctx.is_prefill_timeout:
+            raise APIError(504, f"prefill timed out after {num_attempts} attempt(s)")
+        raise APIError(502, f"prefill failed after {num_attempts} attempt(s)")
+
+    async def _prefill_once(self, ctx: RequestContext, state: InstanceState) -> KVHandoff | None:
+        name, url = state.spec.name, state.spec.url
+        breaker = self.state.breakers.instance(name)
+        breaker.on_attempt(time.monotonic())
+        state.num_inflight += 1
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.settings.prefill_timeout_s):
+                resp = await self.state.client.post(f"{url}{ctx.path}", json=prefill_body(ctx.valid.body),
+                                                    headers=self._headers(ctx))
+        except TimeoutError:
+            self.state.metrics.leg_timeouts.labels("prefill").inc()
+            ctx.is_prefill_timeout = True
+            breaker.on_failure(time.monotonic())
+            self.abort(state, ctx.request_id)
+            return None
+        except httpx.HTTPError as exc:
+            ctx.notes.append(f"{name}: {type(exc).__name__}")
+            breaker.on_failure(time.monotonic())
+            return None
+        except asyncio.CancelledError:
+            self.abort(state, ctx.request_id)
+            raise
+        finally:
+            state.num_inflight -= 1
+        if resp.status_code >= 500:
+            ctx.notes.append(f"{name}: HTTP {resp.status_code}")
+            breaker.on_failure(time.monotonic())
+            return None
+        if resp.status_code >= 400:
+            breaker.on_success()
+            raise UpstreamReply(resp.status_code, resp.content, resp.headers.get("content-type"))
+        breaker.on_success()
+        ctx.prefill_s = time.monotonic() - started
+        try:
+            answer = resp.json()
+        except ValueError:
+            answer = None
+        handoff = handoff_from_answer(name, self.state.registry.view(state).host, answer)
+        if handoff is None:
+            ctx.fallback_reason = "no handoff"
+        else:
+            self.state.note_prefill_engine(name, handoff.remote_engine_id)
+        return handoff
+
+    def record_decode_status(self, ctx: RequestContext, status: int | None) -> None:
+        """Breaker and warm-pair bookkeeping after D answered (`status` None: connection failed)."""
+        now = time.monotonic()
+        decode = ctx.placement.decode
+        ok = status is not None and status < 500
+        breaker = self.state.breakers.instance(decode)
+        breaker.on_success() if ok else breaker.on_failure(now)
+        if ctx.handoff is None:
+            return
+        pair = (ctx.handoff.prefill, decode)
+        link = self.state.breakers.link(*pair)
+        if ok:
+            link.on_success()
+            self.state.warm_pairs.add(pair)
+        else:
+            link.on_failure(now)
+            self.state.warm_pairs.discard(pair)
+
+    async def decode_json(self, ctx: RequestContext) -> httpx.Response:
+        state = self._decode_state(ctx)
+        body = decode_body(ctx.valid.body, ctx.handoff)
+        state.num_inflight += 1
+        try:
+            async with asyncio.timeout(self.settings.decode_timeout_s):
+                resp = await self.state.client.post(f"{state.spec.url}{ctx.path}", json=body,
+                                                    headers=self._headers(ctx))
+        except TimeoutError:
+            self.state.metrics.leg_timeouts.labels("decode").inc()
+            ctx.outcome = "timeout"
+            self.abort_legs(ctx)
+            raise APIError(504, f"decode timed out after {self.settings.decode_timeout_s} s") from None
+        except httpx.HTTPError as exc:
+            self.record_decode_status(ctx, None)
+            ctx.outcome = "upstream_error"
+            raise APIError(502, f"decode instance {state.spec.name} failed: {type(exc).__name__}") from None
+        except asyncio.CancelledError:
+            self.abort_legs(ctx)
+            raise
+        finally:
+            state.num_inflight -= 1
+        self.record_decode_status(ctx, resp.status_code)
+        self._note_kv_time(ctx, resp)
+        return resp
+
+    def _decode_state(self, ctx: RequestContext) -> InstanceState:
+        state = self.state.registry.get(ctx.placement.decode)
+        if state is None:
+            raise APIError(503, f"decode instance {ctx.placement.decode} left the registry")
+        return state
+
+    def _note_kv_time(self, ctx: RequestContext, resp: httpx.Response) -> None:
+        """Decode nodes may report the KV fetch time (header X-KV-Transfer-Seconds)."""
+        value = resp.headers.get("x-kv-transfer-seconds")
+        try:
+            ctx.kv_transfer_s = float(value) if value is not None else None
+        except ValueError:
+            ctx.kv_transfer_s = None
+
+    async def open_stream(self, ctx: RequestContext) -> tuple[httpx.Response, object, bytes]:
+        """Send the D leg and wait for its first chunk; returns (response, raw iterator, first chunk)."""
+        state = self._decode_state(ctx)
+        body = decode_body(ctx.valid.body, ctx.handoff)
+        request = self.state.client.build_request("POST", f"{state.spec.url}{ctx.path}", json=body,
+                                                  headers=self._headers(ctx))
+        started = time.monotonic()
+        state.num_inflight += 1
+        resp: httpx.Response | None = None
+        try:
+            async with asyncio.timeout(self.settings.first_token_timeout_s):
+                resp = await self.state.client.send(request, stream=True)
+                if resp.status_code != 200:
+                    content = await resp.aread()
+                    await resp.aclose()
+                    state.num_inflight -= 1
+                    self.record_decode_status(ctx, resp.status_code)
+                    if resp.status_code >= 500:
+                        ctx.outcome = "upstream_error"
+                        raise APIError(502, f"decode instance {state.spec.name} answered {resp.status_code}")
+                    raise UpstreamReply(resp.status_code, content, resp.headers.get("content-type"))
+                chunks = resp.aiter_raw()
+                first = await anext(chunks)
+        except TimeoutError:
+            await self._close_failed(resp, state, ctx)
+            self.state.metrics.leg_timeouts.labels("first_decode").inc()
+            ctx.outcome = "timeout"
+            raise APIError(504, f"no first token within {self.settings.first_token_timeout_s} s") from None
+        except (httpx.HTTPError, StopAsyncIteration) as exc:
+            await self._close_failed(resp, state, ctx)
+            self.record_decode_status(ctx, None)
+            ctx.outcome = "upstream_error"
+            raise APIError(502, f"decode instance {state.spec.name} failed: {type(exc).__name__}") from None
+        except asyncio.CancelledError:
+            await self._close_failed(resp, state, ctx)
+            raise
+        ctx.first_decode_s = time.monotonic() - started
+        self._note_kv_time(ctx, resp)
+        return resp, chunks, first
+
+    async def _close_failed(self, resp: httpx.Response | None, state: InstanceState, ctx: RequestContext) -> None:
+        if resp is not None and not resp.is_closed:
+            await resp.aclose()
+        if resp is None or resp.status_code == 200:
+            state.num_inflight -= 1
+        self.abort_legs(ctx)

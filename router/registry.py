@@ -1,0 +1,123 @@
+"""The registry: every known instance with its spec, node facts, health and router-side load.
+
+Sources (static YAML, the CLI quick start, Kubernetes discovery) call `upsert` / `remove`; the health
+checker updates facts and health; request handling bumps in-flight counters. Policies never read this
+mutable state directly: `snapshot()` hands them frozen `InstanceView`s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+from router.compat import Geometry, PairVerdict, compat_matrix
+from router.config import InstanceSpec
+from router.facts import CacheFacts, LoadFacts, ModelFacts
+
+
+@dataclass
+class InstanceState:
+    spec: InstanceSpec
+    cache: CacheFacts = field(default_factory=CacheFacts)
+    load: LoadFacts = field(default_factory=LoadFacts)
+    models: ModelFacts = field(default_factory=ModelFacts)
+    is_healthy: bool = False
+    num_consecutive_failures: int = 0
+    num_consecutive_successes: int = 0
+    is_draining: bool = False
+    num_inflight: int = 0
+    last_error: str | None = None
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """Frozen per-request view of one instance, what placement and compat see."""
+
+    name: str
+    role: str
+    url: str
+    pool: str
+    geometry: Geometry
+    is_healthy: bool
+    is_draining: bool
+    num_inflight: int
+    load: LoadFacts
+    max_model_len: int | None
+
+    @property
+    def is_usable(self) -> bool:
+        return self.is_healthy and not self.is_draining
+
+    @property
+    def host(self) -> str:
+        return urlparse(self.url).hostname or "127.0.0.1"
+
+
+def geometry_of(state: InstanceState) -> Geometry:
+    """Spec values win where the operator set them; node facts fill the rest. vLLM defaults to TP 1."""
+    spec, cache = state.spec, state.cache
+    engine = spec.engine or cache.engine or None
+    model = spec.model or (state.models.model_ids[0] if state.models.model_ids else None)
+    tp = spec.tp or cache.tp_size or (1 if engine == "vllm" else None)
+    dcp = spec.dcp or cache.dcp_size or 1
+    return Geometry(name=spec.name, engine=engine, model=model, tp=tp, dcp=dcp,
+                    block_size=spec.block_size or cache.block_size, cache_dtype=cache.cache_dtype,
+                    layout_fingerprint=cache.layout_fingerprint)
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._instances: dict[str, InstanceState] = {}
+        self._matrix: dict[tuple[str, str], PairVerdict] = {}
+
+    def upsert(self, spec: InstanceSpec) -> None:
+        current = self._instances.get(spec.name)
+        if current is None or current.spec.url != spec.url:
+            self._instances[spec.name] = InstanceState(spec=spec)
+        else:
+            current.spec = spec
+        self.recompute_matrix()
+
+    def remove(self, name: str) -> None:
+        if self._instances.pop(name, None) is not None:
+            self.recompute_matrix()
+
+    def get(self, name: str) -> InstanceState | None:
+        return self._instances.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._instances)
+
+    def states(self) -> list[InstanceState]:
+        return [self._instances[n] for n in sorted(self._instances)]
+
+    def recompute_matrix(self) -> None:
+        geos = {s.spec.name: geometry_of(s) for s in self._instances.values()}
+        prefills = [geos[s.spec.name] for s in self.states() if s.spec.role == "prefill"]
+        decodes = [geos[s.spec.name] for s in self.states() if s.spec.role == "decode"]
+        self._matrix = compat_matrix(prefills, decodes)
+
+    @property
+    def matrix(self) -> dict[tuple[str, str], PairVerdict]:
+        return self._matrix
+
+    def view(self, state: InstanceState) -> InstanceView:
+        return InstanceView(name=state.spec.name, role=state.spec.role, url=state.spec.url,
+                            pool=state.spec.pool, geometry=geometry_of(state), is_healthy=state.is_healthy,
+                            is_draining=state.is_draining, num_inflight=state.num_inflight, load=state.load,
+                            max_model_len=state.models.max_model_len)
+
+    def snapshot(self) -> list[InstanceView]:
+        return [self.view(s) for s in self.states()]
+
+    def served_models(self) -> list[dict]:
+        """Model cards of healthy decode instances, de-duplicated by id."""
+        cards: dict[str, dict] = {}
+        for state in self.states():
+            if state.spec.role != "decode" or not state.is_healthy:
+                continue
+            for card in state.models.raw_cards:
+                cards.setdefault(str(card["id"]), dict(card))
+            if state.spec.model and state.spec.model not in cards:
+                cards[state.spec.model] = {"id": state.spec.model, "object": "model", "owned_by": "pdcluster"}
+        return list(cards.values())

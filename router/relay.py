@@ -1,0 +1,108 @@
+"""Streaming relay: D's SSE bytes go to the client as they arrive (no buffering, no re-encoding).
+
+A side parser (`StreamAccounting`) splits the bytes into SSE events only to time them: first token,
+gaps between token-bearing events, and the final usage. When the stream ends early (idle timeout,
+upstream error) the client gets an OpenAI error event and `[DONE]`; when the client goes away the
+upstream connection is closed and both legs are aborted. Cleanup runs shielded from cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+import httpx
+
+from serving.errors import error_body
+
+
+@dataclass
+class StreamAccounting:
+    """Timing and usage of one relayed SSE stream."""
+
+    started: float
+    buffer: bytes = b""
+    token_times: list[float] = field(default_factory=list)
+    num_token_events: int = 0
+    usage: dict | None = None
+    is_done: bool = False
+
+    def feed(self, chunk: bytes, now: float) -> None:
+        self.buffer += chunk
+        while b"\n\n" in self.buffer:
+            event, self.buffer = self.buffer.split(b"\n\n", 1)
+            self._event(event, now)
+
+    def _event(self, event: bytes, now: float) -> None:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self.is_done = True
+                continue
+            try:
+                payload = json.loads(data)
+            except ValueError:
+                continue
+            if isinstance(payload, dict):
+                self._payload(payload, now)
+
+    def _payload(self, payload: dict, now: float) -> None:
+        if isinstance(payload.get("usage"), dict):
+            self.usage = payload["usage"]
+        for choice in payload.get("choices") or []:
+            delta = choice.get("delta") or {}
+            text = choice.get("text") or delta.get("content") or delta.get("reasoning_content")
+            if text or delta.get("tool_calls"):
+                self.token_times.append(now)
+                self.num_token_events += 1
+                break
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times[0] - self.started if self.token_times else None
+
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+def error_event(status: int, message: str) -> bytes:
+    return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+async def relay(resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, acct: StreamAccounting,
+                idle_timeout_s: float, on_end) -> AsyncIterator[bytes]:
+    """Yield D's bytes unchanged; `on_end(status)` runs once at the end, shielded from cancellation.
+
+    status: "ok", "timeout" (idle gap exceeded), "upstream_error" or "cancelled" (client gone).
+    """
+    status = "cancelled"
+    try:
+        acct.feed(first, time.monotonic())
+        yield first
+        while True:
+            try:
+                async with asyncio.timeout(idle_timeout_s):
+                    chunk = await anext(chunks)
+            except StopAsyncIteration:
+                status = "ok" if acct.is_done else "upstream_error"
+                break
+            except TimeoutError:
+                status = "timeout"
+                yield error_event(504, f"decode stream idle for more than {idle_timeout_s} s")
+                break
+            except httpx.HTTPError as exc:
+                status = "upstream_error"
+                yield error_event(502, f"decode stream broke: {type(exc).__name__}")
+                break
+            acct.feed(chunk, time.monotonic())
+            yield chunk
+    finally:
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
+            on_end(status)

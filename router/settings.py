@@ -1,0 +1,72 @@
+"""The router's one pydantic-settings `Settings` (env prefix `ROUTER_`), which Helm values map onto.
+
+Every tunable of the router lives here: listen address, the config file, timeouts per leg and the
+fallback policy, health thresholds, breaker limits, placement knobs and the admin token. Values come
+from the environment (`ROUTER_PREFILL_TIMEOUT_S=5`), from a `router:` section of the YAML config, or
+from keyword arguments in tests; nothing else in the package reads the environment.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ROUTER_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    config_file: str | None = None
+    """YAML file with pools, static instances and discovery (see router/config.py)."""
+    prefill_urls: list[str] = Field(default_factory=list)
+    """Quick start: prefill instances (one pool, facts read from the nodes)."""
+    decode_urls: list[str] = Field(default_factory=list)
+    engine: Literal["vllm", "reference"] = "vllm"
+    """Engine of quick-start instances when the node does not say."""
+
+    admin_token: str | None = None
+    """Bearer token for /v1/pools and /admin/*; admin endpoints refuse every call when unset."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_tokens_limit: int = 1_000_000
+
+    prefill_timeout_s: float = 60.0
+    """Whole P leg (request to JSON answer)."""
+    first_token_timeout_s: float = 60.0
+    """D leg from dispatch to the first output byte (covers the KV fetch and the first decode step)."""
+    decode_timeout_s: float = 600.0
+    """Whole D leg of a non-streaming request."""
+    stream_idle_timeout_s: float = 60.0
+    """Largest gap between two chunks of the D stream."""
+    connect_timeout_s: float = 5.0
+    prefill_fallback: Literal["decode_only", "fail"] = "decode_only"
+    """When every P attempt failed or timed out: let D prefill locally, or answer 502/504."""
+    prefill_max_attempts: int = 2
+    """P leg tries, each on another compatible prefill instance."""
+
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 1
+    facts_interval_s: float = 10.0
+    """How often /v1/models and /metrics facts are refreshed (load figures ride on every health round)."""
+
+    breaker_failure_threshold: int = 3
+    breaker_recovery_s: float = 15.0
+
+    disagg_min_uncached_tokens: int = 32
+    """Conditional disaggregation: skip the P leg when fewer uncached prompt tokens are expected."""
+    session_ttl_s: float = 1800.0
+    max_sessions: int = 100_000
+    session_growth_tokens: int = 2048
+    """Expected growth of a session's context beyond this request (projected context headroom)."""
+    default_max_tokens: int = 256
+    """Output length assumed for placement when the request names none."""
+    chars_per_token: float = 4.0
+    """Tokenize-free prompt length estimate."""
+
+    kube_namespace: str | None = None
+    kube_label_selector: str = "app.kubernetes.io/part-of=pdcluster"
+    kube_watch_timeout_s: int = 60

@@ -1,0 +1,99 @@
+"""RouterState: everything one router app owns (created in its lifespan, held on `app.state.router`).
+
+Registry, breakers, sessions, warm pairs, metrics, the upstream HTTP client and background tasks.
+`snapshot_for_placement` turns the mutable parts into the frozen inputs the pure policies take.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from router.breaker import Breakers
+from router.config import PoolSpec, RouterConfig
+from router.metrics import RouterMetrics
+from router.placement import PoolView
+from router.registry import InstanceView, Registry
+from router.sessions import SessionTable
+from router.settings import Settings
+
+
+@dataclass
+class RouterState:
+    settings: Settings
+    config: RouterConfig
+    client: httpx.AsyncClient
+    registry: Registry = field(default_factory=Registry)
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    breakers: Breakers | None = None
+    sessions: SessionTable | None = None
+    warm_pairs: set[tuple[str, str]] = field(default_factory=set)
+    prefill_engine_ids: dict[str, str] = field(default_factory=dict)
+    background: set[asyncio.Task] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.breakers = self.breakers or Breakers(s.breaker_failure_threshold, s.breaker_recovery_s)
+        self.sessions = self.sessions or SessionTable(s.session_ttl_s, s.max_sessions)
+        for spec in self.config.instances:
+            self.registry.upsert(spec)
+
+    def spawn(self, coro) -> None:
+        """Run a best-effort side task (aborts) that must outlive a cancelled request."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def pool_specs(self) -> list[PoolSpec]:
+        declared = {p.name: p for p in self.config.pools}
+        for state in self.registry.states():
+            if state.spec.role == "decode" and state.spec.pool not in declared:
+                declared[state.spec.pool] = PoolSpec(name=state.spec.pool, kind="tp")
+        return list(declared.values())
+
+    def pool_views(self, instances: list[InstanceView]) -> list[PoolView]:
+        views = []
+        for spec in self.pool_specs():
+            capacity = spec.max_context_tokens
+            if capacity is None:
+                lens = [v.max_model_len for v in instances
+                        if v.role == "decode" and v.pool == spec.name and v.max_model_len]
+                capacity = min(lens) if lens else None
+            views.append(PoolView(name=spec.name, kind=spec.kind, capacity_tokens=capacity))
+        return views
+
+    def usable_pairs(self, now: float) -> frozenset[tuple[str, str]]:
+        """Compatible pairs whose link breaker and prefill breaker let a request through."""
+        assert self.breakers is not None
+        return frozenset(key for key, verdict in self.registry.matrix.items()
+                         if verdict.is_compatible and self.breakers.link(*key).allows(now)
+                         and self.breakers.instance(key[0]).allows(now))
+
+    def note_prefill_engine(self, prefill: str, engine_id: str | None) -> None:
+        """A prefill whose engine id changed restarted: its handshakes with every decode are cold."""
+        if engine_id is None:
+            return
+        if self.prefill_engine_ids.get(prefill) not in (None, engine_id):
+            self.warm_pairs = {pair for pair in self.warm_pairs if pair[0] != prefill}
+        self.prefill_engine_ids[prefill] = engine_id
+
+    def refresh_gauges(self) -> None:
+        assert self.breakers is not None and self.sessions is not None
+        m, now = self.metrics, time.monotonic()
+        m.reset_gauges()
+        healthy = {}
+        for state in self.registry.states():
+            spec = state.spec
+            healthy[spec.name] = state.is_healthy and not state.is_draining
+            m.instance_healthy.labels(spec.name, spec.role, spec.pool).set(1 if state.is_healthy else 0)
+        for (p, d), verdict in self.registry.matrix.items():
+            m.pair_compatible.labels(p, d).set(1 if verdict.is_compatible else 0)
+            usable = verdict.is_compatible and healthy.get(p) and healthy.get(d) and \
+                self.breakers.link(p, d).allows(now) and self.breakers.instance(p).allows(now)
+            m.pair_healthy.labels(p, d).set(1 if usable else 0)
+        counts = self.sessions.count_by_pool(now)
+        for pool in self.pool_specs():
+            m.active_sessions.labels(pool.name).set(counts.get(pool.name, 0))

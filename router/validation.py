@@ -1,0 +1,104 @@
+"""Light request validation at the router edge; everything else passes through to the node unchanged.
+
+Checked: the body is a JSON object within `max_body_bytes`; `model` names a served model; `messages`
+(chat) or `prompt` (completions) is present and well typed; `max_tokens` / `max_completion_tokens` are
+integers in [1, limit]; `n` is 1; `stream` is a bool and `stream_options` an object. Client-supplied
+`kv_transfer_params` are removed here (security: only the router speaks that protocol to nodes).
+Errors are `APIError(400|404|413)` with the offending param named.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from serving.errors import APIError
+
+Endpoint = Literal["chat", "completions"]
+ROUTER_ONLY_FIELDS = ("kv_transfer_params",)
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    endpoint: Endpoint
+    model: str
+    body: dict[str, Any]
+    """The client's body minus router-only fields, otherwise unchanged."""
+    is_stream: bool
+
+
+def parse_body(raw: bytes, max_body_bytes: int) -> dict[str, Any]:
+    if len(raw) > max_body_bytes:
+        raise APIError(413, f"request body is {len(raw)} bytes, more than the limit of {max_body_bytes}")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a string role", f"messages.{i}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of parts",
+                           f"messages.{i}.content")
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                           for x in value)
+
+
+def _check_prompt(prompt: Any) -> None:
+    ok = (isinstance(prompt, str) or _is_int_list(prompt)
+          or (isinstance(prompt, list) and bool(prompt) and all(isinstance(p, str) for p in prompt))
+          or (isinstance(prompt, list) and bool(prompt) and all(_is_int_list(p) for p in prompt)))
+    if not ok:
+        raise APIError(400, "prompt must be a string, a list of strings, or (lists of) token ids", "prompt")
+
+
+def _check_sampling(body: dict[str, Any], max_tokens_limit: int) -> None:
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= max_tokens_limit:
+            raise APIError(400, f"{key} must be an integer in [1, {max_tokens_limit}], got {value!r}", key)
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        raise APIError(400, f"only n=1 is supported, got n={n!r}", "n")
+    if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
+        raise APIError(400, f"stream must be a boolean, got {body['stream']!r}", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", "stream_options")
+    for key in ("temperature", "top_p"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise APIError(400, f"{key} must be a number, got {value!r}", key)
+
+
+def validate(body: dict[str, Any], endpoint: Endpoint, known_models: set[str], max_tokens_limit: int) -> ValidRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "model must be a non-empty string", "model")
+    if model not in known_models:
+        raise APIError(404, f"model {model!r} does not exist; served: {sorted(known_models)}", "model",
+                       "model_not_found")
+    if endpoint == "chat":
+        _check_messages(body.get("messages"))
+    else:
+        if "prompt" not in body:
+            raise APIError(400, "prompt is required", "prompt")
+        _check_prompt(body["prompt"])
+    _check_sampling(body, max_tokens_limit)
+    clean = {k: v for k, v in body.items() if k not in ROUTER_ONLY_FIELDS}
+    return ValidRequest(endpoint=endpoint, model=model, body=clean, is_stream=bool(body.get("stream")))

