@@ -1,6 +1,6 @@
 """`pdcluster up`: the whole PD cluster on this machine, in the foreground, until Ctrl-C or SIGTERM.
 
-    pdcluster up [--config FILE.yaml] [--engine reference|vllm] [--model DIR] [--router-port 8000]
+    pdcluster up [--config FILE.yaml | --helm-values VALUES.yaml] [--engine reference|vllm] [--model DIR] [--router-port 8000]
                  [--log-dir DIR] [--vllm-python PATH] [--node-python PATH]
 
 Without `--config` the reference topology of cluster/default.yaml runs (router, prefill TP=2, decode
@@ -28,6 +28,8 @@ class _Stop(Exception):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster up", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, help="cluster config YAML (default: cluster/default.yaml)")
+    parser.add_argument("--helm-values", type=Path,
+                        help="run the pools of a Helm values file of deploy/helm/pdcluster instead of --config")
     parser.add_argument("--engine", choices=["reference", "vllm"], help="override the engine of every pool")
     parser.add_argument("--model", help="model preset (reference) or model directory (vllm)")
     parser.add_argument("--router-port", type=int, help="router port (default 8000; 0 picks a free port)")
@@ -42,7 +44,13 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
     """The config file (or the default for the engine) with command-line overrides."""
     from cluster.plan import vllm_on_cpu
 
-    if args.config is not None:
+    if args.config is not None and args.helm_values is not None:
+        raise ConfigError("give --config or --helm-values, not both")
+    if args.helm_values is not None:
+        from cluster.helm import load_helm_values
+
+        config = load_helm_values(args.helm_values)
+    elif args.config is not None:
         config = load_config(args.config)
     elif args.engine == "vllm":
         config = load_config(DEFAULT_CONFIG_PATH)
