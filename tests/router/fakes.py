@@ -1,0 +1,141 @@
+"""Fake upstream nodes for router logic tests: small FastAPI apps that speak vLLM's PD protocol.
+
+`FakeNode` records every body and header it receives, answers a prefill request (kv_transfer_params
+with do_remote_decode) with handoff params, and a decode request with deterministic tokens (stream or
+not). Failure modes: `fail_status`, `delay_s` before answering, `token_delay_s` between streamed tokens,
+`drop_handoff`. `MultiHostTransport` routes httpx requests to in-process apps by host:port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+MODEL = "fake-model"
+
+
+@dataclass
+class FakeNode:
+    name: str
+    role: str
+    block_size: int = 16
+    engine_label: str | None = None
+    tp_size: int | None = None
+    model: str = MODEL
+    fail_status: int | None = None
+    delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    num_tokens: int = 4
+    drop_handoff: bool = False
+    healthy: bool = True
+    bodies: list[dict] = field(default_factory=list)
+    request_ids: list[str | None] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+    def metrics_text(self) -> str:
+        labels = {"block_size": str(self.block_size), "cache_dtype": "auto", "num_gpu_blocks": "100", "engine": "0"}
+        if self.engine_label:
+            labels["engine"] = self.engine_label
+        if self.tp_size:
+            labels["tp_size"] = str(self.tp_size)
+        body = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        return ("# TYPE vllm:cache_config_info gauge\n"
+                f"vllm:cache_config_info{{{body}}} 1.0\n"
+                "# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{model_name="{self.model}"}} 0.0\n')
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+        node = self
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200 if node.healthy else 503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(node.metrics_text(), media_type="text/plain")
+
+        @app.get("/v1/models")
+        async def models() -> dict:
+            return {"object": "list", "data": [{"id": node.model, "object": "model", "max_model_len": 4096}]}
+
+        @app.post("/abort_requests")
+        async def abort(request: Request) -> dict:
+            node.aborted.extend((await request.json())["request_ids"])
+            return {"aborted": True}
+
+        async def generate(request: Request) -> Response:
+            body = await request.json()
+            rid = request.headers.get("x-request-id")
+            node.bodies.append(body)
+            node.request_ids.append(rid)
+            try:
+                if node.delay_s:
+                    await asyncio.sleep(node.delay_s)
+            except asyncio.CancelledError:
+                node.cancelled.append(rid)
+                raise
+            if node.fail_status:
+                return JSONResponse({"error": {"message": "injected", "code": node.fail_status}},
+                                    status_code=node.fail_status)
+            params = body.get("kv_transfer_params") or {}
+            if params.get("do_remote_decode"):
+                handoff = None if node.drop_handoff else {
+                    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+                    "remote_engine_id": f"engine-{node.name}", "remote_request_id": f"p-{rid}",
+                    "remote_host": "localhost", "remote_port": 5600, "tp_size": 1}
+                return JSONResponse({"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                                     "usage": {"prompt_tokens": 5, "completion_tokens": 1},
+                                     "kv_transfer_params": handoff})
+            chat = request.url.path.endswith("chat/completions")
+            if body.get("stream"):
+                return StreamingResponse(node.stream(rid, chat, body), media_type="text/event-stream")
+            text = "".join(f"t{i} " for i in range(node.num_tokens))
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else \
+                {"index": 0, "text": text}
+            node.finished.append(rid)
+            return JSONResponse({"id": "d", "choices": [{**choice, "finish_reason": "length"}],
+                                 "usage": {"prompt_tokens": 5, "completion_tokens": node.num_tokens,
+                                           "total_tokens": 5 + node.num_tokens}})
+
+        app.post("/v1/completions")(generate)
+        app.post("/v1/chat/completions")(generate)
+        return app
+
+    async def stream(self, rid: str | None, chat: bool, body: dict):
+        try:
+            for i in range(self.num_tokens):
+                if i and self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
+                yield f"data: {json.dumps({'id': 'd', 'choices': [choice]})}\n\n"
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": 5, "completion_tokens": self.num_tokens}
+                yield f"data: {json.dumps({'id': 'd', 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+            self.finished.append(rid)
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+
+
+class MultiHostTransport(httpx.AsyncBaseTransport):
+    """Send each request to the in-process app registered for its host:port; others fail to connect."""
+
+    def __init__(self, apps: dict[str, FastAPI]) -> None:
+        self.transports = {host: httpx.ASGITransport(app=app) for host, app in apps.items()}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        key = f"{request.url.host}:{request.url.port or 80}"
+        transport = self.transports.get(key)
+        if transport is None:
+            raise httpx.ConnectError(f"no fake node at {key}", request=request)
+        return await transport.handle_async_request(request)
