@@ -7,21 +7,27 @@ stable top-k: the k best scores, ties to the lower global position, tokens score
 Generic merge (baseline, vLLM's): every rank all-gathers its full local top-k as (fp32 score, int32 id),
 8 bytes a candidate, and every rank runs one stable top-k over the union.
 
-Compact merge: every rank all-gathers only its best m = ceil(1.5 k / W) candidates as one 32-bit word each:
-`word = key << slot_bits | slot`. `key` is the top `key_bits` bits of an order-preserving map of the fp32
-score (monotone: a higher score never gets a lower key), `slot` is the candidate's place in the rank's
-stable local order (so `slot_bits = 32 - key_bits >= ceil(log2 m)`). By default the key takes every bit the
-slot does not need (21-23 bits for W in 2..8, k = 2048), which keeps the boundary bucket small; `key_bits=16`
-gives the 16+16 packing. Word 0 means "no candidate". Every rank then computes, from the same gathered
-words, the same decision: T = the k-th largest key; all candidates with key > T are selected; of the
-bucket key == T, the `need` best are selected, which is decidable when the bucket lives on one rank (its
-slot order is the exact order, because local order == global order within a rank).
+Compact merge: every rank all-gathers only its best m = ceil(1.5 k / W) candidates as one 32-bit word each,
+in its stable local order: `word = key << slot_bits | slot`, `key` = the top `key_bits` bits of an
+order-preserving map of the fp32 score (monotone: a higher score never gets a lower key; -0.0 == +0.0),
+`slot` = the candidate's place in the rank's stable local order. Word 0 means "no candidate".
+Packing choice: a receiver already knows every word's (rank, slot) from its place in the gathered buffer,
+so the default `key_bits=32` spends all 32 bits on the key (the exact fp32 order) and leaves the slot
+implicit; `key_bits=16` is the 16-bit key + 16-bit slot packing. The key width only changes how often the
+exact round runs (benchmarks/dcp.py measures it: with 16-bit keys the boundary bucket spans ranks in
+nearly every row; with 32-bit keys only exact cross-rank ties at the boundary or a saturated rank do).
+Every rank computes, from the same gathered words, the same decision: T = the k-th largest key; all
+candidates with key > T are selected; of the bucket key == T, the `need` best are selected, which is
+decidable when the bucket lives on one rank (its slot order is the exact order, because local order ==
+global order within a rank) or when the whole bucket is taken.
 A row falls back (second, exact round) when
   * a rank is *saturated*: it sent m valid candidates and its last one has key >= T, so its unsent tokens
-    might belong to the global top-k; that rank resends its full local top-k as (fp32, id); or
+    might belong to the global top-k; that rank resends its full local top-k (the entries past m go out in
+    one broadcast per saturated rank); or
   * the bucket is *ambiguous*: it spans several ranks and not all its members are selected (truncated keys
-    or exact score ties across ranks cannot be ordered from the words); every rank resends its m candidates
-    as (fp32, id).
+    or exact score ties across ranks cannot be ordered from the words).
+  In the exact round every rank resends its m candidates as (fp32 score, int32 id) for the fallback rows,
+  and every rank runs the generic stable merge over them (plus the saturated ranks' extra entries).
 Why the first round is exact otherwise: a non-saturated rank's unsent tokens have key <= its last key < T,
 and at least k candidates have key >= T, so none of them can be selected; every token with key > T is
 beaten by fewer than k tokens; the bucket is resolved exactly as argued above.
@@ -151,7 +157,7 @@ def pack_candidates(sorted_scores: torch.Tensor, m: int, key_bits: int) -> torch
     slot_bits = 32 - key_bits
     cand = _pad_cols(sorted_scores, m, NEG_INF)
     keys = order_key(cand) >> slot_bits
-    slots = torch.arange(m, dtype=torch.int64).expand_as(keys)
+    slots = torch.arange(m, dtype=torch.int64).expand_as(keys) & ((1 << slot_bits) - 1)
     words = torch.where(cand > NEG_INF, (keys << slot_bits) | slots, 0)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
@@ -178,18 +184,57 @@ def resolve_candidates(words: torch.Tensor, k: int, key_bits: int) -> CandidateD
     return CandidateDecision(counts=counts, fallback=ambiguous | saturated.any(0), saturated=saturated)
 
 
+def _exact_payload(vals: torch.Tensor, idx: torch.Tensor, gids_local: torch.Tensor, rows: torch.Tensor,
+                   start: int, stop: int, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entries [start, stop) of the stable local order of `rows` as (fp32, gid); beyond `limit` empty."""
+    width = stop - start
+    s = _pad_cols(vals[rows, start:stop], width, NEG_INF)
+    g = _pad_cols(gids_local[idx[rows, start:stop]], width, -1)
+    keep = ((torch.arange(start, stop)[None] < limit[:, None]) & (s > NEG_INF))
+    return torch.where(keep, s, NEG_INF), torch.where(keep, g, -1)
+
+
+def _exact_round(ctx: ParallelContext, vals: torch.Tensor, idx: torch.Tensor, layout: DCPLayout,
+                 rows: torch.Tensor, saturated: torch.Tensor, k: int, m: int) -> tuple[torch.Tensor, int]:
+    """Second round for fallback `rows`: every rank sends its m candidates exactly (fp32 + id); each
+    saturated rank q also broadcasts its local entries m..k-1 for the rows where it is saturated.
+    Returns (per-rank counts [F, W], bytes this rank sent)."""
+    n_local = vals.shape[1]
+    gids_local = layout.global_ids(ctx.rank, n_local)
+    full = torch.full((rows.numel(),), n_local, dtype=torch.int64)
+    base_s, base_g = _exact_payload(vals, idx, gids_local, rows, 0, m, full)
+    all_s = [all_gather_stack(ctx, base_s)]
+    all_g = [all_gather_stack(ctx, base_g.to(torch.int32)).long()]
+    sent = base_s.numel() * 8
+    if k > m:
+        for q in saturated.any(1).nonzero().flatten().tolist():
+            limit = torch.where(saturated[q], n_local, 0)            # only q's saturated rows
+            ext_s, ext_g = _exact_payload(vals, idx, gids_local, rows, m, k, limit)
+            ext_g = ext_g.to(torch.int32)
+            if ctx.rank != q:
+                ext_s, ext_g = torch.empty_like(ext_s), torch.empty_like(ext_g)
+            else:
+                sent += ext_s.numel() * 8
+            torch.distributed.broadcast(ext_s, src=q, group=ctx.group)
+            torch.distributed.broadcast(ext_g, src=q, group=ctx.group)
+            pad_s = torch.full((ctx.world_size,) + tuple(ext_s.shape), NEG_INF)
+            pad_g = torch.full((ctx.world_size,) + tuple(ext_g.shape), -1, dtype=torch.int64)
+            pad_s[q], pad_g[q] = ext_s, ext_g.long()
+            all_s.append(pad_s)
+            all_g.append(pad_g)
+    _, counts = exact_select(torch.cat(all_s, 2), torch.cat(all_g, 2), k, layout)
+    return counts, sent
+
+
 def compact_merge(ctx: ParallelContext, local_scores: torch.Tensor, k: int, layout: DCPLayout,
-                  key_bits: int | None = None) -> MergeResult:
+                  key_bits: int = 32) -> MergeResult:
     """The compact exact merge (module docstring). World size 1 is the plain stable local top-k."""
     vals, idx = stable_order(local_scores)
-    rows, n_local = local_scores.shape
     if ctx.is_single:
         counts = (vals[:, :k] > NEG_INF).sum(1, keepdim=True)
         return MergeResult(_local_ids_from_counts(idx, counts[:, 0], k), counts, 0, 0)
     m = candidates_per_rank(k, ctx.world_size)
-    slot_bits_needed = max(1, math.ceil(math.log2(m)))
-    key_bits = 32 - slot_bits_needed if key_bits is None else key_bits
-    if key_bits + slot_bits_needed > 32 or key_bits < 8:
+    if key_bits < 32 and (1 << (32 - key_bits)) < m or key_bits < 8 or key_bits > 32:
         raise ValueError(f"key_bits={key_bits} leaves no room for {m} slots in 32 bits")
     words = pack_candidates(vals, m, key_bits)
     decision = resolve_candidates(all_gather_stack(ctx, words), k, key_bits)
@@ -197,19 +242,8 @@ def compact_merge(ctx: ParallelContext, local_scores: torch.Tensor, k: int, layo
     sent = words.numel() * 4
     fb_rows = decision.fallback.nonzero().flatten()
     if fb_rows.numel():
-        saturated = decision.saturated[:, fb_rows]                         # [W, F]
-        width = k if bool(saturated.any()) else m
-        my_n = torch.where(saturated[ctx.rank], min(k, n_local), m)        # [F]
-        gids_local = layout.global_ids(ctx.rank, n_local)
-        fb_s = _pad_cols(vals[fb_rows, :width], width, NEG_INF)
-        fb_g = _pad_cols(gids_local[idx[fb_rows, :width]], width, -1)
-        keep = (torch.arange(width)[None] < my_n[:, None]) & (fb_s > NEG_INF)
-        fb_s = torch.where(keep, fb_s, NEG_INF)
-        fb_g = torch.where(keep, fb_g, -1)
-        all_s = all_gather_stack(ctx, fb_s)
-        all_g = all_gather_stack(ctx, fb_g.to(torch.int32)).long()
-        _, fb_counts = exact_select(all_s, all_g, k, layout)
+        fb_counts, fb_sent = _exact_round(ctx, vals, idx, layout, fb_rows, decision.saturated[:, fb_rows], k, m)
         counts[fb_rows] = fb_counts
-        sent += fb_s.numel() * 8
+        sent += fb_sent
     local_ids = _local_ids_from_counts(idx, counts[:, ctx.rank], k)
     return MergeResult(local_ids, counts, int(fb_rows.numel()), sent)

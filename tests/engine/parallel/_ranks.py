@@ -15,7 +15,7 @@ def merge_case(ctx: ParallelContext, scores: torch.Tensor, k: int, interleave: i
     layout = DCPLayout(ctx.world_size, interleave)
     local = layout.shard(scores, ctx.rank, dim=1)
     if method == "compact":
-        res = compact_merge(ctx, local, k, layout, key_bits=key_bits)
+        res = compact_merge(ctx, local, k, layout, key_bits=key_bits or 32)
     else:
         res = generic_merge(ctx, local, k, layout)
     gids = layout.global_ids(ctx.rank, local.shape[1])
