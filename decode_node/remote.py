@@ -10,6 +10,7 @@ A failed read follows `kv_load_failure_policy`: `fail` answers 502 and frees the
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -22,7 +23,7 @@ from kv_transfer.remap import pair_problems
 from serving.errors import APIError
 from serving.local import respond, serve_local
 from serving.node_app import NodeRuntime, until_disconnect
-from serving.side_channel import SideChannelInfo
+from kv_transfer.side_channel import InstanceMetadata, fetch_metadata
 from serving.textgen import PreparedRequest
 
 
@@ -30,24 +31,23 @@ class PeerDirectory:
     """Side-channel metadata of prefill instances, fetched once per (host, port) and engine id."""
 
     def __init__(self, timeout_s: float = 10.0) -> None:
-        self._cache: dict[tuple[str, int], SideChannelInfo] = {}
+        self.timeout_s = timeout_s
+        self._cache: dict[tuple[str, int], InstanceMetadata] = {}
         self._client = httpx.AsyncClient(timeout=timeout_s)
 
-    async def get(self, host: str, port: int, engine_id: str | None) -> SideChannelInfo:
+    async def get(self, host: str, port: int, engine_id: str | None) -> InstanceMetadata:
+        """Cached metadata; refetched when the engine id differs (the prefill node restarted)."""
         key = (host, port)
         info = self._cache.get(key)
         if info is None or info.engine_id != engine_id:
-            resp = await self._client.get(f"http://{host}:{port}/kv_transfer/metadata")
-            resp.raise_for_status()
-            info = SideChannelInfo.model_validate(resp.json())
+            info = await asyncio.to_thread(fetch_metadata, host, port, self.timeout_s)
             self._cache[key] = info
         return info
 
     async def release(self, params: KVTransferParams) -> None:
         """Best effort: tell the prefill node we will not read (its lease would expire anyway)."""
         try:
-            await self._client.post(f"http://{params.remote_host}:{params.remote_port}/kv_transfer/release",
-                                    json={"request_id": params.remote_request_id, "lease_id": params.lease_id})
+            await self._client.post(f"http://{params.remote_host}:{params.remote_port}/kv/leases/{params.lease_id}/abort")
         except httpx.HTTPError:
             pass
 
@@ -60,7 +60,7 @@ class _Geometry:  # the prefill side of pair_problems
         self.tp, self.dcp, self.block_size, self.layout_fingerprint = tp, dcp, block_size, layout_fingerprint
 
 
-async def _admit(runtime: NodeRuntime, prepared: PreparedRequest, params: KVTransferParams) -> SideChannelInfo:
+async def _admit(runtime: NodeRuntime, prepared: PreparedRequest, params: KVTransferParams) -> InstanceMetadata:
     """Every check before memory is touched; raises APIError (4xx) naming the problem."""
     if params.remote_host is None or params.remote_port is None:
         raise APIError(400, "kv_transfer_params: remote_host and remote_port are required", "kv_transfer_params")
@@ -101,7 +101,7 @@ async def serve_remote(runtime: NodeRuntime, prepared: PreparedRequest, request:
         raise
     cmd = ImportKV(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
                    sampling=prepared.sampling, first_token=int(params.first_token_id or 0), params=params,
-                   peer=tuple(rank.endpoint() for rank in info.ranks))
+                   peer=info.endpoints())
     events = runtime.executor.events(cmd)
     outcome = await until_disconnect(request, events.__anext__())
     if not isinstance(outcome, ImportOutcome) or outcome.error:

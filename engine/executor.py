@@ -365,9 +365,9 @@ class Executor:
             self.submit(cmd)
             while True:
                 event = await inflight.queue.get()
+                finished = event.is_final  # before yielding: the consumer may stop right after a final event
                 yield event
-                if event.is_final:
-                    finished = True
+                if finished:
                     return
         finally:
             with self._lock:

@@ -14,10 +14,11 @@ from fastapi.responses import Response
 from prefill_node.export import parse_params, serve_export
 from prefill_node.exports import ExportIdentity, ExportTable
 from prefill_node.settings import Settings
+from serving.errors import APIError
 from serving.local import serve_local
 from serving.node_app import NodeRuntime, build_app
 from serving.runtime import RankInfo, start_runtime, worker_config
-from serving.side_channel import side_channel_router
+from kv_transfer.side_channel import InstanceMetadata, RankMetadata, side_channel_router
 from serving.textgen import PreparedRequest
 
 
@@ -61,6 +62,31 @@ def create_app(settings: Settings) -> FastAPI:
             app.state.runtime = None
             await asyncio.to_thread(runtime.executor.stop)
 
+    def metadata() -> InstanceMetadata:
+        runtime = getattr(app.state, "runtime", None)
+        if runtime is None:
+            raise APIError(503, "the node is starting")
+        ranks: list[RankInfo] = runtime.executor.startup_info
+        head = ranks[0]
+        return InstanceMetadata(
+            engine_id=settings.engine_id, model=settings.model, layout_fingerprint=head.layout_fingerprint,
+            tp_size=settings.tp, block_size=head.block_size, subblock_tokens=head.subblock_tokens,
+            row_bytes=head.row_bytes, num_rows=head.num_rows, kda_groups=head.kda_groups,
+            ranks=[RankMetadata.from_endpoint(info.endpoint) for info in ranks if info.endpoint is not None])
+
     app = build_app("pdcluster prefill node", handle, lifespan)
-    app.include_router(side_channel_router())
+    app.include_router(side_channel_router(metadata, _LazyLeases(app)))
     return app
+
+
+class _LazyLeases:
+    """The LeaseManager of the running app (it exists only once the lifespan started)."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self._app = app
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - forwards to kv_transfer.lease.LeaseManager
+        runtime = getattr(self._app.state, "runtime", None)
+        if runtime is None:
+            raise APIError(503, "the node is starting")
+        return getattr(runtime.extras["exports"].leases, name)

@@ -34,6 +34,10 @@ class NodeSettings(BaseSettings):
     seed: int = 0
     """Weights seed of the reference model (every node of a cluster must agree)."""
     pin_cores: bool = True
+    backend: str = "reference"
+    """Engine backend of the ranks: "reference" (engine/), or "module:function" of another backend factory."""
+    transport: bool = True
+    """Register the row pool with NIXL (P -> D transfer); off only for a node that never transfers."""
 
     @property
     def public_host(self) -> str:

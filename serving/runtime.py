@@ -28,6 +28,11 @@ class WorkerConfig:
     max_num_seqs: int
     engine_id: str
     token_shard_min_tokens: int = 1024
+    backend: str = "reference"
+    """"reference" (engine/) or a "module:function" backend factory."""
+    transport: bool = True
+    """Register the pool with NIXL (needed for P -> D transfer)."""
+    transfer_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class RankInfo:
     rank: int
     num_rows: int
     block_size: int
+    row_bytes: int
     subblock_tokens: int
     layout_fingerprint: str
     cache_dtype: str
@@ -50,15 +56,17 @@ def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_sh
     return WorkerConfig(model=settings.model, role=role, seed=settings.seed, num_rows=settings.num_rows,
                         block_size=settings.block_size, tp_size=settings.tp, dcp_size=dcp_size,
                         max_num_seqs=settings.max_num_seqs, engine_id=settings.engine_id,
-                        token_shard_min_tokens=token_shard_min_tokens)
+                        token_shard_min_tokens=token_shard_min_tokens, backend=settings.backend,
+                        transport=settings.transport)
 
 
 def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int) -> NodeRuntime:
     """Spawn the ranks (blocking until ready) and assemble the runtime."""
     from engine.model.config import get_preset
-    from engine.tokenizer import load_tokenizer
+    from serving.engine_worker import backend_module
 
     model_cfg = get_preset(settings.model)
+    load_tokenizer = backend_module(config.backend).load_tokenizer
     spec = WorkerSpec(factory=WORKER_FACTORY, config=config, world_size=world_size, pin_cores=settings.pin_cores,
                       step_timeout_s=settings.step_timeout_s)
     executor = Executor(spec)

@@ -1,0 +1,149 @@
+"""The object each rank process runs: an engine backend plus the rank's KV transport.
+
+`build_worker(config, ctx)` is the executor's factory (engine/executor.py). The worker turns executor
+commands into backend calls, and owns the transfer side of the rank:
+- prefill ranks register their row pool with NIXL once and report the endpoint (served on the side
+  channel); every step they drain the readers' notifications into `TransportNotice`s (the node's lease
+  table frees rows on DONE);
+- decode ranks, on `ImportKV`, allocate rows through the backend, plan the reads with kv_transfer.remap
+  (P layout rebuilt from the params and checked against its fingerprint), and post ONE READ per source P
+  rank carrying one descriptor per merged row range, with the lease's DONE notification; the outcome
+  (bytes, seconds, descriptors or the error) goes back to the driver, which merges all ranks.
+Backends implement `Backend` (below); `config.backend` names the factory ("reference" = engine/).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Any, Protocol
+
+from engine.executor import (
+    Abort, Command, Event, ImportKV, ImportOutcome, RankStats, Release, StartDecode, Submit, TransportNotice,
+)
+from serving.runtime import RankInfo, WorkerConfig
+
+REFERENCE_BACKEND = "serving.reference_backend:build_backend"
+
+
+class Backend(Protocol):
+    """One rank's engine as the worker sees it."""
+
+    layout: Any
+    """kv_transfer.layout.RowLayout of this rank's pool."""
+    model_config: Any
+
+    def pool_buffer(self) -> Any: ...
+
+    def num_rows(self) -> int: ...
+
+    def submit(self, cmd: Submit) -> list[Event]: ...
+
+    def allocate_import(self, cmd: ImportKV) -> tuple[list[int], list[int]]: ...
+
+    def start_decode(self, request_id: str) -> list[Event]: ...
+
+    def abort(self, request_id: str) -> list[Event]: ...
+
+    def release_rows(self, row_ids: tuple[int, ...], request_id: str) -> None: ...
+
+    def step(self) -> list[Event]: ...
+
+    def stats(self) -> RankStats: ...
+
+    def close(self) -> None: ...
+
+
+def _factory(path: str) -> Any:
+    module, func = (REFERENCE_BACKEND if path == "reference" else path).split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def backend_module(path: str) -> Any:
+    """The backend's module; it also provides `load_tokenizer(model_config)` for the server process."""
+    return importlib.import_module((REFERENCE_BACKEND if path == "reference" else path).split(":")[0])
+
+
+class RankWorker:
+    def __init__(self, config: WorkerConfig, ctx: Any, backend: Backend) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.backend = backend
+        self.transport = None
+        if config.transport:
+            from kv_transfer.nixl_transport import NixlTransport
+
+            side = "p" if config.role == "prefill" else "d"
+            self.transport = NixlTransport(f"{config.engine_id}-{side}{ctx.rank}", backend.pool_buffer(),
+                                           backend.layout.row_bytes)
+
+    def startup_info(self) -> RankInfo:
+        layout = self.backend.layout
+        endpoint = self.transport.endpoint(self.ctx.rank) if self.transport else None
+        return RankInfo(rank=self.ctx.rank, num_rows=self.backend.num_rows(), block_size=layout.block_size,
+                        row_bytes=layout.row_bytes, subblock_tokens=layout.subblock_tokens,
+                        layout_fingerprint=layout.fingerprint,
+                        cache_dtype=f"{layout.latent_format}+{layout.index_key_format}",
+                        kda_groups=layout.kda_groups, endpoint=endpoint)
+
+    def apply(self, cmd: Command) -> list[Event]:
+        if isinstance(cmd, Submit):
+            return self.backend.submit(cmd)
+        if isinstance(cmd, ImportKV):
+            return [self._import(cmd)]
+        if isinstance(cmd, StartDecode):
+            return self.backend.start_decode(cmd.request_id)
+        if isinstance(cmd, Abort):
+            return self.backend.abort(cmd.request_id)
+        if isinstance(cmd, Release):
+            self.backend.release_rows(cmd.row_ids, cmd.request_id)
+            return []
+        raise ValueError(f"unknown command {type(cmd).__name__}")
+
+    def _import(self, cmd: ImportKV) -> ImportOutcome:
+        from engine.model.config import get_preset
+        from kv_transfer.layout import plan_layout
+        from kv_transfer.nixl_transport import read_request
+        from kv_transfer.remap import plan_reads
+
+        started = time.perf_counter()
+        params = cmd.params
+        try:
+            attn_rows, kda_rows = self.backend.allocate_import(cmd)
+            p_layout = plan_layout(get_preset(self.config.model), tp_size=params.tp_size,
+                                   block_size=params.block_size, subblock_tokens=params.subblock_tokens or 64)
+            if p_layout.fingerprint != params.layout_fingerprint:
+                raise ValueError(f"P layout rebuilt here has fingerprint {p_layout.fingerprint}, params say "
+                                 f"{params.layout_fingerprint}")
+            plan = plan_reads(p_layout, self.backend.layout, int(params.remote_num_tokens), params.attention_rows,
+                              params.kda_rows, attn_rows, kda_rows)
+            if self.transport is None:
+                raise ValueError("this node runs without a KV transport")
+            results = read_request(self.transport, self.ctx.rank, plan, dict(cmd.peer), params.lease_id,
+                                   timeout_s=self.config.transfer_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any failure becomes this rank's import error
+            return ImportOutcome(request_id=cmd.request_id, error=f"rank {self.ctx.rank}: {type(exc).__name__}: {exc}")
+        return ImportOutcome(request_id=cmd.request_id, num_bytes=sum(r.bytes for r in results),
+                             seconds=time.perf_counter() - started,
+                             num_descriptors=sum(r.descriptors for r in results))
+
+    def step(self) -> list[Event]:
+        events = self.backend.step()
+        if self.transport is not None and self.config.role == "prefill":
+            events += [TransportNotice(rank=self.ctx.rank, sender=src, message=msg)
+                       for src, msg in self.transport.notifications()]
+        return events
+
+    def stats(self) -> RankStats:
+        return self.backend.stats()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self.backend.close()
+
+
+def build_worker(config: WorkerConfig, ctx: Any) -> RankWorker:
+    """The executor's rank factory."""
+    backend = _factory(config.backend)(config, ctx)
+    return RankWorker(config, ctx, backend)

@@ -1,0 +1,164 @@
+"""Prefill node over in-process HTTP (real rank process, test backend): request parsing, OpenAI error
+shapes, the do_remote_decode answer, leases ended by abort / expiry, metrics names."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from prefill_node.app import create_app
+from prefill_node.settings import Settings
+from tests.serving.nodes import TOY
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def client():
+    settings = Settings(backend=TOY, num_rows=16, max_context=4096, lease_seconds=1.5, lease_sweep_s=0.1,
+                        engine_id="prefill-test", port=8123)
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    pattern = re.escape(name) + (r"\{" + labels + r"[^}]*\}" if labels else r"(\{[^}]*\})?") + r" ([0-9.e+-]+)"
+    match = re.search(pattern, text)
+    assert match, f"{name} {labels} not in metrics"
+    return float(match.groups()[-1])
+
+
+def _rows_used(client: TestClient) -> float:
+    return _metric(client.get("/metrics").text, "pdcluster_node_kv_rows_used")
+
+
+def _wait_rows(client: TestClient, value: float, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _rows_used(client) != value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _rows_used(client) == value
+
+
+def _error(resp, status: int, param: str | None = None) -> str:
+    assert resp.status_code == status, resp.text
+    body = resp.json()["error"]
+    assert body["code"] == status and body["type"]
+    if param is not None:
+        assert body["param"] == param, body
+    return body["message"]
+
+
+@pytest.mark.parametrize("body,param,needle", [
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": []}, "prompt", "empty"),
+    ({"prompt": "x" * 5000}, "prompt", "maximum context length is 4096"),
+    ({"prompt": "hi", "max_tokens": 4095}, "max_tokens", "4097 tokens"),
+    ({"prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
+    ({"prompt": "hi", "n": 2}, "n", "n=1"),
+    ({"prompt": "hi", "kv_transfer_params": "yes"}, "kv_transfer_params", None),
+    ({"prompt": "hi", "kv_transfer_params": {"do_remote_decode": "maybe"}}, "kv_transfer_params", "malformed"),
+    ({"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 4}, "max_tokens",
+     "max_tokens=1"),
+    ({"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1, "stream": True},
+     "stream", "cannot stream"),
+], ids=["empty-text", "empty-ids", "over-context", "output-over-context", "bad-token", "n2", "params-not-object",
+        "params-malformed", "remote-decode-max-tokens", "remote-decode-stream"])
+def test_bad_input_is_openai_400(client, body, param, needle):
+    message = _error(client.post("/v1/completions", json=body), 400, param)
+    if needle:
+        assert needle in message
+
+
+def test_chat_errors_and_unknown_fields(client):
+    _error(client.post("/v1/chat/completions", json={"messages": []}), 400, "messages")
+    _error(client.post("/v1/completions", content=b"{not json"), 400)
+    _error(client.post("/v1/completions", json={"prompt": "hi", "model": "other"}), 404, "model")
+    ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0,
+                                              "some_future_field": {"x": 1}, "user": "u"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_models_health_metrics(client):
+    assert client.get("/health").status_code == 200
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "kimi-k3.1-mini" and models["data"][0]["max_model_len"] == 4096
+    text = client.get("/metrics").text
+    for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "pdcluster_node_leases_outstanding", "pdcluster_node_kv_rows_total"):
+        assert name in text
+    info = re.search(r"vllm:cache_config_info\{([^}]*)\} 1.0", text).group(1)
+    for label in ('block_size="1024"', 'num_gpu_blocks="16"', 'tp_size="1"', 'dcp_size="1"', 'engine="reference"',
+                  "layout_fingerprint=", "cache_dtype="):
+        assert label in info
+    assert 'le="2.0"' in text
+
+
+def test_colocated_completion_and_chat(client):
+    resp = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5, "temperature": 0})
+    body = resp.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] == 5
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_completion_tokens": 3}).json()
+    assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] == 3
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_streaming_with_usage(client):
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        data = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+def _export(client: TestClient, request_id: str, prompt: str = "disaggregate me") -> dict:
+    resp = client.post("/v1/completions", headers={"X-Request-Id": request_id}, json={
+        "prompt": prompt, "max_tokens": 1, "stream": False, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                               "remote_block_ids": None, "remote_host": None, "remote_port": None}})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_remote_decode_answer_matches_vllm_shape_and_colocated_first_token(client):
+    body = _export(client, "req-shape")
+    params = body["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_engine_id"] == "prefill-test" and params["remote_request_id"] == "req-shape"
+    assert params["remote_host"] == "127.0.0.1" and params["remote_port"] == 8123
+    assert params["tp_size"] == 1 and params["dcp_size"] == 1 and params["remote_num_tokens"] == 15
+    assert len(params["remote_block_ids"]) == 1 and len(params["remote_block_ids"][0]) == 1
+    assert len(params["remote_kda_block_ids"]) == 2 and params["block_size"] == 1024
+    assert params["lease_id"] and params["lease_expiry"] > time.time()
+    assert params["remote_blocks_expiry_time"] == params["lease_expiry"]
+    assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == "length"
+    colocated = client.post("/v1/completions", json={"prompt": "disaggregate me", "max_tokens": 1}).json()
+    assert body["choices"][0]["token_ids"] == colocated["choices"][0]["token_ids"] == [params["first_token_id"]]
+    assert client.post("/abort_requests", json={"request_ids": ["req-shape"]}).json() == {"aborted": ["req-shape"]}
+    _wait_rows(client, 0)
+
+
+def test_lease_expiry_frees_rows_and_side_channel(client):
+    meta = client.get("/kv/metadata").json()
+    assert meta["engine_id"] == "prefill-test" and meta["ranks"][0]["agent_name"] == "prefill-test-p0"
+    params = _export(client, "req-expire")["kv_transfer_params"]
+    assert _rows_used(client) == 3
+    assert client.post(f"/kv/leases/{params['lease_id']}/heartbeat").status_code == 200
+    _wait_rows(client, 0, timeout_s=10)
+    text = client.get("/metrics").text
+    assert _metric(text, "pdcluster_node_lease_outcomes_total", 'outcome="expired"') >= 1
+    assert _metric(text, "vllm:nixl_num_kv_expired_reqs_total") >= 1
+    assert _metric(text, "pdcluster_node_leases_outstanding") == 0
+    _error(client.post(f"/kv/leases/{params['lease_id']}/heartbeat"), 404, "lease_id")

@@ -1,0 +1,168 @@
+"""A small deterministic backend for testing the node layer (executor, HTTP, leases, NIXL plumbing).
+
+It is not a model: it owns a real row pool laid out by kv_transfer.layout, fills a request's rows with
+bytes derived from its prompt at prefill, and derives every output token from a CRC of the request's rows
+(plus the previous token). So a decode that continues from transferred rows produces the colocated tokens
+only if every row byte arrived intact, which is what the P -> D tests check. Rows are allocated lowest id
+first, so every rank of a node makes the same choices (SPMD).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.executor import Event, ExportedRows, ImportKV, RankStats, Submit, TokenEvent
+from engine.model.config import get_preset
+from kv_transfer.layout import plan_layout
+
+EOS = 257
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255; ids above 255 decode to nothing."""
+
+    eos_token_id = EOS
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: Any) -> str:
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+
+def load_tokenizer(model_config: Any) -> ByteTokenizer:
+    return ByteTokenizer(model_config.vocab_size)
+
+
+@dataclass
+class _Req:
+    cmd: Any
+    attn_rows: list[int] = field(default_factory=list)
+    kda_rows: list[int] = field(default_factory=list)
+    out: list[int] = field(default_factory=list)
+    state: str = "waiting"
+
+
+class ToyBackend:
+    def __init__(self, config: Any, ctx: Any) -> None:
+        self.model_config = get_preset(config.model)
+        self.layout = plan_layout(self.model_config, tp_size=config.tp_size, dcp_size=config.dcp_size,
+                                  block_size=config.block_size)
+        self.rank = ctx.rank
+        self._num_rows = config.num_rows
+        self.pool = np.zeros(config.num_rows * self.layout.row_bytes, dtype=np.uint8)
+        self.free = list(range(config.num_rows))
+        self.reqs: dict[str, _Req] = {}
+
+    def pool_buffer(self) -> np.ndarray:
+        return self.pool
+
+    def num_rows(self) -> int:
+        return self._num_rows
+
+    def _row(self, row: int) -> np.ndarray:
+        size = self.layout.row_bytes
+        return self.pool[row * size:(row + 1) * size]
+
+    def _alloc(self, num_tokens: int) -> tuple[list[int], list[int]]:
+        num_attn, num_kda = self.layout.rows_per_request(num_tokens)
+        if num_attn + num_kda > len(self.free):
+            raise ValueError(f"out of rows: {num_attn + num_kda} needed, {len(self.free)} free")
+        self.free.sort()
+        rows, self.free = self.free[:num_attn + num_kda], self.free[num_attn + num_kda:]
+        return rows[:num_attn], rows[num_attn:]
+
+    def _fill(self, req: _Req) -> None:
+        prompt = np.array(req.cmd.prompt_token_ids, dtype=np.int64)
+        seed = int((prompt * np.arange(1, len(prompt) + 1)).sum() % 65521)
+        ramp = np.arange(self.layout.row_bytes, dtype=np.int64)
+        for j, row in enumerate(req.attn_rows):
+            self._row(row)[:] = ((seed + 131 * j + ramp) % 256).astype(np.uint8)
+        for g, row in enumerate(req.kda_rows):
+            self._row(row)[:] = ((seed * 7 + 17 * g + ramp * 3) % 256).astype(np.uint8)
+
+    def _token(self, req: _Req, prev: int) -> int:
+        crc = 0
+        for row in req.attn_rows + req.kda_rows:
+            crc = zlib.crc32(self._row(row).tobytes(), crc)
+        return zlib.crc32(prev.to_bytes(4, "little") + len(req.out).to_bytes(4, "little"), crc) % 256
+
+    def submit(self, cmd: Submit) -> list[Event]:
+        if not cmd.prompt_token_ids:
+            raise ValueError("empty prompt")
+        self.reqs[cmd.request_id] = _Req(cmd)
+        return []
+
+    def allocate_import(self, cmd: ImportKV) -> tuple[list[int], list[int]]:
+        attn, kda = self._alloc(len(cmd.prompt_token_ids))
+        self.reqs[cmd.request_id] = _Req(cmd, attn, kda, state="importing")
+        return attn, kda
+
+    def start_decode(self, request_id: str) -> list[Event]:
+        req = self.reqs[request_id]
+        req.state = "running"
+        return self._emit(req, req.cmd.first_token)
+
+    def _emit(self, req: _Req, token: int) -> list[Event]:
+        req.out.append(token)
+        done = len(req.out) >= req.cmd.sampling.max_tokens
+        if done:
+            self._drop(req.cmd.request_id)
+        return [TokenEvent(request_id=req.cmd.request_id, token_id=token, finish_reason="length" if done else None,
+                           num_prompt_tokens=len(req.cmd.prompt_token_ids))]
+
+    def _drop(self, request_id: str) -> None:
+        req = self.reqs.pop(request_id, None)
+        if req is not None:
+            self.free += req.attn_rows + req.kda_rows
+            req.attn_rows, req.kda_rows = [], []
+
+    def abort(self, request_id: str) -> list[Event]:
+        if request_id not in self.reqs:
+            return []
+        self._drop(request_id)
+        return [TokenEvent(request_id=request_id, token_id=None, finish_reason="abort")]
+
+    def release_rows(self, row_ids: tuple[int, ...], request_id: str) -> None:
+        for rid, req in list(self.reqs.items()):
+            if req.state == "exported" and (rid == request_id or set(row_ids) == set(req.attn_rows + req.kda_rows)):
+                self._drop(rid)
+
+    def step(self) -> list[Event]:
+        events: list[Event] = []
+        for req in list(self.reqs.values()):
+            if req.state == "waiting":
+                req.attn_rows, req.kda_rows = self._alloc(len(req.cmd.prompt_token_ids))
+                self._fill(req)
+                first = self._token(req, -1 % 256)
+                if req.cmd.export:
+                    req.state = "exported"
+                    events.append(ExportedRows(request_id=req.cmd.request_id, attn_row_ids=tuple(req.attn_rows),
+                                               kda_row_ids=tuple(req.kda_rows),
+                                               num_tokens=len(req.cmd.prompt_token_ids), first_token=first))
+                else:
+                    req.state = "running"
+                    events += self._emit(req, first)
+            elif req.state == "running":
+                events += self._emit(req, self._token(req, req.out[-1]))
+        return events
+
+    def stats(self) -> RankStats:
+        running = sum(r.state == "running" for r in self.reqs.values())
+        waiting = sum(r.state == "waiting" for r in self.reqs.values())
+        return RankStats(num_running=running, num_waiting=waiting, num_rows_used=self._num_rows - len(self.free),
+                         num_rows_total=self._num_rows, has_work=bool(running or waiting))
+
+    def close(self) -> None:
+        pass
+
+
+def build_backend(config: Any, ctx: Any) -> ToyBackend:
+    return ToyBackend(config, ctx)
