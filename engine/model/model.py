@@ -4,7 +4,7 @@
 and `KimiModel.decode(tokens, positions, caches)` runs one token for each of B requests (recurrent KDA, one sparse
 MLA call per request). Both read and write through the `SequenceCache` protocol (engine.model.state).
 
-Batch invariance (decode): every token-wise op runs on rows padded to a multiple of 64 (numerics.py), the attention
+Batch invariance (decode): every token-wise op runs on rows padded to a multiple of 16 (numerics.py), the attention
 core runs per request with the same shapes it has when that request runs alone, and the KDA step is element-wise
 plus last-dims reductions. So a request's logits are bit-identical whether it decodes alone or in any batch.
 Prefill runs one request at a time and needs no such care beyond determinism.

@@ -4,7 +4,7 @@ MoE (research/model.md section 4; SiLU-GLU experts stand in for K3's SiTU/clipup
     s = sigmoid(W_r x);  Sel = top-k(s + correction_bias) (stable: ties to the lower expert id)
     w_e = s_e / sum_{Sel} s * routed_scaling_factor    (the bias only picks experts, it never weighs them)
     z = W_down x;  y = W_up(RMSNorm(sum_{e in Sel, ascending e} w_e * expert_e(z))) + shared(x)
-Batch invariance: each expert runs on its gathered tokens padded to 64-row blocks (R3), and the chosen experts'
+Batch invariance: each expert runs on its gathered tokens padded to a multiple of 16 rows (R3), and the chosen experts'
 outputs are added in ascending expert id, so a token's output does not depend on the other tokens in its batch.
 """
 
@@ -59,9 +59,9 @@ class MoE(nn.Module):
 
     def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
         """One routed expert on z [n, latent] (n a multiple of 64)."""
-        blocks = z.view(-1, ROW_BLOCK, z.shape[-1])
-        hidden = F.silu(blocks @ self.w1[e].t()) * (blocks @ self.w3[e].t())
-        return (hidden @ self.w2[e].t()).view(z.shape[0], -1)
+        assert z.shape[0] % ROW_BLOCK == 0
+        hidden = F.silu(z @ self.w1[e].t()) * (z @ self.w3[e].t())
+        return hidden @ self.w2[e].t()
 
     def forward(self, x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
         """x [R, d] (padded rows); only the first num_rows rows are routed (the rest yield the shared part only)."""

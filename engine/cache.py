@@ -1,0 +1,210 @@
+"""The packed row pool the engine reads and writes, built on kv_transfer.layout.
+
+One contiguous CPU uint8 tensor `buffer` [num_rows, row_bytes] (stable data_ptr: the NIXL transport registers it
+once; remote writers/readers move whole rows or sub-block ranges of it). A row holds either one attention block
+of a request (sub-block-major pages of every DSA layer, see kv_transfer/layout.py) or one KDA group's state of one
+request (head-major). Rows of both kinds come from one free list.
+
+- `RowPool.allocate(n)` / `free(ids)` / `num_free`: lowest ids first, so ranks that see the same commands make the
+  same allocations (SPMD lockstep). `allocate_request(num_tokens)` returns a `BlockTable`.
+- `BlockTable`: a request's attention row ids (block k holds request tokens [k*B, (k+1)*B), or under DCP this
+  rank's owned tokens of that block) and its KDA row ids (one per KDA group).
+- Page-address translation (`page_table`): the fixed-size kernel pages of a request for one DSA layer, as byte
+  offsets into `buffer` (`PageTable`). `RowSequenceCache` uses it to implement engine.model.state.SequenceCache,
+  so attention reads exactly the FP8 bytes a transfer moves.
+Cached formats: FP8 latent (per-tensor static scale, kv_lora + rope bytes), FP8 index key + fp32 scale per token
+(the scale follows the key bytes inside the token's index entry), fp32 KDA recurrent [d_k, d_v] and fp32 conv
+[3, d, W-1] per head and layer.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.model.config import ModelConfig
+from engine.model.state import CachedAttention, KDAState
+from kv_transfer.layout import RowLayout
+
+
+class OutOfRows(RuntimeError):
+    """The pool has fewer free rows than asked for."""
+
+
+@dataclass
+class BlockTable:
+    attn_row_ids: list[int] = field(default_factory=list)
+    kda_row_ids: list[int] = field(default_factory=list)
+
+    @property
+    def row_ids(self) -> list[int]:
+        return self.attn_row_ids + self.kda_row_ids
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """Kernel pages of one request and DSA layer: page p holds local tokens [p*b0, (p+1)*b0)."""
+
+    latent_offsets: torch.Tensor  # [P] int64 byte offsets of latent pages in the flat buffer
+    index_offsets: torch.Tensor  # [P] int64 byte offsets of index-key pages
+    page_tokens: int
+
+
+class RowPool:
+    def __init__(self, layout: RowLayout, cfg: ModelConfig, num_rows: int) -> None:
+        if cfg.latent_dtype != "fp8" or cfg.index_key_dtype != "fp8" or layout.latent_format != "fp8":
+            raise ValueError("the reference engine computes with FP8 latents and FP8 index keys only")
+        if cfg.ssm_state_bytes != 4 or cfg.conv_state_bytes != 4:
+            raise ValueError("the reference engine keeps fp32 KDA state (ssm_state_bytes = conv_state_bytes = 4)")
+        if num_rows < 1:
+            raise ValueError(f"num_rows must be positive, got {num_rows}")
+        self.layout = layout
+        self.cfg = cfg
+        self.num_rows = num_rows
+        self.buffer = torch.zeros(num_rows, layout.row_bytes, dtype=torch.uint8)
+        self._flat = self.buffer.view(-1)
+        self._free = list(range(num_rows))
+        heapq.heapify(self._free)
+        self._used: set[int] = set()
+
+    # ---- allocation ----
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OutOfRows(f"need {count} rows, {len(self._free)} free of {self.num_rows}")
+        ids = [heapq.heappop(self._free) for _ in range(count)]
+        self._used.update(ids)
+        return ids
+
+    def free(self, row_ids: list[int] | tuple[int, ...]) -> None:
+        for row in row_ids:
+            if row not in self._used:
+                raise ValueError(f"row {row} is not allocated")
+            self._used.remove(row)
+            heapq.heappush(self._free, row)
+
+    def rows_for(self, num_tokens: int) -> tuple[int, int]:
+        """(attention rows, KDA rows) a request of num_tokens needs on this rank."""
+        return self.layout.rows_per_request(num_tokens)
+
+    def allocate_request(self, num_tokens: int, zero_kda: bool = True) -> BlockTable:
+        """Rows for a request of up to num_tokens tokens; KDA rows zeroed (a fresh state) unless told not to."""
+        num_attn, num_kda = self.rows_for(num_tokens)
+        if num_attn + num_kda > len(self._free):
+            raise OutOfRows(f"a request of {num_tokens} tokens needs {num_attn + num_kda} rows, {self.num_free} free")
+        table = BlockTable(self.allocate(num_attn), self.allocate(num_kda))
+        if zero_kda:
+            self.buffer[table.kda_row_ids] = 0
+        return table
+
+    def extend(self, table: BlockTable, num_tokens: int) -> None:
+        """Grow a block table so it covers num_tokens tokens."""
+        need = self.rows_for(num_tokens)[0] - len(table.attn_row_ids)
+        if need > 0:
+            table.attn_row_ids.extend(self.allocate(need))
+
+    # ---- page-address translation ----
+    def page_table(self, table: BlockTable, dsa_layer: int, num_local_tokens: int) -> PageTable:
+        lay = self.layout
+        num_pages = -(-num_local_tokens // lay.subblock_tokens)
+        pages = torch.arange(num_pages)
+        rows = torch.tensor(table.attn_row_ids, dtype=torch.int64)[pages // lay.subblocks_per_row]
+        base = rows * lay.row_bytes + (pages % lay.subblocks_per_row) * lay.subblock_bytes
+        latent = base + dsa_layer * lay.layer_stride
+        return PageTable(latent, latent + lay.latent_page_bytes, lay.subblock_tokens)
+
+    def _token_slots(self, table: BlockTable, local_start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global sub-block id, token-in-page) of local tokens [local_start, local_start + count)."""
+        lay = self.layout
+        local = torch.arange(local_start, local_start + count)
+        rows = torch.tensor(table.attn_row_ids, dtype=torch.int64)[local // lay.tokens_per_row]
+        in_row = local % lay.tokens_per_row
+        return rows * lay.subblocks_per_row + in_row // lay.subblock_tokens, in_row % lay.subblock_tokens
+
+    def _pages(self, dsa_layer: int, index: bool) -> torch.Tensor:
+        """Strided view [num_sub_blocks, b0, bytes_per_token] of one page kind of one layer over the pool."""
+        lay = self.layout
+        per_token = lay.index_bytes if index else lay.latent_bytes
+        offset = dsa_layer * lay.layer_stride + (lay.latent_page_bytes if index else 0)
+        num_sb = self.num_rows * lay.subblocks_per_row
+        return self._flat.as_strided((num_sb, lay.subblock_tokens, per_token), (lay.subblock_bytes, per_token, 1),
+                                     offset)
+
+    # ---- attention bytes ----
+    def write_attention(
+        self, table: BlockTable, dsa_layer: int, local_start: int, latent: torch.Tensor, index_key: torch.Tensor,
+        index_scale: torch.Tensor,
+    ) -> None:
+        count = latent.shape[0]
+        sb, tok = self._token_slots(table, local_start, count)
+        self._pages(dsa_layer, index=False)[sb, tok] = latent
+        entry = torch.cat([index_key, index_scale.contiguous().view(torch.uint8).view(count, 4)], dim=1)
+        self._pages(dsa_layer, index=True)[sb, tok] = entry
+
+    def read_attention(self, table: BlockTable, dsa_layer: int, num_local_tokens: int) -> CachedAttention:
+        lay = self.layout
+        num_pages = -(-num_local_tokens // lay.subblock_tokens)
+        pages = torch.arange(num_pages)
+        sb = torch.tensor(table.attn_row_ids, dtype=torch.int64)[pages // lay.subblocks_per_row]
+        sb = sb * lay.subblocks_per_row + pages % lay.subblocks_per_row
+        latent = self._pages(dsa_layer, index=False)[sb].reshape(-1, lay.latent_bytes)[:num_local_tokens]
+        entry = self._pages(dsa_layer, index=True)[sb].reshape(-1, lay.index_bytes)[:num_local_tokens]
+        key_dim = self.cfg.index_head_dim
+        scale = entry[:, key_dim : key_dim + 4].contiguous().view(torch.float32).view(-1)
+        return CachedAttention(latent, entry[:, :key_dim], scale)
+
+    # ---- KDA state ----
+    def _kda_view(self, row: int, layer_in_group: int, conv: bool) -> torch.Tensor:
+        lay = self.layout
+        offset = row * lay.row_bytes + (lay.kda_conv_offset(0, layer_in_group) if conv
+                                         else lay.kda_recurrent_offset(0, layer_in_group))
+        size = lay.kda_conv_bytes if conv else lay.kda_recurrent_bytes
+        return self._flat.as_strided((lay.kda_heads_per_gpu, size), (lay.kda_head_bytes, 1), offset)
+
+    def _kda_slot(self, table: BlockTable, kda_index: int) -> tuple[int, int]:
+        group, layer_in_group = divmod(kda_index, self.layout.kda_layers_per_group)
+        return table.kda_row_ids[group], layer_in_group
+
+    def read_kda(self, table: BlockTable, kda_index: int) -> KDAState:
+        row, li = self._kda_slot(table, kda_index)
+        h, d, w = self.layout.kda_heads_per_gpu, self.cfg.kda_head_dim, self.cfg.kda_conv_size - 1
+        recurrent = self._kda_view(row, li, conv=False).contiguous().view(torch.float32).view(h, d, d)
+        conv = self._kda_view(row, li, conv=True).contiguous().view(torch.float32).view(h, 3, d, w)
+        return KDAState(recurrent, conv.permute(3, 1, 0, 2).reshape(w, 3 * h * d))
+
+    def write_kda(self, table: BlockTable, kda_index: int, state: KDAState) -> None:
+        row, li = self._kda_slot(table, kda_index)
+        h, d, w = self.layout.kda_heads_per_gpu, self.cfg.kda_head_dim, self.cfg.kda_conv_size - 1
+        rec = state.recurrent.contiguous().view(torch.uint8).view(h, -1)
+        conv = state.conv.view(w, 3, h, d).permute(2, 1, 3, 0).contiguous().view(torch.uint8).view(h, -1)
+        self._kda_view(row, li, conv=False).copy_(rec)
+        self._kda_view(row, li, conv=True).copy_(conv)
+
+
+class RowSequenceCache:
+    """engine.model.state.SequenceCache over one request's rows of a RowPool (single rank, no DCP)."""
+
+    def __init__(self, pool: RowPool, table: BlockTable) -> None:
+        if pool.layout.dcp_size != 1:
+            raise ValueError("RowSequenceCache serves dcp_size 1; DCP ranks address their own tokens")
+        self.pool = pool
+        self.table = table
+
+    def write_attention(
+        self, mla_index: int, start: int, latent: torch.Tensor, index_key: torch.Tensor, index_scale: torch.Tensor
+    ) -> None:
+        self.pool.write_attention(self.table, mla_index, start, latent, index_key, index_scale)
+
+    def read_attention(self, mla_index: int, length: int) -> CachedAttention:
+        return self.pool.read_attention(self.table, mla_index, length)
+
+    def read_kda(self, kda_index: int) -> KDAState:
+        return self.pool.read_kda(self.table, kda_index)
+
+    def write_kda(self, kda_index: int, state: KDAState) -> None:
+        self.pool.write_kda(self.table, kda_index, state)
