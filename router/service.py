@@ -52,6 +52,17 @@ async def until_disconnect(request: Request, work):
     raise ClientGone
 
 
+async def read_limited(request: Request, max_bytes: int) -> bytes:
+    """The request body, refused (413) as soon as it grows past `max_bytes`."""
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > max_bytes:
+            raise APIError(413, f"request body is more than the limit of {max_bytes} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
 def _shape(state: RouterState, request: Request, body: dict) -> RequestShape:
     s = state.settings
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or s.default_max_tokens
@@ -175,7 +186,7 @@ async def serve(state: RouterState, request: Request, endpoint: Endpoint) -> Res
         if length > state.settings.max_body_bytes:
             raise APIError(413, f"request body is {length} bytes, more than the limit of "
                                 f"{state.settings.max_body_bytes}")
-        ctx = _context(state, request, endpoint, await request.body())
+        ctx = _context(state, request, endpoint, await read_limited(request, state.settings.max_body_bytes))
     except APIError as exc:
         state.metrics.requests.labels("client_error" if exc.status < 500 else "upstream_error", "none").inc()
         raise
