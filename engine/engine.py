@@ -1,0 +1,225 @@
+"""The reference engine on one rank: model + row pool + scheduler + runner behind a small typed API.
+
+Serving (colocated):
+    engine = Engine(EngineConfig(model="kimi-k3.1-mini"))
+    engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32))   # ValueError on bad input
+    while engine.has_work: outputs = engine.step()    # StepOutputs: TokenOutput per generated token
+    engine.abort("r1")                                  # frees its rows wherever it is
+Disaggregation, prefill side:
+    res = engine.prefill_and_keep("r1", prompt_token_ids, sampling)   # runs now -> PrefillResult
+      (attention row ids, KDA row ids, num_tokens, first token + logprob); the rows stay allocated until
+    engine.release("r1")  or  engine.release_rows(row_ids)
+    (or queue it: add_request(..., export=True); the step that prefills it returns the PrefillResult)
+Disaggregation, decode side:
+    table = engine.allocate_for_import("r1", prompt_token_ids, sampling)  # rows for prompt + max_tokens;
+      an external writer (NIXL) fills the attention rows and KDA rows of `table` inside engine.pool.buffer
+    outputs = engine.start_decode("r1", first_token, first_logprob)       # emits the first token, then decodes
+Token events are `TokenOutput(request_id, index, token_id, logprob, finish_reason)`; finish_reason is "stop"
+(EOS, stop token or stop string), "length" (max_tokens) or "abort" on the last one.
+The pool buffer (`engine.pool.buffer`) is the one contiguous CPU tensor a transport registers.
+Parallel wrappers (engine/parallel/) may pass their own `model` (any object with KimiModel's prefill/decode).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.cache import BlockTable, RowPool
+from engine.model.config import ModelConfig, get_preset
+from engine.model.model import KimiModel
+from engine.model.tokenizer import ByteTokenizer
+from engine.model.weights import DEFAULT_SEED, build_model
+from engine.runner import ModelRunner
+from engine.sampling import SampledToken, SamplingParams, request_seed, sample
+from engine.scheduler import Request, RequestState, Scheduler
+from kv_transfer.layout import RowLayout, plan_layout
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "kimi-k3.1-mini"
+    """Preset name (engine.model.config.PRESETS)."""
+    seed: int = DEFAULT_SEED
+    """Random-init seed of the weights (every process with the same seed has the same weights)."""
+    weights: str | None = None
+    """Optional safetensors file loaded over the random init."""
+    num_rows: int = 256
+    """Rows in the pool (each layout.row_bytes bytes)."""
+    max_batch: int = 64
+    """Most requests in one decode step."""
+    tp_size: int = 1
+    """TP size the pool layout is planned for (KDA heads per rank)."""
+    subblock_tokens: int = 64
+    block_size: int | None = None
+    """Force a larger power-of-two block size (None: the smallest legal one)."""
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    request_id: str
+    index: int
+    """Position of the token in the output (0 = first generated token)."""
+    token_id: int
+    logprob: float
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    attn_row_ids: tuple[int, ...]
+    kda_row_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+    first_logprob: float
+
+
+@dataclass
+class StepOutputs:
+    tokens: list[TokenOutput] = field(default_factory=list)
+    exported: list[PrefillResult] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: KimiModel | None = None) -> None:
+        self.config = config
+        self.model_config: ModelConfig = get_preset(config.model)
+        self.model = model if model is not None else build_model(self.model_config, config.seed, config.weights)
+        self.tokenizer = ByteTokenizer()
+        self.layout: RowLayout = plan_layout(self.model_config, tp_size=config.tp_size,
+                                             subblock_tokens=config.subblock_tokens, block_size=config.block_size)
+        self.pool = RowPool(self.layout, self.model_config, config.num_rows)
+        self.scheduler = Scheduler(self.pool, config.max_batch)
+        self.runner = ModelRunner(self.model, self.pool)
+
+    # ---- requests ----
+    def _make_request(self, request_id: str, prompt: list[int] | tuple[int, ...], sampling: SamplingParams,
+                      export: bool = False) -> Request:
+        sampling.validate()
+        prompt = [int(t) for t in prompt]
+        cfg = self.model_config
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range 0..{cfg.vocab_size - 1}: {bad[:5]}")
+        total = len(prompt) + (1 if export else sampling.max_tokens)
+        if total > cfg.max_context:
+            raise ValueError(f"the model's maximum context length is {cfg.max_context} tokens; the request needs "
+                             f"{total} ({len(prompt)} prompt + {total - len(prompt)} completion)")
+        return Request(request_id, prompt, sampling, request_seed(sampling, request_id), export=export)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
+                    sampling: SamplingParams, export: bool = False) -> None:
+        self.scheduler.add(self._make_request(request_id, prompt_token_ids, sampling, export))
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, "abort")
+        return True
+
+    # ---- stepping ----
+    def step(self) -> StepOutputs:
+        out = StepOutputs()
+        plan = self.scheduler.schedule()
+        if plan.prefill is not None:
+            req = plan.prefill
+            tok = sample(self.runner.prefill(req), req.sampling, req.seed, 0)
+            if req.export:
+                req.output_token_ids.append(tok.token_id)
+                req.output_logprobs.append(tok.logprob)
+                self.scheduler.export(req)
+                out.exported.append(self._prefill_result(req))
+            else:
+                self.scheduler.start_running(req)
+                out.tokens.append(self._append(req, tok))
+        if plan.decode:
+            logits = self.runner.decode(plan.decode)
+            for i, req in enumerate(plan.decode):
+                out.tokens.append(self._append(req, sample(logits[i], req.sampling, req.seed,
+                                                           len(req.output_token_ids))))
+        return out
+
+    def _append(self, req: Request, tok: SampledToken) -> TokenOutput:
+        req.output_token_ids.append(tok.token_id)
+        req.output_logprobs.append(tok.logprob)
+        reason = self._finish_reason(req, tok.token_id)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+        return TokenOutput(req.request_id, len(req.output_token_ids) - 1, tok.token_id, tok.logprob, reason,
+                           len(req.prompt_token_ids))
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        params = req.sampling
+        if token in params.stop_token_ids or (token == self.model_config.eos_token_id and not params.ignore_eos):
+            return "stop"
+        if params.stop:
+            text = self.tokenizer.decode(req.output_token_ids)
+            if any(s and s in text for s in params.stop):
+                return "stop"
+        if len(req.output_token_ids) >= params.max_tokens:
+            return "length"
+        return None
+
+    # ---- disaggregation ----
+    def prefill_and_keep(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
+                         sampling: SamplingParams) -> PrefillResult:
+        """Prefill now (outside the queue) and keep the rows until `release`."""
+        req = self._make_request(request_id, prompt_token_ids, sampling, export=True)
+        self.scheduler.add_imported(req, req.capacity, zero_kda=True)
+        tok = sample(self.runner.prefill(req), req.sampling, req.seed, 0)
+        req.output_token_ids.append(tok.token_id)
+        req.output_logprobs.append(tok.logprob)
+        self.scheduler.export(req)
+        return self._prefill_result(req)
+
+    def _prefill_result(self, req: Request) -> PrefillResult:
+        assert req.table is not None
+        return PrefillResult(req.request_id, tuple(req.table.attn_row_ids), tuple(req.table.kda_row_ids),
+                             len(req.prompt_token_ids), req.output_token_ids[0], req.output_logprobs[0])
+
+    def release(self, request_id: str) -> bool:
+        """Free the rows an exported request kept. False if it is unknown or not exported."""
+        return self.scheduler.release(request_id)
+
+    def release_rows(self, row_ids: list[int] | tuple[int, ...]) -> list[str]:
+        """Release every exported request that owns any of these rows; returns their ids."""
+        wanted = set(row_ids)
+        owners = [r.request_id for r in self.scheduler.requests.values()
+                  if r.state == RequestState.EXPORTED and r.table is not None and wanted & set(r.table.row_ids)]
+        for request_id in owners:
+            self.release(request_id)
+        return owners
+
+    def allocate_for_import(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
+                            sampling: SamplingParams) -> BlockTable:
+        """Rows for a request whose prompt KV an external writer puts into the pool; decode waits for start."""
+        req = self._make_request(request_id, prompt_token_ids, sampling)
+        return self.scheduler.add_imported(req, len(req.prompt_token_ids))
+
+    def start_decode(self, request_id: str, first_token: int, first_logprob: float = math.nan) -> list[TokenOutput]:
+        """The imported rows are complete: emit the first token and put the request in the decode batch."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.state != RequestState.IMPORTING:
+            raise ValueError(f"request {request_id!r} is not waiting for an import")
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise ValueError(f"first token {first_token} is out of range")
+        self.scheduler.start_running(req)
+        return [self._append(req, SampledToken(first_token, first_logprob))]
+
+    # ---- introspection ----
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_free_rows(self) -> int:
+        return self.pool.num_free
+
+    def request_state(self, request_id: str) -> RequestState | None:
+        req = self.scheduler.requests.get(request_id)
+        return None if req is None else req.state

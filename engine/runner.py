@@ -1,0 +1,37 @@
+"""Drives the model and the row pool for one engine step on one rank: a prefill or a decode batch -> logits.
+
+The runner owns no policy: the scheduler decides who runs; the runner turns each request's block table into a
+`RowSequenceCache` and calls the model. Decode logits of a request are bit-identical whatever batch it runs in
+(engine/model/model.py explains why), so there is no separate deterministic mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache import RowPool, RowSequenceCache
+from engine.model.model import KimiModel
+from engine.scheduler import Request
+
+
+class ModelRunner:
+    def __init__(self, model: KimiModel, pool: RowPool) -> None:
+        self.model = model
+        self.pool = pool
+
+    def _cache(self, req: Request) -> RowSequenceCache:
+        assert req.table is not None, f"request {req.request_id} has no rows"
+        return RowSequenceCache(self.pool, req.table)
+
+    @torch.no_grad()
+    def prefill(self, req: Request) -> torch.Tensor:
+        """Run the whole prompt of `req` into its rows -> logits [V] of the last prompt token."""
+        tokens = torch.tensor(req.prompt_token_ids, dtype=torch.int64)
+        return self.model.prefill(tokens, self._cache(req))[0]
+
+    @torch.no_grad()
+    def decode(self, reqs: list[Request] | tuple[Request, ...]) -> torch.Tensor:
+        """Feed each request's last output token at its position -> logits [B, V]."""
+        tokens = torch.tensor([r.output_token_ids[-1] for r in reqs], dtype=torch.int64)
+        positions = [r.num_tokens - 1 for r in reqs]
+        return self.model.decode(tokens, positions, [self._cache(r) for r in reqs])

@@ -1,0 +1,63 @@
+"""Sampling parameters and the per-request sampler: greedy, or seeded temperature / top-p, with log-probs.
+
+A request's token at output step n depends only on its logits and (seed, n): the generator is re-seeded from
+both at every step, so batching, scheduling order and the rank that samples never change the result. Without an
+explicit seed the seed derives from the request id (every SPMD rank draws the same token).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    """0 = greedy (argmax, ties to the lower id)."""
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends once the output text contains one (the text is cut before it)."""
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> "SamplingParams":
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        return self
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float
+    """log p(token) under the model's unscaled distribution (temperature 1, no top-p)."""
+
+
+def request_seed(params: SamplingParams, request_id: str) -> int:
+    return params.seed if params.seed is not None else zlib.crc32(request_id.encode())
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> SampledToken:
+    """logits [V] float32 -> the token for output step `step`."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if params.temperature == 0:
+        token = int(torch.argmax(logits))
+    else:
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1:
+            sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+            before = torch.cumsum(sorted_probs, 0) - sorted_probs
+            sorted_probs = torch.where(before < params.top_p, sorted_probs, torch.zeros(()))
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
+        token = int(torch.multinomial(probs, 1, generator=gen))
+    return SampledToken(token, float(logprobs[token]))
