@@ -1,0 +1,119 @@
+"""`pdcluster generate`: run the reference engine on one prompt (the numerical oracle of the cluster).
+
+    pdcluster generate --model kimi-k3.1-mini --prompt TEXT --max-tokens N [--seed S] [--temperature T]
+                       [--top-p P] [--stop STR ...] [--weights FILE.safetensors] [--json]
+
+Weights are a random init from a fixed default seed (`--weights-seed`), so every process of a cluster and this
+oracle share identical weights without files; `--weights` loads a safetensors file over them. Greedy unless a
+temperature is given; `--seed` seeds sampling. Prints the text, token ids and timings (`--json`: one object with
+text, token_ids, prompt_token_ids, logprobs, finish_reason and timings). Bad input exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdcluster generate", description="Generate with the reference engine.")
+    p.add_argument("--model", default="kimi-k3.1-mini", help="model preset (default kimi-k3.1-mini)")
+    p.add_argument("--prompt", required=True, help="prompt text (byte-level tokens, BOS first)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--weights", default=None, help="safetensors file to load over the random init")
+    p.add_argument("--weights-seed", type=int, default=None, help="random-init seed (default: the engine's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"pdcluster generate: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    from engine.model.config import get_preset
+    from engine.model.tokenizer import ByteTokenizer
+
+    try:
+        cfg = get_preset(args.model)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if not args.prompt:
+        return _fail("--prompt is empty")
+    if args.max_tokens <= 0:
+        return _fail(f"--max-tokens must be positive, got {args.max_tokens}")
+    if args.model != "kimi-k3.1-mini" and cfg.d_model > 1024:
+        return _fail(f"preset {args.model!r} is for layout and capacity math only; it is never instantiated")
+    prompt_ids = ByteTokenizer().encode(args.prompt)
+    if len(prompt_ids) + args.max_tokens > cfg.max_context:
+        return _fail(f"the model's maximum context length is {cfg.max_context} tokens; the request needs "
+                     f"{len(prompt_ids) + args.max_tokens} ({len(prompt_ids)} prompt + {args.max_tokens} completion)")
+    return _generate(args, prompt_ids)
+
+
+def _generate(args: argparse.Namespace, prompt_ids: list[int]) -> int:
+    import torch
+
+    from engine.engine import Engine, EngineConfig
+    from engine.model.weights import DEFAULT_SEED
+    from engine.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    seed = DEFAULT_SEED if args.weights_seed is None else args.weights_seed
+    try:
+        engine = Engine(EngineConfig(model=args.model, seed=seed, weights=args.weights,
+                                     num_rows=_rows_needed(args.model, len(prompt_ids) + args.max_tokens)))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos).validate()
+        engine.add_request("generate-0", prompt_ids, params)
+    except (ValueError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    loaded = time.perf_counter()
+    tokens, logprobs, finish, first_at = [], [], None, None
+    while engine.has_work:
+        for out in engine.step().tokens:
+            tokens.append(out.token_id)
+            logprobs.append(out.logprob)
+            finish = out.finish_reason or finish
+        first_at = first_at or time.perf_counter()
+    done = time.perf_counter()
+    text = engine.tokenizer.decode(tokens)
+    for stop in args.stop:
+        if stop and stop in text:
+            text = text[: text.index(stop)]
+    timings = {
+        "load_s": round(loaded - started, 4),
+        "ttft_s": round((first_at or done) - loaded, 4),
+        "decode_s": round(done - (first_at or done), 4),
+        "tpot_s": round((done - (first_at or done)) / max(len(tokens) - 1, 1), 5),
+        "total_s": round(done - started, 4),
+    }
+    result = {"model": args.model, "text": text, "token_ids": tokens, "prompt_token_ids": prompt_ids,
+              "logprobs": logprobs, "finish_reason": finish, "timings": timings}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(text)
+        print(f"\nprompt_token_ids ({len(prompt_ids)}): {prompt_ids}")
+        print(f"token_ids ({len(tokens)}): {tokens}")
+        print(f"finish_reason: {finish}")
+        print("timings: " + ", ".join(f"{k}={v}" for k, v in timings.items()))
+    return 0
+
+
+def _rows_needed(model: str, num_tokens: int) -> int:
+    from engine.model.config import get_preset
+    from kv_transfer.layout import plan_layout
+
+    num_attn, num_kda = plan_layout(get_preset(model)).rows_per_request(num_tokens)
+    return num_attn + num_kda
