@@ -70,7 +70,8 @@ def has_output(endpoint: Endpoint, choice: dict) -> bool:
     delta = choice.get("delta")
     if not isinstance(delta, dict):
         return False
-    if delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content") or delta.get("tool_calls"):
+    keys = ("content", "reasoning", "reasoning_content", "tool_calls", "function_call")
+    if any(delta.get(key) for key in keys):
         return True
     return delta.get("content") == "" and "role" not in delta
 

@@ -2,7 +2,8 @@
 
 Closed loop (agentx, random): `concurrency` slots each take the next session and run its steps in order,
 sleeping each step's think time and running forks' branches concurrently; no request starts after the
-deadline. Open loop (trace): each request is sent at its arrival time, at most `concurrency` in flight
+deadline; a failed request ends its session (or sub-agent branch), and a connection failure makes its slot
+wait CONNECT_BACKOFF_S before the next session. Open loop (trace): each request is sent at its arrival time, at most `concurrency` in flight
 (waiting time is recorded as `queued_s`). After the deadline in-flight requests get `drain_s` to finish,
 then are cancelled (recorded as cancelled). The level's duration runs from its start to the last finish.
 """
@@ -18,8 +19,11 @@ import httpx
 
 from loadgen.client import Target, send
 from loadgen.progress import Progress
-from loadgen.records import RequestRecord
+from loadgen.records import CONNECT, RequestRecord
 from loadgen.schedule import Fork, RequestSpec, Session, Step, Workload
+
+
+CONNECT_BACKOFF_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -52,23 +56,31 @@ class _Level:
         return under_cap and self.now() < self.deadline
 
 
-async def _run_request(lv: _Level, spec: RequestSpec) -> None:
+async def _run_request(lv: _Level, spec: RequestSpec) -> bool:
+    """Send one request after its think time; False if it failed (its session should stop)."""
     if spec.think_s > 0:
         await asyncio.sleep(min(spec.think_s, max(0.0, lv.deadline - lv.now())))
     if not lv.may_start():
-        return
+        return False
     lv.num_started += 1
-    await send(lv.client, lv.target, spec, lv.concurrency, lv.t0, lv.records)
+    record = await send(lv.client, lv.target, spec, lv.concurrency, lv.t0, lv.records)
+    if record.outcome != "error":
+        return True
+    if record.error_kind == CONNECT:  # the endpoint is gone: back off instead of spinning
+        await asyncio.sleep(min(CONNECT_BACKOFF_S, max(0.0, lv.deadline - lv.now())))
+    return False
 
 
-async def _run_steps(lv: _Level, steps: tuple[Step, ...]) -> None:
+async def _run_steps(lv: _Level, steps: tuple[Step, ...]) -> bool:
+    """Run steps in order; a failed request ends its branch (later turns would build on its reply)."""
     for step in steps:
         if not lv.may_start():
-            return
+            return False
         if isinstance(step, Fork):
             await asyncio.gather(*(_run_steps(lv, branch) for branch in step.branches))
-        else:
-            await _run_request(lv, step)
+        elif not await _run_request(lv, step):
+            return False
+    return True
 
 
 async def _closed_loop(lv: _Level, workload: Workload) -> None:

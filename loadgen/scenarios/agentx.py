@@ -4,8 +4,8 @@ Each session: a system prompt shared by every session, a user task, then turns. 
 conversation so far (the growing shared prefix), appends the assistant reply and a tool result, and
 pauses for tool time (think time, capped) before the next turn. With probability `subagent_prob` a turn
 forks parallel sub-agents, each starting from the parent's context plus its own task and running a few
-turns of its own; the parent waits for all of them. Sessions end after their turn count or when the
-context would pass `max_context` tokens. Sub-agents carry the parent's `X-Session-ID`: they branch from
+turns of its own; the parent waits for all of them. Sessions (and sub-agents) end after their turn count
+or before a request whose prompt plus output would pass `max_context` tokens. Sub-agents carry the parent's `X-Session-ID`: they branch from
 its context, so a router that keeps a session's placement keeps their shared prefix warm.
 
 Assistant replies in the planned context are synthetic (fixed by the seed), not the server's text, so
@@ -84,10 +84,13 @@ class AgentXWorkload:
             steps: list[Step] = []
             for u in range(cfg.subagent_turns.sample_int(rng)):
                 spec = self._request(rng, f"{prefix}.a{j}.u{u}", sid, branch_msgs, self._think(rng) if u else 0.0)
+                if spec.num_input_tokens + spec.max_tokens > cfg.max_context:
+                    break
                 steps.append(spec)
                 branch_msgs += [self._message(rng, "assistant", spec.max_tokens),
                                 self._message(rng, "user", cfg.tool_len)]
-            branches.append(tuple(steps))
+            if steps:
+                branches.append(tuple(steps))
         return Fork(tuple(branches))
 
     def session(self, index: int) -> Session:
@@ -98,12 +101,14 @@ class AgentXWorkload:
         steps: list[Step] = []
         num_turns = cfg.turns.sample_int(rng)
         for turn in range(num_turns):
-            if sum(m.num_tokens for m in msgs) >= cfg.max_context:
-                break
             spec = self._request(rng, f"{sid}.t{turn}", sid, msgs, self._think(rng) if turn else 0.0)
+            if spec.num_input_tokens + spec.max_tokens > cfg.max_context:
+                break
             steps.append(spec)
             msgs = msgs + [self._message(rng, "assistant", spec.max_tokens)]
             if turn < num_turns - 1 and rng.random() < cfg.subagent_prob:
-                steps.append(self._fork(rng, sid, f"{sid}.t{turn}", msgs))
+                fork = self._fork(rng, sid, f"{sid}.t{turn}", msgs)
+                if fork.branches:
+                    steps.append(fork)
             msgs.append(self._message(rng, "user", cfg.tool_len))
         return Session(sid, tuple(steps))

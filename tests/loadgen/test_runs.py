@@ -1,0 +1,256 @@
+"""End-to-end runs of `pdcluster loadgen` against a real uvicorn process serving the streaming stub.
+
+The stub (a test double, tests/loadgen/stub_server.py) streams on a known clock, so measured TTFT, ITL
+and TPOT are checked against the delays it was told to use; it also injects HTTP errors, dropped
+connections and missing usage chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+
+import pytest
+
+from loadgen.cli import main
+from loadgen.metrics import naive_percentile, request_timing
+from loadgen.summary import load_summary
+from tests.conftest import free_port
+from tests.loadgen.conftest import start_stub
+
+FAST = ["--input-len", "uniform:5,15", "--no-plots", "--progress", "off"]
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def ok_records(summary):
+    return [r for lv in summary.levels for r in lv.records if r.is_ok]
+
+
+def test_timing_matches_known_delays(stub, tmp_path, capsys):
+    stub.configure(ttft_s=0.15, itl_s=0.03)
+    rc, out, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "6", "--concurrency", "2",
+                       "--duration", "0.8", "--out", tmp_path, *FAST)
+    assert rc == 0, err
+    recs = ok_records(load_summary(tmp_path / "summary.json"))
+    assert len(recs) >= 4
+    # The stub emits token i at arrival + 0.15 + 0.03 i, so lower bounds are hard; upper bounds allow for a
+    # loaded machine, and the typical values are checked through medians.
+    for r in recs:
+        # the role chunk arrives at once and must not count as the first token
+        assert 0.145 <= r.ttft_s <= 1.0, r
+        assert r.e2e_s >= 0.15 + 5 * 0.03 - 0.005, r
+        assert r.output_tokens == 6 and r.tokens_from_usage and len(r.chunk_s) == 6
+    assert statistics.median(r.ttft_s for r in recs) == pytest.approx(0.15, abs=0.08)
+    assert statistics.median(r.tpot_s for r in recs) == pytest.approx(0.03, abs=0.012)
+    assert statistics.median(r.e2e_s for r in recs) == pytest.approx(0.30, abs=0.1)
+    itls = [g for r in recs for g in r.itl_s]
+    assert statistics.median(itls) == pytest.approx(0.03, abs=0.01)
+    assert {e["max_tokens"] for e in stub.log()} == {6} and all(e["ignore_eos"] for e in stub.log())
+    assert "TTFT p50" in out
+
+
+def test_bundled_chunks_with_and_without_usage(stub, tmp_path, capsys):
+    stub.configure(ttft_s=0.05, itl_s=0.02, tokens_per_chunk=3)
+    rc, _, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "7", "--endpoint",
+                     "completions", "--duration", "0.3", "--out", tmp_path / "usage", *FAST)
+    assert rc == 0, err
+    recs = ok_records(load_summary(tmp_path / "usage" / "summary.json"))
+    assert recs and all(r.output_tokens == 7 and len(r.chunk_s) == 3 and len(r.itl_s) == 2 for r in recs)
+    assert all(r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / 6) for r in recs)
+    assert {e["endpoint"] for e in stub.log()} == {"completions"}
+
+    stub.configure(ttft_s=0.05, itl_s=0.02, tokens_per_chunk=3, include_usage=False)
+    rc, _, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "7", "--endpoint",
+                     "completions", "--duration", "0.3", "--out", tmp_path / "chunks", *FAST)
+    summary = load_summary(tmp_path / "chunks" / "summary.json")
+    recs = ok_records(summary)
+    assert rc == 0 and recs
+    assert all(r.output_tokens == 3 and not r.tokens_from_usage and r.completion_tokens is None for r in recs)
+    assert summary.levels[0].num_counted_by_chunks == len(recs)
+
+
+def test_errors_and_disconnects_by_kind(stub, tmp_path, capsys):
+    stub.configure(ttft_s=0.02, itl_s=0.005, error_every=3, error_status=503, disconnect_every=4, disconnect_after=2)
+    rc, out, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "5", "--concurrency", "2",
+                       "--duration", "0.6", "--out", tmp_path, *FAST)
+    assert rc == 0, err
+    level = load_summary(tmp_path / "summary.json").levels[0]
+    served = [e["n"] for e in stub.log()]
+    assert len(served) == level.num_requests >= 8
+    expect_503 = sum(1 for n in served if n % 3 == 0)
+    expect_drop = sum(1 for n in served if n % 4 == 0 and n % 3 != 0)
+    assert level.errors_by_kind == {"disconnect": expect_drop, "http_503": expect_503}
+    assert level.num_ok == len(served) - expect_503 - expect_drop
+    drops = [r for r in level.records if r.error_kind == "disconnect"]
+    assert all(len(r.chunk_s) == 2 and r.ttft_s is None for r in drops)  # partial stream kept, not measured
+    assert all("injected error" in r.error and r.http_status == 503
+               for r in level.records if r.error_kind == "http_503")
+    assert level.ttft_ms.count == level.num_ok
+    assert "errors: disconnect" in out
+
+
+def test_cancelled_streams(stub, tmp_path, capsys):
+    stub.configure(ttft_s=0.02, itl_s=0.01)
+    rc, _, err = run(capsys, "--url", stub.url, "--scenario", "agentx", "--cancel-prob", "1", "--output-len", "8",
+                     "--system-len", "10", "--task-len", "10", "--tool-len", "5", "--think-time", "0",
+                     "--subagent-prob", "0", "--duration", "0.4", "--out", tmp_path / "interrupt", *FAST)
+    level = load_summary(tmp_path / "interrupt" / "summary.json").levels[0]
+    assert rc == 1 and "no request succeeded" in err  # every reply was interrupted by the client
+    assert level.num_cancelled == level.num_requests > 0 and level.errors_by_kind == {"cancelled": level.num_requests}
+    assert all(len(r.chunk_s) == 4 for r in level.records)
+
+    stub.configure(ttft_s=0.02, itl_s=0.5)
+    rc, _, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "50", "--concurrency", "3",
+                     "--duration", "0.2", "--drain", "0.3", "--out", tmp_path / "drain", *FAST)
+    level = load_summary(tmp_path / "drain" / "summary.json").levels[0]
+    assert level.num_cancelled == 3 and all("drain deadline" in r.error for r in level.records)
+    assert all(1 <= len(r.chunk_s) <= 2 for r in level.records)
+    assert level.duration_s < 1.0
+
+
+def _recompute(records):
+    ok = [r for r in records if r.is_ok]
+    timings = [request_timing(r.start_s, r.chunk_s, r.output_tokens) for r in ok]
+    return {"TTFT (ms)": [t.ttft_s * 1e3 for t in timings],
+            "TPOT (ms)": [t.tpot_s * 1e3 for t in timings if t.tpot_s is not None],
+            "ITL (ms)": [g * 1e3 for t in timings for g in t.itl_s],
+            "E2E (ms)": [t.e2e_s * 1e3 for t in timings]}
+
+
+def check_report_matches_records(out_dir) -> None:
+    """summary.json and report.md percentiles equal those recomputed from the raw chunk times."""
+    summary = load_summary(out_dir / "summary.json")
+    report = (out_dir / "report.md").read_text()
+    sections = re.split(r"^## Concurrency (\d+)$", report, flags=re.M)
+    by_level = {int(sections[i]): sections[i + 1] for i in range(1, len(sections), 2)}
+    assert set(by_level) == {lv.concurrency for lv in summary.levels}
+    for lv in summary.levels:
+        for name, values in _recompute(lv.records).items():
+            key = {"TTFT (ms)": "ttft_ms", "TPOT (ms)": "tpot_ms", "ITL (ms)": "itl_ms", "E2E (ms)": "e2e_ms"}[name]
+            st = getattr(lv, key)
+            assert st.count == len(values)
+            row = re.search(rf"^\| {re.escape(name)} \| (\d+) \| ([^|]+)\| ([^|]+)\| ([^|]+)\|", by_level[lv.concurrency], re.M)
+            assert row and int(row.group(1)) == len(values)
+            for q, stored, shown in zip((50, 90, 99), (st.p50, st.p90, st.p99), row.groups()[1:]):
+                if not values:
+                    assert stored is None and shown.strip() == "-"
+                    continue
+                expected = naive_percentile(values, q)
+                assert stored == pytest.approx(expected, rel=1e-9, abs=1e-9)
+                assert shown.strip() == f"{expected:.2f}"
+
+
+def test_agentx_sessions_reports_and_plots(stub, tmp_path, capsys):
+    stub.configure(ttft_s=0.03, itl_s=0.005)
+    rc, out, err = run(capsys, "--url", stub.url, "--scenario", "agentx", "--concurrency", "1,3", "--duration", "1.0",
+                       "--output-len", "uniform:3,8", "--system-len", "40", "--task-len", "20", "--tool-len", "10",
+                       "--think-time", "exp:0.02", "--subagent-prob", "0.5", "--turns", "uniform:2,5",
+                       "--slo", "ttft=200,tpot=50", "--gpus", "2", "--seed", "11", "--out", tmp_path,
+                       "--progress", "off")
+    assert rc == 0, err
+    summary = load_summary(tmp_path / "summary.json")
+    assert [lv.concurrency for lv in summary.levels] == [1, 3] and len(summary.pareto) == 2
+    log = stub.log()
+    assert all(e["session_id"] and e["session_id"].startswith("agentx-11-") for e in log)
+    sessions = {e["session_id"] for e in log}
+    assert len(sessions) >= 3
+    first = [e["num_messages"] for e in log if e["session_id"] == "agentx-11-0"]
+    assert len(first) >= 2 and first[0] == 2 and max(first) > 2  # system + task, then a growing conversation
+    for name in ("summary.json", "report.md", "pareto.png", "ttft_cdf.png", "tpot_cdf.png", "throughput.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    for name in summary.plots:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    raw = json.loads((tmp_path / "summary.json").read_text())
+    assert raw["run"]["schedule_hash"] == summary.run.schedule_hash and raw["levels"][0]["records"]
+    lv = summary.levels[1]
+    assert lv.total_tok_s_per_gpu == pytest.approx(lv.total_tok_s / 2)
+    assert lv.goodput_req_s is not None and lv.goodput_req_s <= lv.request_throughput
+    check_report_matches_records(tmp_path)
+    # the run's schedule hash is the one --dry-run prints for the same flags
+    rc, dry, _ = run(capsys, "--scenario", "agentx", "--dry-run", "--output-len", "uniform:3,8", "--system-len", "40",
+                     "--task-len", "20", "--tool-len", "10", "--think-time", "exp:0.02", "--subagent-prob", "0.5",
+                     "--turns", "uniform:2,5", "--seed", "11")
+    assert rc == 0 and f"schedule hash {summary.run.schedule_hash}" in dry
+
+
+def test_trace_replay_open_loop_with_bad_lines(stub, tmp_path, capsys):
+    stub.configure(ttft_s=0.02, itl_s=0.005)
+    trace = tmp_path / "trace.jsonl"
+    rows = [json.dumps({"timestamp": 1000 + 200 * i, "input_length": 40, "output_length": 3, "hash_ids": [1, 2, i]})
+            for i in range(6)]
+    rows.insert(2, '{"timestamp": 5, "input_length": 3')
+    rows.insert(4, '{"timestamp": 5, "input_length": 3, "output_length": "x", "hash_ids": []}')
+    trace.write_text("\n".join(rows) + "\n")
+    rc, _, err = run(capsys, "--url", stub.url, "--scenario", "trace", "--trace", trace, "--trace-block-size", "16",
+                     "--trace-speed", "2", "--concurrency", "4", "--duration", "5", "--out", tmp_path / "out", *FAST)
+    assert rc == 0, err
+    assert "skipping" in err and "line 3" in err and "line 5" in err
+    summary = load_summary(tmp_path / "out" / "summary.json")
+    assert len(summary.input_errors) == 2 and "output_length must be an integer" in summary.input_errors[1]
+    recs = sorted(summary.levels[0].records, key=lambda r: r.start_s)
+    assert len(recs) == 6 and all(r.is_ok for r in recs)
+    for i, r in enumerate(recs):  # sent on the trace's clock: 100 ms apart at speed 2
+        assert 0.1 * i - 0.005 <= r.start_s <= 0.1 * i + 0.5
+    assert "Skipped 2 bad input line(s)" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_unreachable_url_is_clear_and_leaves_summary(tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    rc, _, err = run(capsys, "--url", url, "--scenario", "random", "--duration", "1", "--out", tmp_path, *FAST)
+    assert rc == 1 and f"cannot reach {url}" in err and "summary.json" in err
+    summary = load_summary(tmp_path / "summary.json")
+    assert summary.aborted.startswith(f"cannot reach {url}") and summary.levels == []
+    assert "Run stopped early" in (tmp_path / "report.md").read_text()
+
+
+def test_server_dies_mid_run_keeps_partial_results(tmp_path, capsys):
+    own = start_stub()
+    try:
+        own.configure(ttft_s=0.01, itl_s=0.005, exit_after=2)  # the process dies after its second reply
+        rc, out, err = run(capsys, "--url", own.url, "--scenario", "random", "--output-len", "4", "--concurrency",
+                           "1,2", "--duration", "0.8", "--out", tmp_path, *FAST)
+    finally:
+        own.stop()
+    assert rc == 0, err
+    levels = load_summary(tmp_path / "summary.json").levels
+    assert len(levels) == 2 and sum(lv.num_ok for lv in levels) == 2
+    for lv in levels:
+        assert set(lv.errors_by_kind) <= {"connect", "disconnect"} and lv.num_errors == lv.num_requests - lv.num_ok
+        # a dead endpoint does not make the slots spin: each waits CONNECT_BACKOFF_S before its next attempt
+        assert lv.num_requests - lv.num_ok <= lv.concurrency * (0.8 / 0.2 + 2)
+    assert levels[1].num_ok == 0 and levels[1].errors_by_kind.get("connect", 0) >= 1  # gone by level 2
+    assert "c=2 errors:" in out and (tmp_path / "report.md").exists()
+    assert any("cannot connect to" in r.error for r in levels[1].records)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--url", "http://127.0.0.1:9", "--slo", "ttft=fast"], "--slo: invalid SLO 'ttft=fast'"),
+    (["--url", "http://127.0.0.1:9", "--slo", "speed=3"], "unknown metric 'speed'"),
+    (["--scenario", "random"], "--url is required"),
+    (["--url", "127.0.0.1:9"], "must start with http://"),
+    (["--url", "http://127.0.0.1:9", "--scenario", "trace"], "needs --trace FILE"),
+    (["--url", "http://127.0.0.1:9", "--scenario", "trace", "--trace", "/nonexistent/t.jsonl"], "cannot read trace"),
+    (["--url", "http://127.0.0.1:9", "--output-len", "uniform:9,1"], "--output-len: uniform needs LO <= HI"),
+])
+def test_bad_flags(capsys, argv, fragment):
+    rc, _, err = run(capsys, *argv, "--no-plots")
+    assert rc == 2 and fragment in err
+
+
+def test_trace_with_only_bad_lines(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("nope\n{}\n")
+    rc, _, err = run(capsys, "--url", "http://127.0.0.1:9", "--scenario", "trace", "--trace", trace)
+    assert rc == 2 and "has no valid line (2 bad)" in err and "line 1: not JSON" in err
+
+
+def test_bad_concurrency_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--url", "http://x", "--concurrency", "1,a"])
+    assert exc.value.code == 2 and "--concurrency wants integers" in capsys.readouterr().err
