@@ -15,22 +15,23 @@ from engine.model.config import ModelConfig
 from kv_transfer.layout import RowLayout, plan_layout
 from kv_transfer.params import KVParamsError, KVTransferParams, check_readable
 from kv_transfer.remap import ReadPlan, plan_reads
-from kv_transfer.side_channel import InstanceMetadata
-from kv_transfer.transport import ReadResult
+from kv_transfer.transport import RankEndpoint, ReadResult
 
 
-def prefill_layout(cfg: ModelConfig, meta: InstanceMetadata, d_layout: RowLayout) -> RowLayout:
-    """P's layout as the metadata describes it (formats as D's; the fingerprint proves they agree)."""
-    p = plan_layout(cfg, tp_size=meta.tp_size, dcp_size=meta.dcp_size, latent_format=d_layout.latent_format,
+def prefill_layout(cfg: ModelConfig, meta, d_layout: RowLayout) -> RowLayout:
+    """P's layout as the metadata describes it (formats as D's; the fingerprint proves they agree). `meta`
+    is side_channel.InstanceMetadata or any object with the same attributes (dcp_size, row_bytes optional)."""
+    p = plan_layout(cfg, tp_size=meta.tp_size, dcp_size=getattr(meta, "dcp_size", 1), latent_format=d_layout.latent_format,
                     index_key_format=d_layout.index_key_format, subblock_tokens=meta.subblock_tokens,
                     block_size=meta.block_size)
-    if p.fingerprint != meta.layout_fingerprint or p.row_bytes != meta.row_bytes:
-        raise KVParamsError(f"prefill layout {meta.layout_fingerprint} ({meta.row_bytes} B rows) is not this "
+    row_bytes = getattr(meta, "row_bytes", None)
+    if p.fingerprint != meta.layout_fingerprint or row_bytes not in (None, p.row_bytes):
+        raise KVParamsError(f"prefill layout {meta.layout_fingerprint} ({row_bytes} B rows) is not this "
                             f"model's {p.fingerprint} ({p.row_bytes} B rows) in D's formats")
     return p
 
 
-def plan_import(cfg: ModelConfig, d_layout: RowLayout, params: KVTransferParams, meta: InstanceMetadata,
+def plan_import(cfg: ModelConfig, d_layout: RowLayout, params: KVTransferParams, meta,
                 d_attn_rows: list[int], d_kda_rows: list[int], now: float | None = None) -> ReadPlan:
     """Steps 1-3 of the module docstring: the read plan, or an error before any memory is touched."""
     check_readable(params, engine_id=meta.engine_id, fingerprint=meta.layout_fingerprint, num_rows=meta.num_rows,
@@ -43,10 +44,12 @@ def plan_import(cfg: ModelConfig, d_layout: RowLayout, params: KVTransferParams,
 
 
 def import_request(transport, cfg: ModelConfig, d_layout: RowLayout, d_rank: int, params: KVTransferParams,
-                   meta: InstanceMetadata, d_attn_rows: list[int], d_kda_rows: list[int],
-                   timeout_s: float | None = None) -> list[ReadResult]:
-    """All four steps for one D rank; the read results (one per source P rank)."""
+                   meta, d_attn_rows: list[int], d_kda_rows: list[int], timeout_s: float | None = None,
+                   endpoints: dict[int, RankEndpoint] | None = None) -> list[ReadResult]:
+    """All four steps for one D rank; the read results (one per source P rank). `endpoints` defaults to
+    `meta.endpoints()` (side_channel.InstanceMetadata)."""
     from kv_transfer.nixl_transport import read_request  # noqa: PLC0415 - keeps NIXL out of planning imports
 
     plan = plan_import(cfg, d_layout, params, meta, d_attn_rows, d_kda_rows)
-    return read_request(transport, d_rank, plan, meta.endpoints(), str(params.lease_id), timeout_s)
+    eps = endpoints if endpoints is not None else meta.endpoints()
+    return read_request(transport, d_rank, plan, eps, str(params.lease_id), timeout_s)

@@ -1,0 +1,128 @@
+"""A real process hosting one rank's pool and NIXL agent, driven over a multiprocessing Pipe (tests and
+benchmarks share it). Commands are (name, kwargs) tuples; each answers ("ok", value) or ("err", text)."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import numpy as np
+
+
+def pool_pattern(seed: int, nbytes: int) -> np.ndarray:
+    """The random contents a P rank's pool is filled with (the parent recomputes it to verify)."""
+    return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu % os.cpu_count()})
+    from engine.model.config import get_preset
+    from kv_transfer.importer import import_request, plan_import
+    from kv_transfer.layout import plan_layout
+    from kv_transfer.nixl_transport import KVTransferSettings, NixlTransport
+    from kv_transfer.params import KVTransferParams
+    from kv_transfer.side_channel import fetch_metadata
+
+    pool = np.zeros(pool_bytes, dtype=np.uint8)
+    t = NixlTransport(name, pool, 1, KVTransferSettings(ucx_tls=ucx_tls))
+    conn.send(("ok", name))
+    inbox: list[tuple[str, bytes]] = []
+    while True:
+        cmd, kw = conn.recv()
+        try:
+            if cmd == "stop":
+                t.close()
+                conn.send(("ok", None))
+                return
+            if cmd == "fill":  # random contents from a seed; set row size
+                pool[:] = pool_pattern(kw["seed"], pool_bytes)
+                t.set_row_bytes(kw["row_bytes"])
+                out = t.endpoint(kw["rank"])
+            elif cmd == "zero":
+                pool[:] = 0
+                t.set_row_bytes(kw["row_bytes"])
+                out = t.endpoint(kw["rank"])
+            elif cmd == "import":  # the decode path: side channel over HTTP, checks, plan, READs, notify
+                cfg = get_preset(kw["model"])
+                d_layout = plan_layout(cfg, **kw["layout"])
+                t.set_row_bytes(d_layout.row_bytes)
+                meta = fetch_metadata(kw["host"], kw["port"])
+                params = KVTransferParams.from_wire(kw["params"])
+                if kw.get("die_after_post"):
+                    plan = plan_import(cfg, d_layout, params, meta, kw["d_attn"], kw["d_kda"])
+                    eps = meta.endpoints()
+                    for p_rank, rops in plan.by_source(kw["d_rank"]).items():
+                        t.post_read(eps[p_rank], rops, b"")
+                    os._exit(3)  # reader crashes mid-request: no completion, no notification
+                res = import_request(t, cfg, d_layout, kw["d_rank"], params, meta, kw["d_attn"], kw["d_kda"], 30)
+                out = [(r.state.value, r.bytes, r.descriptors, r.backend_descriptors, r.wall_s) for r in res]
+            elif cmd == "raw_read":  # benchmark: ops against one peer, repeated, wall seconds per read
+                out = []
+                for _ in range(kw["repeat"]):
+                    h = t.post_read(kw["endpoint"], kw["ops"], b"")
+                    out.append(t.wait(h, 60).wall_s)
+                    t.release(h)
+            elif cmd == "pool":
+                out = bytes(pool)
+            elif cmd == "notifs":  # wait until `count` notifications arrived (bounded), return them
+                deadline = time.monotonic() + kw.get("timeout", 10)
+                while len(inbox) < kw["count"] and time.monotonic() < deadline:
+                    inbox.extend(t.notifications())
+                    time.sleep(0.002)
+                out, inbox = inbox, []
+            elif cmd == "tcp_fallback":
+                out = (t.tcp_fallback, t.fallback_reason, t.ucx_tls)
+            else:
+                raise ValueError(f"unknown command {cmd}")
+            conn.send(("ok", out))
+        except Exception:  # noqa: BLE001 - report to the parent
+            conn.send(("err", traceback.format_exc()))
+
+
+class RankProcess:
+    """Parent-side handle of one rank process."""
+
+    def __init__(self, ctx, name: str, pool_bytes: int, ucx_tls: str = "auto", cpu: int | None = None) -> None:
+        self.conn, child = ctx.Pipe()
+        self.name = name
+        self.proc = ctx.Process(target=_serve, args=(child, name, pool_bytes, ucx_tls, cpu), daemon=True)
+        self.proc.start()
+
+    def ready(self, timeout: float = 60) -> None:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.name} did not start")
+        self.conn.recv()
+
+    def send(self, cmd: str, **kw) -> None:
+        self.conn.send((cmd, kw))
+
+    def recv(self, timeout: float = 60):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.name}: no answer in {timeout} s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"{self.name}: {value}")
+        return value
+
+    def call(self, cmd: str, timeout: float = 60, **kw):
+        self.send(cmd, **kw)
+        return self.recv(timeout)
+
+    def notifs(self, count: int, timeout: float) -> list[tuple[str, bytes]]:
+        """Notifications this (P) rank received, waiting up to `timeout` for `count` of them."""
+        self.send("notifs", count=count, timeout=timeout)
+        return self.recv(timeout + 30)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("stop", timeout=10)
+            except (RuntimeError, TimeoutError, OSError, EOFError):
+                pass
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)

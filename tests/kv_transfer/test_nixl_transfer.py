@@ -1,0 +1,100 @@
+"""Real NIXL between real processes: P -> D imports byte-exact for TP pairs, DCP, mixed block sizes;
+incompatible pairs and bad params refused before any memory is touched; leases end exactly once."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kv_transfer.importer import plan_import
+from tests.kv_transfer.cluster import Cluster, drain_notifications, expected_d_pool, export, start_import
+
+pytestmark = pytest.mark.timeout(240)
+
+CASES = {  # id: (P layout kwargs, D layout kwargs, tokens)
+    "tp1-tp1-B1024-B2048": ({"tp_size": 1}, {"tp_size": 1, "block_size": 2048}, 4096),
+    "tp2-tp1-B512-B1024": ({"tp_size": 2}, {"tp_size": 1}, 3000),
+    "tp1-tp2-B2048-B512": ({"tp_size": 1, "block_size": 2048}, {"tp_size": 2}, 4096),
+    "tp2-tp4-B512-B1024": ({"tp_size": 2}, {"tp_size": 4, "block_size": 1024}, 2500),
+    "tp1-dcp2-B1024-u64": ({"tp_size": 1}, {"tp_size": 2, "dcp_size": 2, "dcp_interleave": 64}, 4096),
+    "tp2-dcp4-B512-B2048-u128": ({"tp_size": 2}, {"tp_size": 4, "dcp_size": 4, "block_size": 2048,
+                                                   "dcp_interleave": 128}, 3500),
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cl = Cluster()
+    yield cl
+    cl.close()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_import_is_byte_exact_and_frees_the_lease(cluster, case):
+    p_kw, d_kw, n = CASES[case]
+    req = export(cluster, p_kw, d_kw, n, seed=len(case))
+    plan = plan_import(cluster.cfg, req.d, req.params, cluster.side.meta, req.d_attn, req.d_kda)
+    start_import(cluster, req, d_kw)
+    results = {r: cluster.d[r].recv(60) for r in range(req.d.tp_size)}
+    for r, res in results.items():
+        assert [x[0] for x in res] == ["DONE"] * len(plan.by_source(r))
+        assert sum(x[2] for x in res) == len(plan.reads[r])  # one descriptor per merged op, one READ per source
+        got = np.frombuffer(cluster.d[r].call("pool"), dtype=np.uint8)
+        want = expected_d_pool(req, r)
+        assert np.array_equal(got, want), f"D rank {r}: {int((got != want).sum())} bytes differ"
+    counts = {}
+    for d_rank, p_rank in plan.consumers():
+        counts[p_rank] = counts.get(p_rank, 0) + 1
+    assert drain_notifications(cluster, req, counts) == len(plan.consumers())
+    assert req.leases.outstanding == 0 and req.leases.outcomes["notified"] == 1
+    assert len(req.free.free) == req.free.idle
+
+
+def _assert_untouched(cluster, req, ranks):
+    for r in ranks:
+        assert not np.frombuffer(cluster.d[r].call("pool"), dtype=np.uint8).any(), f"D rank {r} pool was written"
+    assert cluster.p[0].notifs(1, 0.3) == []  # P heard nothing
+    assert req.leases.outstanding == 1 and len(req.free.free) == req.free.idle - len(req.p_attn) - len(req.p_kda)
+
+
+def test_incompatible_pair_refused_before_transfer(cluster):
+    p_kw, d_kw = {"tp_size": 1}, {"tp_size": 1, "index_key_format": "mxfp4"}
+    req = export(cluster, p_kw, {"tp_size": 1}, 2048, seed=3)
+    start_import(cluster, req, d_kw, ranks=[0])
+    with pytest.raises(RuntimeError, match="does not match D's"):
+        cluster.d[0].recv(30)
+    _assert_untouched(cluster, req, [0])
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"remote_engine_id": "prefill-Z"}, "unknown remote_engine_id 'prefill-Z'"),
+    ({"layout_fingerprint": "0123456789abcdef"}, "layout_fingerprint '0123456789abcdef' does not match"),
+    ({"remote_block_ids": [[0, 99999]]}, r"out of range"),
+    ({"lease_expiry": 1.0}, "expired"),
+])
+def test_bad_params_clear_error_no_memory_touched(cluster, change, match):
+    req = export(cluster, {"tp_size": 1}, {"tp_size": 1}, 2048, seed=5)
+    wire = req.params.to_wire() | change
+    start_import(cluster, req, {"tp_size": 1}, params=wire, ranks=[0])
+    with pytest.raises(RuntimeError, match=match):
+        cluster.d[0].recv(30)
+    _assert_untouched(cluster, req, [0])
+
+
+def test_reader_killed_mid_request_rows_freed_after_expiry(cluster):
+    """Runs last: it kills D3 (the module's processes are shared; teardown copes with a dead one)."""
+    req = export(cluster, {"tp_size": 1}, {"tp_size": 1}, 4096, seed=9, ttl_s=2.0)
+    doomed = cluster.d[3]
+    doomed.send("import", model="kimi-k3.1-mini", layout={"tp_size": 1}, d_rank=0, params=req.params.to_wire(),
+                host="127.0.0.1", port=cluster.side.port, d_attn=req.d_attn, d_kda=req.d_kda, die_after_post=True)
+    doomed.proc.join(60)
+    assert doomed.proc.exitcode == 3
+    assert cluster.p[0].notifs(1, 0.5) == []  # no completion notification
+    lease = req.leases.get(req.params.lease_id)
+    if lease.expiry > time.time():
+        assert req.leases.expire() == [] and req.leases.outstanding == 1  # still inside the lease
+    time.sleep(max(0.0, lease.expiry - time.time()) + 0.05)
+    assert req.leases.expire() == [req.params.lease_id]
+    assert req.leases.outcomes["expired"] == 1 and len(req.free.free) == req.free.idle
