@@ -47,7 +47,7 @@ def _check_endpoint(endpoint: dict, where: str) -> None:
     assert isinstance(endpoint["port"], str), f"{where}: port must be a port name"
     assert endpoint.get("path", "/metrics").startswith("/")
     assert DURATION.match(endpoint.get("interval", "30s")), f"{where}: bad interval {endpoint.get('interval')}"
-    for relabel in endpoint.get("relabelings", []):
+    for relabel in endpoint.get("relabelings", []) + endpoint.get("metricRelabelings", []):
         _keys_within(relabel, {"sourceLabels", "targetLabel", "regex", "replacement", "action", "separator"},
                      f"{where}.relabelings")
         assert re.match(r"^[a-zA-Z_][a-zA-Z0-9_]*$", relabel["targetLabel"]), relabel
