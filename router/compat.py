@@ -9,13 +9,15 @@ Rules:
 - vLLM (NixlConnector, vLLM 0.32/0.33): TP sizes divide one another (either direction); D's block size
   is a multiple of P's (P <= D), and equal when P_TP > D_TP; DCP sizes divide their TP size and divide
   one another.
-- reference engine: the pair is decided by the reference KV planner (`reference_pair_problems`, the
-  adapter onto kv_transfer's remap rules) plus equal layout fingerprints.
+- reference engine: decided by the reference KV planner's own check (`reference_pair_problems`, the
+  adapter onto kv_transfer.remap.pair_problems: layout fingerprint, TP, DCP and block-size rules).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kv_transfer.remap import pair_problems as remap_pair_problems
 
 
 @dataclass(frozen=True)
@@ -69,33 +71,10 @@ def vllm_pair_problems(p: Geometry, d: Geometry) -> list[str]:
 
 
 def reference_pair_problems(p: Geometry, d: Geometry) -> list[str]:
-    """Adapter onto the reference engine's KV remap rules.
-
-    The reference KV planner (kv_transfer/remap.py) decides whether its packed rows can be remapped
-    from P's TP / block size onto D's TP or DCP layout. Until that module is importable the rules it
-    documents are applied here: power-of-two TP and block sizes that divide one another, DCP only on the
-    decode side and dividing D's TP, and equal layout fingerprints.
-    """
-    try:
-        from kv_transfer import remap  # noqa: PLC0415 - optional, owned by the KV planner
-    except ImportError:
-        remap = None
-    checker = getattr(remap, "pair_problems", None) if remap is not None else None
-    if checker is not None:
-        return list(checker(p, d))
-    problems: list[str] = []
-    if p.layout_fingerprint != d.layout_fingerprint:
-        problems.append(f"layout fingerprints differ ({p.layout_fingerprint} vs {d.layout_fingerprint})")
-    p_tp, d_tp = p.tp or 1, d.tp or 1
-    for label, value in (("prefill TP", p_tp), ("decode TP", d_tp), ("prefill block size", p.block_size),
-                         ("decode block size", d.block_size)):
-        if value is not None and value & (value - 1):
-            problems.append(f"{label} {value} is not a power of two")
-    if (p.dcp or 1) != 1:
-        problems.append(f"prefill DCP {p.dcp} unsupported (DCP is a decode-pool layout)")
-    if d_tp % (d.dcp or 1):
-        problems.append(f"decode DCP {d.dcp} does not divide decode TP {d_tp}")
-    return problems
+    """Adapter onto the reference engine's KV remap rules (kv_transfer/remap.py `pair_problems`): equal
+    layout fingerprints, power-of-two TP and block sizes, DCP only on the decode side and dividing its TP.
+    Block sizes may differ in either direction (P rows split into or gather from D rows)."""
+    return list(remap_pair_problems(p, d))
 
 
 def pair_verdict(p: Geometry, d: Geometry) -> PairVerdict:

@@ -149,6 +149,8 @@ class _StreamEnd:
             self.orch.abort_legs(self.ctx)
         if status == "upstream_error":
             self.orch.record_decode_status(self.ctx, None)
+        if status == "timeout":
+            self.state.metrics.leg_timeouts.labels("decode").inc()
         finish(self.state, self.ctx, self.acct, self.acct.usage)
 
     async def background(self) -> None:

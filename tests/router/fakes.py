@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -38,11 +39,13 @@ class FakeNode:
     aborted: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    produced_at: list[float] = field(default_factory=list)
 
     def metrics_text(self) -> str:
         labels = {"block_size": str(self.block_size), "cache_dtype": "auto", "num_gpu_blocks": "100", "engine": "0"}
         if self.engine_label:
             labels["engine"] = self.engine_label
+            labels["layout_fingerprint"] = "fp-test"
         if self.tp_size:
             labels["tp_size"] = str(self.tp_size)
         body = ",".join(f'{k}="{v}"' for k, v in labels.items())
@@ -77,12 +80,8 @@ class FakeNode:
             rid = request.headers.get("x-request-id")
             node.bodies.append(body)
             node.request_ids.append(rid)
-            try:
-                if node.delay_s:
-                    await asyncio.sleep(node.delay_s)
-            except asyncio.CancelledError:
-                node.cancelled.append(rid)
-                raise
+            if node.delay_s and not await node.wait_or_disconnect(request, rid):
+                return Response(status_code=499)
             if node.fail_status:
                 return JSONResponse({"error": {"message": "injected", "code": node.fail_status}},
                                     status_code=node.fail_status)
@@ -110,12 +109,23 @@ class FakeNode:
         app.post("/v1/chat/completions")(generate)
         return app
 
+    async def wait_or_disconnect(self, request: Request, rid: str | None) -> bool:
+        """Sleep `delay_s` unless the caller disconnects first (as vLLM aborts on disconnect)."""
+        deadline = time.monotonic() + self.delay_s
+        while time.monotonic() < deadline:
+            if await request.is_disconnected():
+                self.cancelled.append(rid)
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
     async def stream(self, rid: str | None, chat: bool, body: dict):
         try:
             for i in range(self.num_tokens):
                 if i and self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
                 choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
+                self.produced_at.append(time.monotonic())
                 yield f"data: {json.dumps({'id': 'd', 'choices': [choice]})}\n\n"
             if (body.get("stream_options") or {}).get("include_usage"):
                 usage = {"prompt_tokens": 5, "completion_tokens": self.num_tokens}

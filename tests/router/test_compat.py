@@ -43,6 +43,9 @@ CASES = [
      "not a power of two"),
     ("ref-dcp-on-prefill", {"engine": "reference", "tp": 2, "dcp": 2, "fp": "f"},
      {"engine": "reference", "tp": 2, "fp": "f"}, "prefill DCP"),
+    ("ref-fingerprint-unknown", {"engine": "reference"}, {"engine": "reference"}, "layout fingerprint unknown"),
+    ("ref-block-not-pow2", {"engine": "reference", "block_size": 24, "fp": "f"},
+     {"engine": "reference", "fp": "f"}, "not a power of two"),
 ]
 
 

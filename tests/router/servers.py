@@ -1,0 +1,46 @@
+"""Real uvicorn servers on 127.0.0.1 in background threads (for streaming, timing and disconnect tests)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from tests.conftest import free_port
+
+
+@contextmanager
+def uvicorn_server(app, ready_path: str | None = "/health", timeout_s: float = 20.0):
+    """Serve `app` on a free port; yields the base URL; stops the server on exit."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def get(url: str) -> httpx.Response:
+    return httpx.get(url, timeout=5.0)
