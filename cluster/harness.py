@@ -64,6 +64,20 @@ class Metrics:
 
 
 @dataclass(frozen=True)
+class NodeLoad:
+    """A node's request and row counts from its /metrics."""
+
+    running: float
+    waiting: float
+    rows_used: float
+    leases: float
+
+    @property
+    def is_quiet(self) -> bool:
+        return self.running == 0 and self.waiting == 0 and self.leases == 0
+
+
+@dataclass(frozen=True)
 class OracleResult:
     text: str
     token_ids: tuple[int, ...]
@@ -143,6 +157,39 @@ class ClusterHandle:
                 pass
             time.sleep(poll_s)
         raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+    def client(self, timeout_s: float = 180.0):
+        """The official OpenAI client pointed at the router (no retries: tests see every failure)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.router_url}/v1", api_key="none", max_retries=0, timeout=timeout_s)
+
+    def async_client(self, timeout_s: float = 300.0):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.router_url}/v1", api_key="none", max_retries=0, timeout=timeout_s)
+
+    def node_load(self, name: str) -> NodeLoad:
+        m = self.metrics(name)
+        return NodeLoad(running=m.value("vllm:num_requests_running"), waiting=m.value("vllm:num_requests_waiting"),
+                        rows_used=m.value("pdcluster_node_kv_rows_used"),
+                        leases=m.get("pdcluster_node_leases_outstanding") or 0.0)
+
+    def loads(self) -> dict[str, NodeLoad]:
+        return {node.name: self.node_load(node.name) for node in self.nodes}
+
+    def idle_snapshot(self, timeout_s: float = 120.0) -> dict[str, NodeLoad]:
+        """Wait until no node runs, queues or leases anything; return every node's load then."""
+        self.wait_until(lambda: all(load.is_quiet for load in self.loads().values()), timeout_s,
+                        "every node to be idle")
+        return self.loads()
+
+    def wait_back_to(self, idle: dict[str, NodeLoad], timeout_s: float = 120.0) -> None:
+        """Wait until every node is quiet with the row count of `idle`; the error shows what differs."""
+        try:
+            self.wait_until(lambda: self.loads() == idle, timeout_s, "nodes back to their idle counts")
+        except AssertionError:
+            raise AssertionError(f"nodes not back to idle after {timeout_s:.0f} s:\n idle: {idle}\n now: {self.loads()}")
 
     def router_sees_healthy(self, name: str) -> bool | None:
         """The router's `pdcluster_instance_healthy` for `name` (None when it exports none)."""

@@ -63,10 +63,10 @@ def vllm_up(tmp_path_factory: pytest.TempPathFactory):
     model_dir = make_tiny_llama(work / SERVED_MODEL, python)
     config = {
         "engine": "vllm",
-        "startup_timeout_s": 420,
+        "startup_timeout_s": 540,
         "vllm": {"python": str(python), "max_model_len": 1024, "served_model_name": SERVED_MODEL,
                  "extra_args": ["--dtype", "float32", "--seed", "0", "--max-num-seqs", "8",
-                                "--no-enable-prefix-caching", "--enable-prompt-tokens-details"]},
+                                "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager"]},
         "router": {"settings": {"disagg_min_uncached_tokens": 1}},
         "pools": [{"name": "prefill", "role": "prefill", "cores": [0]},
                   {"name": "tp", "role": "decode", "cores": [1]}],
@@ -79,7 +79,7 @@ def vllm_up(tmp_path_factory: pytest.TempPathFactory):
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        banner = _read_banner(proc, 480)
+        banner = _read_banner(proc, 600)
         registry = yaml.safe_load((log_dir / "router.yaml").read_text())
         urls = {i["role"]: i["url"] for i in registry["instances"]}
         router_url = banner.split("pdcluster is up: ")[1].split("/v1")[0]

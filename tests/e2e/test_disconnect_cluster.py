@@ -1,0 +1,113 @@
+"""Client disconnects at each stage of a request (queued, during prefill, between the legs, mid-stream)
+leave every prefill and decode node at its idle counts (running, waiting, leases, rows from /metrics),
+and the router counts the requests as cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+LONG_PROMPT_BYTES = 12_000
+
+
+def _body(model: str, index: int, prompt_bytes: int, max_tokens: int = 16, stream: bool = True) -> dict:
+    prompt = (f"request {index}: " + "the decode pool streams tokens while prefill ranks shard the prompt. " * 400)
+    return {"model": model, "prompt": prompt[:prompt_bytes], "max_tokens": max_tokens, "temperature": 0,
+            "stream": stream}
+
+
+def _cancelled(cluster) -> float:
+    return cluster.metrics("router").get("pdcluster_requests_total", outcome="cancelled") or 0.0
+
+
+async def _post(url: str, body: dict) -> None:
+    async with httpx.AsyncClient(timeout=300) as client:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            async for _ in response.aiter_bytes():
+                pass
+
+
+async def _cancel_when(cluster, bodies: list[dict], condition: Callable[[], bool], timeout_s: float = 120) -> bool:
+    """Start `bodies` concurrently, cancel them all (closing the connections) once `condition` holds."""
+    tasks = [asyncio.create_task(_post(cluster.router_url, body)) for body in bodies]
+    seen = False
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not all(t.done() for t in tasks):
+        seen = await asyncio.to_thread(condition)
+        if seen:
+            break
+        await asyncio.sleep(0.02)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return seen
+
+
+def _prefill_load(cluster):
+    return cluster.node_load(cluster.nodes_of(role="prefill")[0].name)
+
+
+def _check_idle_after(cluster, idle, cancelled_before: float, num_requests: int) -> None:
+    cluster.wait_back_to(idle, timeout_s=120)
+    cluster.wait_until(lambda: _cancelled(cluster) >= cancelled_before + num_requests, 30,
+                       f"{num_requests} cancelled request(s) counted by the router")
+
+
+def test_disconnect_while_queued(cluster):
+    idle = cluster.idle_snapshot()
+    before = _cancelled(cluster)
+    bodies = [_body(cluster.model, i, 2_000) for i in range(24)]
+    seen = asyncio.run(_cancel_when(cluster, bodies, lambda: any(
+        load.waiting >= 1 for load in cluster.loads().values())))
+    assert seen, "no request was ever queued on a node"
+    _check_idle_after(cluster, idle, before, 1)
+
+
+def test_disconnect_during_prefill(cluster):
+    idle = cluster.idle_snapshot()
+    before = _cancelled(cluster)
+    seen = asyncio.run(_cancel_when(cluster, [_body(cluster.model, 100, LONG_PROMPT_BYTES)],
+                                    lambda: _prefill_load(cluster).running >= 1))
+    assert seen, "the prefill node never ran the request"
+    _check_idle_after(cluster, idle, before, 1)
+
+
+def test_disconnect_between_legs(cluster):
+    idle = cluster.idle_snapshot()
+    before = _cancelled(cluster)
+    legs = cluster.metrics("router").get("pdcluster_leg_duration_seconds_count", leg="prefill") or 0.0
+
+    def prefill_leg_done() -> bool:
+        if _prefill_load(cluster).leases >= 1:
+            return True
+        return (cluster.metrics("router").get("pdcluster_leg_duration_seconds_count", leg="prefill") or 0.0) > legs
+
+    seen = asyncio.run(_cancel_when(cluster, [_body(cluster.model, 200, LONG_PROMPT_BYTES)], prefill_leg_done))
+    assert seen, "the prefill leg never finished"
+    _check_idle_after(cluster, idle, before, 1)
+
+
+def test_disconnect_mid_stream(cluster):
+    idle = cluster.idle_snapshot()
+    before = _cancelled(cluster)
+
+    async def read_some() -> int:
+        body = _body(cluster.model, 300, 400, max_tokens=400)
+        chunks = 0
+        async with httpx.AsyncClient(timeout=300) as client:
+            async with client.stream("POST", f"{cluster.router_url}/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    chunks += line.startswith("data: {")
+                    if chunks >= 3:
+                        break  # leaving the block closes the connection mid-stream
+        return chunks
+
+    assert asyncio.run(read_some()) == 3
+    _check_idle_after(cluster, idle, before, 1)

@@ -1,0 +1,112 @@
+"""Faults with real processes: a killed prefill instance and a killed decode rank.
+
+- Prefill killed mid-run: in-flight requests fail over (the decode node prefills locally) or fail cleanly
+  within the router's configured leg timeouts; the router marks the instance unhealthy, then healthy again
+  after a restart, and new requests take the prefill leg again.
+- One DCP rank killed mid-stream: the stream ends with a clean error (no hang), the router marks the decode
+  instance unhealthy; after a restart the `dcp` pool serves oracle tokens again.
+These tests run last in the e2e session (conftest orders them) and leave every node running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+
+from tests.e2e.conftest import E2E_CONFIG, TP_POOL_CAPACITY
+
+pytestmark = pytest.mark.e2e
+
+SETTINGS = E2E_CONFIG["router"]["settings"]
+REQUEST_BOUND_S = SETTINGS["prefill_timeout_s"] + SETTINGS["first_token_timeout_s"] + 30
+HEALTH_BOUND_S = 30
+
+
+def _long_prompt(index: int, num_bytes: int) -> str:
+    return (f"job {index}: " + "the prefill ranks exchange query shards before sparse attention runs. " * 300)[:num_bytes]
+
+
+async def _complete(client, model: str, prompt: str, max_tokens: int) -> str | BaseException:
+    try:
+        result = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        return result.choices[0].text
+    except openai.APIError as exc:
+        return exc
+
+
+def _prefill_legs(cluster) -> float:
+    return cluster.metrics("router").get("pdcluster_leg_duration_seconds_count", leg="prefill") or 0.0
+
+
+def test_kill_prefill_mid_run_then_restart(cluster):
+    prefill = cluster.nodes_of(role="prefill")[0].name
+
+    async def run() -> list:
+        client = cluster.async_client(timeout_s=REQUEST_BOUND_S)
+        tasks = [asyncio.create_task(_complete(client, cluster.model, _long_prompt(i, 6_000), 8)) for i in range(4)]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and cluster.node_load(prefill).running < 1:
+            await asyncio.sleep(0.02)
+        assert cluster.node_load(prefill).running >= 1, "prefill never started"
+        cluster.kill(prefill)
+        killed_at = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=REQUEST_BOUND_S)
+        await client.close()
+        return [results, time.monotonic() - killed_at]
+
+    results, settle_s = asyncio.run(run())
+    assert settle_s < REQUEST_BOUND_S
+    for result in results:  # served by fallback (text) or a clean OpenAI error, never a hang
+        assert isinstance(result, str) or isinstance(result, openai.APIError), result
+    served = [r for r in results if isinstance(r, str)]
+    if served:
+        assert served[0] == cluster.oracle(_long_prompt(results.index(served[0]), 6_000), 8).text
+    cluster.wait_until(lambda: cluster.router_sees_healthy(prefill) is False, HEALTH_BOUND_S,
+                       f"the router to mark {prefill} unhealthy")
+
+    cluster.restart(prefill)
+    cluster.wait_until(lambda: cluster.router_sees_healthy(prefill) is True, HEALTH_BOUND_S,
+                       f"the router to mark {prefill} healthy again")
+    prompt = "After the restart the prefill pool serves again."
+    expected = cluster.oracle(prompt, 8)
+
+    def served_with_prefill_leg() -> bool:
+        before = _prefill_legs(cluster)
+        text = cluster.client().completions.create(model=cluster.model, prompt=prompt, max_tokens=8,
+                                                   temperature=0).choices[0].text
+        assert text == expected.text
+        return _prefill_legs(cluster) > before
+
+    cluster.wait_until(served_with_prefill_leg, 60, "a request through the restarted prefill instance", poll_s=1.0)
+
+
+def test_kill_decode_rank_mid_stream_then_restart(cluster):
+    dcp = cluster.nodes_of(role="decode", pool="dcp")[0]
+    prompt = _long_prompt(9, TP_POOL_CAPACITY + 200)  # projected context beyond `tp`: placed on `dcp`
+    client = cluster.client(timeout_s=REQUEST_BOUND_S)
+    stream = client.completions.create(model=cluster.model, prompt=prompt, max_tokens=2000, temperature=0,
+                                       stream=True, extra_headers={"X-Session-ID": "fault-dcp"})
+    started = time.monotonic()
+    chunks = 0
+    with pytest.raises(openai.APIError):
+        for chunk in stream:
+            chunks += 1
+            if chunks == 2:
+                cluster.kill_rank(dcp.name)
+        pytest.fail(f"the stream finished normally after a rank died ({chunks} chunks)")
+    assert chunks >= 2 and time.monotonic() - started < REQUEST_BOUND_S
+    cluster.wait_until(lambda: cluster.router_sees_healthy(dcp.name) is False, HEALTH_BOUND_S,
+                       f"the router to mark {dcp.name} unhealthy")
+
+    cluster.restart(dcp.name)
+    cluster.wait_until(lambda: cluster.router_sees_healthy(dcp.name) is True, HEALTH_BOUND_S,
+                       f"the router to mark {dcp.name} healthy again")
+    expected = cluster.oracle(prompt, 8)
+    ok_before = cluster.metrics("router").get("pdcluster_requests_total", outcome="ok", pool="dcp") or 0.0
+    result = client.completions.create(model=cluster.model, prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_headers={"X-Session-ID": "fault-dcp-after"})
+    assert result.choices[0].text == expected.text
+    assert cluster.metrics("router").get("pdcluster_requests_total", outcome="ok", pool="dcp") == ok_before + 1

@@ -1,0 +1,49 @@
+"""A 5-turn agent session whose context grows past the `tp` pool's capacity moves to the `dcp` pool and
+keeps producing oracle tokens. The pool of each turn is read from the router's requests counter."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.e2e.conftest import SESSION_GROWTH_TOKENS, TP_POOL_CAPACITY
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 12
+WORDS = ("tool call result file diff test build error trace patch review agent plan step context cache "
+         "decode prefill router pool shard rank").split()
+
+
+def _user_turn(rng: random.Random, turn: int) -> str:
+    body = " ".join(rng.choice(WORDS) for _ in range(70))
+    return f"turn {turn}: {body}"[:400]
+
+
+def _ok_by_pool(cluster) -> dict[str, float]:
+    metrics = cluster.metrics("router")
+    return {pool: metrics.get("pdcluster_requests_total", outcome="ok", pool=pool) or 0.0 for pool in ("tp", "dcp")}
+
+
+def test_session_moves_from_tp_to_dcp_and_matches_oracle(cluster):
+    rng = random.Random(7)
+    client = cluster.client()
+    messages = [{"role": "system", "content": "You are a coding agent."}]
+    pools = []
+    for turn in range(5):
+        messages.append({"role": "user", "content": _user_turn(rng, turn)})
+        expected = cluster.oracle_chat(messages, MAX_TOKENS)
+        before = _ok_by_pool(cluster)
+        reply = client.chat.completions.create(model=cluster.model, messages=messages, max_tokens=MAX_TOKENS,
+                                               temperature=0, extra_headers={"X-Session-ID": "agent-session-1"})
+        after = _ok_by_pool(cluster)
+        served = [pool for pool in after if after[pool] == before[pool] + 1]
+        assert len(served) == 1, f"turn {turn}: ok counters moved {before} -> {after}"
+        pools.append(served[0])
+        assert reply.choices[0].message.content == expected.text, f"turn {turn} on pool {served[0]}"
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    context = sum(len(m["content"]) for m in messages)
+    assert context + MAX_TOKENS + SESSION_GROWTH_TOKENS > TP_POOL_CAPACITY  # the test really outgrows `tp`
+    assert pools[0] == "tp" and pools[-1] == "dcp", pools
+    assert pools == sorted(pools, key=lambda p: p == "dcp"), f"the session moved back: {pools}"
