@@ -1,0 +1,74 @@
+"""The chart's dashboards and rules against the real `pdcluster up` cluster (the e2e `cluster` fixture).
+
+A real Prometheus scrapes the router and every node (`cluster.metrics_urls`) while `pdcluster loadgen`
+drives the router; then every dashboard panel's PromQL and every rule is evaluated through the HTTP API
+(tests/deploy/prom_support.py, the same check tests/deploy runs against the stand-in). On a cluster of
+vLLM nodes, panels that read only reference-engine series (`pdcluster_node_*`) are left out.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deploy.metrics_contract import load_contract
+from tests.deploy.prom_support import PrometheusServer, ScrapeTarget, chart_node_metric_relabels, check_chart_queries
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+LOAD_SECONDS = 30
+
+
+def _cluster(request: pytest.FixtureRequest):
+    try:
+        return request.getfixturevalue("cluster")
+    except pytest.FixtureLookupError:
+        pytest.fail("tests/e2e/conftest.py must provide the `cluster` fixture: a running `pdcluster up` cluster "
+                    "with `.metrics_urls` (and `.nodes` for pool labels)")
+
+
+def targets_from_cluster(cluster) -> list[ScrapeTarget]:
+    """Scrape targets with the labels the chart's PodMonitor attaches (pool, role, tp, dcp, engine_kind, pod)."""
+    urls = cluster.metrics_urls
+    named = urls.items() if isinstance(urls, dict) else ((str(i), url) for i, url in enumerate(urls))
+    nodes = {node.name: node for node in getattr(cluster, "nodes", [])}
+    targets = []
+    for name, url in named:
+        node = nodes.get(name)
+        if node is not None:
+            labels = {"job": "pdcluster-nodes", "pool": node.pool, "role": node.role, "tp": str(node.tp),
+                      "dcp": str(node.dcp), "engine_kind": node.engine, "pod": node.name}
+        elif "pdcluster_requests_total" in httpx.get(url, timeout=10).text:
+            labels = {"job": "pdcluster-router"}
+        else:
+            labels = {"job": "pdcluster-nodes", "pod": name}
+        targets.append(ScrapeTarget(url, labels))
+    assert any(t.labels["job"] == "pdcluster-router" for t in targets), f"no router among {urls}"
+    return targets
+
+
+def test_dashboards_and_rules_on_the_running_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    cluster = _cluster(request)
+    targets = targets_from_cluster(cluster)
+    engines = {t.labels.get("engine_kind") for t in targets if t.labels["job"] == "pdcluster-nodes"}
+    exclude = set()
+    if engines == {"vllm"}:
+        exclude = {name for spec in load_contract() if spec.scope == "node_reference" for name in spec.exposed_names}
+    server = PrometheusServer(targets, tmp_path, node_metric_relabels=chart_node_metric_relabels()).start()
+    try:
+        server.wait_targets_up(len(targets), timeout_s=60)
+        load = subprocess.run(
+            [sys.executable, "-m", "pdcluster.cli", "loadgen", "--url", cluster.router_url, "--scenario", "agentx",
+             "--concurrency", "2", "--duration", str(LOAD_SECONDS), "--out", str(tmp_path / "loadgen"),
+             "--no-plots", "--progress", "off", "--system-len", "1024", "--task-len", "64", "--output-len", "16",
+             "--turns", "3", "--think-time", "0", "--drain", "60"],
+            capture_output=True, text=True, timeout=LOAD_SECONDS + 240)
+        assert load.returncode == 0, f"loadgen failed:\n{load.stdout[-2000:]}\n{load.stderr[-2000:]}"
+        server.wait_scrapes(4)
+        failures = check_chart_queries(server, exclude)
+        assert not failures, "panels/rules without data on the running cluster:\n" + "\n".join(failures)
+    finally:
+        server.stop()
