@@ -33,3 +33,21 @@ def attention_case(ctx: ParallelContext, q: torch.Tensor, keys: torch.Tensor, va
     v_sel = values.gather(1, ids[..., None].expand(-1, -1, values.shape[2]))
     merged = dcp_combine(ctx, partial_attention(q, k_sel, v_sel, owned, scale))
     return merged.out, merged.lse
+
+
+def prefill_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], prefix_lens: list[int], mode: str,
+                 capacity: int) -> dict:
+    """Build the seeded model, prefill each prompt's prefix (if any) then the rest in one batch."""
+    from engine.model.weights import build_model
+    from engine.parallel.kda_shard import rank_cache
+    from engine.parallel.prefill import PrefillBatch, parallel_prefill
+
+    model = build_model(cfg)
+    caches = [rank_cache(cfg, capacity, ctx.world_size, ctx.rank) for _ in prompts]
+    with_prefix = [b for b, n in enumerate(prefix_lens) if n]
+    if with_prefix:
+        first = PrefillBatch(tuple(prompts[b][: prefix_lens[b]] for b in with_prefix), tuple(0 for _ in with_prefix))
+        parallel_prefill(ctx, model, first, [caches[b] for b in with_prefix], mode)
+    batch = PrefillBatch(tuple(p[n:] for p, n in zip(prompts, prefix_lens)), tuple(prefix_lens))
+    res = parallel_prefill(ctx, model, batch, caches, mode, record_selections=True)
+    return {"logits": res.logits, "caches": caches, "stats": res.stats}

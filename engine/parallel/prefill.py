@@ -1,0 +1,245 @@
+"""W-rank prefill of a batch of requests: token-sharded (all-to-all) or head-sharded MLA+DSA attention.
+
+SPMD: every rank calls `parallel_prefill(ctx, model, batch, caches, mode)` with the same batch; the model is a
+full replica (engine.model, untouched), each rank's caches hold the whole attention rows (replicated, as under
+TP) and its own KDA heads (`kda_shard.rank_cache`). Recipe R2 of research/model.md: only all_gather and
+all_to_all move data, every linear runs with its full weight on whole rows of a rank's token share, and the
+attention and KDA cores run unchanged code on a query subset or head subset, so each value is computed by
+the same ops on the same inputs as in the single-rank `KimiModel.prefill`.
+
+Per layer, both modes: token-local work (norms, projections, MoE) on the rank's rows; the new latent and
+index-key rows are all-gathered into every rank's cache; KDA: all-to-all #1 (own tokens, all heads) ->
+(all tokens, own heads), conv + chunked KDA per request on the rank's heads, all-to-all #2 back.
+- token mode: rows are the zigzag split (pieces r and 2W-1-r of each request); each rank runs the indexer
+  and sparse MLA for its own queries only, all heads, against the replicated cache. The queries are born
+  token-sharded (full-weight projections on the rank's rows), so the attention needs no query exchange.
+- head mode (baseline, what plain TP does): rows are contiguous; all-to-all (own tokens, all heads) ->
+  (all tokens, own H/W heads) for the absorbed queries, all-gather of the indexer queries; every rank runs
+  the full indexer for every query and sparse MLA for its heads; all-to-all of o^lat back.
+`choose_mode` picks per step: token mode when the step has at least `token_threshold` new tokens.
+World size 1 runs the same code with no collectives (= KimiModel.prefill).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.model.indexer import IndexQueries, index_scores, select_topk
+from engine.model.mla import MLA, QUERY_BLOCK, sparse_attention
+from engine.model.model import KimiModel, dequantize_context
+from engine.model.numerics import pad_rows
+from engine.model.state import SequenceCache
+from engine.parallel.comm import all_gather_varlen, all_to_all_list
+from engine.parallel.groups import ParallelContext
+from engine.parallel.kda_shard import head_range, kda_core_heads, qkv_channels
+from engine.parallel.shard_plan import ShardPlan, all_plans, scatter_to_global
+
+MODES = ("token", "head")
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """New tokens of B requests; request b's cache already holds positions 0..starts[b]-1."""
+
+    token_ids: tuple[torch.Tensor, ...]
+    starts: tuple[int, ...]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(t.numel()) for t in self.token_ids]
+
+
+@dataclass
+class PrefillStats:
+    """This rank's measurements of one prefill step."""
+
+    attention_s: float = 0.0
+    """Indexer + sparse MLA (incl. reading and dequantising the cache) on this rank."""
+    total_s: float = 0.0
+    exchange_bytes: int = 0
+    """Bytes this rank put into all_gather / all_to_all."""
+    selections: list[list[torch.Tensor]] = field(default_factory=list)
+    """With record_selections: per MLA layer, per request, this rank's [q, k] selections (own queries)."""
+    selection_positions: list[list[torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    logits: torch.Tensor
+    """[B, V]: logits of each request's last new token (identical on every rank)."""
+    mode: str
+    stats: PrefillStats
+
+
+def choose_mode(batch: PrefillBatch, token_threshold: int) -> str:
+    return "token" if sum(batch.lengths) >= token_threshold else "head"
+
+
+@dataclass
+class _Step:
+    ctx: ParallelContext
+    model: KimiModel
+    batch: PrefillBatch
+    caches: list[SequenceCache]
+    plans: list[ShardPlan]
+    mode: str
+    stats: PrefillStats
+    record: bool
+
+    @property
+    def me(self) -> ShardPlan:
+        return self.plans[self.ctx.rank]
+
+    def gather_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's rows -> per request [T, ...] in global order (all ranks' rows)."""
+        self.stats.exchange_bytes += rows.numel() * rows.element_size() * (self.ctx.world_size - 1)
+        return scatter_to_global(all_gather_varlen(self.ctx, rows), self.plans, self.batch.lengths)
+
+    def exchange(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.stats.exchange_bytes += sum(c.numel() * c.element_size() for i, c in enumerate(chunks)
+                                         if i != self.ctx.rank)
+        return all_to_all_list(self.ctx, chunks)
+
+
+def parallel_prefill(ctx: ParallelContext, model: KimiModel, batch: PrefillBatch, caches: list[SequenceCache],
+                     mode: str = "token", record_selections: bool = False) -> PrefillResult:
+    """Run one prefill step on every rank (SPMD). Returns the last-token logits of every request."""
+    if mode not in MODES:
+        raise ValueError(f"prefill mode must be one of {MODES}, got {mode!r}")
+    if not batch.token_ids or min(batch.lengths) < 1:
+        raise ValueError("every request of a prefill step needs at least one new token")
+    begin = time.perf_counter()
+    plans = all_plans(batch.lengths, ctx.world_size, "zigzag" if mode == "token" else "contiguous")
+    step = _Step(ctx, model, batch, caches, plans, mode, PrefillStats(), record_selections)
+    me = step.me
+    own_tokens = torch.cat([ids[o] for ids, o in zip(batch.token_ids, me.offsets)])
+    num_rows = int(own_tokens.numel())
+    with torch.no_grad():
+        x = pad_rows(model.embed[own_tokens])
+        for layer_id, layer in enumerate(model.layers):
+            h = layer.mixer_norm(x)
+            if layer.is_mla:
+                out = _mla_layer(step, layer.mixer, h, num_rows, model.mla_index[layer_id])
+            else:
+                out = _kda_layer(step, layer.mixer, h, num_rows, model.kda_index[layer_id])
+            x = x + out
+            x = x + layer.ffn(layer.ffn_norm(x), num_rows)
+        logits = _last_logits(step, x[:num_rows])
+    step.stats.total_s = time.perf_counter() - begin
+    return PrefillResult(logits=logits, mode=mode, stats=step.stats)
+
+
+def _last_logits(step: _Step, x: torch.Tensor) -> torch.Tensor:
+    """Every request's last token lives on one rank: it computes the logits; one gather shares them."""
+    model, lengths = step.model, step.batch.lengths
+    rows, ids = [], []
+    for b, (offs, sl) in enumerate(zip(step.me.offsets, step.me.row_slices())):
+        if offs.numel() and int(offs[-1]) == lengths[b] - 1:
+            rows.append(sl.stop - 1)
+            ids.append(b)
+    mine = model.logits(x[rows]) if rows else x.new_zeros(0, model.cfg.vocab_size)
+    tagged = torch.cat([torch.tensor(ids, dtype=torch.float32)[:, None], mine], dim=1)
+    out = torch.zeros(len(lengths), model.cfg.vocab_size)
+    for part in all_gather_varlen(step.ctx, tagged):
+        out[part[:, 0].long()] = part[:, 1:]
+    return out
+
+
+def _write_new_rows(step: _Step, mla: MLA, proj, num_rows: int, mla_index: int) -> None:  # type: ignore[no-untyped-def]
+    latent = step.gather_rows(proj.latent_bytes[:num_rows])
+    keys = step.gather_rows(proj.index_key_bytes[:num_rows])
+    scales = step.gather_rows(proj.index_key_scale[:num_rows])
+    for b, cache in enumerate(step.caches):
+        cache.write_attention(mla_index, step.batch.starts[b], latent[b], keys[b], scales[b])
+
+
+def _attend(step: _Step, mla: MLA, mla_index: int, b: int, q_abs: torch.Tensor, iq: IndexQueries,
+            positions: torch.Tensor) -> torch.Tensor:
+    """Indexer + sparse MLA for some queries of request b (timed as the attention module)."""
+    cfg = step.model.cfg
+    start = time.perf_counter()
+    cached = dequantize_context(step.caches[b].read_attention(mla_index, step.batch.starts[b] +
+                                                              step.batch.lengths[b]), mla.latent_scale)
+    o_lat = sparse_attention(q_abs, iq, positions, cached, cfg.index_topk, mla.softmax_scale, cfg.kv_lora_rank)
+    step.stats.attention_s += time.perf_counter() - start
+    if step.record:
+        sel = [select_topk(index_scores(iq.q[i:i + QUERY_BLOCK], iq.weights[i:i + QUERY_BLOCK], cached.index_keys,
+                                        cached.index_scale), positions[i:i + QUERY_BLOCK], cfg.index_topk)
+               for i in range(0, positions.numel(), QUERY_BLOCK)]
+        step.stats.selections[-1].append(torch.cat(sel) if sel else torch.zeros(0, cfg.index_topk, dtype=torch.long))
+        step.stats.selection_positions[-1].append(positions)
+    return o_lat
+
+
+def _mla_layer(step: _Step, mla: MLA, h: torch.Tensor, num_rows: int, mla_index: int) -> torch.Tensor:
+    cfg = step.model.cfg
+    proj = mla.project(h)
+    _write_new_rows(step, mla, proj, num_rows, mla_index)
+    if step.record:
+        step.stats.selections.append([])
+        step.stats.selection_positions.append([])
+    o_lat = h.new_zeros(num_rows, cfg.num_heads, cfg.kv_lora_rank)
+    if step.mode == "token":
+        for b, (offs, rows) in enumerate(zip(step.me.offsets, step.me.row_slices())):
+            if offs.numel():
+                iq = IndexQueries(q=proj.index_queries.q[rows], weights=proj.index_queries.weights[rows])
+                o_lat[rows] = _attend(step, mla, mla_index, b, proj.q_absorbed[rows], iq, step.batch.starts[b] + offs)
+    else:
+        o_lat = _head_sharded_attention(step, mla, proj, num_rows, mla_index)
+    return mla.output(_pad_to(o_lat, h.shape[0]), proj.gate)
+
+
+def _head_sharded_attention(step: _Step, mla: MLA, proj, num_rows: int, mla_index: int  # type: ignore[no-untyped-def]
+                            ) -> torch.Tensor:
+    cfg, ctx = step.model.cfg, step.ctx
+    if cfg.num_heads % ctx.world_size:
+        raise ValueError(f"{cfg.num_heads} MLA heads do not split over {ctx.world_size} ranks")
+    per = cfg.num_heads // ctx.world_size
+    q_own = proj.q_absorbed[:num_rows]
+    recv = step.exchange([q_own[:, r * per:(r + 1) * per].contiguous() for r in range(ctx.world_size)])
+    q_all = scatter_to_global(recv, step.plans, step.batch.lengths)           # per request [T, H/W, C]
+    iq_q = step.gather_rows(proj.index_queries.q[:num_rows])
+    iq_w = step.gather_rows(proj.index_queries.weights[:num_rows])
+    outs = []
+    for b, length in enumerate(step.batch.lengths):
+        positions = step.batch.starts[b] + torch.arange(length)
+        outs.append(_attend(step, mla, mla_index, b, q_all[b], IndexQueries(q=iq_q[b], weights=iq_w[b]), positions)
+                    if length else q_all[b].new_zeros(0, per, cfg.kv_lora_rank))
+    back = [torch.cat([o[pl.offsets[b]] for b, o in enumerate(outs)]) for pl in step.plans]
+    return torch.cat(step.exchange(back), dim=1)                              # [rows, H, kv_lora]
+
+
+def _kda_layer(step: _Step, kda, h: torch.Tensor, num_rows: int, kda_index: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    cfg, ctx = step.model.cfg, step.ctx
+    proj = kda.project(h)
+    d = cfg.kda_head_dim
+    sends = []
+    for r in range(ctx.world_size):
+        lo, hi = head_range(cfg, ctx.world_size, r)
+        sends.append(torch.cat([proj.qkv[:num_rows, qkv_channels(cfg, lo, hi)],
+                                proj.g[:num_rows, lo:hi].reshape(num_rows, -1), proj.beta[:num_rows, lo:hi]], dim=1))
+    lo, hi = head_range(cfg, ctx.world_size, ctx.rank)
+    per = hi - lo
+    channels = qkv_channels(cfg, lo, hi)
+    per_request = scatter_to_global(step.exchange(sends), step.plans, step.batch.lengths)
+    outs = []
+    for b, rows in enumerate(per_request):
+        qkv, g, beta = rows.split([3 * per * d, per * d, per], dim=1)
+        state = step.caches[b].read_kda(kda_index)
+        o, state = kda_core_heads(kda, qkv, g.reshape(-1, per, d), beta, state, channels, cfg.kda_chunk_size)
+        step.caches[b].write_kda(kda_index, state)
+        outs.append(o)
+    back = [torch.cat([o[pl.offsets[b]] for b, o in enumerate(outs)]) for pl in step.plans]
+    o_own = torch.cat(step.exchange(back), dim=1)                             # [rows, H, d]
+    return kda.output(_pad_to(o_own, h.shape[0]), proj.gate_out)
+
+
+def _pad_to(x: torch.Tensor, num_rows: int) -> torch.Tensor:
+    if x.shape[0] == num_rows:
+        return x
+    out = x.new_zeros((num_rows,) + tuple(x.shape[1:]))
+    out[: x.shape[0]] = x
+    return out
