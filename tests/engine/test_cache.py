@@ -1,0 +1,95 @@
+"""The engine's row pool: allocation, page addresses, FP8 attention bytes and KDA rows round-trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cache import OutOfRows, RowPool, RowSequenceCache
+from engine.model.config import get_preset
+from engine.model.state import KDAState, LocalSequenceCache
+from kv_transfer.layout import plan_layout
+
+CFG = get_preset("kimi-k3.1-mini")
+
+
+@pytest.fixture
+def pool() -> RowPool:
+    return RowPool(plan_layout(CFG), CFG, 16)
+
+
+def test_buffer_is_one_contiguous_tensor_with_a_stable_pointer(pool: RowPool) -> None:
+    ptr = pool.buffer.data_ptr()
+    assert pool.buffer.is_contiguous() and pool.buffer.dtype == torch.uint8
+    assert pool.buffer.shape == (16, pool.layout.row_bytes)
+    table = pool.allocate_request(3000)
+    RowSequenceCache(pool, table).write_attention(0, 0, torch.ones(10, 80, dtype=torch.uint8),
+                                                  torch.ones(10, 64, dtype=torch.uint8), torch.ones(10))
+    assert pool.buffer.data_ptr() == ptr
+
+
+def test_allocation_is_lowest_first_and_frees_back(pool: RowPool) -> None:
+    table = pool.allocate_request(2500)  # 3 attention rows (B=1024) + 2 KDA groups
+    assert table.attn_row_ids == [0, 1, 2] and table.kda_row_ids == [3, 4] and pool.num_free == 11
+    other = pool.allocate(2)
+    pool.free(table.row_ids)
+    assert pool.num_free == 14 and pool.allocate(1) == [0] and other == [5, 6]
+    with pytest.raises(OutOfRows):
+        pool.allocate(99)
+    with pytest.raises(ValueError):
+        pool.free([15])
+
+
+def test_attention_bytes_round_trip_at_page_addresses(pool: RowPool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    table = pool.allocate_request(2100)
+    cache = RowSequenceCache(pool, table)
+    n = 2100
+    latent = torch.randint(0, 256, (n, 80), generator=gen, dtype=torch.uint8)
+    key = torch.randint(0, 256, (n, 64), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, generator=gen)
+    cache.write_attention(1, 0, latent[:1500], key[:1500], scale[:1500])
+    cache.write_attention(1, 1500, latent[1500:], key[1500:], scale[1500:])
+    back = cache.read_attention(1, n)
+    assert torch.equal(back.latent, latent) and torch.equal(back.index_key, key)
+    assert torch.equal(back.index_scale, scale)
+    assert not pool.read_attention(table, 0, n).latent.any()  # the other DSA layer is untouched
+    pages = pool.page_table(table, 1, n)
+    flat, lay = pool.buffer.view(-1), pool.layout
+    for page in (0, 15, 16, 32):  # pages 16+ live in the second row
+        tok = page * lay.subblock_tokens
+        lat_off, idx_off = int(pages.latent_offsets[page]), int(pages.index_offsets[page])
+        assert torch.equal(flat[lat_off : lat_off + 80], latent[tok])
+        assert torch.equal(flat[idx_off : idx_off + 64], key[tok])
+        assert torch.equal(flat[idx_off + 64 : idx_off + 68].view(torch.float32), scale[tok : tok + 1])
+        row = table.attn_row_ids[tok // lay.block_size]
+        assert lat_off == row * lay.row_bytes + lay.latent_page_offset(page % lay.subblocks_per_row, 1)
+
+
+def test_kda_state_round_trips_head_major(pool: RowPool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    table = pool.allocate_request(10)
+    cache = RowSequenceCache(pool, table)
+    h, d, w = CFG.kda_num_heads, CFG.kda_head_dim, CFG.kda_conv_size - 1
+    states = [KDAState(torch.randn(h, d, d, generator=gen), torch.randn(w, 3 * h * d, generator=gen))
+              for _ in range(CFG.num_kda_layers)]
+    for i, state in enumerate(states):
+        cache.write_kda(i, state)
+    for i, state in enumerate(states):
+        back = cache.read_kda(i)
+        assert torch.equal(back.recurrent, state.recurrent) and torch.equal(back.conv, state.conv)
+    lay, flat = pool.layout, pool.buffer.view(-1)
+    row = table.kda_row_ids[1]  # KDA layer index 4 = group 1, layer 1 of the group
+    off = row * lay.row_bytes + lay.kda_recurrent_offset(2, 1)
+    assert torch.equal(flat[off : off + d * d * 4].view(torch.float32).view(d, d), states[4].recurrent[2])
+    conv_off = row * lay.row_bytes + lay.kda_conv_offset(2, 1)
+    conv = flat[conv_off : conv_off + lay.kda_conv_bytes].view(torch.float32).view(3, d, w)
+    assert torch.equal(conv[1, :, 0], states[4].conv[0, h * d + 2 * d : h * d + 3 * d])  # k channels of head 2
+
+
+def test_fresh_rows_start_with_zero_kda_state(pool: RowPool) -> None:
+    pool.buffer.fill_(7)
+    table = pool.allocate_request(10)
+    local = LocalSequenceCache(CFG, 10).read_kda(0)
+    back = RowSequenceCache(pool, table).read_kda(0)
+    assert torch.equal(back.recurrent, local.recurrent) and torch.equal(back.conv, local.conv)

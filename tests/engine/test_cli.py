@@ -1,0 +1,44 @@
+"""`pdcluster generate`: JSON output through the real console script; bad input exits with status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.cli import main
+
+
+def test_generate_json_through_the_console_script() -> None:
+    cmd = [sys.executable, "-m", "pdcluster", "generate", "--model", "kimi-k3.1-mini", "--prompt", "Hello",
+           "--max-tokens", "3", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["prompt_token_ids"] == [256] + list(b"Hello")
+    assert len(out["token_ids"]) == 3 and isinstance(out["text"], str)
+    assert {"ttft_s", "decode_s", "total_s"} <= set(out["timings"])
+
+
+def test_generate_is_deterministic_and_seeded_sampling_repeats(capsys: pytest.CaptureFixture[str]) -> None:
+    runs = []
+    for argv in (["--prompt", "abc", "--max-tokens", "2", "--json"],
+                 ["--prompt", "abc", "--max-tokens", "2", "--json"],
+                 ["--prompt", "abc", "--max-tokens", "2", "--json", "--temperature", "1", "--seed", "4"],
+                 ["--prompt", "abc", "--max-tokens", "2", "--json", "--temperature", "1", "--seed", "4"]):
+        assert main(argv) == 0
+        runs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert runs[0] == runs[1] and runs[2] == runs[3]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "nope", "--prompt", "x"], "unknown model preset"),
+    (["--prompt", "", "--max-tokens", "3"], "empty"),
+    (["--prompt", "x", "--max-tokens", "0"], "must be positive"),
+    (["--prompt", "x" * 32767, "--max-tokens", "4"], "maximum context length"),
+], ids=["preset", "empty-prompt", "max-tokens", "too-long"])
+def test_bad_input_exits_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
