@@ -63,7 +63,7 @@ def test_dashboards_and_rules_on_the_running_cluster(request: pytest.FixtureRequ
         load = subprocess.run(
             [sys.executable, "-m", "pdcluster.cli", "loadgen", "--url", cluster.router_url, "--scenario", "agentx",
              "--concurrency", "2", "--duration", str(LOAD_SECONDS), "--out", str(tmp_path / "loadgen"),
-             "--no-plots", "--progress", "off", "--system-len", "1024", "--task-len", "64", "--output-len", "16",
+             "--no-plots", "--progress", "off", "--system-len", "uniform:200,1800", "--task-len", "64", "--output-len", "16",
              "--turns", "3", "--think-time", "0", "--drain", "60"],
             capture_output=True, text=True, timeout=LOAD_SECONDS + 240)
         assert load.returncode == 0, f"loadgen failed:\n{load.stdout[-2000:]}\n{load.stderr[-2000:]}"
