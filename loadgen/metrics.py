@@ -82,9 +82,11 @@ def stats(values: list[float], scale: float = 1.0) -> Stats:
 
 
 class LevelSummary(BaseModel):
-    """Everything measured at one concurrency level, with the raw records it came from."""
+    """Everything measured at one concurrency level, with the raw records it came from. Record times are
+    seconds after `started_unix` (wall clock), to line them up with server logs and Prometheus."""
 
     concurrency: int
+    started_unix: float | None = None
     duration_s: float
     num_requests: int
     num_ok: int
@@ -117,7 +119,7 @@ def count_good(records: list[RequestRecord], slo: SLO) -> int:
 
 
 def summarize_level(concurrency: int, records: list[RequestRecord], duration_s: float, slo: SLO,
-                    gpus: int | None = None) -> LevelSummary:
+                    gpus: int | None = None, started_unix: float | None = None) -> LevelSummary:
     ok = [r for r in records if r.is_ok]
     dur = max(duration_s, 1e-9)
     input_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.num_input_tokens for r in ok)
@@ -127,6 +129,7 @@ def summarize_level(concurrency: int, records: list[RequestRecord], duration_s: 
     good = None if slo.is_empty else count_good(records, slo)
     return LevelSummary(
         concurrency=concurrency,
+        started_unix=started_unix,
         duration_s=duration_s,
         num_requests=len(records),
         num_ok=len(ok),

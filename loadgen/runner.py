@@ -32,6 +32,7 @@ class LevelResult:
     duration_s: float
     records: list[RequestRecord]
     num_sessions: int
+    started_unix: float
 
 
 @dataclass
@@ -139,7 +140,7 @@ async def run_level(client: httpx.AsyncClient, target: Target, workload: Workloa
                     progress: Progress | None = None, records: list[RequestRecord] | None = None) -> LevelResult:
     """Run one level; the records include cancelled ones if the drain deadline was hit. Records go into
     `records` as they finish, so a caller that is interrupted still holds the partial level."""
-    t0 = time.perf_counter()
+    started_unix, t0 = time.time(), time.perf_counter()
     lv = _Level(client, target, concurrency, t0, duration_s, max_requests, [] if records is None else records)
     driver = _open_loop if workload.is_open_loop else _closed_loop
     work = asyncio.create_task(driver(lv, workload))
@@ -158,4 +159,4 @@ async def run_level(client: httpx.AsyncClient, target: Target, workload: Workloa
             progress.update(concurrency, lv.now(), duration_s, lv.records, 0, force=True)
             progress.finish()
     ends = [r.end_s for r in lv.records]
-    return LevelResult(concurrency, max(ends) if ends else lv.now(), lv.records, lv.num_sessions)
+    return LevelResult(concurrency, max(ends) if ends else lv.now(), lv.records, lv.num_sessions, started_unix)

@@ -90,15 +90,17 @@ def finish(summary: Summary, opts: SweepOptions) -> None:
 async def _levels(client: httpx.AsyncClient, workload: Workload, opts: SweepOptions, summary: Summary) -> None:
     for conc in opts.concurrency_levels:
         records: list[RequestRecord] = []
-        t0 = time.perf_counter()
+        started_unix, t0 = time.time(), time.perf_counter()
         try:
             result = await run_level(client, opts.target, workload, conc, opts.duration_s, opts.drain_s,
                                      opts.max_requests, opts.progress, records)
         except asyncio.CancelledError:
-            summary.levels.append(summarize_level(conc, records, time.perf_counter() - t0, opts.slo, opts.gpus))
+            summary.levels.append(summarize_level(conc, records, time.perf_counter() - t0, opts.slo, opts.gpus,
+                                                  started_unix))
             summary.aborted = f"interrupted during concurrency {conc}; that level is partial"
             raise
-        summary.levels.append(summarize_level(conc, result.records, result.duration_s, opts.slo, opts.gpus))
+        summary.levels.append(summarize_level(conc, result.records, result.duration_s, opts.slo, opts.gpus,
+                                              result.started_unix))
         summary.refresh()
         write_summary(summary, opts.out_dir)
 

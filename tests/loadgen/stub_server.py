@@ -2,7 +2,8 @@
 
 It generates no text worth reading: it streams `max_tokens` chunks of the word " tok" on a fixed clock
 (first output at `ttft_s` after the request arrived, then one chunk every `itl_s`), so the load generator's
-TTFT/ITL/TPOT can be checked against known timing. Faults: every `error_every`-th request answers
+TTFT/ITL/TPOT can be checked against known timing; the log keeps each request's arrival and chunk emission
+wall-clock times (`time.time()`, comparable across processes on one machine). Faults: every `error_every`-th request answers
 `error_status` with OpenAI error JSON; every `disconnect_every`-th request drops the connection after
 `disconnect_after` chunks; `include_usage=False` omits the usage chunk; `exit_after=N` kills the process after N requests; `tokens_per_chunk` bundles tokens.
 Used only by tests/loadgen; run as `python -m tests.loadgen.stub_server --port P`.
@@ -54,7 +55,8 @@ def _chunk(endpoint: str, model: str, index: int, text: str, role: bool = False)
     return "data: " + json.dumps({"id": f"stub-{index}", "model": model, "choices": [choice]}) + "\n\n"
 
 
-async def _stream(state: StubState, cfg: StubConfig, endpoint: str, body: dict, n: int, t_arrival: float):
+async def _stream(state: StubState, cfg: StubConfig, endpoint: str, body: dict, n: int, t_arrival: float,
+                  entry: dict):
     max_tokens = int(body.get("max_tokens") or 16)
     prompt_words = len(json.dumps(body.get("messages") or body.get("prompt") or "").split())
     if endpoint == "chat":
@@ -67,6 +69,7 @@ async def _stream(state: StubState, cfg: StubConfig, endpoint: str, body: dict, 
         due = t_arrival + cfg.ttft_s + i * cfg.itl_s
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
         tokens = min(cfg.tokens_per_chunk, max_tokens - i * cfg.tokens_per_chunk)
+        entry["emit_unix"].append(time.time())
         yield _chunk(endpoint, cfg.model, n, " tok" * tokens)
     wants_usage = (body.get("stream_options") or {}).get("include_usage")
     if cfg.include_usage and wants_usage:
@@ -85,18 +88,21 @@ def create_app(config: StubConfig | None = None) -> FastAPI:
     app.state.stub = state
 
     async def handle(request: Request, endpoint: str):
-        t_arrival = time.perf_counter()
+        t_arrival, arrival_unix = time.perf_counter(), time.time()
         body = await request.json()
         state.num_requests += 1
         n, cfg = state.num_requests, state.config
-        state.log.append({"n": n, "endpoint": endpoint, "session_id": request.headers.get("x-session-id"),
+        entry = {"arrival_unix": arrival_unix, "emit_unix": []}
+        state.log.append(entry)
+        entry.update({"n": n, "endpoint": endpoint, "session_id": request.headers.get("x-session-id"),
                           "model": body.get("model"), "max_tokens": body.get("max_tokens"),
                           "num_messages": len(body.get("messages") or []), "ignore_eos": body.get("ignore_eos")})
         if cfg.error_every and n % cfg.error_every == 0:
             err = {"message": f"injected error on request {n}", "type": "server_error", "param": None,
                    "code": cfg.error_status}
             return JSONResponse({"error": err}, status_code=cfg.error_status)
-        return StreamingResponse(_stream(state, cfg, endpoint, body, n, t_arrival), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, cfg, endpoint, body, n, t_arrival, entry),
+                                 media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

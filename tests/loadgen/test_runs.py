@@ -34,31 +34,37 @@ def ok_records(summary):
 
 def test_timing_matches_known_delays(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.15, itl_s=0.03)
-    rc, out, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "6", "--concurrency", "2",
-                       "--duration", "0.8", "--out", tmp_path, *FAST)
+    rc, out, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "6", "--concurrency", "1",
+                       "--duration", "30", "--max-requests", "4", "--out", tmp_path, *FAST)
     assert rc == 0, err
-    recs = ok_records(load_summary(tmp_path / "summary.json"))
-    assert len(recs) >= 4
-    # The stub emits token i at arrival + 0.15 + 0.03 i, so lower bounds are hard; upper bounds allow for a
-    # loaded machine, and the typical values are checked through medians.
-    for r in recs:
+    level = load_summary(tmp_path / "summary.json").levels[0]
+    recs = sorted(level.records, key=lambda r: r.start_s)
+    log = stub.log()
+    assert len(recs) == len(log) == 4 and all(r.is_ok for r in recs)
+    # The stub emits token i at its arrival + 0.15 + 0.03 i and logs the wall-clock times: the client's
+    # clock must agree with that (causality both ways), whatever the machine's load.
+    for rec, entry in zip(recs, log):  # concurrency 1: the stub saw the requests in start order
+        sent = level.started_unix + rec.start_s
+        seen = [level.started_unix + t for t in rec.chunk_s]
+        assert sent <= entry["arrival_unix"] + 0.005
+        assert len(seen) == len(entry["emit_unix"]) == 6
+        assert all(client >= server - 0.005 for client, server in zip(seen, entry["emit_unix"]))
         # the role chunk arrives at once and must not count as the first token
-        assert 0.145 <= r.ttft_s <= 1.0, r
-        assert r.e2e_s >= 0.15 + 5 * 0.03 - 0.005, r
-        assert r.output_tokens == 6 and r.tokens_from_usage and len(r.chunk_s) == 6
-    assert statistics.median(r.ttft_s for r in recs) == pytest.approx(0.15, abs=0.08)
-    assert statistics.median(r.tpot_s for r in recs) == pytest.approx(0.03, abs=0.012)
-    assert statistics.median(r.e2e_s for r in recs) == pytest.approx(0.30, abs=0.1)
-    itls = [g for r in recs for g in r.itl_s]
-    assert statistics.median(itls) == pytest.approx(0.03, abs=0.01)
-    assert {e["max_tokens"] for e in stub.log()} == {6} and all(e["ignore_eos"] for e in stub.log())
+        assert rec.ttft_s >= 0.15 - 0.005 and rec.e2e_s >= 0.15 + 5 * 0.03 - 0.005
+        assert rec.ttft_s >= entry["emit_unix"][0] - entry["arrival_unix"] - 0.005
+        assert rec.output_tokens == 6 and rec.tokens_from_usage
+        assert rec.tpot_s == pytest.approx(sum(rec.itl_s) / 5)
+    # typical values, with slack for a loaded machine
+    assert statistics.median(r.ttft_s for r in recs) == pytest.approx(0.15, abs=0.25)
+    assert statistics.median(g for r in recs for g in r.itl_s) == pytest.approx(0.03, abs=0.02)
+    assert {e["max_tokens"] for e in log} == {6} and all(e["ignore_eos"] for e in log)
     assert "TTFT p50" in out
 
 
 def test_bundled_chunks_with_and_without_usage(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.05, itl_s=0.02, tokens_per_chunk=3)
     rc, _, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "7", "--endpoint",
-                     "completions", "--duration", "0.3", "--out", tmp_path / "usage", *FAST)
+                     "completions", "--duration", "30", "--max-requests", "3", "--out", tmp_path / "usage", *FAST)
     assert rc == 0, err
     recs = ok_records(load_summary(tmp_path / "usage" / "summary.json"))
     assert recs and all(r.output_tokens == 7 and len(r.chunk_s) == 3 and len(r.itl_s) == 2 for r in recs)
@@ -67,7 +73,7 @@ def test_bundled_chunks_with_and_without_usage(stub, tmp_path, capsys):
 
     stub.configure(ttft_s=0.05, itl_s=0.02, tokens_per_chunk=3, include_usage=False)
     rc, _, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "7", "--endpoint",
-                     "completions", "--duration", "0.3", "--out", tmp_path / "chunks", *FAST)
+                     "completions", "--duration", "30", "--max-requests", "3", "--out", tmp_path / "chunks", *FAST)
     summary = load_summary(tmp_path / "chunks" / "summary.json")
     recs = ok_records(summary)
     assert rc == 0 and recs
@@ -78,11 +84,11 @@ def test_bundled_chunks_with_and_without_usage(stub, tmp_path, capsys):
 def test_errors_and_disconnects_by_kind(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.02, itl_s=0.005, error_every=3, error_status=503, disconnect_every=4, disconnect_after=2)
     rc, out, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "5", "--concurrency", "2",
-                       "--duration", "0.6", "--out", tmp_path, *FAST)
+                       "--duration", "30", "--max-requests", "12", "--out", tmp_path, *FAST)
     assert rc == 0, err
     level = load_summary(tmp_path / "summary.json").levels[0]
     served = [e["n"] for e in stub.log()]
-    assert len(served) == level.num_requests >= 8
+    assert len(served) == level.num_requests == 12
     expect_503 = sum(1 for n in served if n % 3 == 0)
     expect_drop = sum(1 for n in served if n % 4 == 0 and n % 3 != 0)
     assert level.errors_by_kind == {"disconnect": expect_drop, "http_503": expect_503}
@@ -99,10 +105,11 @@ def test_cancelled_streams(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.02, itl_s=0.01)
     rc, _, err = run(capsys, "--url", stub.url, "--scenario", "agentx", "--cancel-prob", "1", "--output-len", "8",
                      "--system-len", "10", "--task-len", "10", "--tool-len", "5", "--think-time", "0",
-                     "--subagent-prob", "0", "--duration", "0.4", "--out", tmp_path / "interrupt", *FAST)
+                     "--subagent-prob", "0", "--duration", "30", "--max-requests", "4", "--out", tmp_path / "interrupt",
+                     *FAST)
     level = load_summary(tmp_path / "interrupt" / "summary.json").levels[0]
     assert rc == 1 and "no request succeeded" in err  # every reply was interrupted by the client
-    assert level.num_cancelled == level.num_requests > 0 and level.errors_by_kind == {"cancelled": level.num_requests}
+    assert level.num_cancelled == level.num_requests == 4 and level.errors_by_kind == {"cancelled": 4}
     assert all(len(r.chunk_s) == 4 for r in level.records)
 
     stub.configure(ttft_s=0.02, itl_s=0.5)
@@ -148,7 +155,8 @@ def check_report_matches_records(out_dir) -> None:
 
 def test_agentx_sessions_reports_and_plots(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.03, itl_s=0.005)
-    rc, out, err = run(capsys, "--url", stub.url, "--scenario", "agentx", "--concurrency", "1,3", "--duration", "1.0",
+    rc, out, err = run(capsys, "--url", stub.url, "--scenario", "agentx", "--concurrency", "1,3", "--duration", "20",
+                       "--max-requests", "12",
                        "--output-len", "uniform:3,8", "--system-len", "40", "--task-len", "20", "--tool-len", "10",
                        "--think-time", "exp:0.02", "--subagent-prob", "0.5", "--turns", "uniform:2,5",
                        "--slo", "ttft=200,tpot=50", "--gpus", "2", "--seed", "11", "--out", tmp_path,
