@@ -8,16 +8,15 @@ connections and missing usage chunks.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 
 import pytest
 
 from loadgen.cli import main
-from loadgen.metrics import naive_percentile, request_timing
 from loadgen.summary import load_summary
 from tests.conftest import free_port
 from tests.loadgen.conftest import start_stub
+from tests.loadgen.helpers import check_report_matches_records
 
 FAST = ["--input-len", "uniform:5,15", "--no-plots", "--progress", "off"]
 
@@ -119,38 +118,6 @@ def test_cancelled_streams(stub, tmp_path, capsys):
     assert level.num_cancelled == 3 and all("drain deadline" in r.error for r in level.records)
     assert all(1 <= len(r.chunk_s) <= 2 for r in level.records)
     assert level.duration_s < 1.0
-
-
-def _recompute(records):
-    ok = [r for r in records if r.is_ok]
-    timings = [request_timing(r.start_s, r.chunk_s, r.output_tokens) for r in ok]
-    return {"TTFT (ms)": [t.ttft_s * 1e3 for t in timings],
-            "TPOT (ms)": [t.tpot_s * 1e3 for t in timings if t.tpot_s is not None],
-            "ITL (ms)": [g * 1e3 for t in timings for g in t.itl_s],
-            "E2E (ms)": [t.e2e_s * 1e3 for t in timings]}
-
-
-def check_report_matches_records(out_dir) -> None:
-    """summary.json and report.md percentiles equal those recomputed from the raw chunk times."""
-    summary = load_summary(out_dir / "summary.json")
-    report = (out_dir / "report.md").read_text()
-    sections = re.split(r"^## Concurrency (\d+)$", report, flags=re.M)
-    by_level = {int(sections[i]): sections[i + 1] for i in range(1, len(sections), 2)}
-    assert set(by_level) == {lv.concurrency for lv in summary.levels}
-    for lv in summary.levels:
-        for name, values in _recompute(lv.records).items():
-            key = {"TTFT (ms)": "ttft_ms", "TPOT (ms)": "tpot_ms", "ITL (ms)": "itl_ms", "E2E (ms)": "e2e_ms"}[name]
-            st = getattr(lv, key)
-            assert st.count == len(values)
-            row = re.search(rf"^\| {re.escape(name)} \| (\d+) \| ([^|]+)\| ([^|]+)\| ([^|]+)\|", by_level[lv.concurrency], re.M)
-            assert row and int(row.group(1)) == len(values)
-            for q, stored, shown in zip((50, 90, 99), (st.p50, st.p90, st.p99), row.groups()[1:]):
-                if not values:
-                    assert stored is None and shown.strip() == "-"
-                    continue
-                expected = naive_percentile(values, q)
-                assert stored == pytest.approx(expected, rel=1e-9, abs=1e-9)
-                assert shown.strip() == f"{expected:.2f}"
 
 
 def test_agentx_sessions_reports_and_plots(stub, tmp_path, capsys):
