@@ -1,20 +1,18 @@
-"""PNG plots with matplotlib's Agg backend: Pareto frontier, TTFT and TPOT CDFs, throughput over time."""
+"""PNG plots with matplotlib's Agg backend: Pareto frontier, TTFT and TPOT CDFs, throughput over time.
+
+Imported only when plots are written, so the rest of loadgen runs without matplotlib."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from loadgen.metrics import throughput_timeline
-from loadgen.summary import Summary
+import matplotlib
 
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from loadgen.metrics import throughput_timeline  # noqa: E402
+from loadgen.summary import Summary  # noqa: E402
 
 
 def _pareto(plt, summary: Summary, path: Path) -> None:
@@ -75,7 +73,6 @@ def _throughput(plt, summary: Summary, path: Path) -> None:
 
 def write_plots(summary: Summary, out_dir: Path) -> list[str]:
     """Write the four PNGs; returns their file names (relative to out_dir)."""
-    plt = _pyplot()
     names = ["pareto.png", "ttft_cdf.png", "tpot_cdf.png", "throughput.png"]
     _pareto(plt, summary, out_dir / names[0])
     _cdf(plt, summary, "ttft_s", "TTFT", out_dir / names[1])

@@ -4,6 +4,7 @@ report.md + PNGs at the end (also after an interrupt or a failed preflight, with
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -80,9 +81,14 @@ def finish(summary: Summary, opts: SweepOptions) -> None:
     """Write summary.json, the plots and report.md from whatever the summary holds."""
     summary.refresh()
     if opts.plots and summary.levels:
-        from loadgen.plots import write_plots
-
-        summary.plots = write_plots(summary, opts.out_dir)
+        try:
+            from loadgen.plots import write_plots
+        except ImportError:
+            summary.plots = []
+            print("loadgen: matplotlib is not installed (pip install 'pdcluster[plot]'); no PNG plots",
+                  file=sys.stderr)
+        else:
+            summary.plots = write_plots(summary, opts.out_dir)
     write_summary(summary, opts.out_dir)
     write_report(summary, opts.out_dir)
 

@@ -154,6 +154,16 @@ def test_agentx_sessions_reports_and_plots(stub, tmp_path, capsys):
     assert rc == 0 and f"schedule hash {summary.run.schedule_hash}" in dry
 
 
+def test_progress_bar_forced_on_and_auto_off(stub, tmp_path, capsys):
+    stub.configure(ttft_s=0.01, itl_s=0.2)
+    base = ["--url", stub.url, "--scenario", "random", "--output-len", "4", "--input-len", "5", "--duration", "30",
+            "--max-requests", "2", "--no-plots"]
+    rc, _, err = run(capsys, *base, "--out", tmp_path / "on", "--progress", "on")
+    assert rc == 0 and "\rc=1" in err and "in-flight" in err and err.endswith("\n")
+    rc, _, err = run(capsys, *base, "--out", tmp_path / "auto")  # captured stderr is not a terminal
+    assert rc == 0 and "\r" not in err
+
+
 def test_trace_replay_open_loop_with_bad_lines(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.02, itl_s=0.005)
     trace = tmp_path / "trace.jsonl"
