@@ -8,13 +8,17 @@ connections and missing usage chunks.
 from __future__ import annotations
 
 import json
+import signal
 import statistics
+import subprocess
+import sys
+import time
 
 import pytest
 
 from loadgen.cli import main
 from loadgen.summary import load_summary
-from tests.conftest import free_port
+from tests.conftest import REPO_ROOT, free_port
 from tests.loadgen.conftest import start_stub
 from tests.loadgen.helpers import check_report_matches_records
 
@@ -212,6 +216,31 @@ def test_server_dies_mid_run_keeps_partial_results(tmp_path, capsys):
     assert levels[1].num_ok == 0 and levels[1].errors_by_kind.get("connect", 0) >= 1  # gone by level 2
     assert "c=2 errors:" in out and (tmp_path / "report.md").exists()
     assert any("cannot connect to" in r.error for r in levels[1].records)
+
+
+def test_interrupt_keeps_partial_level(stub, tmp_path):
+    stub.configure(ttft_s=0.01, itl_s=0.05)
+    cmd = [sys.executable, "-m", "pdcluster.cli", "loadgen", "--url", stub.url, "--scenario", "random",
+           "--output-len", "4", "--input-len", "5", "--concurrency", "2,4", "--duration", "60", "--no-plots",
+           "--progress", "off", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(stub.log()) < 6 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 130 and "interrupted; partial results in" in err
+    summary = load_summary(tmp_path / "summary.json")
+    assert summary.aborted == "interrupted during concurrency 2; that level is partial"
+    (level,) = summary.levels
+    assert level.num_ok >= 4 and level.num_requests >= level.num_ok
+    assert set(level.errors_by_kind) <= {"cancelled"}  # streams cut by the interrupt are kept as cancelled
+    assert "Run stopped early" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.parametrize("argv, fragment", [
