@@ -67,36 +67,41 @@ def index_scores(
 ) -> torch.Tensor:
     """Scores [T, L] of T queries against L keys. q [T,H,D] fp8-valued, weights [T,H], keys [L,D] fp8-valued."""
     dots = torch.matmul(q.double(), keys.double().t()).to(torch.float32)  # [T, H, L], exact before rounding
-    dots = F.relu(dots)
-    total = dots[:, 0] * weights[:, 0:1]
-    for h in range(1, q.shape[1]):
-        total = total + dots[:, h] * weights[:, h : h + 1]
-    return total * key_scale
+    dots.relu_().mul_(weights.unsqueeze(-1))
+    total = dots[:, 0] + dots[:, 1] if q.shape[1] > 1 else dots[:, 0].clone()
+    for h in range(2, q.shape[1]):  # fixed head order
+        total.add_(dots[:, h])
+    return total.mul_(key_scale)
 
 
 def select_topk(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
     """Stable causal top-k. scores [T, L] over keys 0..L-1, positions [T] -> [T, topk] ascending ids, -1 padded.
 
     Keeps the topk highest scores among keys s <= position; equal scores go to the lower position.
+    Queries with position + 1 <= topk keep every earlier key without looking at the scores.
     """
     num_q, num_keys = scores.shape
-    key_ids = torch.arange(num_keys)
-    valid = key_ids.unsqueeze(0) <= positions.unsqueeze(1)  # [T, L]
-    take = valid.clone()
-    full = (positions + 1) > topk
-    if bool(full.any()) and num_keys > topk:
-        rows = full.nonzero().squeeze(1)
-        masked = scores[rows].masked_fill(~valid[rows], float("-inf"))
-        thresh = torch.topk(masked, topk, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-        above = masked > thresh
-        equal = masked == thresh
-        need = topk - above.sum(-1, keepdim=True)
-        take[rows] = above | (equal & (torch.cumsum(equal, -1) <= need))
-    slot = torch.cumsum(take, -1) - 1
-    slot = torch.where(take, slot, torch.full_like(slot, topk))
-    out = torch.full((num_q, topk + 1), -1, dtype=torch.int64)
-    out.scatter_(1, slot, key_ids.expand(num_q, -1).contiguous())
-    out = out[:, :topk].contiguous()
+    slots = torch.arange(topk)
+    out = torch.where(slots.unsqueeze(0) <= positions.unsqueeze(1), slots.unsqueeze(0), torch.full((), -1))
+    full = (positions + 1 > topk).nonzero().squeeze(1)
+    if full.numel() == 0:
+        return out
+    pos = positions[full]
+    masked = scores[full].masked_fill_(torch.arange(num_keys).unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
+    thresh = torch.topk(masked, topk, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    take = masked > thresh
+    equal = masked == thresh
+    need = topk - take.sum(-1, keepdim=True)
+    excess = (equal.sum(-1, keepdim=True) > need).squeeze(1)
+    if bool(excess.any()):  # more ties at the threshold than slots: the lower positions win
+        rows = excess.nonzero().squeeze(1)
+        eq = equal[rows]
+        take[rows] |= eq & (torch.cumsum(eq, -1) <= need[rows])
+        keep_all = ~excess
+        take[keep_all] |= equal[keep_all]
+    else:
+        take |= equal
+    out[full] = take.nonzero()[:, 1].view(-1, topk)
     return out
 
 

@@ -94,21 +94,22 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> t
 
     Terms are added in a fixed order (oldest first), so the decode step computes exactly what prefill computes.
     """
-    width = weight.shape[1]
+    taps = weight.t().contiguous()  # [W, C]
     padded = torch.cat([state, x], dim=0)  # [T + W - 1, C]
     num_tokens = x.shape[0]
-    acc = padded[0:num_tokens] * weight[:, 0]
-    for w in range(1, width):
-        acc = acc + padded[w : w + num_tokens] * weight[:, w]
+    acc = padded[0:num_tokens] * taps[0]
+    for w in range(1, taps.shape[0]):
+        acc.add_(padded[w : w + num_tokens] * taps[w])
     return F.silu(acc), padded[num_tokens:].clone()
 
 
 def causal_conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched one-token conv. x [B, C], state [B, W-1, C] -> (y [B, C], new state [B, W-1, C])."""
+    taps = weight.t().contiguous()  # [W, C]
     window = torch.cat([state, x.unsqueeze(1)], dim=1)  # [B, W, C]
-    acc = window[:, 0] * weight[:, 0]
-    for w in range(1, weight.shape[1]):
-        acc = acc + window[:, w] * weight[:, w]
+    acc = window[:, 0] * taps[0]
+    for w in range(1, taps.shape[0]):
+        acc.add_(window[:, w] * taps[w])
     return F.silu(acc), window[:, 1:].clone()
 
 

@@ -141,12 +141,15 @@ def sparse_attention(
         end = min(start + QUERY_BLOCK, positions.shape[0])
         pos = positions[start:end]
         num_keys = int(pos.max()) + 1
-        scores = index_scores(
-            index_queries.q[start:end],
-            index_queries.weights[start:end],
-            ctx.index_keys[:num_keys],
-            ctx.index_scale[:num_keys],
-        )
+        if num_keys <= topk:  # every query keeps all earlier keys: no scoring needed
+            scores = torch.empty(end - start, num_keys)
+        else:
+            scores = index_scores(
+                index_queries.q[start:end],
+                index_queries.weights[start:end],
+                ctx.index_keys[:num_keys],
+                ctx.index_scale[:num_keys],
+            )
         selected = select_topk(scores, pos, topk)
         outputs.append(sparse_mla(q_absorbed[start:end], ctx.latent, selected, softmax_scale, kv_lora_rank))
     return torch.cat(outputs, dim=0)
