@@ -25,7 +25,7 @@ class _Stop(Exception):
     """Raised from the SIGTERM handler so startup and the watch loop unwind through `finally`."""
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster up", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, help="cluster config YAML (default: cluster/default.yaml)")
     parser.add_argument("--helm-values", type=Path,
@@ -105,7 +105,7 @@ def _watch(cluster, poll_s: float = 1.0) -> None:
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         config = resolve_config(args)
     except ConfigError as exc:

@@ -211,6 +211,13 @@ class ClusterHandle:
         return self.oracle(render_chat([ChatMessage.model_validate(m) for m in messages]), max_tokens)
 
 
+def choice_token_ids(choice: object) -> list[int] | None:
+    """`token_ids` of a completion choice (an extra field the nodes return, vLLM-style), if present."""
+    extra = getattr(choice, "model_extra", None) or {}
+    found = extra.get("token_ids", getattr(choice, "token_ids", None))
+    return list(found) if found is not None else None
+
+
 def run_oracle(python: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 300.0) -> OracleResult:
     """One `pdcluster generate --json` run; raises with its stderr when it fails."""
     argv = [python, "-m", "pdcluster.cli", "generate", "--model", model, "--prompt", prompt,

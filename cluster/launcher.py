@@ -25,6 +25,10 @@ from cluster.plan import ProcessPlan, assign_ports, plan_nodes, plan_router, rou
 from cluster.process import Child, kill_tree, spawn, stop_tree
 
 
+ROUTER_MIN_STARTUP_S = 90.0
+"""Least time the router gets to answer /health after the nodes are up, whatever is left of the bound."""
+
+
 class ClusterStartError(RuntimeError):
     """A process died or stayed unhealthy during startup; the message carries its log tail."""
 
@@ -99,7 +103,8 @@ class Cluster:
             registry = router_config(self.config, self.node_plans)
             self.router_config_path.write_text(yaml.safe_dump(registry, sort_keys=False))
             self._spawn(self.router_plan)
-            self.wait_healthy(["router"], deadline)
+            # The router gets its own minimum bound: slow nodes must not leave it no time at all.
+            self.wait_healthy(["router"], max(deadline, time.monotonic() + ROUTER_MIN_STARTUP_S))
         except BaseException:
             self.stop()
             raise

@@ -128,7 +128,12 @@ def stop_tree(child: Child, grace_s: float = 10.0, sig: signal.Signals = signal.
             break
         time.sleep(0.05)
     else:
-        _signal_all(tree + descendants(child.pid), pgid, signal.SIGKILL)
+        tree += descendants(child.pid)
+        _signal_all(tree, pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(_alive(pid) for pid in tree):
+            child.popen.poll()
+            time.sleep(0.02)
     try:
         return child.popen.wait(timeout=5.0)
     except subprocess.TimeoutExpired:

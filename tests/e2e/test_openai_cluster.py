@@ -1,16 +1,22 @@
 """The official `openai` client through the router: chat and completions, streaming and not, each equal to
-the oracle (`pdcluster generate --json` on one rank) for the same prompt, over the P -> D path."""
+the oracle (`pdcluster generate --json` on one rank) for the same prompt, over the P -> D path.
+
+With random weights most generated ids are not bytes and decode to no text, so text alone is a weak check:
+non-streamed completions compare the token ids the nodes return, the others compare text and token counts.
+"""
 
 from __future__ import annotations
 
 import pytest
+
+from cluster.harness import choice_token_ids
 
 pytestmark = pytest.mark.e2e
 
 PROMPT = "Disaggregated serving splits prefill and decode across separate pools of machines."
 MESSAGES = [{"role": "system", "content": "You are a terse assistant."},
             {"role": "user", "content": "Explain why long agent sessions move to a DCP pool."}]
-MAX_TOKENS = 24
+MAX_TOKENS = 12
 
 
 def _prefill_legs(cluster) -> float:
@@ -27,9 +33,10 @@ def test_completion_equals_oracle(cluster):
     before = _prefill_legs(cluster)
     result = cluster.client().completions.create(model=cluster.model, prompt=PROMPT, max_tokens=MAX_TOKENS,
                                                  temperature=0)
+    assert choice_token_ids(result.choices[0]) == list(expected.token_ids)
     assert result.choices[0].text == expected.text
     assert result.usage.completion_tokens == len(expected.token_ids)
-    assert result.usage.prompt_tokens == len(PROMPT.encode())  # byte tokenizer
+    assert result.usage.prompt_tokens == len(expected.raw["prompt_token_ids"])
     assert _prefill_legs(cluster) == before + 1, "the request did not take the prefill leg"
 
 

@@ -11,7 +11,7 @@ from tests.e2e.conftest import SESSION_GROWTH_TOKENS, TP_POOL_CAPACITY
 
 pytestmark = pytest.mark.e2e
 
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 WORDS = ("tool call result file diff test build error trace patch review agent plan step context cache "
          "decode prefill router pool shard rank").split()
 
@@ -42,6 +42,7 @@ def test_session_moves_from_tp_to_dcp_and_matches_oracle(cluster):
         assert len(served) == 1, f"turn {turn}: ok counters moved {before} -> {after}"
         pools.append(served[0])
         assert reply.choices[0].message.content == expected.text, f"turn {turn} on pool {served[0]}"
+        assert reply.usage.completion_tokens == len(expected.token_ids), f"turn {turn} on pool {served[0]}"
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
     context = sum(len(m["content"]) for m in messages)
     assert context + MAX_TOKENS + SESSION_GROWTH_TOKENS > TP_POOL_CAPACITY  # the test really outgrows `tp`
