@@ -36,13 +36,17 @@ def attention_case(ctx: ParallelContext, q: torch.Tensor, keys: torch.Tensor, va
 
 
 def prefill_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], prefix_lens: list[int], mode: str,
-                 capacity: int) -> dict:
+                 capacity: int, expert_parallel: bool = False) -> dict:
     """Build the seeded model, prefill each prompt's prefix (if any) then the rest in one batch."""
     from engine.model.weights import build_model
     from engine.parallel.kda_shard import rank_cache
     from engine.parallel.prefill import PrefillBatch, parallel_prefill
 
+    from engine.parallel.tp import apply_tp
+
     model = build_model(cfg)
+    if expert_parallel:
+        apply_tp(model, ctx)
     caches = [rank_cache(cfg, capacity, ctx.world_size, ctx.rank) for _ in prompts]
     with_prefix = [b for b, n in enumerate(prefix_lens) if n]
     if with_prefix:
@@ -51,3 +55,41 @@ def prefill_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], prefix_
     batch = PrefillBatch(tuple(p[n:] for p, n in zip(prompts, prefix_lens)), tuple(prefix_lens))
     res = parallel_prefill(ctx, model, batch, caches, mode, record_selections=True)
     return {"logits": res.logits, "caches": caches, "stats": res.stats}
+
+
+def decode_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], steps: int, mode: str, interleave: int,
+                merge: str, expert_parallel: bool = False) -> dict:
+    """Prefill each prompt on one rank's full cache, shard it (DCP or TP), decode `steps` greedy tokens."""
+    from engine.model.state import LocalSequenceCache
+    from engine.model.weights import build_model
+    from engine.parallel.dcp_cache import DCPRankCache
+    from engine.parallel.dcp_decode import parallel_decode
+    from engine.parallel.kda_shard import shard_state
+
+    from engine.parallel.tp import apply_tp
+
+    model = build_model(cfg)
+    capacity = max(p.numel() for p in prompts) + steps + 1
+    layout = DCPLayout(ctx.world_size, interleave)
+    caches, tokens = [], []
+    for p in prompts:
+        full = LocalSequenceCache(cfg, capacity)
+        tokens.append([int(model.prefill(p, full, 0)[0].argmax())])
+        if mode == "dcp":
+            caches.append(DCPRankCache.from_full(cfg, full, p.numel(), capacity, layout, ctx.rank))
+        else:
+            full.kda = [shard_state(cfg, s, ctx.world_size, ctx.rank) for s in full.kda]
+            caches.append(full)
+    if expert_parallel:
+        apply_tp(model, ctx)
+    positions = [p.numel() for p in prompts]
+    merge_bytes, fallbacks = 0, 0
+    for _ in range(steps):
+        res = parallel_decode(ctx, model, torch.tensor([t[-1] for t in tokens]), positions, caches, mode, layout,
+                              merge)
+        merge_bytes += res.stats.merge_bytes
+        fallbacks += res.stats.merge_fallback_rows
+        for b, tok in enumerate(res.logits.argmax(-1).tolist()):
+            tokens[b].append(tok)
+        positions = [p + 1 for p in positions]
+    return {"tokens": tokens, "merge_bytes": merge_bytes, "fallbacks": fallbacks, "last_logits": res.logits}

@@ -69,17 +69,39 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("mode", ["token", "head"])
-def test_two_ranks_bitwise_equal_to_single_rank(pool2, oracle, case: str, mode: str) -> None:
+def test_token_sharded_two_ranks_bitwise_equal_to_single_rank(pool2, oracle, case: str) -> None:
     new, prefix = CASES[case]
-    full = [a + b for a, b in zip(new, prefix)]
-    ps = prompts(full)
+    ps = prompts([a + b for a, b in zip(new, prefix)])
     want_logits, want_caches = oracle(tuple(new), tuple(prefix), 0)
-    results = pool2.run(_ranks.prefill_case, CFG, ps, list(prefix), mode, 1024)
+    # uneven-batch also shards the MoE experts (tp.apply_tp): still bitwise.
+    results = pool2.run(_ranks.prefill_case, CFG, ps, list(prefix), "token", 1024, case == "uneven-batch")
     for res in results:
         assert torch.equal(res["logits"], want_logits), "logits differ from the single-rank prefill"
-    assert torch.equal(want_logits.argmax(-1), results[0]["logits"].argmax(-1))
     assert_same_cache([r["caches"] for r in results], want_caches, new, prefix)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_head_sharded_two_ranks_within_fp32_tolerance(pool2, oracle, case: str) -> None:
+    # Head sharding runs the sparse-MLA score GEMM on H/W heads (M = 2 instead of 4 rows), which MKL computes
+    # with another summation order: logits agree to fp32 tolerance, not bitwise. The first MLA layer's inputs
+    # are still bit-identical, so its cached rows are too.
+    new, prefix = CASES[case]
+    ps = prompts([a + b for a, b in zip(new, prefix)])
+    want_logits, want_caches = oracle(tuple(new), tuple(prefix), 0)
+    results = pool2.run(_ranks.prefill_case, CFG, ps, list(prefix), "head", 1024)
+    for res in results:
+        torch.testing.assert_close(res["logits"], want_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(res["logits"].argmax(-1), want_logits.argmax(-1)), "first tokens differ"
+        for b, total in enumerate(a + n for a, n in zip(new, prefix)):
+            got, want = res["caches"][b], want_caches[b]
+            assert torch.equal(got.latent[0, :total], want.latent[0, :total])
+            assert torch.equal(got.index_key[0, :total], want.index_key[0, :total])
+            differing = (got.latent[:, :total] != want.latent[:, :total]).float().mean()
+            assert differing < 0.01, f"{differing:.4f} of latent bytes differ"
+    for b in range(len(new)):
+        for i in range(CFG.num_kda_layers):
+            full = unshard_states(CFG, [r["caches"][b].kda[i] for r in results])
+            torch.testing.assert_close(full.recurrent, want_caches[b].kda[i].recurrent, rtol=1e-3, atol=1e-4)
 
 
 def test_selections_identical_across_modes(pool2) -> None:

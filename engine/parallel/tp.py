@@ -1,0 +1,101 @@
+"""Tensor/expert parallelism applied to a built single-device model (gpt-fast style: the model never knows).
+
+`apply_tp(model, ctx)` shards what is worth sharding in memory and keeps every result bit-identical to the
+single-rank model, following recipe R2 of research/model.md (move data, never partial sums):
+- MoE: expert parallelism. Rank r keeps experts [r*E/W, (r+1)*E/W) only (`ExpertParallelMoE` replaces each
+  `MoE` in place; the other experts' weights are dropped). Each rank routes its own rows, sends each row's
+  latent z to the ranks owning its chosen experts (all_to_all), every owner runs its experts on the rows it
+  received (padded to the row block, so each row's result does not depend on its neighbours), and the
+  per-slot expert outputs travel back (all_to_all). Every (row, slot) output comes from exactly one rank, so
+  the combine selects rather than sums, and then adds the slots in ascending expert id as `MoE.forward` does.
+- KDA heads: the recurrent/conv state and the KDA core are head-sharded by the parallel prefill/decode
+  (engine.parallel.kda_shard); the KDA projection weights stay whole, because R2 computes every linear with
+  its full weight on a rank's token rows (no cross-rank split-K sums).
+- MLA/indexer projections stay whole for the same reason (the MLA latent is replicated under TP anyway).
+World size 1 leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.model.model import KimiModel
+from engine.model.moe import MoE
+from engine.model.numerics import ROW_BLOCK, pad_rows
+from engine.parallel.comm import all_to_all_list
+from engine.parallel.groups import ParallelContext
+
+
+class ExpertParallelMoE(nn.Module):
+    """A MoE whose routed experts are split over the ranks of `ctx`; forward is collective (SPMD)."""
+
+    def __init__(self, moe: MoE, ctx: ParallelContext) -> None:
+        super().__init__()
+        cfg = moe.cfg
+        if cfg.num_experts % ctx.world_size:
+            raise ValueError(f"{cfg.num_experts} experts do not split over {ctx.world_size} ranks")
+        self.cfg, self.ctx = cfg, ctx
+        self.per_rank = cfg.num_experts // ctx.world_size
+        self.first = ctx.rank * self.per_rank
+        own = slice(self.first, self.first + self.per_rank)
+        self.router, self.correction_bias = moe.router, moe.correction_bias
+        self.w_down_latent, self.latent_norm, self.w_up_latent = moe.w_down_latent, moe.latent_norm, moe.w_up_latent
+        self.w1 = nn.Parameter(moe.w1[own].clone(), requires_grad=False)
+        self.w3 = nn.Parameter(moe.w3[own].clone(), requires_grad=False)
+        self.w2 = nn.Parameter(moe.w2[own].clone(), requires_grad=False)
+        self.shared = moe.shared
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The single-device routing code, run on this module's (shared) router weights."""
+        return MoE.route(self, x)  # type: ignore[arg-type]
+
+    def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
+        assert z.shape[0] % ROW_BLOCK == 0
+        j = e - self.first
+        return (F.silu(z @ self.w1[j].t()) * (z @ self.w3[j].t())) @ self.w2[j].t()
+
+    def _run_experts(self, z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows received from every rank: z [n, lat], ids [n, k] -> outputs [n, k, lat] for owned slots."""
+        out = z.new_zeros(ids.shape[0], ids.shape[1], z.shape[1])
+        owned = (ids >= self.first) & (ids < self.first + self.per_rank)
+        for e in torch.unique(ids[owned]).tolist():
+            rows, cols = (ids == e).nonzero(as_tuple=True)
+            out[rows, cols] = self.expert(e, pad_rows(z[rows]))[: rows.shape[0]]
+        return out
+
+    def forward(self, x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+        num_rows = x.shape[0] if num_rows is None else num_rows
+        ids, weights = self.route(x)
+        ids, weights = ids[:num_rows], weights[:num_rows]
+        z = self.w_down_latent(x)[:num_rows]
+        owner = ids // self.per_rank                                           # [n, k]
+        world = self.ctx.world_size
+        wanted = [(owner == r).any(1).nonzero().flatten() for r in range(world)]
+        payload = [torch.cat([z[rows], ids[rows].float()], dim=1) for rows in wanted]
+        received = all_to_all_list(self.ctx, payload)
+        lat = z.shape[1]
+        results = [self._run_experts(p[:, :lat], p[:, lat:].long()) for p in received]
+        returned = all_to_all_list(self.ctx, results)
+        slots = z.new_zeros(num_rows, ids.shape[1], lat)
+        for r, rows in enumerate(wanted):
+            mine = owner[rows] == r
+            slots[rows] = torch.where(mine[..., None], returned[r], slots[rows])
+        mixed = slots[:, 0] * weights[:, 0:1]
+        for j in range(1, ids.shape[1]):
+            mixed = mixed + slots[:, j] * weights[:, j : j + 1]
+        full = x.new_zeros(x.shape[0], lat)
+        full[:num_rows] = mixed
+        out = self.w_up_latent(self.latent_norm(full))
+        return out + self.shared(x) if self.shared is not None else out
+
+
+def apply_tp(model: KimiModel, ctx: ParallelContext) -> KimiModel:
+    """Shard the built model for `ctx` in place (see module docstring) and return it."""
+    if ctx.is_single:
+        return model
+    for layer in model.layers:
+        if isinstance(layer.ffn, MoE):
+            layer.ffn = ExpertParallelMoE(layer.ffn, ctx)
+    return model
