@@ -96,12 +96,15 @@ async def serve_remote(runtime: NodeRuntime, prepared: PreparedRequest, request:
     try:
         info = await _admit(runtime, prepared, params)
     except APIError as exc:
+        if exc.status == 502 and policy == "recompute":  # the prefill node is unreachable: a KV load failure
+            runtime.metrics.failed_transfers.inc()
+            return await serve_local(runtime, prepared, request)
         if exc.status != 502 and "remote_engine_id" not in exc.message and "expired" not in exc.message:
             await peers.release(params)
         raise
     cmd = ImportKV(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
                    sampling=prepared.sampling, first_token=int(params.first_token_id or 0), params=params,
-                   peer=info.endpoints())
+                   peer=info)
     events = runtime.executor.events(cmd)
     outcome = await until_disconnect(request, events.__anext__())
     if not isinstance(outcome, ImportOutcome) or outcome.error:

@@ -109,6 +109,12 @@ class ExportTable:
         self._sync_metrics()
         return expired
 
+    def holds(self, request_id: str) -> bool:
+        """True while a lease may still keep this request id's rows in the engine."""
+        with self._lock:
+            lease_id = self._lease_of.get(request_id)
+        return lease_id is not None and self.leases.get(lease_id) is not None
+
     @property
     def num_outstanding(self) -> int:
         return self.leases.outstanding

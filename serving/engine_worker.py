@@ -101,26 +101,18 @@ class RankWorker:
         raise ValueError(f"unknown command {type(cmd).__name__}")
 
     def _import(self, cmd: ImportKV) -> ImportOutcome:
-        from engine.model.config import get_preset
-        from kv_transfer.layout import plan_layout
-        from kv_transfer.nixl_transport import read_request
-        from kv_transfer.remap import plan_reads
+        """Allocate, then validate / plan / read / notify through kv_transfer.importer (`cmd.peer` is the
+        prefill node's side-channel InstanceMetadata)."""
+        from kv_transfer.importer import import_request
 
         started = time.perf_counter()
-        params = cmd.params
         try:
-            attn_rows, kda_rows = self.backend.allocate_import(cmd)
-            p_layout = plan_layout(get_preset(self.config.model), tp_size=params.tp_size,
-                                   block_size=params.block_size, subblock_tokens=params.subblock_tokens or 64)
-            if p_layout.fingerprint != params.layout_fingerprint:
-                raise ValueError(f"P layout rebuilt here has fingerprint {p_layout.fingerprint}, params say "
-                                 f"{params.layout_fingerprint}")
-            plan = plan_reads(p_layout, self.backend.layout, int(params.remote_num_tokens), params.attention_rows,
-                              params.kda_rows, attn_rows, kda_rows)
             if self.transport is None:
                 raise ValueError("this node runs without a KV transport")
-            results = read_request(self.transport, self.ctx.rank, plan, dict(cmd.peer), params.lease_id,
-                                   timeout_s=self.config.transfer_timeout_s)
+            attn_rows, kda_rows = self.backend.allocate_import(cmd)
+            results = import_request(self.transport, self.backend.model_config, self.backend.layout, self.ctx.rank,
+                                     cmd.params, cmd.peer, attn_rows, kda_rows,
+                                     timeout_s=self.config.transfer_timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure becomes this rank's import error
             return ImportOutcome(request_id=cmd.request_id, error=f"rank {self.ctx.rank}: {type(exc).__name__}: {exc}")
         return ImportOutcome(request_id=cmd.request_id, num_bytes=sum(r.bytes for r in results),

@@ -42,7 +42,9 @@ class NodeRuntime:
 
     def new_request_id(self, header: str | None) -> str:
         external = header or uuid.uuid4().hex
-        internal = external if external not in self.request_ids.values() else f"{external}-{uuid.uuid4().hex[:8]}"
+        exports = self.extras.get("exports")
+        taken = external in self.request_ids or (exports is not None and exports.holds(external))
+        internal = f"{external}-{uuid.uuid4().hex[:8]}" if taken else external
         self.request_ids[internal] = external
         return internal
 

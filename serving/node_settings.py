@@ -31,8 +31,8 @@ class NodeSettings(BaseSettings):
     max_num_seqs: int = Field(default=16, ge=1)
     step_timeout_s: float = Field(default=300.0, gt=0)
     """A rank that does not answer a step within this long is declared dead."""
-    seed: int = 0
-    """Weights seed of the reference model (every node of a cluster must agree)."""
+    seed: int | None = None
+    """Weights seed of the reference model (default: the engine's; every node of a cluster must agree)."""
     pin_cores: bool = True
     backend: str = "reference"
     """Engine backend of the ranks: "reference" (engine/), or "module:function" of another backend factory."""

@@ -20,7 +20,7 @@ class WorkerConfig:
 
     model: str
     role: str
-    seed: int
+    seed: int | None
     num_rows: int
     block_size: int | None
     tp_size: int

@@ -62,6 +62,8 @@ def render_chat(messages: list[Any]) -> str:
 def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
     if isinstance(req, ChatCompletionRequest):
         try:
+            if hasattr(tokenizer, "encode_chat"):
+                return tokenizer.encode_chat(req.messages)
             return tokenizer.encode(render_chat(req.messages))
         except ValueError as exc:
             raise APIError(400, str(exc), "messages") from exc

@@ -1,4 +1,4 @@
-"""Helpers for node tests: settings with a chosen backend, real node processes on free ports."""
+"""Helpers for node tests: real node processes (`pdcluster prefill|decode`) on free ports."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import httpx
@@ -15,44 +16,62 @@ import httpx
 from tests.conftest import REPO_ROOT, free_port
 
 TOY = "tests.serving.toy_backend:build_backend"
+START_TIMEOUT_S = 300.0  # rank processes import torch and start NIXL; slow when the machine is busy
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 120.0) -> None:
+@dataclass
+class Node:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as fh:
+            return fh.read()[-4000:]
+
+
+def wait_healthy(node: Node, timeout_s: float = START_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"node exited with code {proc.returncode} before becoming healthy")
+        if node.proc.poll() is not None:
+            raise RuntimeError(f"node exited with code {node.proc.returncode}; log:\n{node.log()}")
         try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+            if httpx.get(f"{node.url}/health", timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy within {timeout_s} s")
+    raise TimeoutError(f"{node.url} not healthy within {timeout_s} s; log:\n{node.log()}")
 
 
-@contextmanager
-def node_process(kind: str, args: list[str], env: dict[str, str] | None = None,
-                 timeout_s: float = 120.0) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Start `pdcluster <kind> ... --port P` as a real process; yield (base url, process); stop it."""
+def start_node(kind: str, args: list[str], env: dict[str, str] | None = None) -> Node:
     port = free_port()
     full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "pdcluster.cli", kind, "--host", "127.0.0.1", "--port", str(port), *args]
     log = tempfile.NamedTemporaryFile(prefix=f"pdcluster-{kind}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, env=full_env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    log.close()
+    return Node(f"http://127.0.0.1:{port}", proc, log.name)
+
+
+def stop_node(node: Node) -> None:
+    node.proc.terminate()
     try:
-        try:
-            wait_healthy(url, proc, timeout_s)
-        except (RuntimeError, TimeoutError) as exc:
-            raise RuntimeError(f"{exc}; log:\n{open(log.name).read()[-3000:]}") from exc
-        yield url, proc
+        node.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        node.proc.kill()
+        node.proc.wait(timeout=10)
+    os.unlink(node.log_path)
+
+
+@contextmanager
+def running_nodes(*specs: tuple[str, list[str], dict[str, str] | None]) -> Iterator[list[Node]]:
+    """Start every (kind, args, env) node at once, wait until all are healthy, stop them all at the end."""
+    nodes = [start_node(kind, args, env) for kind, args, env in specs]
+    try:
+        for node in nodes:
+            wait_healthy(node)
+        yield nodes
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-        log.close()
-        os.unlink(log.name)
+        for node in nodes:
+            stop_node(node)

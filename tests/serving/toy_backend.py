@@ -79,19 +79,27 @@ class ToyBackend:
         rows, self.free = self.free[:num_attn + num_kda], self.free[num_attn + num_kda:]
         return rows[:num_attn], rows[num_attn:]
 
+    def _extents(self, req: _Req) -> list[tuple[int, int]]:
+        """(row, bytes) holding the request's state: whole sub-blocks up to the last prompt token in each
+        attention row, `kda_state_bytes` of each KDA row (the rest of a row is padding nobody reads)."""
+        lay, num_tokens = self.layout, len(req.cmd.prompt_token_ids)
+        out = []
+        for j, row in enumerate(req.attn_rows):
+            tokens = min(lay.tokens_per_row, num_tokens - j * lay.tokens_per_row)
+            out.append((row, -(-tokens // lay.subblock_tokens) * lay.subblock_bytes))
+        return out + [(row, lay.kda_state_bytes) for row in req.kda_rows]
+
     def _fill(self, req: _Req) -> None:
         prompt = np.array(req.cmd.prompt_token_ids, dtype=np.int64)
         seed = int((prompt * np.arange(1, len(prompt) + 1)).sum() % 65521)
-        ramp = np.arange(self.layout.row_bytes, dtype=np.int64)
-        for j, row in enumerate(req.attn_rows):
-            self._row(row)[:] = ((seed + 131 * j + ramp) % 256).astype(np.uint8)
-        for g, row in enumerate(req.kda_rows):
-            self._row(row)[:] = ((seed * 7 + 17 * g + ramp * 3) % 256).astype(np.uint8)
+        for k, (row, size) in enumerate(self._extents(req)):
+            ramp = np.arange(size, dtype=np.int64)
+            self._row(row)[:size] = ((seed * (k + 1) + 131 * k + ramp) % 256).astype(np.uint8)
 
     def _token(self, req: _Req, prev: int) -> int:
         crc = 0
-        for row in req.attn_rows + req.kda_rows:
-            crc = zlib.crc32(self._row(row).tobytes(), crc)
+        for row, size in self._extents(req):
+            crc = zlib.crc32(self._row(row)[:size].tobytes(), crc)
         return zlib.crc32(prev.to_bytes(4, "little") + len(req.out).to_bytes(4, "little"), crc) % 256
 
     def submit(self, cmd: Submit) -> list[Event]:

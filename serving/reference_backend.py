@@ -1,0 +1,126 @@
+"""The reference engine (engine/) as a rank backend of the node worker (serving/engine_worker.py).
+
+Wraps `engine.engine.Engine`: queued prefill/decode with continuous batching (`add_request` + `step`),
+prefill-for-export (`add_request(export=True)`, rows kept until `release`), import (`allocate_for_import`,
+external writes into `engine.pool.buffer`, then `start_decode` with the prefill node's first token).
+Also `load_tokenizer`, the server-side tokenizer matching the engine's (byte-level, BOS first, chat template).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.executor import Event, ExportedRows, ImportKV, RankStats, SamplingSpec, Submit, TokenEvent
+
+
+@dataclass
+class ServerTokenizer:
+    """The engine's ByteTokenizer with what the OpenAI layer needs (vocab size, chat template)."""
+
+    inner: Any
+    vocab_size: int
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.inner.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text)
+
+    def decode(self, ids: Any) -> str:
+        return self.inner.decode(list(ids))
+
+    def encode_chat(self, messages: list[Any]) -> list[int]:
+        from engine.model.tokenizer import ChatMessage
+
+        return self.inner.apply_chat_template([ChatMessage(m.role, m.text()) for m in messages])
+
+
+def load_tokenizer(model_config: Any) -> ServerTokenizer:
+    from engine.model.tokenizer import ByteTokenizer
+
+    return ServerTokenizer(ByteTokenizer(), model_config.vocab_size)
+
+
+def _sampling(spec: SamplingSpec) -> Any:
+    from engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed,
+                          stop_token_ids=tuple(spec.stop_token_ids), ignore_eos=spec.ignore_eos).validate()
+
+
+class ReferenceBackend:
+    """One rank's Engine (world size 1)."""
+
+    def __init__(self, config: Any, ctx: Any) -> None:
+        from engine.engine import Engine, EngineConfig
+        from engine.model.weights import DEFAULT_SEED
+
+        if ctx.world_size > 1:
+            raise ValueError(f"the reference backend serves one rank per node here; got world size {ctx.world_size}")
+        self.engine = Engine(EngineConfig(model=config.model, seed=DEFAULT_SEED if config.seed is None else config.seed,
+                                          num_rows=config.num_rows, max_batch=config.max_num_seqs,
+                                          tp_size=config.tp_size, block_size=config.block_size))
+        self.layout = self.engine.layout
+        self.model_config = self.engine.model_config
+        self._first_tokens: dict[str, int] = {}
+
+    def pool_buffer(self) -> Any:
+        return self.engine.pool.buffer
+
+    def num_rows(self) -> int:
+        return self.engine.config.num_rows
+
+    def submit(self, cmd: Submit) -> list[Event]:
+        self.engine.add_request(cmd.request_id, list(cmd.prompt_token_ids), _sampling(cmd.sampling), export=cmd.export)
+        return []
+
+    def allocate_import(self, cmd: ImportKV) -> tuple[list[int], list[int]]:
+        table = self.engine.allocate_for_import(cmd.request_id, list(cmd.prompt_token_ids), _sampling(cmd.sampling))
+        self._first_tokens[cmd.request_id] = cmd.first_token
+        return list(table.attn_row_ids), list(table.kda_row_ids)
+
+    def start_decode(self, request_id: str) -> list[Event]:
+        first = self._first_tokens.pop(request_id)
+        return [self._token(out) for out in self.engine.start_decode(request_id, first)]
+
+    def abort(self, request_id: str) -> list[Event]:
+        self._first_tokens.pop(request_id, None)
+        if not self.engine.abort(request_id):
+            return []
+        return [TokenEvent(request_id=request_id, token_id=None, finish_reason="abort")]
+
+    def release_rows(self, row_ids: tuple[int, ...], request_id: str) -> None:
+        if request_id:
+            self.engine.release(request_id)
+        if row_ids:
+            self.engine.release_rows(row_ids)
+
+    @staticmethod
+    def _token(out: Any) -> TokenEvent:
+        return TokenEvent(request_id=out.request_id, token_id=out.token_id, finish_reason=out.finish_reason,
+                          num_prompt_tokens=out.num_prompt_tokens)
+
+    def step(self) -> list[Event]:
+        if not self.engine.has_work:
+            return []
+        outputs = self.engine.step()
+        events: list[Event] = [self._token(out) for out in outputs.tokens]
+        events += [ExportedRows(request_id=res.request_id, attn_row_ids=res.attn_row_ids, kda_row_ids=res.kda_row_ids,
+                                num_tokens=res.num_tokens, first_token=res.first_token) for res in outputs.exported]
+        return events
+
+    def stats(self) -> RankStats:
+        sched = self.engine.scheduler
+        total = self.engine.config.num_rows
+        return RankStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                         num_rows_used=total - self.engine.num_free_rows, num_rows_total=total,
+                         has_work=self.engine.has_work)
+
+    def close(self) -> None:
+        self._first_tokens.clear()
+
+
+def build_backend(config: Any, ctx: Any) -> ReferenceBackend:
+    return ReferenceBackend(config, ctx)

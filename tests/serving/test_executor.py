@@ -1,0 +1,75 @@
+"""The rank executor with real rank processes (gloo group of 2, test backend): lockstep rounds give the
+same events as one rank, concurrent requests stream independently, abort frees rows, and a killed rank
+fails every in-flight request promptly (no hang) and turns health off."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from engine.executor import EngineFailure, Executor, ExecutorDead, SamplingSpec, Submit, TokenEvent, WorkerSpec
+from serving.runtime import WorkerConfig
+from tests.serving.nodes import TOY
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _spec(world: int) -> WorkerSpec:
+    config = WorkerConfig(model="kimi-k3.1-mini", role="decode", seed=0, num_rows=32, block_size=None, tp_size=world,
+                          dcp_size=1, max_num_seqs=8, engine_id=f"exec-test-{world}", backend=TOY, transport=False)
+    return WorkerSpec(factory="serving.engine_worker:build_worker", config=config, world_size=world,
+                      step_timeout_s=60)
+
+
+async def _tokens(executor: Executor, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    out = []
+    async for event in executor.events(Submit(request_id, prompt, SamplingSpec(max_tokens=max_tokens))):
+        assert isinstance(event, TokenEvent), event
+        out.append(event.token_id)
+    return out
+
+
+async def _first_n_then_stop(executor: Executor, request_id: str, n: int) -> None:
+    events = executor.events(Submit(request_id, (5, 6, 7), SamplingSpec(max_tokens=100000)))
+    for _ in range(n):
+        await events.__anext__()
+    await events.aclose()
+
+
+def test_two_ranks_lockstep_abort_and_rank_death():
+    executor = Executor(_spec(2))
+    executor.start()
+    try:
+        assert executor.healthy and len(executor.pids) == 2
+
+        async def scenario() -> None:
+            a, b = await asyncio.gather(_tokens(executor, "a", (1, 2, 3), 20), _tokens(executor, "b", (9, 8), 7))
+            assert len(a) == 20 and len(b) == 7
+            again = await _tokens(executor, "a2", (1, 2, 3), 20)
+            assert again == a  # same prompt, same tokens, whatever else ran beside it
+            await _first_n_then_stop(executor, "gone", 3)  # consumer leaves: the request is aborted
+            for _ in range(200):
+                await asyncio.sleep(0.02)
+                if executor.state.stats[0].num_rows_used == 0:
+                    break
+            assert all(s.num_rows_used == 0 for s in executor.state.stats)
+
+            events = executor.events(Submit("doomed", (4, 4), SamplingSpec(max_tokens=100000)))
+            await events.__anext__()
+            os.kill(executor.pids[1], signal.SIGKILL)
+            last = None
+            async with asyncio.timeout(30):
+                async for event in events:
+                    last = event
+            assert isinstance(last, EngineFailure) and "rank 1" in last.error
+
+        asyncio.run(scenario())
+        assert not executor.healthy
+        with pytest.raises(ExecutorDead):
+            executor.submit(Submit("late", (1,), SamplingSpec(max_tokens=1)))
+    finally:
+        executor.stop()
+    assert not any(p.is_alive() for p in executor._procs)
