@@ -9,7 +9,8 @@ Node command lines (the contracts with the node packages):
 - vllm:  `PYTHON -m vllm.entrypoints.openai.api_server --model DIR --port P --host H
           --tensor-parallel-size T [--decode-context-parallel-size D]
           --kv-transfer-config {"kv_connector":"NixlConnector","kv_role":"kv_producer|kv_consumer"}`
-  with `VLLM_NIXL_SIDE_CHANNEL_HOST/PORT` distinct per instance and, on CPU, each instance bound to its core.
+  with `VLLM_NIXL_SIDE_CHANNEL_HOST/PORT` distinct per instance and, on CPU, each instance bound to its core
+  (on GPUs, each instance gets its own `CUDA_VISIBLE_DEVICES`, in config order).
 - router: `pdcluster router --config ROUTER.yaml --port P --host H`, the file from `router_config`.
 """
 
@@ -155,7 +156,8 @@ def _vllm_argv(config: ClusterConfig, pool: PoolSpec, port: int, python: str) ->
         "--model", config.model_of(pool),
         "--served-model-name", served_model_name(config, pool),
         "--host", config.host, "--port", str(port),
-        "--tensor-parallel-size", str(pool.tp),
+        # vLLM runs DCP inside the TP group: a DCP=W pool needs at least W TP ranks.
+        "--tensor-parallel-size", str(pool.world_size),
         "--max-model-len", str(config.vllm.max_model_len),
         "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
     ]
@@ -184,8 +186,9 @@ def _vllm_env(config: ClusterConfig, side_channel_port: int, core: int) -> dict[
 def plan_nodes(config: ClusterConfig, ports: Ports, python: str = sys.executable, num_cores: int = 2) -> list[ProcessPlan]:
     """Every prefill and decode instance, in config order."""
     plans = []
-    next_core = 0
+    next_core = next_gpu = 0
     vllm_python = default_vllm_python(config)
+    on_cpu = vllm_on_cpu(config)
     for pool in config.pools:
         engine = config.engine_of(pool)
         for index, name in enumerate(instance_names(pool)):
@@ -194,7 +197,12 @@ def plan_nodes(config: ClusterConfig, ports: Ports, python: str = sys.executable
                 core = pool.cores[index] if pool.cores else next_core % num_cores
                 next_core += 1
                 argv = _vllm_argv(config, pool, port, vllm_python)
-                env = _vllm_env(config, ports.side_channel[name], core) | pool.env
+                env = _vllm_env(config, ports.side_channel[name], core)
+                if not on_cpu:  # each instance on its own GPUs, in config order
+                    gpus = range(next_gpu, next_gpu + pool.world_size)
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+                    next_gpu += pool.world_size
+                env |= pool.env
             else:
                 argv, env = _reference_argv(config, pool, port, python), dict(pool.env)
             plans.append(ProcessPlan(name=name, role=pool.role, pool=pool.name, engine=engine, host=config.host,

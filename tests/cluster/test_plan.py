@@ -71,9 +71,18 @@ def test_vllm_dcp_and_gpu_settings():
     dcp = nodes["dcp-0"]
     assert dcp.argv[0] == "/venv/bin/python"
     assert _flag(dcp.argv, "--tensor-parallel-size") == "8"
+    assert nodes["p-0"].env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert dcp.env["CUDA_VISIBLE_DEVICES"] == "8,9,10,11,12,13,14,15"
     assert _flag(dcp.argv, "--decode-context-parallel-size") == "8"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in dcp.env and "VLLM_NIXL_SIDE_CHANNEL_PORT" in dcp.env
     assert "kv_buffer_device" not in json.loads(_flag(dcp.argv, "--kv-transfer-config"))
+
+
+def test_vllm_dcp_pool_runs_inside_a_tp_group_of_its_width():
+    config = load_config(DEFAULT_CONFIG_PATH).model_copy(update={"engine": "vllm", "model": "/m/x"})
+    dcp = _by_name(plan_nodes(config, assign_ports(config)))["dcp-0"]
+    assert _flag(dcp.argv, "--tensor-parallel-size") == "2"
+    assert _flag(dcp.argv, "--decode-context-parallel-size") == "2"
 
 
 def test_router_plan_and_registry_match_the_router_schema(tmp_path):
