@@ -158,6 +158,37 @@ class RowPool:
         scale = entry[:, key_dim : key_dim + 4].contiguous().view(torch.float32).view(-1)
         return CachedAttention(latent, entry[:, :key_dim], scale)
 
+    def write_attention_tokens(self, tables: list[BlockTable], dsa_layer: int, positions: list[int],
+                               latent: torch.Tensor, index_key: torch.Tensor, index_scale: torch.Tensor) -> None:
+        """One token per request (decode): latent [B, C] etc. at local positions[b] of tables[b]."""
+        lay = self.layout
+        pos = torch.tensor(positions, dtype=torch.int64)
+        rows = torch.tensor([t.attn_row_ids[p // lay.tokens_per_row] for t, p in zip(tables, positions)])
+        in_row = pos % lay.tokens_per_row
+        sb, tok = rows * lay.subblocks_per_row + in_row // lay.subblock_tokens, in_row % lay.subblock_tokens
+        self._pages(dsa_layer, index=False)[sb, tok] = latent
+        entry = torch.cat([index_key, index_scale.contiguous().view(torch.uint8).view(-1, 4)], dim=1)
+        self._pages(dsa_layer, index=True)[sb, tok] = entry
+
+    def read_attention_padded(self, tables: list[BlockTable], dsa_layer: int, lengths: list[int]) -> CachedAttention:
+        """Several requests at once, padded to the longest (padding rows hold arbitrary bytes)."""
+        lay = self.layout
+        num_pages = -(-max(lengths) // lay.subblock_tokens)
+        pages = torch.arange(num_pages)
+        row_index = pages // lay.subblocks_per_row
+        sb = []
+        for table in tables:
+            ids = torch.tensor(table.attn_row_ids, dtype=torch.int64)
+            sb.append(ids[row_index.clamp_max(len(table.attn_row_ids) - 1)] * lay.subblocks_per_row
+                      + pages % lay.subblocks_per_row)
+        sb_all = torch.stack(sb)  # [B, P]
+        batch = len(tables)
+        latent = self._pages(dsa_layer, index=False)[sb_all].reshape(batch, -1, lay.latent_bytes)
+        entry = self._pages(dsa_layer, index=True)[sb_all].reshape(batch, -1, lay.index_bytes)
+        key_dim = self.cfg.index_head_dim
+        scale = entry[..., key_dim : key_dim + 4].contiguous().view(torch.float32).view(batch, -1)
+        return CachedAttention(latent, entry[..., :key_dim], scale)
+
     # ---- KDA state ----
     def _kda_view(self, row: int, layer_in_group: int, conv: bool) -> torch.Tensor:
         lay = self.layout
@@ -169,6 +200,34 @@ class RowPool:
     def _kda_slot(self, table: BlockTable, kda_index: int) -> tuple[int, int]:
         group, layer_in_group = divmod(kda_index, self.layout.kda_layers_per_group)
         return table.kda_row_ids[group], layer_in_group
+
+    def read_kda_batch(self, tables: list[BlockTable], kda_index: int) -> KDAState:
+        """States of several requests: recurrent [B, H, d, d], conv [B, W-1, 3*H*d]."""
+        group, li = divmod(kda_index, self.layout.kda_layers_per_group)
+        rows = torch.tensor([t.kda_row_ids[group] for t in tables], dtype=torch.int64)
+        h, d, w = self.layout.kda_heads_per_gpu, self.cfg.kda_head_dim, self.cfg.kda_conv_size - 1
+        batch = len(tables)
+        rec = self._kda_rows(li, conv=False)[rows].view(torch.float32).view(batch, h, d, d)
+        conv = self._kda_rows(li, conv=True)[rows].view(torch.float32).view(batch, h, 3, d, w)
+        return KDAState(rec, conv.permute(0, 4, 2, 1, 3).reshape(batch, w, 3 * h * d))
+
+    def write_kda_batch(self, tables: list[BlockTable], kda_index: int, state: KDAState) -> None:
+        group, li = divmod(kda_index, self.layout.kda_layers_per_group)
+        rows = torch.tensor([t.kda_row_ids[group] for t in tables], dtype=torch.int64)
+        h, d, w = self.layout.kda_heads_per_gpu, self.cfg.kda_head_dim, self.cfg.kda_conv_size - 1
+        batch = len(tables)
+        rec = state.recurrent.contiguous().view(torch.uint8).view(batch, h, -1)
+        conv = state.conv.view(batch, w, 3, h, d).permute(0, 3, 2, 4, 1).contiguous().view(torch.uint8)
+        self._kda_rows(li, conv=False)[rows] = rec
+        self._kda_rows(li, conv=True)[rows] = conv.view(batch, h, -1)
+
+    def _kda_rows(self, layer_in_group: int, conv: bool) -> torch.Tensor:
+        """Strided view [num_rows, heads, bytes] of one KDA layer's recurrent (or conv) state in every row."""
+        lay = self.layout
+        offset = lay.kda_conv_offset(0, layer_in_group) if conv else lay.kda_recurrent_offset(0, layer_in_group)
+        size = lay.kda_conv_bytes if conv else lay.kda_recurrent_bytes
+        return self._flat.as_strided((self.num_rows, lay.kda_heads_per_gpu, size),
+                                     (lay.row_bytes, lay.kda_head_bytes, 1), offset)
 
     def read_kda(self, table: BlockTable, kda_index: int) -> KDAState:
         row, li = self._kda_slot(table, kda_index)
@@ -208,3 +267,28 @@ class RowSequenceCache:
 
     def write_kda(self, kda_index: int, state: KDAState) -> None:
         self.pool.write_kda(self.table, kda_index, state)
+
+    # batched forms (engine.model.state.*_many use them when a whole batch shares one pool)
+    @staticmethod
+    def _pool_of(caches: list["RowSequenceCache"]) -> RowPool:
+        pool = caches[0].pool
+        assert all(c.pool is pool for c in caches), "a decode batch must share one pool"
+        return pool
+
+    @staticmethod
+    def read_attention_many(caches: list["RowSequenceCache"], mla_index: int, lengths: list[int]) -> CachedAttention:
+        return RowSequenceCache._pool_of(caches).read_attention_padded([c.table for c in caches], mla_index, lengths)
+
+    @staticmethod
+    def write_attention_many(caches: list["RowSequenceCache"], mla_index: int, positions: list[int],
+                             latent: torch.Tensor, index_key: torch.Tensor, index_scale: torch.Tensor) -> None:
+        RowSequenceCache._pool_of(caches).write_attention_tokens([c.table for c in caches], mla_index, positions,
+                                                                 latent, index_key, index_scale)
+
+    @staticmethod
+    def read_kda_many(caches: list["RowSequenceCache"], kda_index: int) -> KDAState:
+        return RowSequenceCache._pool_of(caches).read_kda_batch([c.table for c in caches], kda_index)
+
+    @staticmethod
+    def write_kda_many(caches: list["RowSequenceCache"], kda_index: int, state: KDAState) -> None:
+        RowSequenceCache._pool_of(caches).write_kda_batch([c.table for c in caches], kda_index, state)

@@ -24,7 +24,7 @@ from torch import nn
 
 from engine.model.config import ModelConfig
 from engine.model.indexer import IndexQueries, Indexer, index_scores, select_topk
-from engine.model.numerics import RMSNorm, RowLinear, fp8_quantize_static
+from engine.model.numerics import RMSNorm, RowLinear, fp8_quantize_static, fp8_to_float
 
 QUERY_BLOCK = 256
 
@@ -116,11 +116,52 @@ def sparse_mla(
     q_absorbed: torch.Tensor, latent: torch.Tensor, selected: torch.Tensor, scale: float, kv_lora_rank: int
 ) -> torch.Tensor:
     """Absorbed MLA over selected keys. q [T,H,C], latent [L,C], selected [T,k] (-1 pads) -> o^lat [T,H,kv_lora]."""
-    gathered = latent[selected.clamp_min(0)]  # [T, k, C]
+    return sparse_mla_gathered(q_absorbed, latent[selected.clamp_min(0)], selected, scale, kv_lora_rank)
+
+
+def sparse_mla_gathered(
+    q_absorbed: torch.Tensor, gathered: torch.Tensor, selected: torch.Tensor, scale: float, kv_lora_rank: int
+) -> torch.Tensor:
+    """As sparse_mla with each query's keys already gathered: gathered [T, k, C] in `selected` order."""
     scores = torch.matmul(q_absorbed, gathered.transpose(1, 2)) * scale  # [T, H, k]
     scores = scores.masked_fill((selected < 0).unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, gathered[..., :kv_lora_rank])
+
+
+def decode_attention(
+    q_absorbed: torch.Tensor,
+    index_queries: IndexQueries,
+    positions: torch.Tensor,
+    latent_bytes: torch.Tensor,
+    index_keys: torch.Tensor,
+    index_scale: torch.Tensor,
+    latent_scale: float,
+    topk: int,
+    softmax_scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """One query per request for B requests at once -> o^lat [B, H, kv_lora].
+
+    latent_bytes [B, Lmax, C] uint8 FP8, index_keys [B, Lmax, D] float (e4m3 values), index_scale [B, Lmax]: each
+    request's cache padded to the longest (entries past positions[b] are ignored). Every request's result is
+    bit-identical to running it alone: the index dots are exact, selection is per row, and the attention is a
+    per-request [H, C] x [C, k] product whose kernel does not depend on B.
+    """
+    batch = positions.shape[0]
+    if int(positions.max()) + 1 <= topk:
+        scores = torch.empty(batch, index_keys.shape[1])
+    else:
+        dots = torch.matmul(index_queries.q.double(), index_keys.double().transpose(1, 2)).to(torch.float32)
+        dots.relu_().mul_(index_queries.weights.unsqueeze(-1))  # [B, H_I, Lmax]
+        scores = dots[:, 0] + dots[:, 1] if dots.shape[1] > 1 else dots[:, 0].clone()
+        for h in range(2, dots.shape[1]):
+            scores.add_(dots[:, h])
+        scores.mul_(index_scale)
+    selected = select_topk(scores, positions, topk)  # [B, k]
+    rows = torch.arange(batch).unsqueeze(1)
+    gathered = fp8_to_float(latent_bytes[rows, selected.clamp_min(0)]) * latent_scale  # [B, k, C]
+    return sparse_mla_gathered(q_absorbed, gathered, selected, softmax_scale, kv_lora_rank)
 
 
 def sparse_attention(

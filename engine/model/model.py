@@ -5,8 +5,8 @@ and `KimiModel.decode(tokens, positions, caches)` runs one token for each of B r
 MLA call per request). Both read and write through the `SequenceCache` protocol (engine.model.state).
 
 Batch invariance (decode): every token-wise op runs on rows padded to a multiple of 16 (numerics.py), the attention
-core runs per request with the same shapes it has when that request runs alone, and the KDA step is element-wise
-plus last-dims reductions. So a request's logits are bit-identical whether it decodes alone or in any batch.
+core (`decode_attention`) computes exact index dots, selects per row, and attends with per-request [H, C] x [C, k]
+products, and the KDA step is element-wise plus reductions over a fixed dim. So a request's logits are bit-identical whether it decodes alone or in any batch.
 Prefill runs one request at a time and needs no such care beyond determinism.
 
 Pieces the parallel wrappers reuse: `Layer.mixer` (MLA: `project` / `sparse_attention` / `output`; KDA:
@@ -21,10 +21,13 @@ from torch import nn
 from engine.model.config import ModelConfig
 from engine.model.indexer import IndexQueries
 from engine.model.kda import KDA, causal_conv, causal_conv_step, kda_chunked, kda_recurrent_step
-from engine.model.mla import MLA, AttentionContext, sparse_attention
+from engine.model.mla import MLA, AttentionContext, decode_attention, sparse_attention
 from engine.model.moe import DenseMLP, MoE
 from engine.model.numerics import RMSNorm, RowLinear, fp8_to_float, pad_rows
-from engine.model.state import CachedAttention, KDAState, SequenceCache
+from engine.model.state import (CachedAttention, KDAState, SequenceCache, read_attention_many, read_kda_many,
+                                write_attention_many, write_kda_many)
+
+DECODE_ATTENTION_GROUP = 8
 
 
 class Layer(nn.Module):
@@ -138,36 +141,37 @@ class KimiModel(nn.Module):
     def _mla_decode(
         self, mla: MLA, h: torch.Tensor, positions: list[int], caches: list[SequenceCache], mla_index: int
     ) -> torch.Tensor:
+        batch = len(caches)
         proj = mla.project(h)
+        write_attention_many(caches, mla_index, positions, proj.latent_bytes[:batch], proj.index_key_bytes[:batch],
+                             proj.index_key_scale[:batch])
         o_lat = h.new_zeros(h.shape[0], self.cfg.num_heads, self.cfg.kv_lora_rank)
-        for b, (pos, cache) in enumerate(zip(positions, caches)):
-            cache.write_attention(
-                mla_index, pos, proj.latent_bytes[b : b + 1], proj.index_key_bytes[b : b + 1],
-                proj.index_key_scale[b : b + 1],
-            )
-            ctx = dequantize_context(cache.read_attention(mla_index, pos + 1), mla.latent_scale)
-            o_lat[b] = sparse_attention(
-                proj.q_absorbed[b : b + 1],
-                _slice_queries(proj.index_queries, b, b + 1),
-                torch.tensor([pos]),
-                ctx,
+        for lo in range(0, batch, DECODE_ATTENTION_GROUP):  # bounds the padded context tensors
+            hi = min(lo + DECODE_ATTENTION_GROUP, batch)
+            lengths = [p + 1 for p in positions[lo:hi]]
+            cached = read_attention_many(caches[lo:hi], mla_index, lengths)
+            o_lat[lo:hi] = decode_attention(
+                proj.q_absorbed[lo:hi],
+                _slice_queries(proj.index_queries, lo, hi),
+                torch.tensor(positions[lo:hi]),
+                cached.latent,
+                fp8_to_float(cached.index_key),
+                cached.index_scale,
+                mla.latent_scale,
                 self.cfg.index_topk,
                 mla.softmax_scale,
                 self.cfg.kv_lora_rank,
-            )[0]
+            )
         return mla.output(o_lat, proj.gate)
 
     def _kda_decode(self, kda: KDA, h: torch.Tensor, caches: list[SequenceCache], kda_index: int) -> torch.Tensor:
         batch = len(caches)
         proj = kda.project(h)
-        states = [cache.read_kda(kda_index) for cache in caches]
-        conv_state = torch.stack([s.conv for s in states])
-        recurrent = torch.stack([s.recurrent for s in states])
-        conv_out, conv_state = causal_conv_step(proj.qkv[:batch], conv_state, kda.conv_weight)
+        state = read_kda_many(caches, kda_index)
+        conv_out, conv_state = causal_conv_step(proj.qkv[:batch], state.conv, kda.conv_weight)
         q, k, v = kda.split_qkv(conv_out)
-        o, recurrent = kda_recurrent_step(q, k, v, proj.g[:batch], proj.beta[:batch], recurrent)
-        for b, cache in enumerate(caches):
-            cache.write_kda(kda_index, KDAState(recurrent[b], conv_state[b]))
+        o, recurrent = kda_recurrent_step(q, k, v, proj.g[:batch], proj.beta[:batch], state.recurrent)
+        write_kda_many(caches, kda_index, KDAState(recurrent, conv_state))
         return kda.output(_pad_to(o, h.shape[0]), proj.gate_out)
 
 

@@ -1,6 +1,8 @@
 """What the model reads and writes per request: the `SequenceCache` protocol and an in-memory implementation.
 
-The model never sees the row pool. It calls, per request:
+The model never sees the row pool. It calls, per request (decode calls the `*_many` helpers below, which use a
+cache class's own batched static methods `read_attention_many` / `write_attention_many` / `read_kda_many` /
+`write_kda_many` when every cache of the batch has the same class, and loop over the requests otherwise):
 - `write_attention(mla_index, start, latent, index_key, index_scale)`: FP8 bytes for positions start..start+T-1;
 - `read_attention(mla_index, length)`: the raw cached bytes of positions 0..length-1 (`CachedAttention`);
 - `read_kda(kda_index)` / `write_kda(kda_index, state)`: the request's KDA state for one KDA layer.
@@ -81,3 +83,53 @@ class LocalSequenceCache:
 
     def write_kda(self, kda_index: int, state: KDAState) -> None:
         self.kda[kda_index] = KDAState(state.recurrent.clone(), state.conv.clone())
+
+
+def _batched(caches: list, name: str):  # type: ignore[no-untyped-def]
+    kind = type(caches[0])
+    method = getattr(kind, name, None)
+    return method if method is not None and all(type(c) is kind for c in caches) else None
+
+
+def read_attention_many(caches: list[SequenceCache], mla_index: int, lengths: list[int]) -> CachedAttention:
+    """Cached bytes of B requests, zero-padded to the longest: latent [B, Lmax, C], keys [B, Lmax, D], [B, Lmax]."""
+    fast = _batched(caches, "read_attention_many")
+    if fast is not None:
+        return fast(caches, mla_index, lengths)
+    parts = [c.read_attention(mla_index, n) for c, n in zip(caches, lengths)]
+    longest = max(lengths)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_zeros((longest,) + tuple(t.shape[1:]))
+        out[: t.shape[0]] = t
+        return out
+
+    return CachedAttention(torch.stack([pad(p.latent) for p in parts]), torch.stack([pad(p.index_key) for p in parts]),
+                           torch.stack([pad(p.index_scale) for p in parts]))
+
+
+def write_attention_many(caches: list[SequenceCache], mla_index: int, positions: list[int], latent: torch.Tensor,
+                         index_key: torch.Tensor, index_scale: torch.Tensor) -> None:
+    """One token per request: latent [B, C], index_key [B, D], index_scale [B] at the given positions."""
+    fast = _batched(caches, "write_attention_many")
+    if fast is not None:
+        return fast(caches, mla_index, positions, latent, index_key, index_scale)
+    for b, (cache, pos) in enumerate(zip(caches, positions)):
+        cache.write_attention(mla_index, pos, latent[b : b + 1], index_key[b : b + 1], index_scale[b : b + 1])
+
+
+def read_kda_many(caches: list[SequenceCache], kda_index: int) -> KDAState:
+    """Batched state: recurrent [B, H, d, d], conv [B, W-1, 3*H*d]."""
+    fast = _batched(caches, "read_kda_many")
+    if fast is not None:
+        return fast(caches, kda_index)
+    states = [c.read_kda(kda_index) for c in caches]
+    return KDAState(torch.stack([s.recurrent for s in states]), torch.stack([s.conv for s in states]))
+
+
+def write_kda_many(caches: list[SequenceCache], kda_index: int, state: KDAState) -> None:
+    fast = _batched(caches, "write_kda_many")
+    if fast is not None:
+        return fast(caches, kda_index, state)
+    for b, cache in enumerate(caches):
+        cache.write_kda(kda_index, KDAState(state.recurrent[b], state.conv[b]))
