@@ -29,6 +29,17 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
+def _gpus(text: str) -> tuple[int, tuple[int, int] | None]:
+    """"8" -> (8, None); "2+6" -> (8, (2, 6))."""
+    try:
+        parts = [int(x) for x in text.split("+")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus wants G or P+D (e.g. 8 or 2+6), got {text!r}") from None
+    if len(parts) > 2 or any(p < 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"--gpus wants G or P+D with counts >= 1, got {text!r}")
+    return sum(parts), (parts[0], parts[1]) if len(parts) == 2 else None
+
+
 def build_parser(defaults) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Drive an OpenAI-compatible endpoint and report "
                                 "TTFT/TPOT/ITL/goodput. `pdcluster loadgen compare A.json B.json` compares two runs.")
@@ -40,7 +51,7 @@ def build_parser(defaults) -> argparse.ArgumentParser:
     add("--duration", type=float, default=60.0, help="seconds per level (new requests stop after it)")
     add("--out", type=Path, default=Path("loadgen-out"), help="output directory")
     add("--slo", default=None, help="ttft=MS,tpot=MS,e2e=MS: goodput counts requests meeting all")
-    add("--gpus", type=int, default=None, help="GPUs behind the endpoint, for tok/s per GPU")
+    add("--gpus", type=_gpus, default=None, help="GPUs behind the endpoint (G, or P+D for prefill+decode GPUs)")
     add("--seed", type=int, default=0)
     add("--endpoint", choices=("chat", "completions"), default=defaults.endpoint)
     add("--model", default=defaults.model, help="model name (default: first of GET /v1/models)")
@@ -89,6 +100,7 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: error: bad LOADGEN_* setting: {exc}", file=sys.stderr)
         return 2
     args = build_parser(settings).parse_args(argv)
+    args.command = ["pdcluster", "loadgen", *argv]
     try:
         return asyncio.run(main_run(args))
     except KeyboardInterrupt:

@@ -96,8 +96,9 @@ def print_table(summary: Summary) -> None:
 def _options(args: argparse.Namespace) -> SweepOptions:
     if not args.url:
         raise UsageError("--url is required (or set LOADGEN_URL)")
-    if args.duration <= 0 or (args.gpus is not None and args.gpus < 1):
-        raise UsageError("--duration must be > 0 and --gpus >= 1")
+    if args.duration <= 0:
+        raise UsageError(f"--duration must be > 0, got {args.duration}")
+    gpus, split = args.gpus if args.gpus else (None, None)
     base = args.url.rstrip("/")
     base = base[:-3] if base.endswith("/v1") else base
     if not base.startswith(("http://", "https://")):
@@ -109,10 +110,10 @@ def _options(args: argparse.Namespace) -> SweepOptions:
     progress = Progress(enabled={"auto": None, "on": True, "off": False}[args.progress])
     target = Target(base, args.model, args.endpoint, args.api_key, not args.no_ignore_eos)
     return SweepOptions(target=target, concurrency_levels=args.concurrency, duration_s=args.duration,
-                        out_dir=args.out, seed=args.seed, slo=slo, gpus=args.gpus, drain_s=args.drain,
+                        out_dir=args.out, seed=args.seed, slo=slo, gpus=gpus, gpu_split=split, drain_s=args.drain,
                         max_requests=args.max_requests, connect_timeout_s=args.connect_timeout,
                         request_timeout_s=args.request_timeout, schedule_units=args.schedule_units,
-                        plots=not args.no_plots, progress=progress, command=sys.argv[:1] + sys.argv[1:])
+                        plots=not args.no_plots, progress=progress, command=args.command)
 
 
 async def main_run(args: argparse.Namespace) -> int:

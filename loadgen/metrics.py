@@ -103,6 +103,10 @@ class LevelSummary(BaseModel):
     gpus: int | None = None
     total_tok_s_per_gpu: float | None = None
     output_tok_s_per_gpu: float | None = None
+    prefill_gpus: int | None = None
+    decode_gpus: int | None = None
+    input_tok_s_per_prefill_gpu: float | None = None
+    output_tok_s_per_decode_gpu: float | None = None
     goodput_req_s: float | None = None
     slo_attainment: float | None = None
     ttft_ms: Stats
@@ -119,7 +123,10 @@ def count_good(records: list[RequestRecord], slo: SLO) -> int:
 
 
 def summarize_level(concurrency: int, records: list[RequestRecord], duration_s: float, slo: SLO,
-                    gpus: int | None = None, started_unix: float | None = None) -> LevelSummary:
+                    gpus: int | None = None, started_unix: float | None = None,
+                    split: tuple[int, int] | None = None) -> LevelSummary:
+    """`gpus` = all GPUs behind the endpoint; `split` = (prefill GPUs, decode GPUs) of a disaggregated
+    deployment, for InferenceX's input tok/s per prefill GPU and output tok/s per decode GPU."""
     ok = [r for r in records if r.is_ok]
     dur = max(duration_s, 1e-9)
     input_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.num_input_tokens for r in ok)
@@ -146,6 +153,10 @@ def summarize_level(concurrency: int, records: list[RequestRecord], duration_s: 
         gpus=gpus,
         total_tok_s_per_gpu=total_tok_s / gpus if gpus else None,
         output_tok_s_per_gpu=output_tokens / dur / gpus if gpus else None,
+        prefill_gpus=split[0] if split else None,
+        decode_gpus=split[1] if split else None,
+        input_tok_s_per_prefill_gpu=input_tokens / dur / split[0] if split else None,
+        output_tok_s_per_decode_gpu=output_tokens / dur / split[1] if split else None,
         goodput_req_s=None if good is None else good / dur,
         slo_attainment=None if good is None or not records else good / len(records),
         ttft_ms=stats([r.ttft_s for r in ok], 1000.0),

@@ -36,6 +36,8 @@ def level_section(lv: LevelSummary) -> list[str]:
               f"| total tok/s | {fmt(lv.total_tok_s)} |",
               f"| total tok/s per GPU | {fmt(lv.total_tok_s_per_gpu)} |",
               f"| output tok/s per GPU | {fmt(lv.output_tok_s_per_gpu)} |",
+              f"| input tok/s per prefill GPU | {fmt(lv.input_tok_s_per_prefill_gpu)} |",
+              f"| output tok/s per decode GPU | {fmt(lv.output_tok_s_per_decode_gpu)} |",
               f"| goodput (req/s meeting every SLO) | {fmt(lv.goodput_req_s, 3)} |",
               f"| SLO attainment | {fmt(lv.slo_attainment, 3)} |"]
     if lv.errors_by_kind:

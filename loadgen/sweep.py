@@ -32,6 +32,7 @@ class SweepOptions:
     seed: int = 0
     slo: SLO = field(default_factory=SLO)
     gpus: int | None = None
+    gpu_split: tuple[int, int] | None = None
     drain_s: float = 60.0
     max_requests: int | None = None
     connect_timeout_s: float = 5.0
@@ -102,11 +103,11 @@ async def _levels(client: httpx.AsyncClient, workload: Workload, opts: SweepOpti
                                      opts.max_requests, opts.progress, records)
         except asyncio.CancelledError:
             summary.levels.append(summarize_level(conc, records, time.perf_counter() - t0, opts.slo, opts.gpus,
-                                                  started_unix))
+                                                  started_unix, opts.gpu_split))
             summary.aborted = f"interrupted during concurrency {conc}; that level is partial"
             raise
         summary.levels.append(summarize_level(conc, result.records, result.duration_s, opts.slo, opts.gpus,
-                                              result.started_unix))
+                                              result.started_unix, opts.gpu_split))
         summary.refresh()
         write_summary(summary, opts.out_dir)
 

@@ -48,12 +48,14 @@ def _mixed_records():
 
 
 def test_summary_hand_computed():
-    lv = summarize_level(4, _mixed_records(), 2.0, SLO(ttft_ms=400, tpot_ms=100), gpus=2)
+    lv = summarize_level(4, _mixed_records(), 2.0, SLO(ttft_ms=400, tpot_ms=100), gpus=5, split=(2, 3))
     assert (lv.num_requests, lv.num_ok, lv.num_errors, lv.num_cancelled) == (5, 2, 2, 1)
     assert lv.errors_by_kind == {"cancelled": 1, "disconnect": 1, "http_500": 1}
     assert lv.output_tokens == 5 and lv.input_tokens == 20
     assert lv.output_tok_s == pytest.approx(2.5)
-    assert lv.total_tok_s_per_gpu == pytest.approx(25 / 2.0 / 2)
+    assert lv.total_tok_s_per_gpu == pytest.approx(25 / 2.0 / 5)
+    assert lv.input_tok_s_per_prefill_gpu == pytest.approx(20 / 2.0 / 2)
+    assert lv.output_tok_s_per_decode_gpu == pytest.approx(5 / 2.0 / 3)
     assert lv.request_throughput == pytest.approx(1.0)
     # TTFT over ok requests only: [300, 500] ms
     assert lv.ttft_ms.count == 2 and lv.ttft_ms.p50 == pytest.approx(400) and lv.ttft_ms.p90 == pytest.approx(480)
@@ -70,7 +72,7 @@ def test_summary_hand_computed():
 
 def test_summary_without_slo_or_gpus():
     lv = summarize_level(1, _mixed_records(), 2.0, SLO())
-    assert lv.goodput_req_s is None and lv.total_tok_s_per_gpu is None
+    assert lv.goodput_req_s is None and lv.total_tok_s_per_gpu is None and lv.output_tok_s_per_decode_gpu is None
 
 
 def test_all_failed_level_is_empty_not_crashing():
