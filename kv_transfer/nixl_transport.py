@@ -5,7 +5,8 @@ Prefill node (export), per rank:
      (a numpy uint8 array or a torch uint8 tensor; CPU pools as DRAM, CUDA pools as VRAM).
   2. Serve `t.endpoint(rank)` of every rank on the side channel: mount
      `kv_transfer.side_channel.side_channel_router(get_metadata, leases)` in the node's FastAPI app
-     (GET /kv/metadata, POST /kv/leases/{id}/heartbeat, POST /kv/leases/{id}/abort).
+     (GET /kv/metadata, POST /kv/leases/{id}/heartbeat, POST /kv/leases/{id}/abort), or an equivalent
+     router serving the same facts (serving/side_channel.py does, under /kv_transfer).
   3. When a request finishes prefill, keep its rows under `leases.create(rows)` (kv_transfer.lease) and
      return kv_transfer_params with remote_block_ids, remote_kda_block_ids, block_size, layout_fingerprint,
      lease_id, lease_expiry, first_token_id.
@@ -18,6 +19,7 @@ Decode node (import), per request:
   2. Allocate D rows, `plan = remap.plan_reads(p_layout, d_layout, num_tokens, ...)`.
   3. Per D rank: `read_request(t, d_rank, plan, endpoints, lease_id)` adds peers (once), posts ONE READ per
      source P rank with one descriptor per merged op and a DONE notification, polls to completion.
+  Steps 1-3 in one call: `kv_transfer.importer.import_request(t, cfg, d_layout, d_rank, params, meta, ...)`.
 UCX transports: `KVTransferSettings.ucx_tls` (env PDC_KV_UCX_TLS) is written to UCX_TLS before the agent
 starts, so UCX never picks transports silently; `detect_tcp_fallback` flags a configuration where RMA can only
 run over TCP (logged as a warning; `tcp_fallback` feeds the `pdcluster_node_ucx_tcp_fallback` gauge).
@@ -226,13 +228,15 @@ class NixlTransport:
         return self.result(handle)
 
     def result(self, handle: _Handle) -> ReadResult:
-        backend_descs = None
+        backend_descs = xfer_s = None
         if self.settings.capture_telemetry and handle.state is TransferState.DONE:
             try:
-                backend_descs = int(self._agent.get_xfer_telemetry(handle.xfer).descCount)
+                tele = self._agent.get_xfer_telemetry(handle.xfer)
+                backend_descs, xfer_s = int(tele.descCount), int(tele.xferDuration) / 1e6
             except Exception:  # noqa: BLE001 - telemetry is optional per backend
-                backend_descs = None
-        return ReadResult(handle.state, handle.nbytes, handle.descriptors, backend_descs, handle.post_s, handle.wall_s)
+                pass
+        return ReadResult(handle.state, handle.nbytes, handle.descriptors, backend_descs, handle.post_s, handle.wall_s,
+                          xfer_s)
 
     def release(self, handle: _Handle) -> None:
         self._agent.release_xfer_handle(handle.xfer)

@@ -51,6 +51,9 @@ class ReadResult:
     """Descriptors the backend ran after its own merge (NIXL telemetry), None if unknown."""
     post_s: float
     wall_s: float
+    """Descriptor preparation + post + polling to DONE, as the caller saw it."""
+    backend_xfer_s: float | None = None
+    """The backend's own transfer time (NIXL telemetry xferDuration), None if unknown."""
 
 
 class ReadHandle(Protocol):

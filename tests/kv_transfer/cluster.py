@@ -20,7 +20,7 @@ from kv_transfer.remap import attention_source, naive_subblock_map
 from kv_transfer.side_channel import InstanceMetadata, RankMetadata, side_channel_router
 from serving.errors import install_error_handlers
 from tests.conftest import free_port
-from tests.kv_transfer.rank_worker import RankProcess, pool_pattern
+from kv_transfer.rank_process import RankProcess, pool_pattern
 
 MODEL = "kimi-k3.1-mini"
 POOL_BYTES = 8 << 20

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import numpy as np
 import pytest
+
+from kv_transfer import side_channel
 
 from kv_transfer.importer import plan_import
 from tests.kv_transfer.cluster import Cluster, drain_notifications, expected_d_pool, export, start_import
@@ -81,6 +84,32 @@ def test_bad_params_clear_error_no_memory_touched(cluster, change, match):
     with pytest.raises(RuntimeError, match=match):
         cluster.d[0].recv(30)
     _assert_untouched(cluster, req, [0])
+
+
+def test_heartbeat_over_side_channel_keeps_rows_then_notification_frees(cluster):
+    req = export(cluster, {"tp_size": 1}, {"tp_size": 1}, 2048, seed=11, ttl_s=2.0)
+    first = req.leases.get(req.params.lease_id).expiry
+    time.sleep(1.2)
+    status = side_channel.heartbeat("127.0.0.1", cluster.side.port, req.params.lease_id)
+    assert status.alive and status.expiry > first
+    time.sleep(max(0.0, first - time.time()) + 0.1)
+    assert req.leases.expire() == [] and req.leases.outstanding == 1  # past the first deadline, kept alive
+    req.leases.ttl_s = 120.0  # a long extension so the import below cannot race the deadline on a busy machine
+    status = side_channel.heartbeat("127.0.0.1", cluster.side.port, req.params.lease_id)
+    wire = req.params.to_wire() | {"lease_expiry": status.expiry}  # D carries the latest expiry it was given
+    start_import(cluster, req, {"tp_size": 1}, params=wire, ranks=[0])
+    assert [x[0] for x in cluster.d[0].recv(60)] == ["DONE"]
+    assert drain_notifications(cluster, req, {0: 1}) == 1
+    assert req.leases.outcomes["notified"] == 1 and len(req.free.free) == req.free.idle
+    assert not side_channel.heartbeat("127.0.0.1", cluster.side.port, req.params.lease_id).alive
+
+
+def test_abort_over_side_channel_frees_rows(cluster):
+    req = export(cluster, {"tp_size": 2}, {"tp_size": 1}, 1024, seed=12)
+    resp = httpx.post(f"http://127.0.0.1:{cluster.side.port}/kv/leases/{req.params.lease_id}/abort", timeout=10)
+    assert resp.status_code == 200 and req.leases.outcomes["aborted"] == 1 and len(req.free.free) == req.free.idle
+    again = httpx.post(f"http://127.0.0.1:{cluster.side.port}/kv/leases/{req.params.lease_id}/abort", timeout=10)
+    assert again.status_code == 404 and "has ended" in again.json()["error"]["message"]
 
 
 def test_reader_killed_mid_request_rows_freed_after_expiry(cluster):

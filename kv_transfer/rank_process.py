@@ -1,8 +1,16 @@
-"""A real process hosting one rank's pool and NIXL agent, driven over a multiprocessing Pipe (tests and
-benchmarks share it). Commands are (name, kwargs) tuples; each answers ("ok", value) or ("err", text)."""
+"""A real process hosting one rank's pool (numpy uint8) and NIXL agent, driven over a multiprocessing Pipe.
+
+Used by tests/kv_transfer and benchmarks/transfer.py to run P and D ranks as separate processes.
+`RankProcess(ctx, name, pool_bytes)` spawns one ('spawn' context); `call(cmd, **kw)` sends a command and
+returns its answer (a child error is re-raised as RuntimeError carrying the child's traceback).
+Commands: fill (random bytes from a seed), zero, import (the full decode path of kv_transfer.importer:
+side channel over HTTP, checks, plan, READs with DONE notifications), raw_read (benchmark reads),
+digest, pool, notifs, tcp_fallback, stop.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import traceback
@@ -37,8 +45,9 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None) -> N
                 t.close()
                 conn.send(("ok", None))
                 return
-            if cmd == "fill":  # random contents from a seed; set row size
-                pool[:] = pool_pattern(kw["seed"], pool_bytes)
+            if cmd == "fill":  # random contents from a seed (or a cheap pattern); set row size
+                period = pool_bytes if not kw.get("cheap") else 4099  # cheap: a random period-4099 tile
+                pool[:] = np.resize(pool_pattern(kw["seed"], period), pool_bytes)
                 t.set_row_bytes(kw["row_bytes"])
                 out = t.endpoint(kw["rank"])
             elif cmd == "zero":
@@ -59,12 +68,18 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None) -> N
                     os._exit(3)  # reader crashes mid-request: no completion, no notification
                 res = import_request(t, cfg, d_layout, kw["d_rank"], params, meta, kw["d_attn"], kw["d_kda"], 30)
                 out = [(r.state.value, r.bytes, r.descriptors, r.backend_descriptors, r.wall_s) for r in res]
-            elif cmd == "raw_read":  # benchmark: ops against one peer, repeated, wall seconds per read
+            elif cmd == "raw_read":  # benchmark: ops against one peer, repeated: (wall s, backend descs) per read
                 out = []
                 for _ in range(kw["repeat"]):
                     h = t.post_read(kw["endpoint"], kw["ops"], b"")
-                    out.append(t.wait(h, 60).wall_s)
+                    res = t.wait(h, 120)
+                    out.append((res.wall_s, res.backend_descriptors, res.backend_xfer_s))
                     t.release(h)
+            elif cmd == "digest":  # sha256 over the listed (offset, length) ranges, in order
+                hsh = hashlib.sha256()
+                for off, length in kw["ranges"]:
+                    hsh.update(memoryview(pool)[off:off + length])
+                out = hsh.hexdigest()
             elif cmd == "pool":
                 out = bytes(pool)
             elif cmd == "notifs":  # wait until `count` notifications arrived (bounded), return them
