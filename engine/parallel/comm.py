@@ -39,22 +39,20 @@ def all_to_all_list(ctx: ParallelContext, chunks: list[torch.Tensor]) -> list[to
     """Send chunks[r] to rank r; return what every rank sent to this one, in rank order.
 
     Chunk shapes may differ per destination along dim 0 (the trailing dims must agree); the receive
-    sizes are exchanged first. gloo has no all_to_all for CPU tensors of uneven sizes, so this uses
-    one all_to_all of sizes and then all_to_all on padded equal chunks.
+    sizes are exchanged first (one all_gather), then one all_to_all_single moves the chunks padded to the
+    longest (gloo implements only the single-tensor form on every torch version we run).
     """
     if ctx.is_single:
         return [chunks[0]]
     assert len(chunks) == ctx.world_size
     send_sizes = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64)
-    recv_sizes = all_gather_stack(ctx, send_sizes)[:, ctx.rank].tolist()
-    longest = max(max(recv_sizes), max(send_sizes.tolist()))
-    longest = int(all_gather_stack(ctx, torch.tensor([longest]))[:, 0].max())
+    sizes = all_gather_stack(ctx, send_sizes)                                 # [src, dst]
+    recv_sizes = sizes[:, ctx.rank].tolist()
+    longest = int(sizes.max())
     tail = tuple(chunks[0].shape[1:])
-    send = []
-    for c in chunks:
-        buf = torch.zeros((longest,) + tail, dtype=c.dtype, device=c.device)
-        buf[: c.shape[0]] = c
-        send.append(buf)
-    recv = [torch.empty_like(send[0]) for _ in range(ctx.world_size)]
-    dist.all_to_all(recv, send, group=ctx.group)
-    return [recv[r][: recv_sizes[r]] for r in range(ctx.world_size)]
+    send = torch.zeros((ctx.world_size * longest,) + tail, dtype=chunks[0].dtype, device=chunks[0].device)
+    for r, c in enumerate(chunks):
+        send[r * longest: r * longest + c.shape[0]] = c
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=ctx.group)
+    return [recv[r * longest: r * longest + recv_sizes[r]] for r in range(ctx.world_size)]
