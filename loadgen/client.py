@@ -84,6 +84,7 @@ class _Stream:
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
     done: bool = False
+    num_events: int = 0
 
 
 def _error_message(body: bytes) -> str:
@@ -127,6 +128,7 @@ async def _read_stream(resp: httpx.Response, spec: RequestSpec, target: Target, 
     async for line in resp.aiter_lines():
         if not line.startswith("data:"):
             continue
+        state.num_events += 1
         _consume(line[5:].lstrip(), target.endpoint, state, time.perf_counter() - t0)
         if spec.cancel_after_tokens is not None and len(state.chunk_s) >= spec.cancel_after_tokens:
             return True
@@ -148,6 +150,9 @@ async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec, con
                 kind, message = rk.http_kind(status), _error_message(await resp.aread())
             elif await _read_stream(resp, spec, target, state, t0):
                 outcome, kind, message = "cancelled", rk.CANCELLED, f"client closed after {len(state.chunk_s)} chunks"
+            elif not state.num_events:
+                kind = rk.BAD_RESPONSE
+                message = f"HTTP 200 without SSE data lines (content-type {resp.headers.get('content-type')!r})"
             elif not state.done:
                 kind, message = rk.DISCONNECT, "stream ended before [DONE]"
             elif not state.chunk_s:

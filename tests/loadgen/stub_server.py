@@ -5,7 +5,7 @@ It generates no text worth reading: it streams `max_tokens` chunks of the word "
 TTFT/ITL/TPOT can be checked against known timing; the log keeps each request's arrival and chunk emission
 wall-clock times (`time.time()`, comparable across processes on one machine). Faults: every `error_every`-th request answers
 `error_status` with OpenAI error JSON; every `disconnect_every`-th request drops the connection after
-`disconnect_after` chunks; `include_usage=False` omits the usage chunk; `exit_after=N` kills the process after N requests; `tokens_per_chunk` bundles tokens.
+`disconnect_after` chunks; `include_usage=False` omits the usage chunk; `exit_after=N` kills the process after N requests; `plain_json` answers without streaming; `tokens_per_chunk` bundles tokens.
 Used only by tests/loadgen; run as `python -m tests.loadgen.stub_server --port P`.
 """
 
@@ -32,6 +32,7 @@ class StubConfig(BaseModel):
     disconnect_every: int = 0
     disconnect_after: int = 2
     model: str = "stub-model"
+    plain_json: bool = False  # answer a non-streaming JSON body instead of SSE
     exit_after: int = 0  # crash the whole process after finishing this many requests (0: never)
 
 
@@ -101,6 +102,8 @@ def create_app(config: StubConfig | None = None) -> FastAPI:
             err = {"message": f"injected error on request {n}", "type": "server_error", "param": None,
                    "code": cfg.error_status}
             return JSONResponse({"error": err}, status_code=cfg.error_status)
+        if cfg.plain_json:
+            return {"id": f"stub-{n}", "choices": [{"index": 0, "message": {"content": "tok"}}]}
         return StreamingResponse(_stream(state, cfg, endpoint, body, n, t_arrival, entry),
                                  media_type="text/event-stream")
 

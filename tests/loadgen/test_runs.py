@@ -104,6 +104,15 @@ def test_errors_and_disconnects_by_kind(stub, tmp_path, capsys):
     assert "errors: disconnect" in out
 
 
+def test_non_streaming_answer_is_a_bad_response(stub, tmp_path, capsys):
+    stub.configure(plain_json=True)
+    rc, _, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "3", "--duration", "30",
+                     "--max-requests", "2", "--out", tmp_path, *FAST)
+    level = load_summary(tmp_path / "summary.json").levels[0]
+    assert rc == 1 and level.errors_by_kind == {"bad_response": 2}
+    assert "without SSE data lines" in level.records[0].error and "application/json" in level.records[0].error
+
+
 def test_cancelled_streams(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.02, itl_s=0.01)
     rc, _, err = run(capsys, "--url", stub.url, "--scenario", "agentx", "--cancel-prob", "1", "--output-len", "8",
