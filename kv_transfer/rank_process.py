@@ -68,12 +68,14 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None) -> N
                     os._exit(3)  # reader crashes mid-request: no completion, no notification
                 res = import_request(t, cfg, d_layout, kw["d_rank"], params, meta, kw["d_attn"], kw["d_kda"], 30)
                 out = [(r.state.value, r.bytes, r.descriptors, r.backend_descriptors, r.wall_s) for r in res]
-            elif cmd == "raw_read":  # benchmark: ops against one peer, repeated: (wall s, backend descs) per read
-                out = []
+            elif cmd == "raw_read":  # benchmark: ops against one peer, repeated; per read:
+                out = []  # (wall s, backend descriptors, backend transfer s, CPU s of this process)
                 for _ in range(kw["repeat"]):
+                    c0 = time.process_time()
                     h = t.post_read(kw["endpoint"], kw["ops"], b"")
                     res = t.wait(h, 120)
-                    out.append((res.wall_s, res.backend_descriptors, res.backend_xfer_s))
+                    cpu = time.process_time() - c0
+                    out.append((res.wall_s, res.backend_descriptors, res.backend_xfer_s, cpu))
                     t.release(h)
             elif cmd == "digest":  # sha256 over the listed (offset, length) ranges, in order
                 hsh = hashlib.sha256()
