@@ -90,7 +90,8 @@ def _context(state: RouterState, request: Request, endpoint: Endpoint, raw: byte
     if shape.session_id:
         known_tokens = max(shape.prompt_tokens, session.context_tokens if session else 0)
         state.sessions.put(SessionRecord(shape.session_id, placement.pool, placement.decode, known_tokens, now))
-    request_id = request.headers.get("x-request-id") or f"pdc-{uuid.uuid4().hex}"
+    # Always the router's own id: a client-chosen one could collide with (and abort) another request.
+    request_id = f"pdc-{uuid.uuid4().hex}"
     return RequestContext(request_id=request_id, path=PATHS[endpoint], valid=valid, shape=shape,
                           placement=placement, started=now)
 

@@ -2,6 +2,7 @@
 
 Importable by any test package:
     from tests.vllm_fixtures import vllm_python, make_tiny_llama, VllmServer, start_pd_pair
+    from tests.vllm_fixtures import tiny_llama_dir, vllm_pd_pair  # session fixtures, in a conftest.py
 
 - The vLLM venv is found at $PDCLUSTER_VLLM_PYTHON, `.venv-vllm/bin/python` in the repo root or
   /work/venv-vllm (scripts/setup/vllm.sh builds it).
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.conftest import REPO_ROOT, free_port
 
@@ -130,7 +132,9 @@ def start_vllm(python: Path, model_dir: Path, log_dir: Path, name: str, core: in
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", SERVED_MODEL, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "1024", "--seed", "0", "--max-num-seqs", "8",
-           "--no-enable-prefix-caching", "--enable-prompt-tokens-details"]
+           "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+           # no torch.compile warm-up: tens of seconds on a shared 2-core machine for a 2-layer model
+           "--compilation-config", json.dumps({"mode": 0})]
     if kv_role is not None:
         cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role,
                                                     "kv_buffer_device": "cpu"})]
@@ -140,7 +144,7 @@ def start_vllm(python: Path, model_dir: Path, log_dir: Path, name: str, core: in
     return VllmServer(name=name, port=port, proc=proc, log_path=log_path, side_channel_port=side)
 
 
-def wait_ready(servers: list[VllmServer], timeout_s: float = 300.0) -> None:
+def wait_ready(servers: list[VllmServer], timeout_s: float = 600.0) -> None:
     """Block until every server answers /health, or raise with the log tails."""
     deadline = time.monotonic() + timeout_s
     pending = list(servers)
@@ -164,9 +168,57 @@ def start_pd_pair(python: Path, model_dir: Path, log_dir: Path) -> tuple[VllmSer
     servers = [start_vllm(python, model_dir, log_dir, "vllm-prefill", 0, "kv_producer"),
                start_vllm(python, model_dir, log_dir, "vllm-decode", 1, "kv_consumer")]
     try:
-        wait_ready(servers)
+        wait_ready(servers, float(os.environ.get("PDCLUSTER_VLLM_START_TIMEOUT_S", "600")))
     except Exception:
         for server in servers:
             server.stop()
         raise
     return servers[0], servers[1]
+
+
+def _require_vllm() -> Path:
+    python = vllm_python()
+    if python is None:
+        if os.environ.get("CI"):
+            pytest.fail("the vLLM venv is missing: scripts/setup/vllm.sh must build it in CI")
+        pytest.skip("the vLLM venv is not built here (run scripts/setup/vllm.sh)")
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """The seeded tiny Llama, written once per test session."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), _require_vllm())
+
+
+@dataclass
+class RunningServer:
+    """A server someone else started (not stopped by the fixture)."""
+
+    name: str
+    url: str
+
+    def stop(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def vllm_pd_pair(tmp_path_factory, request):
+    """(prefill, decode) vLLM servers with NixlConnector, started once per test session.
+
+    PDCLUSTER_VLLM_PD_URLS="http://prefill,http://decode" reuses a pair already running (started with
+    `start_pd_pair` on the tiny Llama) instead of starting one.
+    """
+    reuse = os.environ.get("PDCLUSTER_VLLM_PD_URLS")
+    if reuse:
+        prefill_url, decode_url = reuse.split(",")
+        yield RunningServer("vllm-prefill", prefill_url), RunningServer("vllm-decode", decode_url)
+        return
+    python = _require_vllm()
+    tiny_llama_dir = request.getfixturevalue("tiny_llama_dir")
+    prefill, decode = start_pd_pair(python, tiny_llama_dir, tmp_path_factory.mktemp("vllm-logs"))
+    try:
+        yield prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
