@@ -93,3 +93,17 @@ def decode_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], steps: i
             tokens[b].append(tok)
         positions = [p + 1 for p in positions]
     return {"tokens": tokens, "merge_bytes": merge_bytes, "fallbacks": fallbacks, "last_logits": res.logits}
+
+
+def fail_on_rank_one(ctx: ParallelContext) -> int:
+    if ctx.rank == 1:
+        raise ValueError("rank one fails on purpose")
+    return ctx.rank
+
+
+def exchange_case(ctx: ParallelContext) -> list[torch.Tensor]:
+    """Uneven all_to_all: rank r sends r + d rows (value 100 r + d) to rank d."""
+    from engine.parallel.comm import all_to_all_list
+
+    chunks = [torch.full((ctx.rank + d, 3), float(100 * ctx.rank + d)) for d in range(ctx.world_size)]
+    return all_to_all_list(ctx, chunks)
