@@ -100,7 +100,7 @@ def prometheus_binary() -> str:
 
 
 class PrometheusServer:
-    """`prometheus` with a temp config: 1 s scrape and rule evaluation, the chart's rules file loaded."""
+    """`prometheus` with a temp config: 2 s scrapes, 1 s rule evaluation, the chart's rules file loaded."""
 
     def __init__(self, targets: list[ScrapeTarget], work_dir: Path, rule_files: list[Path] | None = None,
                  node_metric_relabels: list[dict] | None = None) -> None:
@@ -119,7 +119,7 @@ class PrometheusServer:
             if is_node and node_metric_relabels:
                 job["metric_relabel_configs"] = node_metric_relabels
             scrape_configs.append(job)
-        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
+        config = {"global": {"scrape_interval": "2s", "scrape_timeout": "2s", "evaluation_interval": "1s"},
                   "rule_files": [str(p) for p in (rule_files if rule_files is not None else [RULES_FILE])],
                   "scrape_configs": scrape_configs}
         self.config_path = work_dir / "prometheus.yml"
@@ -191,6 +191,19 @@ class PrometheusServer:
                 return
             assert time.monotonic() < deadline, f"fewer than {count} scrapes per target within {timeout_s} s"
             time.sleep(0.5)
+
+    def all_up_instant(self, expected: int, before: float | None = None, lookback_s: float = 60.0) -> float:
+        """The latest instant (at or before `before`, default now) at which every target's last scrape
+        succeeded: a failed scrape (a slow, loaded machine) marks that target's series stale, and an instant
+        query would then miss them."""
+        end = time.time() if before is None else before
+        t = end
+        while t > end - lookback_s:
+            result = self.query("sum(up)", at=t)
+            if result and float(result[0]["value"][1]) == expected:
+                return t
+            t -= 0.5
+        raise AssertionError(f"no instant in the last {lookback_s} s with all {expected} targets up")
 
     def wait_rules_evaluated(self, timeout_s: float = 30.0) -> list[dict]:
         """Until every loaded rule has been evaluated at least once; returns the rules."""

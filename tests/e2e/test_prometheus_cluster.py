@@ -73,7 +73,8 @@ def _check_cluster(cluster, tmp_path: Path, load_args: list[str]) -> None:
         server.wait_scrapes(4)
         while time.time() < load_end + 3:  # one more scrape after the last request
             time.sleep(0.5)
-        failures = check_chart_queries(server, exclude, at=load_end + 2)
+        at = server.all_up_instant(len(targets), before=load_end + 2)
+        failures = check_chart_queries(server, exclude, at=at)
         assert not failures, "panels/rules without data on the running cluster:\n" + "\n".join(failures)
     finally:
         server.stop()
