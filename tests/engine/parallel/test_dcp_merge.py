@@ -162,3 +162,12 @@ def test_lse_merge_equals_single_pass(pools, world_size: int) -> None:
         torch.testing.assert_close(out, ref.out, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(lse, ref.lse, rtol=1e-5, atol=1e-6)
     assert all(torch.equal(results[0][0], r[0]) for r in results), "ranks must merge identically"
+
+
+def test_naive_topk_matches_the_model_indexer_selection() -> None:
+    from engine.model.indexer import select_topk
+
+    scores = tie_scores(6, 300, seed=5)
+    positions = torch.tensor([299, 250, 40, 10, 299, 120])
+    causal = scores.masked_fill(torch.arange(300)[None] > positions[:, None], float("-inf"))
+    assert torch.equal(naive_topk_ids(causal, 48), select_topk(scores.clone(), positions, 48))
