@@ -14,6 +14,9 @@ Disaggregation, decode side:
     table = engine.allocate_for_import("r1", prompt_token_ids, sampling)  # rows for prompt + max_tokens;
       an external writer (NIXL) fills the attention rows and KDA rows of `table` inside engine.pool.buffer
     outputs = engine.start_decode("r1", first_token, first_logprob)       # emits the first token, then decodes
+Admission outside the queue (`prefill_and_keep`, `allocate_for_import`) raises engine.cache.OutOfRows when the
+pool is short of rows; bad input raises ValueError with a message naming the bad value.
+Oracle: `engine.generate(request_id, prompt_token_ids, sampling) -> GenerationResult`.
 Token events are `TokenOutput(request_id, index, token_id, logprob, finish_reason)`; finish_reason is "stop"
 (EOS, stop token or stop string), "length" (max_tokens) or "abort" on the last one.
 The pool buffer (`engine.pool.buffer`) is the one contiguous CPU tensor a transport registers.
@@ -50,6 +53,8 @@ class EngineConfig:
     """Most requests in one decode step."""
     tp_size: int = 1
     """TP size the pool layout is planned for (KDA heads per rank)."""
+    dcp_size: int = 1
+    """DCP size the pool layout is planned for (tokens per row = block_size / dcp_size)."""
     subblock_tokens: int = 64
     block_size: int | None = None
     """Force a larger power-of-two block size (None: the smallest legal one)."""
@@ -76,6 +81,15 @@ class PrefillResult:
     first_logprob: float
 
 
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
 @dataclass
 class StepOutputs:
     tokens: list[TokenOutput] = field(default_factory=list)
@@ -88,7 +102,7 @@ class Engine:
         self.model_config: ModelConfig = get_preset(config.model)
         self.model = model if model is not None else build_model(self.model_config, config.seed, config.weights)
         self.tokenizer = ByteTokenizer()
-        self.layout: RowLayout = plan_layout(self.model_config, tp_size=config.tp_size,
+        self.layout: RowLayout = plan_layout(self.model_config, tp_size=config.tp_size, dcp_size=config.dcp_size,
                                              subblock_tokens=config.subblock_tokens, block_size=config.block_size)
         self.pool = RowPool(self.layout, self.model_config, config.num_rows)
         self.scheduler = Scheduler(self.pool, config.max_batch)
@@ -210,6 +224,18 @@ class Engine:
             raise ValueError(f"first token {first_token} is out of range")
         self.scheduler.start_running(req)
         return [self._append(req, SampledToken(first_token, first_logprob))]
+
+    def generate(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
+                 sampling: SamplingParams, max_steps: int = 1_000_000) -> GenerationResult:
+        """Run one request to completion (with whatever else is queued) and return its tokens: the oracle path."""
+        self.add_request(request_id, prompt_token_ids, sampling)
+        tokens: list[TokenOutput] = []
+        for _ in range(max_steps):
+            if not self.has_work or (tokens and tokens[-1].finish_reason):
+                break
+            tokens += [t for t in self.step().tokens if t.request_id == request_id]
+        return GenerationResult(request_id, [int(t) for t in prompt_token_ids], [t.token_id for t in tokens],
+                                [t.logprob for t in tokens], tokens[-1].finish_reason if tokens else None)
 
     # ---- introspection ----
     @property
