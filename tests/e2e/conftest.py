@@ -21,6 +21,7 @@ and restart nodes).
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,7 @@ import pytest
 import yaml
 
 from cluster.cli import build_parser, resolve_config
-from cluster.config import parse_config
+from cluster.config import load_config, parse_config
 from cluster.harness import ClusterHandle
 from cluster.launcher import Cluster
 from tests.vllm_fixtures import SERVED_MODEL, make_tiny_llama, vllm_python
@@ -98,8 +99,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
+    """The reference cluster; `PDCLUSTER_E2E_CONFIG=FILE.yaml` runs another topology (same pool names)."""
     log_dir = tmp_path_factory.mktemp("cluster-logs")
-    config = parse_config(E2E_CONFIG, "tests/e2e/conftest.py")
+    override = os.environ.get("PDCLUSTER_E2E_CONFIG")
+    config = load_config(override) if override else parse_config(E2E_CONFIG, "tests/e2e/conftest.py")
     handle = ClusterHandle(Cluster(config, log_dir, python=sys.executable).start())
     try:
         yield handle
