@@ -81,7 +81,11 @@ async def _admit(runtime: NodeRuntime, prepared: PreparedRequest, params: KVTran
     except KVParamsError as exc:
         raise APIError(400, f"kv_transfer_params: {exc}", "kv_transfer_params") from exc
     local = runtime.extras["geometry"]
-    problems = pair_problems(_Geometry(info.tp_size, 1, info.block_size, info.layout_fingerprint), local)
+    problems = pair_problems(_Geometry(params.tp_size, params.dcp_size, params.block_size or 0,
+                                       params.layout_fingerprint or ""), local)
+    if (params.tp_size, params.dcp_size) != (info.tp_size, info.dcp_size):
+        problems.append(f"params say prefill tp_size={params.tp_size} dcp_size={params.dcp_size}, the prefill node "
+                        f"{info.engine_id} runs tp_size={info.tp_size} dcp_size={info.dcp_size}")
     if problems:
         raise APIError(400, f"kv_transfer_params: prefill geometry cannot feed this decode node: "
                             f"{'; '.join(problems)}", "kv_transfer_params")

@@ -84,7 +84,8 @@ class RankWorker:
                         row_bytes=layout.row_bytes, subblock_tokens=layout.subblock_tokens,
                         layout_fingerprint=layout.fingerprint,
                         cache_dtype=f"{layout.latent_format}+{layout.index_key_format}",
-                        kda_groups=layout.kda_groups, endpoint=endpoint)
+                        kda_groups=layout.kda_groups, endpoint=endpoint,
+                        tcp_fallback=bool(self.transport and self.transport.tcp_fallback))
 
     def apply(self, cmd: Command) -> list[Event]:
         if isinstance(cmd, Submit):

@@ -55,10 +55,23 @@ class NodeRuntime:
         return [i for i, e in self.request_ids.items() if e == external or i == external]
 
     def refresh_load(self) -> None:
+        """Copy the ranks' latest load into the gauges, and their cumulative counters (summed over ranks)
+        into the node counters."""
         stats = self.executor.state.stats
-        if stats:
-            head = stats[0]
-            self.metrics.set_load(head.num_running, head.num_waiting, head.num_rows_used, head.num_rows_total)
+        if not stats:
+            return
+        head = stats[0]
+        self.metrics.set_load(head.num_running, head.num_waiting, head.num_rows_used, head.num_rows_total)
+        totals: dict[str, float] = {}
+        for rank_stats in stats:
+            for name, value in rank_stats.counters:
+                totals[name] = totals.get(name, 0.0) + value
+        seen = self.extras.setdefault("counters_seen", {})
+        for name, value in totals.items():
+            delta = value - seen.get(name, 0.0)
+            if delta > 0:
+                self.metrics.add_counter(name, delta)
+                seen[name] = value
 
 
 Handler = Callable[[NodeRuntime, PreparedRequest, Request], Awaitable[Response]]

@@ -128,6 +128,15 @@ class NodeMetrics:
         if record.ttft is not None and record.num_output_tokens > 1:
             self.tpot.labels(name).observe((record.e2e - record.ttft) / (record.num_output_tokens - 1))
 
+    def add_counter(self, name: str, delta: float) -> None:
+        """Add a rank-reported cumulative counter's increase (names as the backends report them)."""
+        if name == "alltoall_bytes":
+            self.alltoall_bytes.inc(delta)
+        elif name.startswith("dcp_merge_bytes_"):
+            self.dcp_merge_bytes.labels(method=name.removeprefix("dcp_merge_bytes_")).inc(delta)
+        elif name == "dcp_merge_fallbacks":
+            self.dcp_merge_fallbacks.inc(delta)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

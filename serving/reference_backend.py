@@ -50,18 +50,54 @@ def _sampling(spec: SamplingSpec) -> Any:
                           stop_token_ids=tuple(spec.stop_token_ids), ignore_eos=spec.ignore_eos).validate()
 
 
+class TPModel:
+    """A full model replica whose prefill and decode run SPMD over the rank group (engine/parallel):
+    prefill token-sharded (steps of at least `token_threshold` tokens) or head-sharded, decode with KDA
+    heads split and the attention heads split (TP). Logits are identical on every rank, so every rank's
+    scheduler samples the same tokens. The pool's KDA rows hold this rank's heads (layout tp_size = W)."""
+
+    def __init__(self, model: Any, ctx: Any, token_threshold: int) -> None:
+        self.model, self.ctx, self.token_threshold = model, ctx, token_threshold
+        self.cfg = model.cfg
+        self.alltoall_bytes = 0
+
+    def prefill(self, token_ids: Any, cache: Any, start: int = 0, all_logits: bool = False) -> Any:
+        from engine.parallel.prefill import PrefillBatch, choose_mode, parallel_prefill
+
+        if all_logits:
+            raise ValueError("the TP prefill returns last-token logits only")
+        batch = PrefillBatch((token_ids,), (start,))
+        result = parallel_prefill(self.ctx, self.model, batch, [cache], choose_mode(batch, self.token_threshold))
+        self.alltoall_bytes += result.stats.exchange_bytes
+        return result.logits
+
+    def decode(self, token_ids: Any, positions: list[int], caches: list[Any]) -> Any:
+        from engine.parallel.dcp_decode import parallel_decode
+
+        return parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="tp").logits
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
 class ReferenceBackend:
-    """One rank's Engine (world size 1)."""
+    """One rank's Engine; with W > 1 ranks its model is the SPMD `TPModel` over the rank group."""
 
     def __init__(self, config: Any, ctx: Any) -> None:
         from engine.engine import Engine, EngineConfig
-        from engine.model.weights import DEFAULT_SEED
+        from engine.model.config import get_preset
+        from engine.model.weights import DEFAULT_SEED, build_model
 
+        if config.dcp_size > 1:
+            raise ValueError("DCP pools are not wired into the reference engine's row pool yet; use --tp")
+        seed = DEFAULT_SEED if config.seed is None else config.seed
+        engine_config = EngineConfig(model=config.model, seed=seed, num_rows=config.num_rows,
+                                     max_batch=config.max_num_seqs, tp_size=config.tp_size,
+                                     block_size=config.block_size)
+        model = None
         if ctx.world_size > 1:
-            raise ValueError(f"the reference backend serves one rank per node here; got world size {ctx.world_size}")
-        self.engine = Engine(EngineConfig(model=config.model, seed=DEFAULT_SEED if config.seed is None else config.seed,
-                                          num_rows=config.num_rows, max_batch=config.max_num_seqs,
-                                          tp_size=config.tp_size, block_size=config.block_size))
+            model = TPModel(build_model(get_preset(config.model), seed), ctx, config.token_shard_min_tokens)
+        self.engine = Engine(engine_config, model=model)
         self.layout = self.engine.layout
         self.model_config = self.engine.model_config
         self._first_tokens: dict[str, int] = {}
@@ -114,9 +150,11 @@ class ReferenceBackend:
     def stats(self) -> RankStats:
         sched = self.engine.scheduler
         total = self.engine.config.num_rows
+        model = self.engine.model
+        counters = (("alltoall_bytes", float(model.alltoall_bytes)),) if isinstance(model, TPModel) else ()
         return RankStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
                          num_rows_used=total - self.engine.num_free_rows, num_rows_total=total,
-                         has_work=self.engine.has_work)
+                         has_work=self.engine.has_work, counters=counters)
 
     def close(self) -> None:
         self._first_tokens.clear()

@@ -49,6 +49,8 @@ class RankInfo:
     kda_groups: int
     endpoint: Any = None
     """kv_transfer.transport.RankEndpoint of this rank's registered pool (None without a transport)."""
+    tcp_fallback: bool = False
+    """UCX can only move this pool's bytes over TCP (kv_transfer.nixl_transport.detect_tcp_fallback)."""
 
 
 def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_shard_min_tokens: int = 1024
@@ -77,6 +79,7 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int)
                                      num_gpu_blocks=head.num_rows, layout_fingerprint=head.layout_fingerprint,
                                      tp_size=config.tp_size, dcp_size=config.dcp_size))
     metrics.set_load(0, 0, 0, head.num_rows)
+    metrics.ucx_tcp_fallback.set(float(any(info.tcp_fallback for info in executor.startup_info)))
     limits = Limits(max_context=settings.max_context or model_cfg.max_context,
                     default_max_tokens=settings.default_max_tokens)
     return NodeRuntime(executor=executor, tokenizer=load_tokenizer(model_cfg), limits=limits, metrics=metrics,

@@ -114,13 +114,14 @@ def test_remote_decode_streaming_chat_equals_colocated(nodes):
         "token-count"])
 def test_bad_params_are_clean_4xx(nodes, tamper, needle):
     p_url, d_url, _ = nodes
-    params = _prefill(p_url, f"bad-{needle[:8]}")
+    request_id = f"bad-{next(iter(tamper))}"
+    params = _prefill(p_url, request_id)
     resp = httpx.post(f"{d_url}/v1/completions", timeout=60, json=_decode_body({**params, **tamper}))
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert needle in error["message"] and error["param"] == "kv_transfer_params"
     _idle(d_url)
-    httpx.post(f"{p_url}/abort_requests", json={"request_ids": [f"bad-{needle[:8]}"]})
+    httpx.post(f"{p_url}/abort_requests", json={"request_ids": [request_id]})
     _idle(p_url)
 
 
