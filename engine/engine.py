@@ -185,7 +185,11 @@ class Engine:
         """Prefill now (outside the queue) and keep the rows until `release`."""
         req = self._make_request(request_id, prompt_token_ids, sampling, export=True)
         self.scheduler.add_imported(req, req.capacity, zero_kda=True)
-        tok = sample(self.runner.prefill(req), req.sampling, req.seed, 0)
+        try:
+            tok = sample(self.runner.prefill(req), req.sampling, req.seed, 0)
+        except BaseException:
+            self.scheduler.finish(req, "abort")  # no rows leak when the prefill fails
+            raise
         req.output_token_ids.append(tok.token_id)
         req.output_logprobs.append(tok.logprob)
         self.scheduler.export(req)
