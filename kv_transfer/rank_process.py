@@ -124,7 +124,7 @@ class RankProcess:
             raise RuntimeError(f"{self.name}: {value}")
         return value
 
-    def call(self, cmd: str, timeout: float = 60, **kw):
+    def call(self, cmd: str, timeout: float = 180, **kw):
         self.send(cmd, **kw)
         return self.recv(timeout)
 

@@ -89,7 +89,7 @@ class Cluster:
         self.p = [RankProcess(ctx, f"P{i}", POOL_BYTES, cpu=i) for i in range(num_p)]
         self.d = [RankProcess(ctx, f"D{i}", POOL_BYTES, cpu=i + 1) for i in range(num_d)]
         for r in self.p + self.d:
-            r.ready()
+            r.ready(300)
         self.side = SideChannel()
         self.side.start()
         self.cfg = get_preset(MODEL)
