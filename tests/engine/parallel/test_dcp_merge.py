@@ -20,8 +20,10 @@ def pools():
     opened: dict[int, RankPool] = {}
 
     def get(world_size: int) -> RankPool:
-        if world_size not in opened:
-            opened[world_size] = RankPool(world_size, backend="gloo", timeout_s=120)
+        if world_size not in opened or not opened[world_size].alive:
+            if world_size in opened:
+                opened[world_size].close()
+            opened[world_size] = RankPool(world_size, backend="gloo", timeout_s=600)
         return opened[world_size]
 
     yield get

@@ -12,7 +12,7 @@ from tests.engine.parallel import _ranks
 
 
 def test_uneven_all_to_all_and_rank_failure() -> None:
-    with RankPool(3, backend="gloo", timeout_s=120) as pool:
+    with RankPool(3, backend="gloo", timeout_s=600) as pool:
         received = pool.run(_ranks.exchange_case)
         for dst, parts in enumerate(received):
             for src, part in enumerate(parts):

@@ -44,7 +44,7 @@ def oracle():
 
 @pytest.fixture(scope="module")
 def pool2():
-    with RankPool(2, backend="gloo", timeout_s=300) as pool:
+    with RankPool(2, backend="gloo", timeout_s=600) as pool:
         yield pool
 
 
