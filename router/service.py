@@ -97,9 +97,12 @@ def _context(state: RouterState, request: Request, endpoint: Endpoint, raw: byte
 
 
 def _route_headers(ctx: RequestContext) -> dict[str, str]:
-    return {"X-Request-Id": ctx.request_id, "X-PDCluster-Pool": ctx.placement.pool,
-            "X-PDCluster-Decode": ctx.placement.decode,
-            "X-PDCluster-Prefill": ctx.handoff.prefill if ctx.handoff else "none"}
+    headers = {"X-Request-Id": ctx.request_id, "X-PDCluster-Pool": ctx.placement.pool,
+               "X-PDCluster-Decode": ctx.placement.decode,
+               "X-PDCluster-Prefill": ctx.handoff.prefill if ctx.handoff else "none"}
+    if ctx.placement.is_migration:
+        headers["X-PDCluster-Migrated"] = "true"
+    return headers
 
 
 def finish(state: RouterState, ctx: RequestContext, acct: StreamAccounting | None, usage: dict | None) -> None:

@@ -169,6 +169,7 @@ def test_sessions_are_sticky_and_move_to_dcp_pool_when_they_grow():
             long_prompt = "word " * 4000  # ~5000 tokens estimated: outgrows the short pool
             resp = await client.post("/v1/completions", json=completion(long_prompt), headers={"X-Session-ID": "s1"})
             assert resp.headers["x-pdcluster-pool"] == "long" and resp.headers["x-pdcluster-decode"] == "d2"
+            assert resp.headers["x-pdcluster-migrated"] == "true"
             # the session stays in the long pool on later short turns (no flapping)
             resp = await client.post("/v1/completions", json=completion(user="s1"))
             assert resp.headers["x-pdcluster-pool"] == "long"
