@@ -64,7 +64,8 @@ class Target:
 
 
 def has_output(endpoint: Endpoint, choice: dict) -> bool:
-    """Whether a streamed choice carries a generated token (vllm bench serve's test)."""
+    """Whether a streamed choice carries a generated token: vllm bench serve's test, except that a
+    `"role": null` key counts as absent (servers that serialise unset fields send it on every chunk)."""
     if endpoint == "completions":
         return "text" in choice
     delta = choice.get("delta")
@@ -73,7 +74,7 @@ def has_output(endpoint: Endpoint, choice: dict) -> bool:
     keys = ("content", "reasoning", "reasoning_content", "tool_calls", "function_call")
     if any(delta.get(key) for key in keys):
         return True
-    return delta.get("content") == "" and "role" not in delta
+    return delta.get("content") == "" and delta.get("role") is None
 
 
 @dataclass

@@ -176,6 +176,14 @@ def test_output_chunk_rule_matches_vllm(choice):
     assert has_output("chat", choice) == vllm._choice_has_streamed_output(choice)
 
 
+def test_output_chunk_rule_extension_for_null_role():
+    # {"role": null, "content": ""} is a token that decoded to no text, as pdcluster's nodes send it;
+    # vLLM's rule only looks for the key, so it would miss such a token
+    choice = {"delta": {"role": None, "content": ""}, "finish_reason": "length"}
+    assert has_output("chat", choice) and not vllm._choice_has_streamed_output(choice)
+    assert not has_output("chat", {"delta": {"role": "assistant", "content": ""}})
+
+
 def test_vendored_copy_is_verbatim():
     """The oracle's bodies are the wheel's, character for character (needs the unpacked wheel)."""
     import inspect
