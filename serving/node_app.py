@@ -22,8 +22,10 @@ from engine.executor import Executor
 from serving import sse
 from serving.errors import APIError, error_body
 from serving.node_metrics import NodeMetrics
-from serving.protocol import AbortRequests, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from serving.textgen import Kind, Limits, PreparedRequest, Tokenizer, prepare
+from serving.protocol import (
+    AbortRequests, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+)
+from serving.textgen import Kind, Limits, PreparedRequest, Tokenizer, prepare, render_chat
 
 
 @dataclass
@@ -104,6 +106,14 @@ async def until_disconnect(request: Request, work: Awaitable[Any], poll_s: float
             task.cancel()
 
 
+async def _release_after(chunks: AsyncIterator[Any], runtime: NodeRuntime, request_id: str) -> AsyncIterator[Any]:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        runtime.done(request_id)
+
+
 def _models(runtime: NodeRuntime) -> ModelList:
     return ModelList(data=[ModelCard(id=runtime.model, root=runtime.model, max_model_len=runtime.limits.max_context)])
 
@@ -117,11 +127,17 @@ def node_router(handle: Handler) -> APIRouter:
         if not runtime.executor.healthy:
             raise APIError(503, f"the engine is down: {runtime.executor.state.error or 'not running'}")
         request_id = runtime.new_request_id(request.headers.get("x-request-id"))
+        streaming_out = False
         try:
             prepared = prepare(body, kind, request_id, runtime.model, runtime.tokenizer, runtime.limits)
-            return await handle(runtime, prepared, request)
+            response = await handle(runtime, prepared, request)
+            if isinstance(response, StreamingResponse):  # the id stays abortable until the stream ends
+                response.body_iterator = _release_after(response.body_iterator, runtime, request_id)
+                streaming_out = True
+            return response
         finally:
-            runtime.done(request_id)
+            if not streaming_out:
+                runtime.done(request_id)
 
     @router.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -148,6 +164,16 @@ def node_router(handle: Handler) -> APIRouter:
         runtime = runtime_of(request)
         runtime.refresh_load()
         return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request, body: TokenizeRequest) -> TokenizeResponse:
+        runtime = runtime_of(request)
+        tok = runtime.tokenizer
+        if body.messages is not None:
+            ids = tok.encode_chat(body.messages) if hasattr(tok, "encode_chat") else tok.encode(render_chat(body.messages))
+        else:
+            ids = tok.encode(body.prompt or "")
+        return TokenizeResponse(count=len(ids), max_model_len=runtime.limits.max_context, tokens=ids)
 
     @router.post("/abort_requests")
     async def abort_requests(request: Request, body: AbortRequests) -> dict[str, list[str]]:

@@ -97,6 +97,12 @@ def test_models_health_metrics(client):
     assert 'le="2.0"' in text
 
 
+def test_tokenize(client):
+    body = client.post("/tokenize", json={"prompt": "abc"}).json()
+    assert body["tokens"] == [97, 98, 99] and body["count"] == 3 and body["max_model_len"] == 4096
+    _error(client.post("/tokenize", json={}), 400)
+
+
 def test_colocated_completion_and_chat(client):
     resp = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5, "temperature": 0})
     body = resp.json()
