@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from engine.model.config import ModelConfig
 from engine.model.numerics import RowLinear, fp8_quantize_rowwise, fp8_to_float, hadamard_matrix
