@@ -6,8 +6,8 @@
   `restart(node)` (same command line, waits for /health), `stop()`;
 - `metrics(name)`: the parsed `/metrics` of one process, `wait_until(...)`: bounded polling;
 - `oracle(prompt, max_tokens)`: greedy tokens from `pdcluster generate --json` (one rank, the numerical
-  oracle), cached per (prompt, max_tokens); `oracle_chat(messages, ...)` renders the reference chat
-  template first, so chat through the router compares against the same prompt text.
+  oracle), cached per (prompt, max_tokens); `oracle_chat(messages, ...)` applies the reference chat
+  template (special role ids) and runs the same generation code on those ids.
 """
 
 from __future__ import annotations
@@ -204,11 +204,15 @@ class ClusterHandle:
         return self._oracle_cache[key]
 
     def oracle_chat(self, messages: list[dict], max_tokens: int) -> OracleResult:
-        """The oracle for a chat request: the reference chat template rendered, then `oracle`."""
-        from serving.protocol import ChatMessage
-        from serving.textgen import render_chat
+        """The oracle for a chat request: the reference chat template (special role ids, as the nodes apply
+        it), then the same generation code as `pdcluster generate --json` on those ids."""
+        from engine.model.tokenizer import ByteTokenizer, ChatMessage
 
-        return self.oracle(render_chat([ChatMessage.model_validate(m) for m in messages]), max_tokens)
+        ids = ByteTokenizer().apply_chat_template([ChatMessage(m["role"], m["content"]) for m in messages])
+        key = (json.dumps(ids), max_tokens)
+        if key not in self._oracle_cache:
+            self._oracle_cache[key] = run_oracle_ids(self.python, self.cluster.config.model, ids, max_tokens)
+        return self._oracle_cache[key]
 
 
 def choice_token_ids(choice: object) -> list[int] | None:
@@ -218,10 +222,30 @@ def choice_token_ids(choice: object) -> list[int] | None:
     return list(found) if found is not None else None
 
 
-def run_oracle(python: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 300.0) -> OracleResult:
+_GENERATE_IDS = """
+import json, sys
+from engine.cli import _generate, _parser
+args = _parser().parse_args(["--model", sys.argv[1], "--prompt", "ids", "--max-tokens", sys.argv[2], "--json"])
+sys.exit(_generate(args, json.loads(sys.argv[3])))
+"""
+
+
+def run_oracle(python: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 600.0) -> OracleResult:
     """One `pdcluster generate --json` run; raises with its stderr when it fails."""
     argv = [python, "-m", "pdcluster.cli", "generate", "--model", model, "--prompt", prompt,
             "--max-tokens", str(max_tokens), "--json"]
+    return _run_generate(argv, timeout_s)
+
+
+def run_oracle_ids(python: str, model: str, prompt_ids: list[int], max_tokens: int,
+                   timeout_s: float = 600.0) -> OracleResult:
+    """`pdcluster generate --json`'s own generation code on token ids (chat prompts hold special ids that
+    `--prompt TEXT` cannot express)."""
+    argv = [python, "-c", _GENERATE_IDS, model, str(max_tokens), json.dumps(prompt_ids)]
+    return _run_generate(argv, timeout_s)
+
+
+def _run_generate(argv: list[str], timeout_s: float) -> OracleResult:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
                           cwd=Path(__file__).resolve().parent.parent)
     if proc.returncode != 0:
