@@ -104,12 +104,15 @@ def run(rounds: int, pro_tokens: int) -> list[dict]:
             for m, ops in sc["methods"].items():  # warm-up + correctness
                 descs[m] = d.call("raw_read", endpoint=ep, ops=ops, repeat=1, timeout=300)[0][1]
                 assert _check(p, d, ops), f"{sc['name']} {m}: bytes differ after the read"
-            for _ in range(rounds):
-                for m, ops in sc["methods"].items():
-                    wall, _, xs, cs = d.call("raw_read", endpoint=ep, ops=ops, repeat=1, timeout=300)[0]
-                    times[m].append(wall)
-                    cpu[m].append(cs)
-                    xfer[m].append(xs if xs is not None else wall)
+            names = list(sc["methods"])
+            for k in range(rounds):
+                for m in names[k % len(names):] + names[:k % len(names)]:  # rotate the order every round
+                    ops = sc["methods"][m]
+                    repeat = 5 if sc["bytes"] < 16e6 else 1  # small reads: several per call, process stays hot
+                    for wall, _, xs, cs in d.call("raw_read", endpoint=ep, ops=ops, repeat=repeat, timeout=300):
+                        times[m].append(wall)
+                        cpu[m].append(cs)
+                        xfer[m].append(xs if xs is not None else wall)
             row = {"scenario": sc["name"], "bytes": sc["bytes"]}
             for m, ops in sc["methods"].items():
                 med = statistics.median(times[m])
