@@ -11,9 +11,11 @@ bounded in time, and kills stragglers by their own pid only.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import multiprocessing as mp
 import os
+import signal
 import socket
 import traceback
 from dataclasses import dataclass
@@ -80,6 +82,15 @@ def init_context(rank: int, world_size: int, init_method: str, backend: str,
                            backend=backend)
 
 
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when the driver process dies, so no rank outlives it (no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _pin(rank: int, cores: Sequence[int]) -> None:
     torch.set_num_threads(1)
     if cores and hasattr(os, "sched_setaffinity"):
@@ -88,6 +99,7 @@ def _pin(rank: int, cores: Sequence[int]) -> None:
 
 def _worker_main(rank: int, world_size: int, init_method: str, backend: str, cores: list[int],
                  conn: Connection) -> None:
+    _die_with_parent()
     _pin(rank, cores)
     try:
         ctx = init_context(rank, world_size, init_method, backend)
