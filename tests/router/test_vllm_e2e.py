@@ -13,7 +13,7 @@ import pytest
 
 from router.app import create_app
 from router.settings import Settings
-from tests.router.servers import uvicorn_server
+from tests.router.servers import uvicorn_server, wait_until
 from tests.vllm_fixtures import SERVED_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -31,9 +31,14 @@ TOKEN = "e2e-token"
 def router_url(vllm_pd_pair):
     prefill, decode = vllm_pd_pair
     settings = Settings(prefill_urls=[prefill.url], decode_urls=[decode.url], engine="vllm",
-                        disagg_min_uncached_tokens=1, admin_token=TOKEN, health_interval_s=5.0,
+                        disagg_min_uncached_tokens=1, admin_token=TOKEN, health_interval_s=2.0,
+                        health_timeout_s=10.0,
                         prefill_timeout_s=120.0, first_token_timeout_s=120.0)
     with uvicorn_server(create_app(settings)) as url:
+        # every test below expects the P leg: wait until the pair is usable
+        assert wait_until(lambda: "prefill-0" in httpx.get(f"{url}/metrics", timeout=10).text
+                          and 'pdcluster_pair_healthy{decode="decode-0",prefill="prefill-0"} 1.0'
+                          in httpx.get(f"{url}/metrics", timeout=10).text, timeout_s=120.0, interval_s=1.0)
         yield url
 
 
@@ -62,10 +67,16 @@ def nixl_reads(decode_url: str) -> float:
                if line.startswith("vllm:nixl_xfer_time_seconds_count"))
 
 
+def pool_view(router_url: str) -> dict:
+    return httpx.get(f"{router_url}/v1/pools", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
+
+
 def test_pool_view_shows_the_vllm_pair(router_url):
-    view = httpx.get(f"{router_url}/v1/pools", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
-    (pair,) = view["pairs"]
+    # facts arrive with the health rounds (a loaded host can miss the first one)
+    wait_until(lambda: pool_view(router_url)["pairs"][0]["usable"], timeout_s=60.0, interval_s=1.0)
+    (pair,) = pool_view(router_url)["pairs"]
     assert pair["compatible"] and pair["usable"], pair
+    view = pool_view(router_url)
     geometry = view["instances"][0]["geometry"]
     assert geometry["engine"] == "vllm" and geometry["model"] == SERVED_MODEL and geometry["block_size"]
 
