@@ -29,6 +29,8 @@ class NodeSettings(BaseSettings):
     """Longest prompt + output; default: the model's max_context."""
     default_max_tokens: int = Field(default=256, ge=1)
     max_num_seqs: int = Field(default=16, ge=1)
+    start_timeout_s: float = Field(default=900.0, gt=0)
+    """How long the ranks may take to start (import torch, build the model, register the pool)."""
     step_timeout_s: float = Field(default=300.0, gt=0)
     """A rank that does not answer a step within this long is declared dead."""
     seed: int | None = None

@@ -72,7 +72,7 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int)
     spec = WorkerSpec(factory=WORKER_FACTORY, config=config, world_size=world_size, pin_cores=settings.pin_cores,
                       step_timeout_s=settings.step_timeout_s)
     executor = Executor(spec)
-    executor.start()
+    executor.start(timeout_s=settings.start_timeout_s)
     head: RankInfo = executor.startup_info[0]
     metrics = NodeMetrics(settings.model, config.role)
     metrics.set_cache_info(CacheInfo(block_size=head.block_size, cache_dtype=head.cache_dtype,

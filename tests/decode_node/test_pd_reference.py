@@ -1,8 +1,9 @@
-"""End to end with the reference engine: real node processes, real rank processes, real NIXL.
+"""End to end with the reference engine: real node processes, real rank processes (gloo), real NIXL.
 
-A prefill node (`pdcluster prefill`) answers a do_remote_decode request; a decode node (`pdcluster decode`)
-reads the rows, decodes, and must produce exactly the greedy tokens of `pdcluster generate` (the oracle),
-streaming and not. Afterwards both pools are back to idle (lease notified, decode rows freed).
+A prefill node at TP=2 (`pdcluster prefill --tp 2`, token-sharded prefill) answers do_remote_decode requests;
+decode nodes at TP=1 and TP=2 read the rows (remapped across TP sizes and block sizes), decode, and must
+produce exactly the greedy tokens of `pdcluster generate` (the single-rank oracle), streaming and not.
+Afterwards every pool is back to idle (leases notified, decode rows freed).
 """
 
 from __future__ import annotations
@@ -14,66 +15,67 @@ import sys
 import httpx
 import pytest
 
+from engine.model.tokenizer import ByteTokenizer
 from tests.conftest import REPO_ROOT
 from tests.decode_node.test_pd_nodes import _idle, _metric
 from tests.serving.nodes import running_nodes
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
-PROMPT = "Disaggregated serving splits prefill and decode across machines. " * 4
-MAX_TOKENS = 12
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+PROMPT = "Disaggregated serving splits prefill and decode across machines. " * 4  # 261 tokens with BOS
+MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
 def oracle() -> list[int]:
     out = subprocess.run([sys.executable, "-m", "pdcluster.cli", "generate", "--model", "kimi-k3.1-mini",
                           "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--json"],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=True)
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=True)
     return json.loads(out.stdout)["token_ids"]
 
 
 @pytest.fixture(scope="module")
 def nodes():
     common = ["--num-rows", "24", "--max-num-seqs", "4"]
-    with running_nodes(("prefill", common + ["--tp", "1", "--lease-seconds", "120"], None),
-                       ("decode", common + ["--tp", "1"], None)) as (prefill, decode):
-        yield prefill.url, decode.url
+    with running_nodes(("prefill", common + ["--tp", "2", "--token-shard-min-tokens", "64"], None),
+                       ("decode", common + ["--tp", "1"], None),
+                       ("decode", common + ["--tp", "2"], None)) as (prefill, tp1, tp2):
+        yield {"prefill": prefill.url, "tp1": tp1.url, "tp2": tp2.url}
 
 
 def _prefill(p_url: str) -> dict:
-    resp = httpx.post(f"{p_url}/v1/completions", timeout=300, json={
+    resp = httpx.post(f"{p_url}/v1/completions", timeout=600, json={
         "prompt": PROMPT, "max_tokens": 1, "stream": False, "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": True}})
     assert resp.status_code == 200, resp.text
     return resp.json()["kv_transfer_params"]
 
 
-def test_prefill_tp1_to_decode_tp1_equals_generate(nodes, oracle):
-    p_url, d_url = nodes
+@pytest.mark.parametrize("pool", ["tp1", "tp2"])
+def test_prefill_tp2_to_decode_equals_generate(nodes, oracle, pool):
+    p_url, d_url = nodes["prefill"], nodes[pool]
     params = _prefill(p_url)
-    assert params["first_token_id"] == oracle[0]
-    resp = httpx.post(f"{d_url}/v1/completions", timeout=300, json={
+    assert params["tp_size"] == 2 and params["first_token_id"] == oracle[0]
+    resp = httpx.post(f"{d_url}/v1/completions", timeout=600, json={
         "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "kv_transfer_params": params})
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["token_ids"] == oracle
 
     params = _prefill(p_url)
-    with httpx.stream("POST", f"{d_url}/v1/completions", timeout=300, json={
+    with httpx.stream("POST", f"{d_url}/v1/completions", timeout=600, json={
             "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "kv_transfer_params": params}) as stream:
         data = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
     chunks = [json.loads(d) for d in data[:-1]]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert data[-1] == "[DONE]" and chunks[-1]["usage"]["completion_tokens"] == len(oracle)
-    from engine.model.tokenizer import ByteTokenizer
-
     assert text == ByteTokenizer().decode(oracle)
-    _idle(d_url, timeout_s=60)
-    _idle(p_url, timeout_s=60)
+    _idle(d_url, timeout_s=120)
+    _idle(p_url, timeout_s=120)
     assert _metric(p_url, "pdcluster_node_lease_outcomes_total", 'outcome="notified"') >= 2
+    assert _metric(p_url, "pdcluster_node_alltoall_bytes_total") > 0
 
 
-def test_colocated_on_both_nodes_equals_generate(nodes, oracle):
-    for url in nodes:
-        resp = httpx.post(f"{url}/v1/completions", timeout=300,
-                          json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
-        assert resp.json()["choices"][0]["token_ids"] == oracle
+def test_colocated_tp2_equals_generate(nodes, oracle):
+    resp = httpx.post(f"{nodes['tp2']}/v1/completions", timeout=600,
+                      json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert resp.json()["choices"][0]["token_ids"] == oracle
