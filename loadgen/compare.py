@@ -29,7 +29,7 @@ def _get(level: LevelSummary, path: str) -> float | None:
 def _cell(value: float | None) -> str:
     if value is None:
         return "-"
-    return f"{value:.0f}" if value == int(value) and abs(value) >= 1 else f"{value:.3f}"
+    return f"{value:.0f}" if value == int(value) else f"{value:.3f}"
 
 
 def ratio(a: float | None, b: float | None) -> str:

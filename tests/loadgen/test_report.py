@@ -36,6 +36,8 @@ def test_compare_table_ratios():
     user = [line for line in table.splitlines() if line.startswith("per-user tok/s p50")]
     assert all(line.split()[-1] == "2.00x" for line in user)
     assert "schedule hashes differ" not in table and lines
+    errors = [line for line in table.splitlines() if line.startswith("errors")]
+    assert errors and all(line.split()[1:] == ["0", "0", "="] for line in errors)
 
 
 def test_compare_notes_different_streams_and_unmatched_levels():
