@@ -1,7 +1,7 @@
 """The router's FastAPI app: `create_app(settings) -> FastAPI`.
 
-Public: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /health,
-GET /metrics. Admin (bearer token): see router/admin.py. The lifespan builds the RouterState (registry
+Public: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /health
+(readiness: 503 without a usable decode instance), GET /livez (liveness), GET /metrics. Admin (bearer token): see router/admin.py. The lifespan builds the RouterState (registry
 from the YAML config or the quick-start URLs), runs one health round, then keeps health checking and,
 when configured, Kubernetes discovery running in the background.
 """
@@ -101,6 +101,11 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
         if not usable:
             raise APIError(503, "no healthy decode instance")
         return JSONResponse({"status": "ok", "decode_instances": usable})
+
+    @app.get("/livez")
+    async def livez() -> dict:
+        """Liveness: the process serves HTTP (readiness, /health, also needs a healthy decode)."""
+        return {"status": "alive"}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -243,6 +243,7 @@ def test_models_health_and_metric_names():
             for _ in range(2):
                 await app.state.health_checker.check_all()
             assert (await client.get("/health")).status_code == 503
+            assert (await client.get("/livez")).status_code == 200
             resp = await client.post("/v1/completions", json=completion())
             assert resp.status_code == 404  # no healthy decode serves the model any more
 
