@@ -118,7 +118,7 @@ class Request:
 
 
 def export(cl: Cluster, p_kw: dict, d_kw: dict, num_tokens: int, seed: int, ttl_s: float = 30.0,
-           engine_id: str = "prefill-A") -> Request:
+           engine_id: str = "prefill-A", clock=time.time) -> Request:
     """Fill P pools with random bytes, publish metadata, lease the request's rows, zero D pools."""
     rng = random.Random(seed)
     p, d = plan_layout(cl.cfg, **p_kw), plan_layout(cl.cfg, **d_kw)
@@ -127,7 +127,7 @@ def export(cl: Cluster, p_kw: dict, d_kw: dict, num_tokens: int, seed: int, ttl_
     for r in range(d.tp_size):
         cl.d[r].call("zero", row_bytes=d.row_bytes, rank=r)
     free = FreeList(POOL_BYTES // p.row_bytes)
-    leases = LeaseManager(free.give, ttl_s=ttl_s)
+    leases = LeaseManager(free.give, ttl_s=ttl_s, clock=clock)
     p_attn = free.take(-(-num_tokens // p.block_size), rng)
     p_kda = free.take(p.kda_groups, rng)
     lease = leases.create(p_attn + p_kda)

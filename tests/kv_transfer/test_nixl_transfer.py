@@ -86,16 +86,25 @@ def test_bad_params_clear_error_no_memory_touched(cluster, change, match):
     _assert_untouched(cluster, req, [0])
 
 
+class SteppedClock:
+    """P's lease clock, advanced by the test (starts at the wall clock so D's expiry checks agree)."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_heartbeat_over_side_channel_keeps_rows_then_notification_frees(cluster):
-    req = export(cluster, {"tp_size": 1}, {"tp_size": 1}, 2048, seed=11, ttl_s=2.0)
+    clock = SteppedClock()
+    req = export(cluster, {"tp_size": 1}, {"tp_size": 1}, 2048, seed=11, ttl_s=60.0, clock=clock)
     first = req.leases.get(req.params.lease_id).expiry
-    time.sleep(1.2)
-    status = side_channel.heartbeat("127.0.0.1", cluster.side.port, req.params.lease_id)
-    assert status.alive and status.expiry > first
-    time.sleep(max(0.0, first - time.time()) + 0.1)
+    clock.now += 40
+    status = side_channel.heartbeat("127.0.0.1", cluster.side.port, req.params.lease_id)  # real HTTP
+    assert status.alive and status.expiry == first + 40
+    clock.now = first + 1
     assert req.leases.expire() == [] and req.leases.outstanding == 1  # past the first deadline, kept alive
-    req.leases.ttl_s = 120.0  # a long extension so the import below cannot race the deadline on a busy machine
-    status = side_channel.heartbeat("127.0.0.1", cluster.side.port, req.params.lease_id)
     wire = req.params.to_wire() | {"lease_expiry": status.expiry}  # D carries the latest expiry it was given
     start_import(cluster, req, {"tp_size": 1}, params=wire, ranks=[0])
     assert [x[0] for x in cluster.d[0].recv(240)] == ["DONE"]
@@ -114,19 +123,19 @@ def test_abort_over_side_channel_frees_rows(cluster):
 
 def test_reader_killed_mid_request_rows_freed_after_expiry(cluster):
     """Runs last: it kills D3 (the module's processes are shared; teardown copes with a dead one)."""
-    req = export(cluster, {"tp_size": 1}, {"tp_size": 1}, 4096, seed=9, ttl_s=20.0)
+    clock = SteppedClock()
+    req = export(cluster, {"tp_size": 1}, {"tp_size": 1}, 4096, seed=9, ttl_s=60.0, clock=clock)
     doomed = cluster.d[3]
     doomed.send("import", model="kimi-k3.1-mini", layout={"tp_size": 1}, d_rank=0, params=req.params.to_wire(),
                 host="127.0.0.1", port=cluster.side.port, d_attn=req.d_attn, d_kda=req.d_kda, die_after_post=True)
-    doomed.proc.join(90)
+    doomed.proc.join(120)
     if doomed.proc.exitcode is None and doomed.conn.poll(0):
         pytest.fail(f"the reader answered instead of dying: {doomed.conn.recv()}")
     assert doomed.proc.exitcode == 3
     assert cluster.p[0].notifs(1, 0.5) == []  # no completion notification
-    lease = req.leases.get(req.params.lease_id)
-    assert lease is not None and req.leases.outstanding == 1
-    if lease.expiry > time.time():
-        assert req.leases.expire() == []  # still inside the lease: nothing freed
-    time.sleep(max(0.0, lease.expiry - time.time()) + 0.05)
+    expiry = req.leases.get(req.params.lease_id).expiry
+    clock.now = expiry - 0.01
+    assert req.leases.expire() == [] and req.leases.outstanding == 1  # still inside the lease: nothing freed
+    clock.now = expiry
     assert req.leases.expire() == [req.params.lease_id]
     assert req.leases.outcomes["expired"] == 1 and len(req.free.free) == req.free.idle
