@@ -54,9 +54,10 @@ E2E_CONFIG = {
             "health_timeout_s": 2.0,
             "unhealthy_threshold": 2,
             "healthy_threshold": 1,
-            "prefill_timeout_s": 60.0,
-            "first_token_timeout_s": 60.0,
-            "stream_idle_timeout_s": 60.0,
+            # Two shared cores run 32 concurrent sessions: generous leg bounds, still finite.
+            "prefill_timeout_s": 180.0,
+            "first_token_timeout_s": 180.0,
+            "stream_idle_timeout_s": 120.0,
             "breaker_recovery_s": 2.0,
         },
     },

@@ -13,7 +13,9 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-LONG_PROMPT_BYTES = 12_000
+LONG_PROMPT_BYTES = 8_000
+"""Long enough that the prefill leg takes well over CANCEL_AFTER_S on two cores."""
+CANCEL_AFTER_S = 0.5
 
 
 def _body(model: str, index: int, prompt_bytes: int, max_tokens: int = 16, stream: bool = True) -> dict:
@@ -69,24 +71,29 @@ def test_disconnect_while_queued(cluster):
     _check_idle_after(cluster, idle, before, 1)
 
 
+def _prefill_legs(cluster) -> float:
+    return cluster.metrics("router").get("pdcluster_leg_duration_seconds_count", leg="prefill") or 0.0
+
+
 def test_disconnect_during_prefill(cluster):
+    """Node gauges change only between engine steps, so "during prefill" is: sent CANCEL_AFTER_S ago and
+    the router has not yet seen the prefill leg answer."""
     idle = cluster.idle_snapshot()
-    before = _cancelled(cluster)
+    before, legs = _cancelled(cluster), _prefill_legs(cluster)
+    started = time.monotonic()
     seen = asyncio.run(_cancel_when(cluster, [_body(cluster.model, 100, LONG_PROMPT_BYTES)],
-                                    lambda: _prefill_load(cluster).running >= 1))
-    assert seen, "the prefill node never ran the request"
+                                    lambda: time.monotonic() - started >= CANCEL_AFTER_S))
+    assert seen and _prefill_legs(cluster) == legs, "the prefill leg ended before the client left"
     _check_idle_after(cluster, idle, before, 1)
 
 
 def test_disconnect_between_legs(cluster):
     idle = cluster.idle_snapshot()
     before = _cancelled(cluster)
-    legs = cluster.metrics("router").get("pdcluster_leg_duration_seconds_count", leg="prefill") or 0.0
+    legs = _prefill_legs(cluster)
 
     def prefill_leg_done() -> bool:
-        if _prefill_load(cluster).leases >= 1:
-            return True
-        return (cluster.metrics("router").get("pdcluster_leg_duration_seconds_count", leg="prefill") or 0.0) > legs
+        return _prefill_load(cluster).leases >= 1 or _prefill_legs(cluster) > legs
 
     seen = asyncio.run(_cancel_when(cluster, [_body(cluster.model, 200, LONG_PROMPT_BYTES)], prefill_leg_done))
     assert seen, "the prefill leg never finished"
