@@ -18,6 +18,7 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 LEG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled")
+TIMED_LEGS = ("prefill", "decode", "first_decode")
 
 
 class RouterMetrics:
@@ -45,6 +46,16 @@ class RouterMetrics:
                                   ["prefill", "decode"], registry=reg)
         self.pair_compatible = Gauge("pdcluster_pair_compatible", "1 if the pairing matrix allows the pair.",
                                      ["prefill", "decode"], registry=reg)
+
+    def prime(self, pools: list[str]) -> None:
+        """Create every counter child whose labels are known in advance, at 0, so panels and ratios over
+        them are never empty on a healthy cluster."""
+        for leg in TIMED_LEGS:
+            self.leg_timeouts.labels(leg)
+            self.retries.labels(leg)
+        for pool in pools:
+            for outcome in OUTCOMES:
+                self.requests.labels(outcome, pool)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -237,6 +237,10 @@ def test_models_health_and_metric_names():
                          "pdcluster_pair_compatible", "pdcluster_pair_healthy"):
                 assert name in text, name
             assert 'le="2.0"' in text
+            # Counters with labels known in advance exist at 0 before their first event.
+            assert 'pdcluster_retries_total{leg="prefill"} 0.0' in text
+            assert 'pdcluster_leg_timeouts_total{leg="first_decode"} 0.0' in text
+            assert 'pdcluster_requests_total{outcome="timeout",pool=' in text
             assert 'pdcluster_requests_total{outcome="ok",pool="default"} 2.0' in text
             assert 'pdcluster_leg_duration_seconds_count{leg="prefill",pool="default"} 2.0' in text
             d.healthy = False
