@@ -11,7 +11,7 @@ from decode_node.settings import Settings
 from tests.conftest import free_port
 from tests.serving.nodes import TOY
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(900)
 PROMPT = "recompute me"
 
 

@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import free_port
 from tests.serving.nodes import TOY, running_nodes
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 PROMPT = "Disaggregated serving splits prefill and decode. " * 30  # 1,470 tokens: 2 P rows of 1,024
 
 

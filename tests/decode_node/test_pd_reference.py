@@ -18,7 +18,7 @@ import pytest
 from engine.model.tokenizer import ByteTokenizer
 from tests.conftest import REPO_ROOT
 from tests.decode_node.test_pd_nodes import _idle, _metric
-from tests.serving.nodes import running_nodes
+from tests.serving.nodes import start_node, stop_node, wait_healthy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 PROMPT = "Disaggregated serving splits prefill and decode across machines. " * 4  # 261 tokens with BOS
@@ -26,20 +26,33 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def oracle() -> list[int]:
-    out = subprocess.run([sys.executable, "-m", "pdcluster.cli", "generate", "--model", "kimi-k3.1-mini",
-                          "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--json"],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=True)
-    return json.loads(out.stdout)["token_ids"]
+def cluster():
+    """Start the three nodes, compute the oracle with `pdcluster generate` while they boot, wait for them."""
+    common = ["--num-rows", "24", "--max-num-seqs", "4"]
+    specs = [("prefill", common + ["--tp", "2", "--token-shard-min-tokens", "64"]), ("decode", common + ["--tp", "1"]),
+             ("decode", common + ["--tp", "2"])]
+    nodes = [start_node(kind, args) for kind, args in specs]
+    try:
+        out = subprocess.run([sys.executable, "-m", "pdcluster.cli", "generate", "--model", "kimi-k3.1-mini",
+                              "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--json"],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, check=True)
+        for node in nodes:
+            wait_healthy(node)
+        urls = {"prefill": nodes[0].url, "tp1": nodes[1].url, "tp2": nodes[2].url}
+        yield urls, json.loads(out.stdout)["token_ids"]
+    finally:
+        for node in nodes:
+            stop_node(node)
 
 
 @pytest.fixture(scope="module")
-def nodes():
-    common = ["--num-rows", "24", "--max-num-seqs", "4"]
-    with running_nodes(("prefill", common + ["--tp", "2", "--token-shard-min-tokens", "64"], None),
-                       ("decode", common + ["--tp", "1"], None),
-                       ("decode", common + ["--tp", "2"], None)) as (prefill, tp1, tp2):
-        yield {"prefill": prefill.url, "tp1": tp1.url, "tp2": tp2.url}
+def nodes(cluster):
+    return cluster[0]
+
+
+@pytest.fixture(scope="module")
+def oracle(cluster):
+    return cluster[1]
 
 
 def _prefill(p_url: str) -> dict:

@@ -14,7 +14,7 @@ from prefill_node.app import create_app
 from prefill_node.settings import Settings
 from tests.serving.nodes import TOY
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from engine.executor import EngineFailure, Executor, ExecutorDead, SamplingSpec,
 from serving.runtime import WorkerConfig
 from tests.serving.nodes import TOY
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(900)
 
 
 def _spec(world: int) -> WorkerSpec:
