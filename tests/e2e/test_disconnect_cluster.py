@@ -95,7 +95,8 @@ def test_disconnect_between_legs(cluster):
     def prefill_leg_done() -> bool:
         return _prefill_load(cluster).leases >= 1 or _prefill_legs(cluster) > legs
 
-    seen = asyncio.run(_cancel_when(cluster, [_body(cluster.model, 200, LONG_PROMPT_BYTES)], prefill_leg_done))
+    seen = asyncio.run(_cancel_when(cluster, [_body(cluster.model, 200, LONG_PROMPT_BYTES)], prefill_leg_done,
+                                    timeout_s=300))
     assert seen, "the prefill leg never finished"
     _check_idle_after(cluster, idle, before, 1)
 
