@@ -1,6 +1,7 @@
 """Token-sharded vs head-sharded W-rank prefill: attention-module time and end-to-end TTFT, side by side.
 
-Real rank processes (gloo on CPU; one torch thread each, pinned round-robin) run
+Real rank processes (gloo on CPU, one torch thread each, pinned round-robin; or `--backend nccl --device cuda`,
+one GPU per rank, model, weights, caches and every intermediate on that GPU) run
 `engine.parallel.prefill.parallel_prefill` on the kimi-k3.1-mini model for one prompt of each length, in
 both modes, alternating in one run so machine noise hits both. Reported per (W, prompt): the attention
 module (indexer + sparse MLA incl. cache dequantisation; slowest rank) and the whole prefill step (slowest
@@ -8,9 +9,10 @@ rank, = TTFT without HTTP), with the head/token ratios. The append case prefills
 (not timed), then times --append new tokens on top of the cached prefix in each mode.
 
     python benchmarks/prefill.py [--world-sizes 2 4] [--lengths 4096 16384 32768] [--json PATH]
+    python benchmarks/prefill.py --backend nccl --device cuda --world-sizes 2 --lengths 16384 32768 65536
 
 Headline: attention-module speed-up of token-sharded over head-sharded at W=2, 16K (goal >= 1.6x).
-GPUs: the reference model allocates on CPU, so ranks use gloo even where CUDA exists (see the report).
+`--model` takes a preset name or a ModelConfig JSON file. On CUDA, times are taken after a device synchronise.
 """
 
 from __future__ import annotations
@@ -47,19 +49,26 @@ class Row:
         return self.head_total_s / self.token_total_s
 
 
+def load_config(name: str):  # -> ModelConfig
+    from engine.model.config import ModelConfig, get_preset
+
+    return ModelConfig.load(name) if name.endswith(".json") else get_preset(name)
+
+
 def rank_run(ctx, preset: str, new_tokens: int, prefix: int, seed: int, modes: list[str]) -> dict:
     import torch
 
-    from engine.model.config import get_preset
+    from engine.model.numerics import device_scope
     from engine.model.weights import build_model
     from engine.parallel.kda_shard import rank_cache
     from engine.parallel.prefill import PrefillBatch, parallel_prefill
 
     torch.manual_seed(seed)
-    cfg = get_preset(preset)
-    model = build_model(cfg)
+    cfg = load_config(preset)
+    model = build_model(cfg, device=ctx.device)
     tokens = torch.randint(0, 256, (prefix + new_tokens,), generator=torch.Generator().manual_seed(seed))
-    base = rank_cache(cfg, prefix + new_tokens, ctx.world_size, ctx.rank)
+    with device_scope(ctx.device):  # CPU: no-op
+        base = rank_cache(cfg, prefix + new_tokens, ctx.world_size, ctx.rank)
     if prefix:
         parallel_prefill(ctx, model, PrefillBatch((tokens[:prefix],), (0,)), [base], "token")
     out = {}
@@ -89,22 +98,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--prefix", type=int, default=16384, help="cached tokens of the append case (0: skip)")
     parser.add_argument("--append", type=int, default=2048, help="new tokens of the append case")
-    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--backend", default="gloo", help="gloo (CPU ranks) or nccl (one GPU per rank)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda needs --backend nccl")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed prompt of this many tokens first (default: 2048 on cuda, 0 on cpu)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if (args.device == "cuda") != (args.backend == "nccl"):
+        parser.error("--device cuda goes with --backend nccl (one GPU per rank), --device cpu with gloo")
+    if args.warmup is None:
+        args.warmup = 2048 if args.device == "cuda" else 0
 
     from engine.parallel.groups import RankPool
 
     rows: list[Row] = []
     for w in args.world_sizes:
         with RankPool(w, backend=args.backend, timeout_s=3600) as pool:
+            if args.warmup:  # untimed: CUDA context, cuBLAS handles and NCCL communicators before the first row
+                measure(pool, args, "warmup", args.warmup, 0)
             for length in args.lengths:
                 rows.append(measure(pool, args, "prompt", length, 0))
-                print(f"done W={w} prompt {length}", file=sys.stderr, flush=True)
+                print(f"done {rows[-1]}", file=sys.stderr, flush=True)
             if args.prefix:
                 rows.append(measure(pool, args, "append", args.append, args.prefix))
-    print(f"{args.model}, {args.backend} ranks; times are the slowest rank's, seconds")
+                print(f"done {rows[-1]}", file=sys.stderr, flush=True)
+    print(f"{args.model}, {args.backend} ranks on {args.device}; times are the slowest rank's, seconds")
     print(f"{'W':>2} {'case':<7} {'new':>6} {'cached':>6} {'attn head':>9} {'attn token':>10} {'attn x':>6} "
           f"{'TTFT head':>9} {'TTFT token':>10} {'TTFT x':>6} {'MiB token':>9} {'MiB head':>8}")
     for r in rows:
@@ -118,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             "headline": {"metric": "prefill_attention_speedup_token_over_head_W2_16K",
                          "value": head[0].attention_speedup if head else None, "goal": 1.6},
             "ttft_speedup_W2_16K": head[0].ttft_speedup if head else None,
+            "model": args.model, "backend": args.backend, "device": args.device,
             "rows": [dict(asdict(r), attention_speedup=r.attention_speedup, ttft_speedup=r.ttft_speedup)
                      for r in rows]}, indent=2))
     return 0

@@ -23,7 +23,7 @@ from engine.model.indexer import IndexQueries
 from engine.model.kda import KDA, causal_conv, causal_conv_step, kda_chunked, kda_recurrent_step
 from engine.model.mla import MLA, AttentionContext, decode_attention, sparse_attention
 from engine.model.moe import DenseMLP, MoE
-from engine.model.numerics import RMSNorm, RowLinear, fp8_to_float, pad_rows
+from engine.model.numerics import RMSNorm, RowLinear, device_scope, fp8_to_float, pad_rows
 from engine.model.state import (CachedAttention, KDAState, SequenceCache, read_attention_many, read_kda_many,
                                 write_attention_many, write_kda_many)
 
@@ -71,17 +71,23 @@ class KimiModel(nn.Module):
     ) -> torch.Tensor:
         """token_ids [T] at positions start..start+T-1 -> logits [T, V] (all_logits) or [1, V] (last token)."""
         num_tokens = token_ids.shape[0]
-        x = pad_rows(self.embed[token_ids])
-        for layer_id, layer in enumerate(self.layers):
-            h = layer.mixer_norm(x)
-            if layer.is_mla:
-                out = self._mla_prefill(layer.mixer, h, num_tokens, start, cache, self.mla_index[layer_id])
-            else:
-                out = self._kda_prefill(layer.mixer, h, num_tokens, cache, self.kda_index[layer_id])
-            x = x + out
-            x = x + layer.ffn(layer.ffn_norm(x), num_tokens)
-        rows = x[:num_tokens] if all_logits else x[num_tokens - 1 : num_tokens]
-        return self.logits(rows)
+        with device_scope(self.device):
+            x = pad_rows(self.embed[token_ids.to(self.device)])
+            for layer_id, layer in enumerate(self.layers):
+                h = layer.mixer_norm(x)
+                if layer.is_mla:
+                    out = self._mla_prefill(layer.mixer, h, num_tokens, start, cache, self.mla_index[layer_id])
+                else:
+                    out = self._kda_prefill(layer.mixer, h, num_tokens, cache, self.kda_index[layer_id])
+                x = x + out
+                x = x + layer.ffn(layer.ffn_norm(x), num_tokens)
+            rows = x[:num_tokens] if all_logits else x[num_tokens - 1 : num_tokens]
+            return self.logits(rows)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live; forward passes create every tensor there (see numerics.device_scope)."""
+        return self.embed.device
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d] (unpadded) -> logits [N, V] on padded row blocks."""
@@ -127,16 +133,17 @@ class KimiModel(nn.Module):
     def decode(self, token_ids: torch.Tensor, positions: list[int], caches: list[SequenceCache]) -> torch.Tensor:
         """token_ids [B] at the given positions -> logits [B, V]."""
         batch = token_ids.shape[0]
-        x = pad_rows(self.embed[token_ids])
-        for layer_id, layer in enumerate(self.layers):
-            h = layer.mixer_norm(x)
-            if layer.is_mla:
-                out = self._mla_decode(layer.mixer, h, positions, caches, self.mla_index[layer_id])
-            else:
-                out = self._kda_decode(layer.mixer, h, caches, self.kda_index[layer_id])
-            x = x + out
-            x = x + layer.ffn(layer.ffn_norm(x), batch)
-        return self.logits(x[:batch])
+        with device_scope(self.device):
+            x = pad_rows(self.embed[token_ids.to(self.device)])
+            for layer_id, layer in enumerate(self.layers):
+                h = layer.mixer_norm(x)
+                if layer.is_mla:
+                    out = self._mla_decode(layer.mixer, h, positions, caches, self.mla_index[layer_id])
+                else:
+                    out = self._kda_decode(layer.mixer, h, caches, self.kda_index[layer_id])
+                x = x + out
+                x = x + layer.ffn(layer.ffn_norm(x), batch)
+            return self.logits(x[:batch])
 
     def _mla_decode(
         self, mla: MLA, h: torch.Tensor, positions: list[int], caches: list[SequenceCache], mla_index: int

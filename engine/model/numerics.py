@@ -9,11 +9,14 @@ Invariants (research/model.md section 6, recipe R1-R9):
 - Element-wise transcendentals run on tensors whose element count is a multiple of the AVX-512 width, so no
   element falls into a scalar tail loop (R8): with row counts padded to 16 this holds for every width.
 - FP8 (e4m3fn) values are stored as raw uint8 bytes; `fp8_to_float` restores them exactly.
+- Device: ops create their tensors with torch's default device; `device_scope(device)` makes that the model's
+  device for the duration of a forward pass (a no-op on CPU, so the CPU path is untouched).
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -21,6 +24,13 @@ from torch import nn
 ROW_BLOCK = 16
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
+
+
+def device_scope(device: torch.device | str) -> AbstractContextManager:
+    """Factory calls without an explicit device (torch.zeros, arange, tensor, ...) land on `device` inside this
+    scope. CPU: a no-op (nothing is intercepted, numerics and speed stay exactly as they were)."""
+    device = torch.device(device)
+    return nullcontext() if device.type == "cpu" else torch.device(device)
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -63,10 +63,16 @@ def load_weights(model: KimiModel, path: str | Path) -> None:
             param.copy_(tensors[name])
 
 
-def build_model(cfg: ModelConfig, seed: int = DEFAULT_SEED, weights: str | Path | None = None) -> KimiModel:
-    """A ready model: random init from `seed`, then `weights` (safetensors) when given."""
-    model = KimiModel(cfg)
-    init_weights(model, seed)
-    if weights is not None:
-        load_weights(model, weights)
+def build_model(cfg: ModelConfig, seed: int = DEFAULT_SEED, weights: str | Path | None = None,
+                device: torch.device | str = "cpu") -> KimiModel:
+    """A ready model: random init from `seed`, then `weights` (safetensors) when given, moved to `device`.
+
+    Init and load always run on the CPU (one CPU generator), so a seed gives the same values on every device."""
+    with torch.device("cpu"):
+        model = KimiModel(cfg)
+        init_weights(model, seed)
+        if weights is not None:
+            load_weights(model, weights)
+    if torch.device(device).type != "cpu":
+        model = model.to(device)
     return model.eval()

@@ -27,7 +27,7 @@ from engine.model.indexer import index_scores
 from engine.model.kda import causal_conv_step, kda_recurrent_step, l2_normalize
 from engine.model.mla import MLA, sparse_attention
 from engine.model.model import KimiModel, dequantize_context
-from engine.model.numerics import fp8_to_float, pad_rows
+from engine.model.numerics import device_scope, fp8_to_float, pad_rows
 from engine.model.state import KDAState
 from engine.parallel.comm import all_gather_stack
 from engine.parallel.dcp_attention import dcp_combine, partial_attention, PartialAttention
@@ -66,8 +66,8 @@ def parallel_decode(ctx: ParallelContext, model: KimiModel, token_ids: torch.Ten
     layout = layout or DCPLayout(ctx.world_size)
     stats = DecodeStats()
     batch = token_ids.shape[0]
-    with torch.no_grad():
-        x = pad_rows(model.embed[token_ids])
+    with torch.no_grad(), device_scope(ctx.device):
+        x = pad_rows(model.embed[token_ids.to(ctx.device)])
         for layer_id, layer in enumerate(model.layers):
             h = layer.mixer_norm(x)
             if layer.is_mla:

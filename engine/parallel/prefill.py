@@ -30,7 +30,7 @@ import torch
 from engine.model.indexer import IndexQueries, index_scores, select_topk
 from engine.model.mla import MLA, QUERY_BLOCK, sparse_attention
 from engine.model.model import KimiModel, dequantize_context
-from engine.model.numerics import pad_rows
+from engine.model.numerics import device_scope, pad_rows
 from engine.model.state import SequenceCache
 from engine.parallel.comm import all_gather_varlen, all_to_all_list
 from engine.parallel.groups import ParallelContext
@@ -111,7 +111,21 @@ def parallel_prefill(ctx: ParallelContext, model: KimiModel, batch: PrefillBatch
         raise ValueError(f"prefill mode must be one of {MODES}, got {mode!r}")
     if not batch.token_ids or min(batch.lengths) < 1:
         raise ValueError("every request of a prefill step needs at least one new token")
-    begin = time.perf_counter()
+    with device_scope(ctx.device):
+        return _parallel_prefill(ctx, model, batch, caches, mode, record_selections)
+
+
+def _clock(device: torch.device) -> float:
+    """Host seconds after the device's queued work is done (CUDA runs asynchronously; CPU: plain clock)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _parallel_prefill(ctx: ParallelContext, model: KimiModel, batch: PrefillBatch, caches: list[SequenceCache],
+                      mode: str, record_selections: bool) -> PrefillResult:
+    begin = _clock(ctx.device)
+    batch = PrefillBatch(tuple(t.to(ctx.device) for t in batch.token_ids), batch.starts)
     plans = all_plans(batch.lengths, ctx.world_size, "zigzag" if mode == "token" else "contiguous")
     step = _Step(ctx, model, batch, caches, plans, mode, PrefillStats(), record_selections)
     me = step.me
@@ -128,7 +142,7 @@ def parallel_prefill(ctx: ParallelContext, model: KimiModel, batch: PrefillBatch
             x = x + out
             x = x + layer.ffn(layer.ffn_norm(x), num_rows)
         logits = _last_logits(step, x[:num_rows])
-    step.stats.total_s = time.perf_counter() - begin
+    step.stats.total_s = _clock(ctx.device) - begin
     return PrefillResult(logits=logits, mode=mode, stats=step.stats)
 
 
@@ -160,11 +174,11 @@ def _attend(step: _Step, mla: MLA, mla_index: int, b: int, q_abs: torch.Tensor, 
             positions: torch.Tensor) -> torch.Tensor:
     """Indexer + sparse MLA for some queries of request b (timed as the attention module)."""
     cfg = step.model.cfg
-    start = time.perf_counter()
+    start = _clock(step.ctx.device)
     cached = dequantize_context(step.caches[b].read_attention(mla_index, step.batch.starts[b] +
                                                               step.batch.lengths[b]), mla.latent_scale)
     o_lat = sparse_attention(q_abs, iq, positions, cached, cfg.index_topk, mla.softmax_scale, cfg.kv_lora_rank)
-    step.stats.attention_s += time.perf_counter() - start
+    step.stats.attention_s += _clock(step.ctx.device) - start
     if step.record:
         sel = [select_topk(index_scores(iq.q[i:i + QUERY_BLOCK], iq.weights[i:i + QUERY_BLOCK], cached.index_keys,
                                         cached.index_scale), positions[i:i + QUERY_BLOCK], cfg.index_topk)
