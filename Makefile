@@ -14,7 +14,7 @@ setup:
 	@PY=$(PY) ./scripts/setup.sh all
 
 up: setup-python
-	$(VENV)/bin/pdcluster generate --model kimi-k3.1-mini --prompt "Disaggregated serving splits prefill and decode." --max-tokens 32 $(ARGS)
+	$(VENV)/bin/pdcluster up --config cluster/tp-only.yaml $(ARGS)
 
 test: setup
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/python -m pytest -m "not gpu" $(PYTEST_ARGS)

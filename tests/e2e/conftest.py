@@ -7,7 +7,9 @@
         cluster.kill("prefill-0"); cluster.restart("prefill-0")
 
 Topology (E2E_CONFIG): router, prefill pool (TP=2), decode pools `tp` (TP=1, capacity TP_POOL_CAPACITY
-tokens for placement) and `dcp` (DCP=2), on kimi-k3.1-mini, reference engine. A missing node CLI fails
+tokens for placement) and `long` (TP=1, no capacity bound), on kimi-k3.1-mini, reference engine. The
+long-session pool becomes DCP=2 once the reference decode node runs DCP pools (`pdcluster decode --dcp`
+refuses to start today). A missing node CLI fails
 the fixture with the node's log tail: e2e tests never skip for a missing part.
 
 `vllm_cluster`: the same handle over `pdcluster up --engine vllm --model DIR` (config resolved by the CLI's
@@ -37,7 +39,9 @@ from tests.vllm_fixtures import SERVED_MODEL, make_tiny_llama, vllm_python
 
 ADMIN_TOKEN = "e2e-admin-token"
 TP_POOL_CAPACITY = 1536
-"""Tokens the router places on the `tp` pool; longer projected sessions go to the `dcp` pool."""
+"""Tokens the router places on the `tp` pool; longer projected sessions go to the LONG_POOL pool."""
+LONG_POOL = "long"
+"""The decode pool for sessions that outgrow `tp`."""
 SESSION_GROWTH_TOKENS = 64
 
 E2E_CONFIG = {
@@ -65,7 +69,7 @@ E2E_CONFIG = {
     "pools": [
         {"name": "prefill", "role": "prefill", "tp": 2},
         {"name": "tp", "role": "decode", "tp": 1, "max_context_tokens": TP_POOL_CAPACITY},
-        {"name": "dcp", "role": "decode", "dcp": 2},
+        {"name": LONG_POOL, "role": "decode", "tp": 1},
     ],
 }
 

@@ -4,7 +4,7 @@
   within the router's configured leg timeouts; the router marks the instance unhealthy, then healthy again
   after a restart, and new requests take the prefill leg again.
 - One DCP rank killed mid-stream: the stream ends with a clean error (no hang), the router marks the decode
-  instance unhealthy; after a restart the `dcp` pool serves oracle tokens again.
+  instance unhealthy; after a restart the long-session pool serves oracle tokens again.
 These tests run last in the e2e session (conftest orders them) and leave every node running.
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 from cluster.harness import choice_token_ids
 
-from tests.e2e.conftest import E2E_CONFIG, TP_POOL_CAPACITY
+from tests.e2e.conftest import E2E_CONFIG, LONG_POOL, TP_POOL_CAPACITY
 
 pytestmark = pytest.mark.e2e
 
@@ -86,29 +86,29 @@ def test_kill_prefill_mid_run_then_restart(cluster):
 
 
 def test_kill_decode_rank_mid_stream_then_restart(cluster):
-    dcp = cluster.nodes_of(role="decode", pool="dcp")[0]
-    prompt = _long_prompt(9, TP_POOL_CAPACITY + 200)  # projected context beyond `tp`: placed on `dcp`
+    long_node = cluster.nodes_of(role="decode", pool=LONG_POOL)[0]
+    prompt = _long_prompt(9, TP_POOL_CAPACITY + 200)  # projected context beyond `tp`: placed on LONG_POOL
     client = cluster.client(timeout_s=REQUEST_BOUND_S)
     started = time.monotonic()
     chunks = 0
     with pytest.raises(openai.APIError):
         stream = client.completions.create(model=cluster.model, prompt=prompt, max_tokens=2000, temperature=0,
-                                           stream=True, extra_headers={"X-Session-ID": "fault-dcp"})
+                                           stream=True, extra_headers={"X-Session-ID": "fault-long"})
         for chunk in stream:
             chunks += 1
             if chunks == 2:
-                cluster.kill_rank(dcp.name)
+                cluster.kill_rank(long_node.name)
         pytest.fail(f"the stream finished normally after a rank died ({chunks} chunks)")
     assert chunks >= 2 and time.monotonic() - started < REQUEST_BOUND_S
-    cluster.wait_until(lambda: cluster.router_sees_healthy(dcp.name) is False, HEALTH_BOUND_S,
-                       f"the router to mark {dcp.name} unhealthy")
+    cluster.wait_until(lambda: cluster.router_sees_healthy(long_node.name) is False, HEALTH_BOUND_S,
+                       f"the router to mark {long_node.name} unhealthy")
 
-    cluster.restart(dcp.name)
-    cluster.wait_until(lambda: cluster.router_sees_healthy(dcp.name) is True, HEALTH_BOUND_S,
-                       f"the router to mark {dcp.name} healthy again")
+    cluster.restart(long_node.name)
+    cluster.wait_until(lambda: cluster.router_sees_healthy(long_node.name) is True, HEALTH_BOUND_S,
+                       f"the router to mark {long_node.name} healthy again")
     expected = cluster.oracle(prompt, 8)
-    ok_before = cluster.metrics("router").get("pdcluster_requests_total", outcome="ok", pool="dcp") or 0.0
+    ok_before = cluster.metrics("router").get("pdcluster_requests_total", outcome="ok", pool=LONG_POOL) or 0.0
     result = client.completions.create(model=cluster.model, prompt=prompt, max_tokens=8, temperature=0,
-                                       extra_headers={"X-Session-ID": "fault-dcp-after"})
+                                       extra_headers={"X-Session-ID": "fault-long-after"})
     assert choice_token_ids(result.choices[0]) == list(expected.token_ids)
-    assert cluster.metrics("router").get("pdcluster_requests_total", outcome="ok", pool="dcp") == ok_before + 1
+    assert cluster.metrics("router").get("pdcluster_requests_total", outcome="ok", pool=LONG_POOL) == ok_before + 1

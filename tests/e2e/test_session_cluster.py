@@ -1,4 +1,4 @@
-"""A 5-turn agent session whose context grows past the `tp` pool's capacity moves to the `dcp` pool and
+"""A 5-turn agent session whose context grows past the `tp` pool's capacity moves to the long-session pool and
 keeps producing oracle tokens. The pool of each turn is read from the router's requests counter."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tests.e2e.conftest import SESSION_GROWTH_TOKENS, TP_POOL_CAPACITY
+from tests.e2e.conftest import LONG_POOL, SESSION_GROWTH_TOKENS, TP_POOL_CAPACITY
 
 pytestmark = pytest.mark.e2e
 
@@ -23,10 +23,10 @@ def _user_turn(rng: random.Random, turn: int) -> str:
 
 def _ok_by_pool(cluster) -> dict[str, float]:
     metrics = cluster.metrics("router")
-    return {pool: metrics.get("pdcluster_requests_total", outcome="ok", pool=pool) or 0.0 for pool in ("tp", "dcp")}
+    return {pool: metrics.get("pdcluster_requests_total", outcome="ok", pool=pool) or 0.0 for pool in ("tp", LONG_POOL)}
 
 
-def test_session_moves_from_tp_to_dcp_and_matches_oracle(cluster):
+def test_session_moves_from_tp_to_long_pool_and_matches_oracle(cluster):
     rng = random.Random(7)
     client = cluster.client()
     messages = [{"role": "system", "content": "You are a coding agent."}]
@@ -46,5 +46,5 @@ def test_session_moves_from_tp_to_dcp_and_matches_oracle(cluster):
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
     context = sum(len(m["content"]) for m in messages)
     assert context + MAX_TOKENS + SESSION_GROWTH_TOKENS > TP_POOL_CAPACITY  # the test really outgrows `tp`
-    assert pools[0] == "tp" and pools[-1] == "dcp", pools
-    assert pools == sorted(pools, key=lambda p: p == "dcp"), f"the session moved back: {pools}"
+    assert pools[0] == "tp" and pools[-1] == LONG_POOL, pools
+    assert pools == sorted(pools, key=lambda p: p == LONG_POOL), f"the session moved back: {pools}"
