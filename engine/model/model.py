@@ -23,7 +23,7 @@ from engine.model.indexer import IndexQueries
 from engine.model.kda import KDA, causal_conv, causal_conv_step, kda_chunked, kda_recurrent_step
 from engine.model.mla import MLA, AttentionContext, decode_attention, sparse_attention
 from engine.model.moe import DenseMLP, MoE
-from engine.model.numerics import RMSNorm, RowLinear, device_scope, fp8_to_float, pad_rows
+from engine.model.numerics import RMSNorm, RowLinear, device_scope, fp8_to_float, pad_rows, pad_to
 from engine.model.state import (CachedAttention, KDAState, SequenceCache, read_attention_many, read_kda_many,
                                 write_attention_many, write_kda_many)
 
@@ -114,7 +114,7 @@ class KimiModel(nn.Module):
             mla.softmax_scale,
             self.cfg.kv_lora_rank,
         )
-        return mla.output(_pad_to(o_lat, h.shape[0]), proj.gate)
+        return mla.output(pad_to(o_lat, h.shape[0]), proj.gate)
 
     def _kda_prefill(
         self, kda: KDA, h: torch.Tensor, num_tokens: int, cache: SequenceCache, kda_index: int
@@ -127,7 +127,7 @@ class KimiModel(nn.Module):
             q, k, v, proj.g[:num_tokens], proj.beta[:num_tokens], state.recurrent, self.cfg.kda_chunk_size
         )
         cache.write_kda(kda_index, KDAState(recurrent, conv_state))
-        return kda.output(_pad_to(o, h.shape[0]), proj.gate_out)
+        return kda.output(pad_to(o, h.shape[0]), proj.gate_out)
 
     # ---- decode: one token for each of B requests ----
     def decode(self, token_ids: torch.Tensor, positions: list[int], caches: list[SequenceCache]) -> torch.Tensor:
@@ -179,12 +179,4 @@ class KimiModel(nn.Module):
         q, k, v = kda.split_qkv(conv_out)
         o, recurrent = kda_recurrent_step(q, k, v, proj.g[:batch], proj.beta[:batch], state.recurrent)
         write_kda_many(caches, kda_index, KDAState(recurrent, conv_state))
-        return kda.output(_pad_to(o, h.shape[0]), proj.gate_out)
-
-
-def _pad_to(x: torch.Tensor, num_rows: int) -> torch.Tensor:
-    if x.shape[0] == num_rows:
-        return x
-    out = x.new_zeros((num_rows,) + tuple(x.shape[1:]))
-    out[: x.shape[0]] = x
-    return out
+        return kda.output(pad_to(o, h.shape[0]), proj.gate_out)

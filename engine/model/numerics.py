@@ -37,6 +37,15 @@ def round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+def pad_to(x: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Zero-pad dim 0 of `x` to exactly `num_rows` rows (no copy when already that long)."""
+    if x.shape[0] == num_rows:
+        return x
+    out = x.new_zeros((num_rows,) + tuple(x.shape[1:]))
+    out[: x.shape[0]] = x
+    return out
+
+
 def pad_rows(x: torch.Tensor, multiple: int = ROW_BLOCK) -> torch.Tensor:
     """Zero-pad dim 0 of `x` to a multiple of `multiple` rows (no copy when already aligned)."""
     num_rows = x.shape[0]

@@ -30,7 +30,7 @@ import torch
 from engine.model.indexer import IndexQueries, index_scores, select_topk
 from engine.model.mla import MLA, QUERY_BLOCK, sparse_attention
 from engine.model.model import KimiModel, dequantize_context
-from engine.model.numerics import device_scope, pad_rows
+from engine.model.numerics import device_scope, pad_rows, pad_to
 from engine.model.state import SequenceCache
 from engine.parallel.comm import all_gather_varlen, all_to_all_list
 from engine.parallel.groups import ParallelContext
@@ -203,7 +203,7 @@ def _mla_layer(step: _Step, mla: MLA, h: torch.Tensor, num_rows: int, mla_index:
                 o_lat[rows] = _attend(step, mla, mla_index, b, proj.q_absorbed[rows], iq, step.batch.starts[b] + offs)
     else:
         o_lat = _head_sharded_attention(step, mla, proj, num_rows, mla_index)
-    return mla.output(_pad_to(o_lat, h.shape[0]), proj.gate)
+    return mla.output(pad_to(o_lat, h.shape[0]), proj.gate)
 
 
 def _head_sharded_attention(step: _Step, mla: MLA, proj, num_rows: int, mla_index: int  # type: ignore[no-untyped-def]
@@ -248,12 +248,4 @@ def _kda_layer(step: _Step, kda, h: torch.Tensor, num_rows: int, kda_index: int)
         outs.append(o)
     back = [torch.cat([o[pl.offsets[b]] for b, o in enumerate(outs)]) for pl in step.plans]
     o_own = torch.cat(step.exchange(back), dim=1)                             # [rows, H, d]
-    return kda.output(_pad_to(o_own, h.shape[0]), proj.gate_out)
-
-
-def _pad_to(x: torch.Tensor, num_rows: int) -> torch.Tensor:
-    if x.shape[0] == num_rows:
-        return x
-    out = x.new_zeros((num_rows,) + tuple(x.shape[1:]))
-    out[: x.shape[0]] = x
-    return out
+    return kda.output(pad_to(o_own, h.shape[0]), proj.gate_out)
