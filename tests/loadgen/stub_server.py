@@ -41,6 +41,7 @@ class StubState:
         self.config = StubConfig()
         self.num_requests = 0
         self.log: list[dict] = []
+        self.dying = False  # exit_after reached: the process exits before answering anything else
 
 
 class _Dropped(Exception):
@@ -79,6 +80,7 @@ async def _stream(state: StubState, cfg: StubConfig, endpoint: str, body: dict, 
         yield "data: " + json.dumps({"id": f"stub-{n}", "choices": [], "usage": usage}) + "\n\n"
     yield "data: [DONE]\n\n"
     if cfg.exit_after and n >= cfg.exit_after:
+        state.dying = True  # a request arriving in the next 50 ms must not be answered
         asyncio.get_running_loop().call_later(0.05, os._exit, 0)
 
 
@@ -90,6 +92,8 @@ def create_app(config: StubConfig | None = None) -> FastAPI:
 
     async def handle(request: Request, endpoint: str):
         t_arrival, arrival_unix = time.perf_counter(), time.time()
+        if state.dying:
+            os._exit(0)
         body = await request.json()
         state.num_requests += 1
         n, cfg = state.num_requests, state.config
