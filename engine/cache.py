@@ -12,6 +12,8 @@ request (head-major). Rows of both kinds come from one free list.
 - Page-address translation (`page_table`): the fixed-size kernel pages of a request for one DSA layer, as byte
   offsets into `buffer` (`PageTable`). `RowSequenceCache` uses it to implement engine.model.state.SequenceCache,
   so attention reads exactly the FP8 bytes a transfer moves.
+- `DCPRowCache`: one DCP rank's view of a request's rows (pool planned with dcp_size = W): keeps the rank's owned
+  tokens of every block in the row a transfer lands them in; engine/parallel/dcp_decode.py reads it.
 Cached formats: FP8 latent (per-tensor static scale, kv_lora + rope bytes), FP8 index key + fp32 scale per token
 (the scale follows the key bytes inside the token's index entry), fp32 KDA recurrent [d_k, d_v] and fp32 conv
 [3, d, W-1] per head and layer.
@@ -26,6 +28,7 @@ import torch
 
 from engine.model.config import ModelConfig
 from engine.model.state import CachedAttention, KDAState
+from engine.parallel.dcp_layout import DCPLayout
 from kv_transfer.layout import RowLayout
 
 
@@ -292,3 +295,42 @@ class RowSequenceCache:
     @staticmethod
     def write_kda_many(caches: list["RowSequenceCache"], kda_index: int, state: KDAState) -> None:
         RowSequenceCache._pool_of(caches).write_kda_batch([c.table for c in caches], kda_index, state)
+
+
+class DCPRowCache:
+    """One request's cache on one DCP rank, over that rank's rows of a RowPool planned with dcp_size = W.
+
+    Row k of the request holds the rank's owned tokens of block k in increasing order (kv_transfer/layout.py,
+    `dcp_owner`/`dcp_local_token`), which is exactly where a transfer from a prefill row lands them. Writers
+    pass full rows for global positions start..start+T-1 (a local prefill, one decode token) and the rank keeps
+    its share; the owned tokens of a contiguous global range are one contiguous local range. `read_owned` is
+    what engine/parallel/dcp_decode.py scores and attends over. KDA rows hold this rank's heads (tp_size = W).
+    """
+
+    def __init__(self, pool: RowPool, table: BlockTable, rank: int) -> None:
+        lay = pool.layout
+        if lay.dcp_size < 2:
+            raise ValueError("DCPRowCache needs a pool planned with dcp_size > 1")
+        if not 0 <= rank < lay.dcp_size:
+            raise ValueError(f"DCP rank {rank} outside 0..{lay.dcp_size - 1}")
+        self.pool, self.table, self.rank = pool, table, rank
+        self.layout = DCPLayout(lay.dcp_size, lay.dcp_interleave)
+
+    def write_attention(self, mla_index: int, start: int, latent: torch.Tensor, index_key: torch.Tensor,
+                        index_scale: torch.Tensor) -> None:
+        positions = torch.arange(start, start + latent.shape[0])
+        mine = self.layout.owner(positions) == self.rank
+        if bool(mine.any()):
+            local_start = self.layout.num_local(self.rank, start)
+            self.pool.write_attention(self.table, mla_index, local_start, latent[mine], index_key[mine],
+                                      index_scale[mine])
+
+    def read_owned(self, mla_index: int, length: int) -> CachedAttention:
+        """Owned rows among global positions 0..length-1, in local (= global) order."""
+        return self.pool.read_attention(self.table, mla_index, self.layout.num_local(self.rank, length))
+
+    def read_kda(self, kda_index: int) -> KDAState:
+        return self.pool.read_kda(self.table, kda_index)
+
+    def write_kda(self, kda_index: int, state: KDAState) -> None:
+        self.pool.write_kda(self.table, kda_index, state)

@@ -26,7 +26,9 @@ Parallel wrappers (engine/parallel/) may pass their own `model` (any object with
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.cache import BlockTable, RowPool
 from engine.model.config import ModelConfig, get_preset
@@ -97,7 +99,10 @@ class StepOutputs:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: KimiModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: KimiModel | None = None,
+                 make_cache: Callable[[RowPool, BlockTable], Any] | None = None) -> None:
+        """`model`: a built model or SPMD wrapper (default: built from the preset); `make_cache`: the per-request
+        cache view over the pool (default RowSequenceCache; a DCP rank passes its DCPRowCache)."""
         self.config = config
         self.model_config: ModelConfig = get_preset(config.model)
         self.model = model if model is not None else build_model(self.model_config, config.seed, config.weights)
@@ -106,7 +111,7 @@ class Engine:
                                              subblock_tokens=config.subblock_tokens, block_size=config.block_size)
         self.pool = RowPool(self.layout, self.model_config, config.num_rows)
         self.scheduler = Scheduler(self.pool, config.max_batch)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, make_cache)
 
     # ---- requests ----
     def _make_request(self, request_id: str, prompt: list[int] | tuple[int, ...], sampling: SamplingParams,

@@ -1,27 +1,32 @@
 """Drives the model and the row pool for one engine step on one rank: a prefill or a decode batch -> logits.
 
 The runner owns no policy: the scheduler decides who runs; the runner turns each request's block table into a
-`RowSequenceCache` and calls the model. Decode logits of a request are bit-identical whatever batch it runs in
+cache view (`RowSequenceCache`, or what `make_cache` builds: a DCP rank's `DCPRowCache`) and calls the model. Decode logits of a request are bit-identical whatever batch it runs in
 (engine/model/model.py explains why), so there is no separate deterministic mode.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from engine.cache import RowPool, RowSequenceCache
+from engine.cache import BlockTable, RowPool, RowSequenceCache
 from engine.model.model import KimiModel
 from engine.scheduler import Request
 
 
 class ModelRunner:
-    def __init__(self, model: KimiModel, pool: RowPool) -> None:
+    def __init__(self, model: KimiModel, pool: RowPool,
+                 make_cache: Callable[[RowPool, BlockTable], Any] | None = None) -> None:
         self.model = model
         self.pool = pool
+        self.make_cache = make_cache or RowSequenceCache
 
-    def _cache(self, req: Request) -> RowSequenceCache:
+    def _cache(self, req: Request) -> Any:
         assert req.table is not None, f"request {req.request_id} has no rows"
-        return RowSequenceCache(self.pool, req.table)
+        return self.make_cache(self.pool, req.table)
 
     @torch.no_grad()
     def prefill(self, req: Request) -> torch.Tensor:

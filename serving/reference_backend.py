@@ -2,7 +2,8 @@
 
 Wraps `engine.engine.Engine`: queued prefill/decode with continuous batching (`add_request` + `step`),
 prefill-for-export (`add_request(export=True)`, rows kept until `release`), import (`allocate_for_import`,
-external writes into `engine.pool.buffer`, then `start_decode` with the prefill node's first token).
+external writes into `engine.pool.buffer`, then `start_decode` with the prefill node's first token). With W ranks
+the model is SPMD over the rank group: `TPModel` (heads split) or, on a DCP pool, `DCPModel` (cache split by token).
 Also `load_tokenizer`, the server-side tokenizer matching the engine's (byte-level, BOS first, chat template).
 """
 
@@ -80,6 +81,51 @@ class TPModel:
         return getattr(self.model, name)
 
 
+class DCPModel(TPModel):
+    """A full model replica whose decode splits the cache by token over the rank group (DCP = W): each rank
+    keeps its owned tokens (`engine.cache.DCPRowCache`, ownership from the pool layout's `dcp_interleave`),
+    scores them, takes part in the exact compact top-k merge and the LSE merge (engine/parallel/dcp_decode.py).
+    KDA heads are split as under TP. A local prefill (colocated requests, the `recompute` load-failure policy)
+    runs the SPMD prefill into a temporary whole-sequence cache of the request, then keeps this rank's share."""
+
+    def __init__(self, model: Any, ctx: Any, token_threshold: int, interleave: int, merge: str = "compact") -> None:
+        from engine.parallel.dcp_layout import DCPLayout
+
+        super().__init__(model, ctx, token_threshold)
+        self.dcp_layout = DCPLayout(ctx.world_size, interleave)
+        self.merge = merge
+        self.merge_bytes = 0
+        self.merge_fallbacks = 0
+
+    def prefill(self, token_ids: Any, cache: Any, start: int = 0, all_logits: bool = False) -> Any:
+        from engine.parallel.kda_shard import rank_cache
+
+        if start:
+            raise ValueError("a DCP rank prefills whole prompts only (start = 0)")
+        whole = rank_cache(self.cfg, int(token_ids.shape[0]), self.ctx.world_size, self.ctx.rank)
+        logits = super().prefill(token_ids, whole, 0, all_logits)
+        for i in range(self.cfg.num_mla_layers):
+            rows = whole.read_attention(i, int(token_ids.shape[0]))
+            cache.write_attention(i, 0, rows.latent, rows.index_key, rows.index_scale)
+        for i in range(self.cfg.num_kda_layers):
+            cache.write_kda(i, whole.read_kda(i))
+        return logits
+
+    def decode(self, token_ids: Any, positions: list[int], caches: list[Any]) -> Any:
+        from engine.parallel.dcp_decode import parallel_decode
+
+        result = parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="dcp",
+                                 layout=self.dcp_layout, merge=self.merge)
+        self.merge_bytes += result.stats.merge_bytes
+        self.merge_fallbacks += result.stats.merge_fallback_rows
+        return result.logits
+
+    def make_cache(self, pool: Any, table: Any) -> Any:
+        from engine.cache import DCPRowCache
+
+        return DCPRowCache(pool, table, self.ctx.rank)
+
+
 class ReferenceBackend:
     """One rank's Engine; with W > 1 ranks its model is the SPMD `TPModel` over the rank group."""
 
@@ -88,16 +134,25 @@ class ReferenceBackend:
         from engine.model.config import get_preset
         from engine.model.weights import DEFAULT_SEED, build_model
 
-        if config.dcp_size > 1:
-            raise ValueError("DCP pools are not wired into the reference engine's row pool yet; use --tp")
+        if config.dcp_size > 1 and config.dcp_size != ctx.world_size:
+            raise ValueError(f"a DCP pool runs one rank per DCP rank: dcp_size {config.dcp_size}, "
+                             f"{ctx.world_size} ranks")
         seed = DEFAULT_SEED if config.seed is None else config.seed
         engine_config = EngineConfig(model=config.model, seed=seed, num_rows=config.num_rows,
                                      max_batch=config.max_num_seqs, tp_size=config.tp_size,
-                                     block_size=config.block_size)
-        model = None
-        if ctx.world_size > 1:
+                                     dcp_size=config.dcp_size, block_size=config.block_size)
+        model, make_cache = None, None
+        if config.dcp_size > 1:
+            from kv_transfer.layout import plan_layout
+
+            layout = plan_layout(get_preset(config.model), tp_size=config.tp_size, dcp_size=config.dcp_size,
+                                 block_size=config.block_size)  # the Engine plans the same layout for its pool
+            model = DCPModel(build_model(get_preset(config.model), seed), ctx, config.token_shard_min_tokens,
+                             layout.dcp_interleave)
+            make_cache = model.make_cache
+        elif ctx.world_size > 1:
             model = TPModel(build_model(get_preset(config.model), seed), ctx, config.token_shard_min_tokens)
-        self.engine = Engine(engine_config, model=model)
+        self.engine = Engine(engine_config, model=model, make_cache=make_cache)
         self.layout = self.engine.layout
         self.model_config = self.engine.model_config
         self._first_tokens: dict[str, int] = {}
@@ -151,7 +206,12 @@ class ReferenceBackend:
         sched = self.engine.scheduler
         total = self.engine.config.num_rows
         model = self.engine.model
-        counters = (("alltoall_bytes", float(model.alltoall_bytes)),) if isinstance(model, TPModel) else ()
+        counters: tuple[tuple[str, float], ...] = ()
+        if isinstance(model, TPModel):
+            counters += (("alltoall_bytes", float(model.alltoall_bytes)),)
+        if isinstance(model, DCPModel):
+            counters += ((f"dcp_merge_bytes_{model.merge}", float(model.merge_bytes)),
+                         ("dcp_merge_fallbacks", float(model.merge_fallbacks)))
         return RankStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
                          num_rows_used=total - self.engine.num_free_rows, num_rows_total=total,
                          has_work=self.engine.has_work, counters=counters)

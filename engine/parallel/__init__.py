@@ -7,6 +7,7 @@ API for node servers (SPMD: every rank of a group calls the same function with t
   token_threshold) picks "token" (zigzag token-sharded) or "head" (head-sharded) per step; caches hold whole
   attention rows and the rank's KDA heads (kda_shard.rank_cache / kda_shard.shard_state)
 - dcp_decode.parallel_decode(ctx, model, token_ids, positions, caches, mode="dcp"|"tp", layout, merge) ->
-  DecodeResult; DCP caches are dcp_cache.DCPRankCache (owned tokens under dcp_layout.DCPLayout)
+  DecodeResult; DCP caches are engine.cache.DCPRowCache in a node's row pool (ownership from the pool layout's
+  dcp_interleave) or dcp_cache.DCPRankCache on plain tensors (tests, benchmarks); both under dcp_layout.DCPLayout
 - dcp_merge.compact_merge / generic_merge, dcp_attention.partial_attention / lse_merge / dcp_combine
 """

@@ -1,8 +1,9 @@
 """End to end with the reference engine: real node processes, real rank processes (gloo), real NIXL.
 
 A prefill node at TP=2 (`pdcluster prefill --tp 2`, token-sharded prefill) answers do_remote_decode requests;
-decode nodes at TP=1 and TP=2 read the rows (remapped across TP sizes and block sizes), decode, and must
-produce exactly the greedy tokens of `pdcluster generate` (the single-rank oracle), streaming and not.
+decode nodes at TP=1, TP=2 and DCP=2 read the rows (remapped across TP sizes and block sizes; a DCP rank reads
+only the tokens it owns), decode, and must produce exactly the greedy tokens of `pdcluster generate` (the
+single-rank oracle), streaming and not. The DCP=2 node's merge counters show the compact top-k merge ran.
 Afterwards every pool is back to idle (leases notified, decode rows freed).
 """
 
@@ -30,7 +31,7 @@ def cluster():
     """Start the three nodes, compute the oracle with `pdcluster generate` while they boot, wait for them."""
     common = ["--num-rows", "24", "--max-num-seqs", "4"]
     specs = [("prefill", common + ["--tp", "2", "--token-shard-min-tokens", "64"]), ("decode", common + ["--tp", "1"]),
-             ("decode", common + ["--tp", "2"])]
+             ("decode", common + ["--tp", "2"]), ("decode", common + ["--dcp", "2"])]
     nodes = [start_node(kind, args) for kind, args in specs]
     try:
         out = subprocess.run([sys.executable, "-m", "pdcluster.cli", "generate", "--model", "kimi-k3.1-mini",
@@ -38,7 +39,7 @@ def cluster():
                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, check=True)
         for node in nodes:
             wait_healthy(node)
-        urls = {"prefill": nodes[0].url, "tp1": nodes[1].url, "tp2": nodes[2].url}
+        urls = {"prefill": nodes[0].url, "tp1": nodes[1].url, "tp2": nodes[2].url, "dcp2": nodes[3].url}
         yield urls, json.loads(out.stdout)["token_ids"]
     finally:
         for node in nodes:
@@ -63,7 +64,7 @@ def _prefill(p_url: str) -> dict:
     return resp.json()["kv_transfer_params"]
 
 
-@pytest.mark.parametrize("pool", ["tp1", "tp2"])
+@pytest.mark.parametrize("pool", ["tp1", "tp2", "dcp2"])
 def test_prefill_tp2_to_decode_equals_generate(nodes, oracle, pool):
     p_url, d_url = nodes["prefill"], nodes[pool]
     params = _prefill(p_url)
@@ -86,9 +87,14 @@ def test_prefill_tp2_to_decode_equals_generate(nodes, oracle, pool):
     _idle(p_url, timeout_s=120)
     assert _metric(p_url, "pdcluster_node_lease_outcomes_total", 'outcome="notified"') >= 2
     assert _metric(p_url, "pdcluster_node_alltoall_bytes_total") > 0
+    if pool == "dcp2":
+        assert _metric(d_url, "pdcluster_node_dcp_merge_bytes_total", 'method="compact"') > 0
 
 
-def test_colocated_tp2_equals_generate(nodes, oracle):
-    resp = httpx.post(f"{nodes['tp2']}/v1/completions", timeout=600,
+@pytest.mark.parametrize("pool", ["tp2", "dcp2"])
+def test_colocated_equals_generate(nodes, oracle, pool):
+    resp = httpx.post(f"{nodes[pool]}/v1/completions", timeout=600,
                       json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["token_ids"] == oracle
+    _idle(nodes[pool], timeout_s=120)

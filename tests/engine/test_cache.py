@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache import OutOfRows, RowPool, RowSequenceCache
+from engine.cache import BlockTable, DCPRowCache, OutOfRows, RowPool, RowSequenceCache
 from engine.model.config import get_preset
 from engine.model.state import KDAState, LocalSequenceCache
 from kv_transfer.layout import plan_layout
@@ -93,3 +93,47 @@ def test_fresh_rows_start_with_zero_kda_state(pool: RowPool) -> None:
     local = LocalSequenceCache(CFG, 10).read_kda(0)
     back = RowSequenceCache(pool, table).read_kda(0)
     assert torch.equal(back.recurrent, local.recurrent) and torch.equal(back.conv, local.conv)
+
+
+@pytest.mark.parametrize("dcp", [2, 4])
+def test_dcp_row_cache_keeps_the_owned_tokens_where_a_transfer_lands_them(dcp: int) -> None:
+    """Each DCP rank's view keeps exactly its owned tokens (layout.dcp_owner), at row dcp_local // tokens_per_row,
+    whatever mix of prefill-sized and one-token writes produced them; KDA state is the rank's own."""
+
+    cfg = get_preset("kimi-k3.1-mini")
+    layout = plan_layout(cfg, tp_size=dcp, dcp_size=dcp)
+    length = 3 * layout.block_size + 5
+    gen = torch.Generator().manual_seed(dcp)
+    n = cfg.num_mla_layers
+    latent = torch.randint(0, 256, (n, length, cfg.latent_dim), dtype=torch.uint8, generator=gen)
+    keys = torch.randint(0, 256, (n, length, cfg.index_head_dim), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(n, length, generator=gen)
+    prefix = layout.block_size + 3  # a prefill of `prefix` tokens, then one token at a time
+    for rank in range(dcp):
+        pool = RowPool(layout, cfg, 16)
+        table = pool.allocate_request(length)
+        cache = DCPRowCache(pool, table, rank)
+        for i in range(n):
+            cache.write_attention(i, 0, latent[i, :prefix], keys[i, :prefix], scales[i, :prefix])
+            for pos in range(prefix, length):
+                cache.write_attention(i, pos, latent[i, pos:pos + 1], keys[i, pos:pos + 1], scales[i, pos:pos + 1])
+        owned = [t for t in range(length) if layout.dcp_owner(t) == rank]
+        assert [layout.dcp_local_token(t) for t in owned] == list(range(len(owned)))
+        for i in range(n):
+            rows = cache.read_owned(i, length)
+            assert torch.equal(rows.latent, latent[i, owned]) and torch.equal(rows.index_key, keys[i, owned])
+            assert torch.equal(rows.index_scale, scales[i, owned])
+            shorter = cache.read_owned(i, prefix)
+            assert shorter.latent.shape[0] == sum(1 for t in owned if t < prefix)
+        # the row of block k holds the owned tokens of block k: what kv_transfer.remap reads into it
+        t = owned[-1]
+        row = table.attn_row_ids[layout.dcp_local_token(t) // layout.tokens_per_row]
+        assert row == table.attn_row_ids[t // layout.block_size]
+        state = KDAState(torch.randn(layout.kda_heads_per_gpu, cfg.kda_head_dim, cfg.kda_head_dim, generator=gen),
+                         torch.randn(cfg.kda_conv_size - 1, 3 * layout.kda_heads_per_gpu * cfg.kda_head_dim,
+                                     generator=gen))
+        cache.write_kda(1, state)
+        back = cache.read_kda(1)
+        assert torch.equal(back.recurrent, state.recurrent) and torch.equal(back.conv, state.conv)
+    with pytest.raises(ValueError, match="DCP rank"):
+        DCPRowCache(RowPool(layout, cfg, 4), BlockTable(), dcp)
