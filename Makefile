@@ -14,7 +14,7 @@ setup:
 	@PY=$(PY) ./scripts/setup.sh all
 
 up: setup-python
-	$(VENV)/bin/pdcluster up --config cluster/tp-only.yaml $(ARGS)
+	$(VENV)/bin/pdcluster up $(ARGS)
 
 test: setup
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/python -m pytest -m "not gpu" $(PYTEST_ARGS)

@@ -218,9 +218,11 @@ def router_config(config: ClusterConfig, nodes: list[ProcessPlan]) -> dict:
         if pool.max_context_tokens is not None:
             entry["max_context_tokens"] = pool.max_context_tokens
         pools.append(entry)
+    # The router's `tp` is the instance's TP group width, DCP ranks included (vLLM's --tensor-parallel-size;
+    # a reference `--dcp W` node runs W ranks with its KDA heads split W ways): pairing checks DCP divides it.
     instances = [
         {"name": node.name, "role": node.role, "url": node.url, "pool": node.pool, "engine": node.engine,
-         "tp": node.tp, "dcp": node.dcp}
+         "tp": max(node.tp, node.dcp), "dcp": node.dcp}
         for node in nodes
     ]
     settings = dict(config.router.settings)

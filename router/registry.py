@@ -54,7 +54,8 @@ class InstanceView:
 
 
 def geometry_of(state: InstanceState) -> Geometry:
-    """Spec values win where the operator set them; node facts fill the rest. vLLM defaults to TP 1."""
+    """Spec values win where the operator set them; node facts fill the rest. vLLM defaults to TP 1. `tp` is the
+    instance's TP group width with DCP ranks included (vLLM's --tensor-parallel-size), so DCP divides it."""
     spec, cache = state.spec, state.cache
     engine = spec.engine or cache.engine or None
     model = spec.model or (state.models.model_ids[0] if state.models.model_ids else None)

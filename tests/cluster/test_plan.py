@@ -104,8 +104,17 @@ def test_router_plan_and_registry_match_the_router_schema(tmp_path):
     assert [(i.name, i.role, i.pool, i.tp, i.dcp, i.engine) for i in registry.instances] == [
         ("prefill-0", "prefill", "prefill", 2, 1, "reference"),
         ("tp-0", "decode", "tp", 1, 1, "reference"),
-        ("dcp-0", "decode", "dcp", 1, 2, "reference"),
+        ("dcp-0", "decode", "dcp", 2, 2, "reference"),  # tp = the TP group width, DCP ranks included
     ]
+    # the pairing matrix the router computes from this registry accepts prefill TP=2 -> both decode pools
+    from router.compat import Geometry, pair_verdict
+
+    def geometry(i):  # noqa: ANN001, ANN202
+        return Geometry(name=i.name, engine=i.engine, model="m", tp=i.tp, dcp=i.dcp, block_size=1024,
+                        cache_dtype="fp8", layout_fingerprint="f")
+
+    prefill, *decodes = registry.instances
+    assert [pair_verdict(geometry(prefill), geometry(d)).reasons for d in decodes] == [(), ()]
     assert registry.router == {"session_growth_tokens": 64, "admin_token": "tok"}
     assert all(i.url == f"http://127.0.0.1:{ports.http[i.name]}" for i in registry.instances)
     assert Path(router.argv[5]).name == "router.yaml"

@@ -168,10 +168,11 @@ def test_discovery_labels_map_to_router_instances(gb300: Rendered, cpu_dev: Rend
             assert spec.url == f"http://10.1.2.3:{arg_value(args, '--port')}"
             assert spec.pool == pod.labels["pdcluster.io/pool"] and spec.ready
             assert spec.engine == ("vllm" if pod.container["command"][0] == "vllm" else "reference")
-            tp = arg_value(args, "--tensor-parallel-size") or arg_value(args, "--tp") or "1"
-            assert spec.tp == int(tp)
             dcp = arg_value(args, "--decode-context-parallel-size") or arg_value(args, "--dcp") or "1"
             assert spec.dcp == int(dcp)
+            # the router's tp is the TP group width, DCP ranks included (a reference `--dcp W` node runs W ranks)
+            tp = arg_value(args, "--tensor-parallel-size") or arg_value(args, "--tp") or "1"
+            assert spec.tp == max(int(tp), int(dcp)) and spec.tp % spec.dcp == 0
 
 
 @pytest.mark.parametrize("values", [GB300, CPU_DEV, "values.yaml"])

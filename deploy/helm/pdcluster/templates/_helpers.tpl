@@ -117,7 +117,8 @@ pdcluster.io/pool: {{ .p.name }}
 app.kubernetes.io/part-of: pdcluster
 pdcluster.io/serving: "true"
 pdcluster.io/role: {{ .p.role }}
-pdcluster.io/tp: {{ .p.tp | quote }}
+{{- /* the TP group width, DCP ranks included (vLLM's --tensor-parallel-size; a reference DCP pool's ranks) */}}
+pdcluster.io/tp: {{ .p.worldSize | quote }}
 pdcluster.io/dcp: {{ .p.dcp | quote }}
 pdcluster.io/engine: {{ .p.engine }}
 {{- end -}}
