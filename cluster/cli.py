@@ -98,8 +98,10 @@ def _banner(cluster) -> str:
     return "\n".join(lines)
 
 
-def _watch(cluster, poll_s: float = 1.0) -> None:
-    """Report processes that exit after startup; run until interrupted."""
+def _watch(cluster, poll_s: float = 1.0) -> int:
+    """Report processes that exit after startup; run until interrupted (returns None) or until the router
+    exits (returns 1: without it the cluster serves nothing). A node that exits is reported and left down:
+    the router marks it unhealthy and serves from the rest."""
     reported: set[str] = set()
     while True:
         for name in cluster.dead():
@@ -108,6 +110,9 @@ def _watch(cluster, poll_s: float = 1.0) -> None:
                 print(f"pdcluster up: {name} exited with code {child.popen.returncode}; log {child.log_path}",
                       file=sys.stderr, flush=True)
                 reported.add(name)
+                if name == "router":
+                    print("pdcluster up: the router is gone; stopping the cluster", file=sys.stderr, flush=True)
+                    return 1
         time.sleep(poll_s)
 
 
@@ -132,14 +137,15 @@ def main(argv: list[str]) -> int:
     try:
         cluster.start()
         print(f"(healthy after {time.monotonic() - started:.1f} s)\n\n{_banner(cluster)}", flush=True)
-        _watch(cluster)
+        code = _watch(cluster)
     except ClusterStartError as exc:
         print(f"pdcluster up: startup failed: {exc}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, _Stop):
         print("\npdcluster up: stopping...", flush=True)
+        code = 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         cluster.stop()
     print("pdcluster up: every process stopped.", flush=True)
-    return 0
+    return code

@@ -21,7 +21,8 @@ import httpx
 import yaml
 
 from cluster.config import ClusterConfig
-from cluster.plan import ProcessPlan, assign_ports, plan_nodes, plan_router, router_config, served_model_name
+from cluster.plan import (ProcessPlan, assign_ports, is_port_free, plan_nodes, plan_router, router_config,
+                          served_model_name)
 from cluster.process import Child, kill_tree, spawn, stop_tree
 
 
@@ -95,6 +96,13 @@ class Cluster:
     def start(self) -> "Cluster":
         """Start nodes, wait for them, start the router, wait for it. Stops everything on failure."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # A port already served (say, by an earlier cluster's router) would answer /health for a process that
+        # is about to fail to bind: refuse before starting anything.
+        busy = [f"{name} ({plan.host}:{plan.port})" for name, plan in self.plans.items()
+                if not is_port_free(plan.host, plan.port)]
+        if busy:
+            raise ClusterStartError(f"ports already in use: {', '.join(busy)}; stop what holds them or choose "
+                                    "other ports (router.port, pools[].ports)")
         deadline = time.monotonic() + self.config.startup_timeout_s
         try:
             for plan in self.node_plans:

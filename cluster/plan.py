@@ -76,13 +76,13 @@ def free_port(host: str = "127.0.0.1", taken: set[int] | None = None, span: int 
             sock.bind((host, 0))
             base = sock.getsockname()[1]
         candidates = range(base, base + span)
-        if base + span <= 65535 and not taken.intersection(candidates) and all(_is_free(host, p) for p in candidates[1:]):
+        if base + span <= 65535 and not taken.intersection(candidates) and all(is_port_free(host, p) for p in candidates[1:]):
             taken.update(candidates)
             return base
     raise RuntimeError(f"no {span} consecutive free ports found on {host}")
 
 
-def _is_free(host: str, port: int) -> bool:
+def is_port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, port))

@@ -121,6 +121,42 @@ def test_pdcluster_up_prints_endpoint_and_stops_on_sigterm(tmp_path, fake_python
     assert len(pids) == 4 * 3 and not any(_alive(pid) for pid in pids)
 
 
+def test_a_port_already_in_use_is_refused_before_anything_starts(tmp_path, fake_python):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = parse_config({"router": {"port": port}, "startup_timeout_s": 30, "pools": POOLS})
+        cluster = Cluster(config, tmp_path / "logs", python=fake_python)
+        with pytest.raises(ClusterStartError, match=f"ports already in use: router \\(127.0.0.1:{port}\\)"):
+            cluster.start()
+    assert cluster.children == {}
+
+
+def test_pdcluster_up_stops_everything_when_the_router_dies(tmp_path, fake_python):
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"startup_timeout_s": 30, "pools": POOLS}))
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdcluster.cli", "up", "--config", str(tmp_path / "c.yaml"), "--router-port", "0",
+         "--log-dir", str(logs), "--node-python", fake_python],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line or line.startswith("Ctrl-C stops"):
+            break
+    router_pids = [int(x) for line in (logs / "router.log").read_text().splitlines() if line.startswith("PIDS ")
+                   for x in line.split()[1:]]
+    for pid in router_pids:
+        subprocess.run(["kill", "-9", str(pid)], check=False)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "the router is gone" in out and "every process stopped" in out, out
+    assert not any(_alive(pid) for pid in _all_pids(logs))
+
+
 def test_pdcluster_up_rejects_a_bad_config(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump({"pools": [dict(POOLS[0], tp=3), POOLS[1]]}))
     proc = subprocess.run([sys.executable, "-m", "pdcluster.cli", "up", "--config", str(tmp_path / "c.yaml")],
