@@ -28,9 +28,11 @@ One UCX context per process: every NixlTransport in a process shares the first o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -63,8 +65,36 @@ class KVTransferSettings(BaseSettings):
     capture_telemetry: bool = True
     num_threads: int = 0
     """UCX worker threads (0: NIXL default)."""
+    progress_delay_us: int = 2000
+    """How long NIXL's UCX progress thread waits for worker events between progress passes. NIXL's Python
+    API fixes it at 0, a busy loop (measured: ~95% of a core per idle rank process, so an idle 5-rank cluster
+    on 2 cores starved its own prefill 10x). With a delay the thread sleeps in poll() on the workers' event
+    fds, waking at once on traffic (wire-up requests from decode peers while a prefill step runs)."""
     poll_timeout_s: float = 30.0
     lease_ttl_s: float = 30.0
+
+
+@contextlib.contextmanager
+def _progress_delay(delay_us: int) -> Iterator[None]:
+    """While NIXL builds an agent, its config class keeps `pthrDelay` at `delay_us` (the Python API writes 0)."""
+    from nixl_cu12 import _api  # noqa: PLC0415 - heavy, CUDA-12 wheel pinned
+
+    base = _api.nixlBind.nixlAgentConfig
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 - NIXL's field name
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, delay_us)
+
+    _api.nixlBind.nixlAgentConfig = _Config
+    try:
+        yield
+    finally:
+        _api.nixlBind.nixlAgentConfig = base
 
 
 def resolve_ucx_tls(setting: str, mem_type: str, infiniband_dir: str = "/sys/class/infiniband") -> str:
@@ -143,7 +173,8 @@ class NixlTransport:
         self.agent_name = agent_name
         conf = nixl_agent_config(backends=["UCX"], capture_telemetry=self.settings.capture_telemetry,
                                  num_threads=self.settings.num_threads)
-        self._agent = nixl_agent(agent_name, conf)
+        with _progress_delay(self.settings.progress_delay_us):
+            self._agent = nixl_agent(agent_name, conf)
         self._pool = pool  # keep the memory alive while registered
         if row_bytes <= 0:
             raise ValueError(f"row_bytes must be positive, got {row_bytes}")
