@@ -3,6 +3,7 @@ incompatible pairs and bad params refused before any memory is touched; leases e
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -139,3 +140,33 @@ def test_reader_killed_mid_request_rows_freed_after_expiry(cluster):
     clock.now = expiry
     assert req.leases.expire() == [req.params.lease_id]
     assert req.leases.outcomes["expired"] == 1 and len(req.free.free) == req.free.idle
+
+
+def test_an_idle_agent_does_not_spin():
+    """NIXL's UCX progress thread must sleep between passes (kv_transfer.nixl_transport._progress_delay): with
+    NIXL's own setting (0 us) an idle process burns a whole core, which on a small machine starves the ranks
+    that compute. A real agent in a real process, after a READ has wired it up, idles below 25% of a core."""
+    import multiprocessing
+
+    from kv_transfer.rank_process import RankProcess
+    from kv_transfer.remap import ReadOp
+
+    ctx = multiprocessing.get_context("spawn")
+    p, d = RankProcess(ctx, "idle-P", 1 << 20), RankProcess(ctx, "idle-D", 1 << 20)
+    try:
+        p.ready(120)
+        d.ready(120)
+        endpoint = p.call("fill", seed=3, row_bytes=1 << 20, rank=0, cheap=True)
+        d.call("raw_read", endpoint=endpoint, ops=[ReadOp(0, 0, 0, 4096, 0, 0)], repeat=1)  # wire-up: both agents active
+
+        def cpu_s(pid: int) -> float:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        before = {proc.proc.pid: cpu_s(proc.proc.pid) for proc in (p, d)}
+        time.sleep(3.0)
+        used = {pid: (cpu_s(pid) - start) / 3.0 for pid, start in before.items()}
+        assert all(share < 0.25 for share in used.values()), f"idle CPU share per process: {used}"
+    finally:
+        p.stop()
+        d.stop()
