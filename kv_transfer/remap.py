@@ -197,12 +197,17 @@ def plan_reads(
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
     for label, rows, need in (
         ("P attention rows", p_attn_rows, -(-num_tokens // p.block_size)),
-        ("D attention rows", d_attn_rows, -(-num_tokens // d.block_size)),
         ("P KDA rows", p_kda_rows, p.kda_groups),
         ("D KDA rows", d_kda_rows, d.kda_groups),
     ):
         if len(rows) != need:
             raise ValueError(f"{label}: {len(rows)} given, {need} needed for {num_tokens} tokens")
+    # D usually holds more attention rows than the transferred tokens fill (room for what it will generate):
+    # the first ones receive the tokens, the rest are not touched.
+    d_need = -(-num_tokens // d.block_size)
+    if len(d_attn_rows) < d_need:
+        raise ValueError(f"D attention rows: {len(d_attn_rows)} given, {d_need} needed for {num_tokens} tokens")
+    d_attn_rows = d_attn_rows[:d_need]
     plan = ReadPlan()
     for d_rank in range(d.tp_size):
         src = attention_source(p, d, d_rank)

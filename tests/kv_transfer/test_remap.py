@@ -131,3 +131,19 @@ def test_row_lists_checked_before_planning():
     p = plan_layout(MINI)
     with pytest.raises(ValueError, match="P attention rows"):
         plan_reads(p, p, 2048, [0], [1, 2], [0, 3], [1, 2])
+
+
+@pytest.mark.parametrize("case", ["tp2-tp1", "tp1-dcp2-auto"])
+def test_spare_decode_rows_are_left_untouched(case):
+    """D allocates rows for prompt + max_tokens: the transferred tokens land in the first rows, the spare ones
+    are not read into; fewer rows than the tokens need is refused."""
+    pk, dk = PAIRS[case]
+    p, d = plan_layout(MINI, **pk), plan_layout(MINI, **dk)
+    num_tokens = 3 * d.block_size + 1
+    p_attn = list(range(-(-num_tokens // p.block_size)))
+    p_kda, d_kda = list(range(60, 60 + p.kda_groups)), list(range(70, 70 + d.kda_groups))
+    exact = list(range(100, 104))
+    plan = plan_reads(p, d, num_tokens, p_attn, p_kda, exact, d_kda)
+    assert plan_reads(p, d, num_tokens, p_attn, p_kda, exact + [104, 105], d_kda).reads == plan.reads
+    with pytest.raises(ValueError, match="D attention rows: 3 given, 4 needed"):
+        plan_reads(p, d, num_tokens, p_attn, p_kda, exact[:3], d_kda)
