@@ -124,6 +124,8 @@ async def serve_remote(runtime: NodeRuntime, prepared: PreparedRequest, request:
     runtime.metrics.xfer_bytes.observe(outcome.num_bytes)
     if outcome.num_descriptors:
         runtime.metrics.xfer_descs.observe(outcome.num_descriptors)
+    for post_s in outcome.post_s:
+        runtime.metrics.post_time.observe(post_s)
     runtime.executor.submit(StartDecode(request_id=prepared.request_id))
     cached = int(params.remote_prefill_cached_tokens or 0)
     out = respond(runtime, prepared, request, events, started, cached_tokens=cached)

@@ -133,6 +133,8 @@ class ImportOutcome:
     num_bytes: int = 0
     seconds: float = 0.0
     num_descriptors: int = 0
+    post_s: tuple[float, ...] = ()
+    """Posting time of each READ (one per source rank per destination rank)."""
 
     @property
     def is_final(self) -> bool:
@@ -455,7 +457,9 @@ class Executor:
             errors = [p.error for p in parts if p.error]
             self._deliver(ImportOutcome(request_id=request_id, error="; ".join(errors) or None,
                                         num_bytes=sum(p.num_bytes for p in parts),
-                                        seconds=max(p.seconds for p in parts)))
+                                        seconds=max(p.seconds for p in parts),
+                                        num_descriptors=sum(p.num_descriptors for p in parts),
+                                        post_s=tuple(t for p in parts for t in p.post_s)))
 
     def _deliver(self, event: Event) -> None:
         with self._lock:

@@ -118,7 +118,8 @@ class RankWorker:
             return ImportOutcome(request_id=cmd.request_id, error=f"rank {self.ctx.rank}: {type(exc).__name__}: {exc}")
         return ImportOutcome(request_id=cmd.request_id, num_bytes=sum(r.bytes for r in results),
                              seconds=time.perf_counter() - started,
-                             num_descriptors=sum(r.descriptors for r in results))
+                             num_descriptors=sum(r.descriptors for r in results),
+                             post_s=tuple(r.post_s for r in results))
 
     def step(self) -> list[Event]:
         events = self.backend.step()

@@ -22,7 +22,9 @@ from tests.decode_node.test_pd_nodes import _idle, _metric
 from tests.serving.nodes import start_node, stop_node, wait_healthy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
-PROMPT = "Disaggregated serving splits prefill and decode across machines. " * 4  # 261 tokens with BOS
+PROMPT = ("Disaggregated serving splits prefill and decode across machines. " * 16)[:1019]
+"""1020 tokens with BOS: prompt + MAX_TOKENS crosses the 1024-token decode block, so D holds one row more
+than the transferred tokens fill (the spare row is for generated tokens)."""
 MAX_TOKENS = 8
 
 
@@ -89,6 +91,9 @@ def test_prefill_tp2_to_decode_equals_generate(nodes, oracle, pool):
     assert _metric(p_url, "pdcluster_node_alltoall_bytes_total") > 0
     if pool == "dcp2":
         assert _metric(d_url, "pdcluster_node_dcp_merge_bytes_total", 'method="compact"') > 0
+    # transfer telemetry of both imports (at least one posted READ each)
+    assert _metric(d_url, "vllm:nixl_post_time_seconds_count") >= 2
+    assert _metric(d_url, "vllm:nixl_num_descriptors_count") >= 2 and _metric(d_url, "vllm:nixl_num_descriptors_sum") >= 2
 
 
 @pytest.mark.parametrize("pool", ["tp2", "dcp2"])
