@@ -42,7 +42,20 @@ class RequestContext:
     is_prefill_timeout: bool = False
     fallback_reason: str | None = None
     outcome: str = "ok"
+    error: str | None = None
+    """Why the request did not end `ok` (logged by service.finish)."""
     notes: list[str] = field(default_factory=list)
+
+
+def upstream_message(content: bytes, limit: int = 300) -> str:
+    """': <message>' from a node's OpenAI-style error body (empty if there is none), for the router's own error."""
+    import json  # noqa: PLC0415
+
+    try:
+        message = json.loads(content)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return f": {str(message)[:limit]}"
 
 
 class UpstreamReply(Exception):
@@ -223,7 +236,8 @@ class Orchestrator:
                     self.record_decode_status(ctx, resp.status_code)
                     if resp.status_code >= 500:
                         ctx.outcome = "upstream_error"
-                        raise APIError(502, f"decode instance {state.spec.name} answered {resp.status_code}")
+                        raise APIError(502, f"decode instance {state.spec.name} answered {resp.status_code}"
+                                            f"{upstream_message(content)}")
                     raise UpstreamReply(resp.status_code, content, resp.headers.get("content-type"))
                 chunks = resp.aiter_raw()
                 first = await anext(chunks)

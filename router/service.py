@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 
@@ -18,11 +19,13 @@ from starlette.background import BackgroundTask
 
 from router.placement import NoPlacement, RequestShape, SessionRecord, estimate_prompt_tokens, place, \
     session_id_of
-from router.proxy import Orchestrator, RequestContext, UpstreamReply
+from router.proxy import Orchestrator, RequestContext, UpstreamReply, upstream_message
 from router.relay import StreamAccounting, relay
 from router.state import RouterState
 from router.validation import Endpoint, parse_body, validate
 from serving.errors import APIError, error_response
+
+log = logging.getLogger("router")
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -110,6 +113,10 @@ def finish(state: RouterState, ctx: RequestContext, acct: StreamAccounting | Non
     m, pool, model = state.metrics, ctx.placement.pool, ctx.valid.model
     now = time.monotonic()
     m.requests.labels(ctx.outcome, pool).inc()
+    if ctx.outcome != "ok":
+        prefill = ctx.handoff.prefill if ctx.handoff else "none"
+        log.warning("request %s %s (pool %s, decode %s, prefill %s) after %.2f s%s", ctx.request_id, ctx.outcome,
+                    pool, ctx.placement.decode, prefill, now - ctx.started, f": {ctx.error}" if ctx.error else "")
     if ctx.prefill_s is not None:
         m.leg.labels("prefill", pool).observe(ctx.prefill_s)
     if ctx.kv_transfer_s is not None:
@@ -174,6 +181,7 @@ async def _run(state: RouterState, orch: Orchestrator, ctx: RequestContext) -> R
                 usage = resp.json().get("usage")
         else:
             ctx.outcome = "client_error" if resp.status_code < 500 else "upstream_error"
+            ctx.error = f"decode answered {resp.status_code}{upstream_message(resp.content)}"
         finish(state, ctx, None, usage)
         return Response(content=resp.content, status_code=resp.status_code,
                         media_type=resp.headers.get("content-type", "application/json"), headers=_route_headers(ctx))
@@ -211,5 +219,6 @@ async def serve(state: RouterState, request: Request, endpoint: Endpoint) -> Res
     except APIError as exc:
         if ctx.outcome == "ok":
             ctx.outcome = "timeout" if exc.status == 504 else "upstream_error"
+        ctx.error = exc.message
         finish(state, ctx, None, None)
         return error_response(exc.status, exc.message, exc.param, exc.type)

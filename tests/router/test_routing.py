@@ -204,6 +204,23 @@ def test_upstream_client_error_is_relayed():
     run(main())
 
 
+def test_decode_server_error_keeps_its_reason_and_is_logged(caplog):
+    p, d = FakeNode("p0", "prefill"), FakeNode("d0", "decode", fail_status=500)
+
+    async def main():
+        async with router_harness([p, d]) as (client, _):
+            plain = await client.post("/v1/completions", json=completion())
+            streamed = await client.post("/v1/completions", json=completion(stream=True))
+            return plain, streamed
+
+    with caplog.at_level("WARNING", logger="router"):
+        plain, streamed = run(main())
+    assert plain.status_code == 500 and plain.json()["error"]["message"] == "injected"  # JSON: relayed as is
+    assert streamed.status_code == 502 and streamed.json()["error"]["message"] == "decode instance d0 answered 500: injected"
+    logged = [r.getMessage() for r in caplog.records if r.name == "router"]
+    assert len(logged) == 2 and all("upstream_error (pool" in line and "injected" in line for line in logged), logged
+
+
 def test_drain_moves_new_requests_off_an_instance():
     nodes = [FakeNode("p0", "prefill"), FakeNode("d0", "decode"), FakeNode("d1", "decode")]
 
