@@ -74,11 +74,29 @@ class KVTransferSettings(BaseSettings):
     lease_ttl_s: float = 30.0
 
 
+NIXL_MODULES = ("nixl_cu12", "nixl_cu13")
+"""NIXL's wheels by CUDA major; the `nixl` meta package may pick one that does not match the machine, so the
+wheel is imported by name: PDC_KV_NIXL_MODULE if set, else the first of these that is installed."""
+
+
+def nixl_api() -> Any:
+    """NIXL's Python API module (`<wheel>._api`), imported on first use (heavy)."""
+    import importlib  # noqa: PLC0415
+
+    wanted = os.environ.get("PDC_KV_NIXL_MODULE")
+    errors = []
+    for name in ([wanted] if wanted else NIXL_MODULES):
+        try:
+            return importlib.import_module(f"{name}._api")
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise ImportError("no NIXL wheel could be imported (" + "; ".join(errors) + ")")
+
+
 @contextlib.contextmanager
 def _progress_delay(delay_us: int) -> Iterator[None]:
     """While NIXL builds an agent, its config class keeps `pthrDelay` at `delay_us` (the Python API writes 0)."""
-    from nixl_cu12 import _api  # noqa: PLC0415 - heavy, CUDA-12 wheel pinned
-
+    _api = nixl_api()
     base = _api.nixlBind.nixlAgentConfig
 
     class _Config(base):  # type: ignore[misc, valid-type]
@@ -97,13 +115,21 @@ def _progress_delay(delay_us: int) -> Iterator[None]:
         _api.nixlBind.nixlAgentConfig = base
 
 
-def resolve_ucx_tls(setting: str, mem_type: str, infiniband_dir: str = "/sys/class/infiniband") -> str:
-    """The explicit UCX_TLS list for `setting` (`auto` or a literal list, returned unchanged)."""
+def nvidia_gpu_present(driver_dir: str = "/proc/driver/nvidia/gpus") -> bool:
+    d = Path(driver_dir)
+    return d.is_dir() and any(d.iterdir())
+
+
+def resolve_ucx_tls(setting: str, mem_type: str, infiniband_dir: str = "/sys/class/infiniband",
+                    gpu_present: bool | None = None) -> str:
+    """The explicit UCX_TLS list for `setting` (`auto` or a literal list, returned unchanged). CUDA transports
+    are listed for VRAM pools and whenever an NVIDIA GPU is visible: NIXL 1.5.1 refuses to create its UCX
+    backend on a GPU machine whose UCX_TLS lacks cuda_copy, even for a DRAM pool (seen on an H200 host)."""
     if setting != "auto":
         return setting
     ib = Path(infiniband_dir)
     parts = [RDMA_TLS] if ib.is_dir() and any(ib.iterdir()) else []
-    if mem_type == "VRAM":
+    if mem_type == "VRAM" or (nvidia_gpu_present() if gpu_present is None else gpu_present):
         parts.append(GPU_TLS)
     return ",".join(parts + [HOST_TLS])
 
@@ -164,7 +190,7 @@ class NixlTransport:
         self.base_addr, self.pool_bytes, self.mem_type, self.device_id = _buffer_addr(pool)
         self.ucx_tls = resolve_ucx_tls(self.settings.ucx_tls, self.mem_type)
         os.environ["UCX_TLS"] = self.ucx_tls  # before UCX starts: never let UCX choose silently
-        from nixl_cu12._api import nixl_agent, nixl_agent_config  # noqa: PLC0415 - heavy, CUDA-12 wheel pinned
+        nixl_agent, nixl_agent_config = nixl_api().nixl_agent, nixl_api().nixl_agent_config
 
         log.info("NIXL agent %s: UCX_TLS=%s", agent_name, self.ucx_tls)
         self.fallback_reason = detect_tcp_fallback(self.ucx_tls, peer_is_local)

@@ -32,7 +32,6 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None) -> N
     from kv_transfer.layout import plan_layout
     from kv_transfer.nixl_transport import KVTransferSettings, NixlTransport
     from kv_transfer.params import KVTransferParams
-    from kv_transfer.side_channel import fetch_metadata
 
     pool = np.zeros(pool_bytes, dtype=np.uint8)
     t = NixlTransport(name, pool, 1, KVTransferSettings(ucx_tls=ucx_tls))
@@ -55,6 +54,8 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None) -> N
                 t.set_row_bytes(kw["row_bytes"])
                 out = t.endpoint(kw["rank"])
             elif cmd == "import":  # the decode path: side channel over HTTP, checks, plan, READs, notify
+                from kv_transfer.side_channel import fetch_metadata  # the HTTP stack only where it is used
+
                 cfg = get_preset(kw["model"])
                 d_layout = plan_layout(cfg, **kw["layout"])
                 t.set_row_bytes(d_layout.row_bytes)

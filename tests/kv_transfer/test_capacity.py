@@ -68,7 +68,8 @@ def test_cli_through_pdcluster_entrypoint():
 
 def test_ucx_tls_is_explicit_and_tcp_fallback_detected(tmp_path):
     no_ib = str(tmp_path / "none")
-    assert resolve_ucx_tls("auto", "DRAM", no_ib) == "sm,cma,self,tcp"
+    assert resolve_ucx_tls("auto", "DRAM", no_ib, gpu_present=False) == "sm,cma,self,tcp"
+    assert resolve_ucx_tls("auto", "DRAM", no_ib, gpu_present=True) == "cuda_ipc,cuda_copy,sm,cma,self,tcp"
     ib = tmp_path / "ib"
     (ib / "mlx5_0").mkdir(parents=True)
     assert resolve_ucx_tls("auto", "VRAM", str(ib)).startswith("rc_x,rc,ud_x,dc_x,cuda_ipc,cuda_copy")
