@@ -16,6 +16,7 @@ The module never imports torch: rank processes do, inside the worker factory.
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib
 import itertools
 import multiprocessing as mp
@@ -175,6 +176,9 @@ class RankStats:
     num_rows_total: int = 0
     has_work: bool = False
     counters: tuple[tuple[str, float], ...] = ()
+    """Cumulative counters (name, total) since the rank started."""
+    timings: tuple[tuple[str, str, float], ...] = ()
+    """Durations measured since the last round (name, label, seconds), e.g. ("prefill", "token", 1.2)."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +270,20 @@ class ExecutorState:
     error: str | None = None
     stats: list[RankStats] = field(default_factory=list)
     rounds: int = 0
+    timings: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_PENDING_TIMINGS))
+    """Rank 0's durations not yet taken by the metrics (`take_timings`); the oldest drop past the bound."""
+
+    def take_timings(self) -> list[tuple[str, str, float]]:
+        """Pop what the driver thread queued (deque appends and pops are thread-safe)."""
+        taken = []
+        while True:
+            try:
+                taken.append(self.timings.popleft())
+            except IndexError:
+                return taken
+
+
+MAX_PENDING_TIMINGS = 10_000
 
 
 class Executor:
@@ -443,6 +461,8 @@ class Executor:
     def _dispatch(self, replies: list[StepReply]) -> None:
         self.state.stats = [reply.stats for reply in replies]
         self.state.rounds += 1
+        if replies:
+            self.state.timings.extend(replies[0].stats.timings)
         outcomes: dict[str, list[ImportOutcome]] = {}
         for reply in replies:
             for event in reply.events:

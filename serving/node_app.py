@@ -68,6 +68,8 @@ class NodeRuntime:
         for rank_stats in stats:
             for name, value in rank_stats.counters:
                 totals[name] = totals.get(name, 0.0) + value
+        for name, label, seconds in self.executor.state.take_timings():
+            self.metrics.observe_timing(name, label, seconds)
         seen = self.extras.setdefault("counters_seen", {})
         for name, value in totals.items():
             delta = value - seen.get(name, 0.0)

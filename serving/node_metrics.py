@@ -106,6 +106,8 @@ class NodeMetrics:
             engine=info.engine,
         ).set(1)
         self.rows_total.labels(role=self.role).set(info.num_gpu_blocks)
+        if info.dcp_size > 1:  # the merge a DCP pool runs exists (at 0) before its first decode step
+            self.dcp_merge_bytes.labels(method="compact")
 
     def set_load(self, num_running: int, num_waiting: int, rows_used: int, rows_total: int) -> None:
         self.running.labels(self.model_name).set(num_running)
@@ -136,6 +138,11 @@ class NodeMetrics:
             self.dcp_merge_bytes.labels(method=name.removeprefix("dcp_merge_bytes_")).inc(delta)
         elif name == "dcp_merge_fallbacks":
             self.dcp_merge_fallbacks.inc(delta)
+
+    def observe_timing(self, name: str, label: str, seconds: float) -> None:
+        """A rank-reported duration (names as the backends report them)."""
+        if name == "prefill":
+            self.prefill_seconds.labels(mode=label).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,6 +9,7 @@ Also `load_tokenizer`, the server-side tokenizer matching the engine's (byte-lev
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,8 @@ class TPModel:
         self.model, self.ctx, self.token_threshold = model, ctx, token_threshold
         self.cfg = model.cfg
         self.alltoall_bytes = 0
+        self.timings: list[tuple[str, str, float]] = []
+        """Prefill steps since the last `stats()` (name, mode, seconds)."""
 
     def prefill(self, token_ids: Any, cache: Any, start: int = 0, all_logits: bool = False) -> Any:
         from engine.parallel.prefill import PrefillBatch, choose_mode, parallel_prefill
@@ -68,7 +71,10 @@ class TPModel:
         if all_logits:
             raise ValueError("the TP prefill returns last-token logits only")
         batch = PrefillBatch((token_ids,), (start,))
-        result = parallel_prefill(self.ctx, self.model, batch, [cache], choose_mode(batch, self.token_threshold))
+        mode = choose_mode(batch, self.token_threshold)
+        started = time.perf_counter()
+        result = parallel_prefill(self.ctx, self.model, batch, [cache], mode)
+        self.timings.append(("prefill", mode, time.perf_counter() - started))
         self.alltoall_bytes += result.stats.exchange_bytes
         return result.logits
 
@@ -212,9 +218,12 @@ class ReferenceBackend:
         if isinstance(model, DCPModel):
             counters += ((f"dcp_merge_bytes_{model.merge}", float(model.merge_bytes)),
                          ("dcp_merge_fallbacks", float(model.merge_fallbacks)))
+        timings: tuple[tuple[str, str, float], ...] = ()
+        if isinstance(model, TPModel) and model.timings:
+            timings, model.timings = tuple(model.timings), []
         return RankStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
                          num_rows_used=total - self.engine.num_free_rows, num_rows_total=total,
-                         has_work=self.engine.has_work, counters=counters)
+                         has_work=self.engine.has_work, counters=counters, timings=timings)
 
     def close(self) -> None:
         self._first_tokens.clear()

@@ -89,6 +89,7 @@ def test_prefill_tp2_to_decode_equals_generate(nodes, oracle, pool):
     _idle(p_url, timeout_s=120)
     assert _metric(p_url, "pdcluster_node_lease_outcomes_total", 'outcome="notified"') >= 2
     assert _metric(p_url, "pdcluster_node_alltoall_bytes_total") > 0
+    assert _metric(p_url, "pdcluster_node_prefill_seconds_count", 'mode="token"') >= 2  # token-sharded steps
     if pool == "dcp2":
         assert _metric(d_url, "pdcluster_node_dcp_merge_bytes_total", 'method="compact"') > 0
     # transfer telemetry of both imports (at least one posted READ each)
