@@ -52,6 +52,23 @@ def _sampling(spec: SamplingSpec) -> Any:
                           stop_token_ids=tuple(spec.stop_token_ids), ignore_eos=spec.ignore_eos).validate()
 
 
+class SingleModel:
+    """The plain single-rank model, with its prefill steps timed (mode `single`) like the SPMD wrappers'."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.timings: list[tuple[str, str, float]] = []
+
+    def prefill(self, token_ids: Any, cache: Any, start: int = 0, all_logits: bool = False) -> Any:
+        started = time.perf_counter()
+        logits = self.model.prefill(token_ids, cache, start, all_logits)
+        self.timings.append(("prefill", "single", time.perf_counter() - started))
+        return logits
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
 class TPModel:
     """A full model replica whose prefill and decode run SPMD over the rank group (engine/parallel):
     prefill token-sharded (steps of at least `token_threshold` tokens) or head-sharded, decode with KDA
@@ -74,7 +91,7 @@ class TPModel:
         mode = choose_mode(batch, self.token_threshold)
         started = time.perf_counter()
         result = parallel_prefill(self.ctx, self.model, batch, [cache], mode)
-        self.timings.append(("prefill", mode, time.perf_counter() - started))
+        self.timings.append(("prefill", f"{mode}_sharded", time.perf_counter() - started))
         self.alltoall_bytes += result.stats.exchange_bytes
         return result.logits
 
@@ -158,6 +175,8 @@ class ReferenceBackend:
             make_cache = model.make_cache
         elif ctx.world_size > 1:
             model = TPModel(build_model(get_preset(config.model), seed), ctx, config.token_shard_min_tokens)
+        else:
+            model = SingleModel(build_model(get_preset(config.model), seed))
         self.engine = Engine(engine_config, model=model, make_cache=make_cache)
         self.layout = self.engine.layout
         self.model_config = self.engine.model_config
@@ -219,7 +238,7 @@ class ReferenceBackend:
             counters += ((f"dcp_merge_bytes_{model.merge}", float(model.merge_bytes)),
                          ("dcp_merge_fallbacks", float(model.merge_fallbacks)))
         timings: tuple[tuple[str, str, float], ...] = ()
-        if isinstance(model, TPModel) and model.timings:
+        if isinstance(model, (TPModel, SingleModel)) and model.timings:
             timings, model.timings = tuple(model.timings), []
         return RankStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
                          num_rows_used=total - self.engine.num_free_rows, num_rows_total=total,
