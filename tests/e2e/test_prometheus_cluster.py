@@ -10,6 +10,7 @@ there are vLLM's own, scraped through the PodMonitor's relabeling.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -70,11 +71,22 @@ def _check_cluster(cluster, tmp_path: Path, load_args: list[str]) -> None:
             capture_output=True, text=True, timeout=LOAD_SECONDS + 330)
         assert load.returncode == 0, f"loadgen failed:\n{load.stdout[-2000:]}\n{load.stderr[-2000:]}"
         load_end = time.time()
+        # Latency panels only move with finished requests: say so plainly if the load itself failed.
+        levels = json.loads((tmp_path / "loadgen" / "summary.json").read_text())["levels"]
+        num_ok = sum(level["num_ok"] for level in levels)
+        errors = [(r.get("error") or "")[:200] for level in levels for r in level.get("records", []) if r.get("error")]
+        assert num_ok >= 3, (f"only {num_ok} requests finished under load; errors {levels[0]['errors_by_kind']}: "
+                             f"{errors[:5]}")
         server.wait_scrapes(4)
         while time.time() < load_end + 3:  # one more scrape after the last request
             time.sleep(0.5)
         at = server.all_up_instant(len(targets), before=load_end + 2)
         failures = check_chart_queries(server, exclude, at=at)
+        if failures:  # what the router counted, to tell "no requests ended ok" from "no samples in the window"
+            outcomes = [line for line in httpx.get(f"{cluster.router_url}/metrics", timeout=10).text.splitlines()
+                        if line.startswith("pdcluster_requests_total") and not line.endswith(" 0.0")]
+            failures.append(f"(evaluated at {at:.1f}, load ended {load_end:.1f}; loadgen ok {num_ok}; router "
+                            f"outcomes {outcomes})")
         assert not failures, "panels/rules without data on the running cluster:\n" + "\n".join(failures)
     finally:
         server.stop()
