@@ -105,3 +105,22 @@ def test_colocated_equals_generate(nodes, oracle, pool):
     assert resp.json()["choices"][0]["token_ids"] == oracle
     _idle(nodes[pool], timeout_s=120)
     assert _metric(nodes[pool], "pdcluster_node_prefill_seconds_count") >= 1  # the local prefill step, timed
+
+
+def test_client_leaving_a_dcp_stream_frees_rows_on_both_nodes(nodes):
+    """A client that leaves mid-stream: the DCP node aborts the request and frees its rows on both ranks; the
+    prefill node's rows were already freed by the read's notification. Both pools return to idle."""
+    p_url, d_url = nodes["prefill"], nodes["dcp2"]
+    params = _prefill(p_url)
+    chunks = 0
+    with httpx.stream("POST", f"{d_url}/v1/completions", timeout=600, json={
+            "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True,
+            "kv_transfer_params": params}) as stream:
+        for line in stream.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks >= 2:
+                break
+    assert chunks == 2
+    _idle(d_url, timeout_s=120)
+    _idle(p_url, timeout_s=120)
+    assert _metric(d_url, "vllm:request_success_total", 'finished_reason="abort"') >= 1
