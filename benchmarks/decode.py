@@ -1,0 +1,168 @@
+"""TP vs DCP decode on W ranks: time per output token (one decode step) and KV bytes per rank, side by side.
+
+Real gloo ranks (one torch thread each, pinned round-robin), or NCCL ranks with `--backend nccl --device cuda`,
+run `engine.parallel.dcp_decode.parallel_decode` for B requests of C cached tokens each, in mode `tp` (every rank
+holds the whole attention cache; MLA heads split) and mode `dcp` (each rank holds 1/W of the tokens in aligned
+runs of --interleave tokens; exact compact top-k merge + LSE merge). KDA heads are split in both. The modes
+alternate step by step in one pool, so machine noise hits both. Cache contents are synthetic (random values
+stored as the engine stores them: FP8 latents at the model's static scale, FP8 index keys with row scales);
+a decode step's work does not depend on them. Reported per (W, C, B): median step time of the slowest rank,
+attention rows held per rank, DCP merge bytes per step per rank.
+
+    python benchmarks/decode.py [--world-sizes 2] [--contexts 8192 32768] [--batches 1 8] [--steps 7] [--json PATH]
+    python benchmarks/decode.py --backend nccl --device cuda --world-sizes 2 --contexts 32768 131072
+
+Headline: TPOT(dcp) / TPOT(tp) at the first world size, the longest context, batch 1: what holding W x the
+tokens costs per token. `--model` takes a preset name or a ModelConfig JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MODES = ("tp", "dcp")
+
+
+@dataclass(frozen=True)
+class Row:
+    world_size: int
+    context: int
+    batch: int
+    tp_ms: float
+    dcp_ms: float
+    tp_kv_mib_per_rank: float
+    dcp_kv_mib_per_rank: float
+    dcp_merge_kib_per_step: float
+
+    @property
+    def dcp_over_tp(self) -> float:
+        return self.dcp_ms / self.tp_ms
+
+
+def load_config(name: str):  # -> ModelConfig
+    from engine.model.config import ModelConfig, get_preset
+
+    return ModelConfig.load(name) if name.endswith(".json") else get_preset(name)
+
+
+def rank_run(ctx, preset: str, context: int, batch: int, steps: int, interleave: int, seed: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from engine.model.numerics import device_scope, fp8_quantize_rowwise, fp8_quantize_static
+    from engine.model.weights import build_model
+    from engine.parallel.dcp_cache import DCPRankCache
+    from engine.parallel.dcp_decode import parallel_decode
+    from engine.parallel.dcp_layout import DCPLayout
+    from engine.parallel.kda_shard import rank_cache
+
+    cfg = load_config(preset)
+    model = build_model(cfg, device=ctx.device)
+    layout = DCPLayout(ctx.world_size, interleave)
+    capacity = context + steps + 1
+    gen = torch.Generator().manual_seed(seed)
+    cuda = ctx.device.type == "cuda"
+    with device_scope(ctx.device):
+        caches = {"tp": [rank_cache(cfg, capacity, ctx.world_size, ctx.rank) for _ in range(batch)],
+                  "dcp": [DCPRankCache(cfg, capacity, layout, ctx.rank) for _ in range(batch)]}
+        for i in range(cfg.num_mla_layers):  # the same synthetic rows for every request and both modes
+            latent = fp8_quantize_static(torch.randn(context, cfg.latent_dim, generator=gen), cfg.latent_fp8_scale)
+            keys, scales = fp8_quantize_rowwise(torch.randn(context, cfg.index_head_dim, generator=gen))
+            latent, keys, scales = latent.to(ctx.device), keys.to(ctx.device), scales.to(ctx.device)
+            for mode in MODES:
+                for cache in caches[mode]:
+                    cache.write_attention(i, 0, latent, keys, scales)
+        row_bytes = cfg.num_mla_layers * (cfg.latent_dim + cfg.index_head_dim + 4)
+        kv = {"tp": context * row_bytes, "dcp": layout.num_local(ctx.rank, context) * row_bytes}
+        times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        merge_bytes, argmax = [], {mode: [] for mode in MODES}
+        for step in range(steps + 1):  # step 0 warms up, untimed
+            tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=gen).to(ctx.device)
+            positions = [context + step] * batch
+            for mode in (MODES if step % 2 == 0 else MODES[::-1]):
+                dist.barrier(group=ctx.group)
+                if cuda:
+                    torch.cuda.synchronize(ctx.device)
+                start = time.perf_counter()
+                result = parallel_decode(ctx, model, tokens, positions, caches[mode], mode=mode, layout=layout)
+                if cuda:
+                    torch.cuda.synchronize(ctx.device)
+                argmax[mode].append(result.logits.argmax(-1).tolist())
+                if step:
+                    times[mode].append(time.perf_counter() - start)
+                    if mode == "dcp":
+                        merge_bytes.append(result.stats.merge_bytes)
+    return {"ms": {mode: statistics.median(times[mode]) * 1e3 for mode in MODES}, "kv": kv,
+            "merge_bytes": statistics.median(merge_bytes), "argmax": argmax}
+
+
+def measure(pool, args, context: int, batch: int) -> Row:
+    results = pool.run(rank_run, args.model, context, batch, args.steps, args.interleave, args.seed)
+    if any(r["argmax"]["tp"] != r["argmax"]["dcp"] for r in results):  # same caches, same tokens: same argmax
+        raise SystemExit(f"TP and DCP decode disagree on the next token (context {context}, batch {batch})")
+    slowest = {mode: max(r["ms"][mode] for r in results) for mode in MODES}
+    return Row(pool.world_size, context, batch, slowest["tp"], slowest["dcp"],
+               max(r["kv"]["tp"] for r in results) / 2**20, max(r["kv"]["dcp"] for r in results) / 2**20,
+               max(r["merge_bytes"] for r in results) / 2**10)
+
+
+def print_table(rows: list[Row], args) -> None:
+    print(f"{args.model}, {args.backend} ranks on {args.device}; step = one output token per request, median of "
+          f"{args.steps}, slowest rank")
+    print(f"{'W':>2} {'context':>8} {'batch':>5} | {'TP ms':>8} {'DCP ms':>8} {'DCP/TP':>6} | "
+          f"{'KV MiB/rank TP':>14} {'DCP':>8} | {'merge KiB/step':>14}")
+    for r in rows:
+        print(f"{r.world_size:>2} {r.context:>8} {r.batch:>5} | {r.tp_ms:8.1f} {r.dcp_ms:8.1f} {r.dcp_over_tp:6.2f} | "
+              f"{r.tp_kv_mib_per_rank:14.2f} {r.dcp_kv_mib_per_rank:8.2f} | {r.dcp_merge_kib_per_step:14.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="kimi-k3.1-mini")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--steps", type=int, default=7, help="timed steps per mode (after one warm-up step)")
+    parser.add_argument("--interleave", type=int, default=512, help="DCP ownership run in tokens (mini at DCP2: 512)")
+    parser.add_argument("--backend", default="gloo", help="gloo (CPU ranks) or nccl (one GPU per rank)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda needs --backend nccl")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if (args.device == "cuda") != (args.backend == "nccl"):
+        parser.error("--device cuda goes with --backend nccl (one GPU per rank), --device cpu with gloo")
+    if args.steps < 1 or min(args.contexts) < 1 or min(args.batches) < 1:
+        parser.error("--steps, --contexts and --batches must be positive")
+
+    from engine.parallel.groups import RankPool
+
+    rows: list[Row] = []
+    for w in args.world_sizes:
+        with RankPool(w, backend=args.backend, timeout_s=3600) as pool:
+            for context in args.contexts:
+                for batch in args.batches:
+                    rows.append(measure(pool, args, context, batch))
+                    print(f"done {rows[-1]}", file=sys.stderr, flush=True)
+    print_table(rows, args)
+    if args.json:
+        head = [r for r in rows if r.world_size == args.world_sizes[0] and r.batch == min(args.batches)]
+        head = max(head, key=lambda r: r.context)
+        args.json.write_text(json.dumps({
+            "headline": {"metric": f"tpot_dcp_over_tp_W{head.world_size}_ctx{head.context}_batch{head.batch}",
+                         "value": round(head.dcp_over_tp, 3), "goal": None},
+            "model": args.model, "backend": args.backend, "device": args.device, "steps": args.steps,
+            "rows": [asdict(r) | {"dcp_over_tp": round(r.dcp_over_tp, 3)} for r in rows],
+        }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
