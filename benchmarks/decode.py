@@ -74,8 +74,8 @@ def rank_run(ctx, preset: str, context: int, batch: int, steps: int, interleave:
         caches = {"tp": [rank_cache(cfg, capacity, ctx.world_size, ctx.rank) for _ in range(batch)],
                   "dcp": [DCPRankCache(cfg, capacity, layout, ctx.rank) for _ in range(batch)]}
         for i in range(cfg.num_mla_layers):  # the same synthetic rows for every request and both modes
-            latent = fp8_quantize_static(torch.randn(context, cfg.latent_dim, generator=gen), cfg.latent_fp8_scale)
-            keys, scales = fp8_quantize_rowwise(torch.randn(context, cfg.index_head_dim, generator=gen))
+            latent = fp8_quantize_static(torch.randn(context, cfg.latent_dim, generator=gen, device="cpu"), cfg.latent_fp8_scale)
+            keys, scales = fp8_quantize_rowwise(torch.randn(context, cfg.index_head_dim, generator=gen, device="cpu"))
             latent, keys, scales = latent.to(ctx.device), keys.to(ctx.device), scales.to(ctx.device)
             for mode in MODES:
                 for cache in caches[mode]:
@@ -85,7 +85,7 @@ def rank_run(ctx, preset: str, context: int, batch: int, steps: int, interleave:
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
         merge_bytes, argmax = [], {mode: [] for mode in MODES}
         for step in range(steps + 1):  # step 0 warms up, untimed
-            tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=gen).to(ctx.device)
+            tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=gen, device="cpu").to(ctx.device)
             positions = [context + step] * batch
             for mode in (MODES if step % 2 == 0 else MODES[::-1]):
                 dist.barrier(group=ctx.group)
