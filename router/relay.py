@@ -30,6 +30,8 @@ class StreamAccounting:
     num_token_events: int = 0
     usage: dict | None = None
     is_done: bool = False
+    error: str | None = None
+    """The message of an OpenAI error event D sent inside the stream (the stream then failed, [DONE] or not)."""
 
     def feed(self, chunk: bytes, now: float) -> None:
         self.buffer += chunk
@@ -53,6 +55,8 @@ class StreamAccounting:
                 self._payload(payload, now)
 
     def _payload(self, payload: dict, now: float) -> None:
+        if isinstance(payload.get("error"), dict):
+            self.error = str(payload["error"].get("message") or "error event without a message")
         if isinstance(payload.get("usage"), dict):
             self.usage = payload["usage"]
         for choice in payload.get("choices") or []:
@@ -79,7 +83,8 @@ async def relay(resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes
                 idle_timeout_s: float, on_end) -> AsyncIterator[bytes]:
     """Yield D's bytes unchanged; `on_end(status)` runs once at the end, shielded from cancellation.
 
-    status: "ok", "timeout" (idle gap exceeded), "upstream_error" or "cancelled" (client gone).
+    status: "ok", "timeout" (idle gap exceeded), "upstream_error" (the stream broke, ended without [DONE], or
+    carried D's error event) or "cancelled" (client gone).
     """
     status = "cancelled"
     try:
@@ -90,7 +95,7 @@ async def relay(resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes
                 async with asyncio.timeout(idle_timeout_s):
                     chunk = await anext(chunks)
             except StopAsyncIteration:
-                status = "ok" if acct.is_done else "upstream_error"
+                status = "ok" if acct.is_done and acct.error is None else "upstream_error"
                 break
             except TimeoutError:
                 status = "timeout"

@@ -156,6 +156,8 @@ class _StreamEnd:
         if decode is not None:
             decode.num_inflight -= 1
         self.ctx.outcome = status
+        if status == "upstream_error":
+            self.ctx.error = self.acct.error or "decode stream ended without [DONE] or broke"
         if status != "ok":
             self.orch.abort_legs(self.ctx)
         if status == "upstream_error":

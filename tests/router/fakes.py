@@ -32,6 +32,8 @@ class FakeNode:
     delay_s: float = 0.0
     token_delay_s: float = 0.0
     num_tokens: int = 4
+    stream_error_after: int | None = None
+    """Streams end with an OpenAI error event and [DONE] after this many tokens (a node failing mid-stream)."""
     drop_handoff: bool = False
     healthy: bool = True
     bodies: list[dict] = field(default_factory=list)
@@ -124,6 +126,10 @@ class FakeNode:
             for i in range(self.num_tokens):
                 if i and self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
+                if self.stream_error_after is not None and i == self.stream_error_after:
+                    error = {"message": "rank 1 died", "type": "server_error", "param": None, "code": 500}
+                    yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n"
+                    return
                 choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
                 self.produced_at.append(time.monotonic())
                 yield f"data: {json.dumps({'id': 'd', 'choices': [choice]})}\n\n"

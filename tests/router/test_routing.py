@@ -221,6 +221,22 @@ def test_decode_server_error_keeps_its_reason_and_is_logged(caplog):
     assert len(logged) == 2 and all("upstream_error (pool" in line and "injected" in line for line in logged), logged
 
 
+def test_error_event_inside_a_stream_is_an_upstream_error(caplog):
+    p, d = FakeNode("p0", "prefill"), FakeNode("d0", "decode", num_tokens=6, stream_error_after=2)
+
+    async def main():
+        async with router_harness([p, d]) as (client, _):
+            resp = await client.post("/v1/completions", json=completion(stream=True))
+            return resp, (await client.get("/metrics")).text
+
+    with caplog.at_level("WARNING", logger="router"):
+        resp, metrics = run(main())
+    assert resp.status_code == 200 and '"rank 1 died"' in resp.text  # relayed as sent
+    assert 'pdcluster_requests_total{outcome="upstream_error",pool="default"} 1.0' in metrics
+    assert 'pdcluster_requests_total{outcome="ok",pool="default"} 0.0' in metrics
+    assert any("rank 1 died" in r.getMessage() for r in caplog.records if r.name == "router")
+
+
 def test_drain_moves_new_requests_off_an_instance():
     nodes = [FakeNode("p0", "prefill"), FakeNode("d0", "decode"), FakeNode("d1", "decode")]
 
