@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from cluster.config import ClusterConfig, PoolSpec
+from engine.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ProcessRole = Literal["prefill", "decode", "router"]
@@ -66,29 +66,6 @@ class Ports:
 
     http: dict[str, int]
     side_channel: dict[str, int]
-
-
-def free_port(host: str = "127.0.0.1", taken: set[int] | None = None, span: int = 1) -> int:
-    """A port on `host` with `span` consecutive free ports from it, none of them in `taken`."""
-    taken = taken if taken is not None else set()
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            base = sock.getsockname()[1]
-        candidates = range(base, base + span)
-        if base + span <= 65535 and not taken.intersection(candidates) and all(is_port_free(host, p) for p in candidates[1:]):
-            taken.update(candidates)
-            return base
-    raise RuntimeError(f"no {span} consecutive free ports found on {host}")
-
-
-def is_port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-        return True
 
 
 def instance_names(pool: PoolSpec) -> list[str]:

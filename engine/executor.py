@@ -28,7 +28,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import socket
+from engine.ports import free_port
+
 
 
 # ---------------------------------------------------------------------- commands (driver -> ranks)
@@ -193,12 +194,6 @@ class StepReply:
     rank: int
     events: list[Event]
     stats: RankStats
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
+
+import engine.ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now (below the ephemeral range: engine/ports.py)."""
+    return engine.ports.free_port()
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import datetime
 import multiprocessing as mp
 import os
 import signal
-import socket
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -24,6 +23,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from engine.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,6 @@ class ParallelContext:
 
 class RankError(RuntimeError):
     """A rank raised, died, or did not answer in time."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def default_backend() -> str:

@@ -40,6 +40,11 @@ def test_ports_are_distinct_and_configured_ports_kept():
     ports = assign_ports(config)
     assert ports.http["d-0"] == 18123
     assert len(set(ports.http.values())) == len(ports.http) == 5
+    # picked ports lie below the kernel's ephemeral range: no outgoing connection can hold one before a node binds
+    from engine.ports import LOWEST_PORT, ephemeral_port_range
+
+    lo, _ = ephemeral_port_range()
+    assert all(LOWEST_PORT <= port < lo for name, port in ports.http.items() if name != "d-0")
 
 
 def test_vllm_producer_consumer_on_cpu(tmp_path):
