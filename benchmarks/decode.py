@@ -47,16 +47,11 @@ class Row:
         return self.dcp_ms / self.tp_ms
 
 
-def load_config(name: str):  # -> ModelConfig
-    from engine.model.config import ModelConfig, get_preset
-
-    return ModelConfig.load(name) if name.endswith(".json") else get_preset(name)
-
-
 def rank_run(ctx, preset: str, context: int, batch: int, steps: int, interleave: int, seed: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from engine.model.config import preset_or_file
     from engine.model.numerics import device_scope, fp8_quantize_rowwise, fp8_quantize_static
     from engine.model.weights import build_model
     from engine.parallel.dcp_cache import DCPRankCache
@@ -64,7 +59,7 @@ def rank_run(ctx, preset: str, context: int, batch: int, steps: int, interleave:
     from engine.parallel.dcp_layout import DCPLayout
     from engine.parallel.kda_shard import rank_cache
 
-    cfg = load_config(preset)
+    cfg = preset_or_file(preset)
     model = build_model(cfg, device=ctx.device)
     layout = DCPLayout(ctx.world_size, interleave)
     capacity = context + steps + 1

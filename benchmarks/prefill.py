@@ -49,22 +49,17 @@ class Row:
         return self.head_total_s / self.token_total_s
 
 
-def load_config(name: str):  # -> ModelConfig
-    from engine.model.config import ModelConfig, get_preset
-
-    return ModelConfig.load(name) if name.endswith(".json") else get_preset(name)
-
-
 def rank_run(ctx, preset: str, new_tokens: int, prefix: int, seed: int, modes: list[str]) -> dict:
     import torch
 
+    from engine.model.config import preset_or_file
     from engine.model.numerics import device_scope
     from engine.model.weights import build_model
     from engine.parallel.kda_shard import rank_cache
     from engine.parallel.prefill import PrefillBatch, parallel_prefill
 
     torch.manual_seed(seed)
-    cfg = load_config(preset)
+    cfg = preset_or_file(preset)
     model = build_model(cfg, device=ctx.device)
     tokens = torch.randint(0, 256, (prefix + new_tokens,), generator=torch.Generator().manual_seed(seed))
     with device_scope(ctx.device):  # CPU: no-op

@@ -22,8 +22,8 @@ import yaml
 
 from cluster.config import ClusterConfig
 from cluster.plan import ProcessPlan, assign_ports, plan_nodes, plan_router, router_config, served_model_name
-from engine.ports import is_port_free
 from cluster.process import Child, kill_tree, spawn, stop_tree
+from engine.ports import is_port_free
 
 
 ROUTER_MIN_STARTUP_S = 90.0

@@ -31,7 +31,6 @@ from typing import Any
 from engine.ports import free_port
 
 
-
 # ---------------------------------------------------------------------- commands (driver -> ranks)
 
 

@@ -1,8 +1,9 @@
 """Drives the model and the row pool for one engine step on one rank: a prefill or a decode batch -> logits.
 
 The runner owns no policy: the scheduler decides who runs; the runner turns each request's block table into a
-cache view (`RowSequenceCache`, or what `make_cache` builds: a DCP rank's `DCPRowCache`) and calls the model. Decode logits of a request are bit-identical whatever batch it runs in
-(engine/model/model.py explains why), so there is no separate deterministic mode.
+cache view (`RowSequenceCache`, or what `make_cache` builds: a DCP rank's `DCPRowCache`) and calls the model.
+Decode logits of a request are bit-identical whatever batch it runs in (engine/model/model.py explains why), so
+there is no separate deterministic mode.
 """
 
 from __future__ import annotations

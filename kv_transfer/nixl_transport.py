@@ -94,10 +94,10 @@ def nixl_api() -> Any:
 
 
 @contextlib.contextmanager
-def _progress_delay(delay_us: int) -> Iterator[None]:
-    """While NIXL builds an agent, its config class keeps `pthrDelay` at `delay_us` (the Python API writes 0)."""
-    _api = nixl_api()
-    base = _api.nixlBind.nixlAgentConfig
+def _progress_delay(api: Any, delay_us: int) -> Iterator[None]:
+    """While NIXL (`api`, from nixl_api) builds an agent, its config class keeps `pthrDelay` at `delay_us` (the
+    Python API writes 0)."""
+    base = api.nixlBind.nixlAgentConfig
 
     class _Config(base):  # type: ignore[misc, valid-type]
         @property
@@ -108,11 +108,11 @@ def _progress_delay(delay_us: int) -> Iterator[None]:
         def pthrDelay(self, _value: int) -> None:  # noqa: N802
             base.pthrDelay.__set__(self, delay_us)
 
-    _api.nixlBind.nixlAgentConfig = _Config
+    api.nixlBind.nixlAgentConfig = _Config
     try:
         yield
     finally:
-        _api.nixlBind.nixlAgentConfig = base
+        api.nixlBind.nixlAgentConfig = base
 
 
 def nvidia_gpu_present(driver_dir: str = "/proc/driver/nvidia/gpus") -> bool:
@@ -190,17 +190,17 @@ class NixlTransport:
         self.base_addr, self.pool_bytes, self.mem_type, self.device_id = _buffer_addr(pool)
         self.ucx_tls = resolve_ucx_tls(self.settings.ucx_tls, self.mem_type)
         os.environ["UCX_TLS"] = self.ucx_tls  # before UCX starts: never let UCX choose silently
-        nixl_agent, nixl_agent_config = nixl_api().nixl_agent, nixl_api().nixl_agent_config
+        api = nixl_api()
 
         log.info("NIXL agent %s: UCX_TLS=%s", agent_name, self.ucx_tls)
         self.fallback_reason = detect_tcp_fallback(self.ucx_tls, peer_is_local)
         if self.fallback_reason:
             log.warning("KV transfer will run over TCP: %s", self.fallback_reason)
         self.agent_name = agent_name
-        conf = nixl_agent_config(backends=["UCX"], capture_telemetry=self.settings.capture_telemetry,
-                                 num_threads=self.settings.num_threads)
-        with _progress_delay(self.settings.progress_delay_us):
-            self._agent = nixl_agent(agent_name, conf)
+        conf = api.nixl_agent_config(backends=["UCX"], capture_telemetry=self.settings.capture_telemetry,
+                                     num_threads=self.settings.num_threads)
+        with _progress_delay(api, self.settings.progress_delay_us):
+            self._agent = api.nixl_agent(agent_name, conf)
         self._pool = pool  # keep the memory alive while registered
         if row_bytes <= 0:
             raise ValueError(f"row_bytes must be positive, got {row_bytes}")

@@ -156,11 +156,10 @@ class _StreamEnd:
         if decode is not None:
             decode.num_inflight -= 1
         self.ctx.outcome = status
-        if status == "upstream_error":
-            self.ctx.error = self.acct.error or "decode stream ended without [DONE] or broke"
         if status != "ok":
             self.orch.abort_legs(self.ctx)
         if status == "upstream_error":
+            self.ctx.error = self.acct.error or "decode stream ended without [DONE] or broke"
             self.orch.record_decode_status(self.ctx, None)
         if status == "timeout":
             self.state.metrics.leg_timeouts.labels("decode").inc()

@@ -52,8 +52,9 @@ def _sampling(spec: SamplingSpec) -> Any:
                           stop_token_ids=tuple(spec.stop_token_ids), ignore_eos=spec.ignore_eos).validate()
 
 
-class SingleModel:
-    """The plain single-rank model, with its prefill steps timed (mode `single`) like the SPMD wrappers'."""
+class TimedModel:
+    """The plain single-rank model with its prefill steps timed (mode `single`); the base of the SPMD wrappers,
+    which time theirs by sharding mode. `timings` holds the steps since the last `stats()`."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -69,18 +70,17 @@ class SingleModel:
         return getattr(self.model, name)
 
 
-class TPModel:
+class TPModel(TimedModel):
     """A full model replica whose prefill and decode run SPMD over the rank group (engine/parallel):
     prefill token-sharded (steps of at least `token_threshold` tokens) or head-sharded, decode with KDA
     heads split and the attention heads split (TP). Logits are identical on every rank, so every rank's
     scheduler samples the same tokens. The pool's KDA rows hold this rank's heads (layout tp_size = W)."""
 
     def __init__(self, model: Any, ctx: Any, token_threshold: int) -> None:
-        self.model, self.ctx, self.token_threshold = model, ctx, token_threshold
+        super().__init__(model)
+        self.ctx, self.token_threshold = ctx, token_threshold
         self.cfg = model.cfg
         self.alltoall_bytes = 0
-        self.timings: list[tuple[str, str, float]] = []
-        """Prefill steps since the last `stats()` (name, mode, seconds)."""
 
     def prefill(self, token_ids: Any, cache: Any, start: int = 0, all_logits: bool = False) -> Any:
         from engine.parallel.prefill import PrefillBatch, choose_mode, parallel_prefill
@@ -100,22 +100,17 @@ class TPModel:
 
         return parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="tp").logits
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
 
 class DCPModel(TPModel):
     """A full model replica whose decode splits the cache by token over the rank group (DCP = W): each rank
-    keeps its owned tokens (`engine.cache.DCPRowCache`, ownership from the pool layout's `dcp_interleave`),
+    keeps its owned tokens (`engine.cache.DCPRowCache`, whose ownership rule comes from the pool layout's
+    `dcp_interleave` and is the one the decode step uses),
     scores them, takes part in the exact compact top-k merge and the LSE merge (engine/parallel/dcp_decode.py).
     KDA heads are split as under TP. A local prefill (colocated requests, the `recompute` load-failure policy)
     runs the SPMD prefill into a temporary whole-sequence cache of the request, then keeps this rank's share."""
 
-    def __init__(self, model: Any, ctx: Any, token_threshold: int, interleave: int, merge: str = "compact") -> None:
-        from engine.parallel.dcp_layout import DCPLayout
-
+    def __init__(self, model: Any, ctx: Any, token_threshold: int, merge: str = "compact") -> None:
         super().__init__(model, ctx, token_threshold)
-        self.dcp_layout = DCPLayout(ctx.world_size, interleave)
         self.merge = merge
         self.merge_bytes = 0
         self.merge_fallbacks = 0
@@ -138,7 +133,7 @@ class DCPModel(TPModel):
         from engine.parallel.dcp_decode import parallel_decode
 
         result = parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="dcp",
-                                 layout=self.dcp_layout, merge=self.merge)
+                                 layout=caches[0].layout, merge=self.merge)
         self.merge_bytes += result.stats.merge_bytes
         self.merge_fallbacks += result.stats.merge_fallback_rows
         return result.logits
@@ -150,7 +145,8 @@ class DCPModel(TPModel):
 
 
 class ReferenceBackend:
-    """One rank's Engine; with W > 1 ranks its model is the SPMD `TPModel` over the rank group."""
+    """One rank's Engine; its model is `TimedModel` on one rank, else SPMD over the rank group: `TPModel`, or
+    `DCPModel` on a DCP pool (whose cache views are `DCPRowCache`s)."""
 
     def __init__(self, config: Any, ctx: Any) -> None:
         from engine.engine import Engine, EngineConfig
@@ -164,19 +160,15 @@ class ReferenceBackend:
         engine_config = EngineConfig(model=config.model, seed=seed, num_rows=config.num_rows,
                                      max_batch=config.max_num_seqs, tp_size=config.tp_size,
                                      dcp_size=config.dcp_size, block_size=config.block_size)
-        model, make_cache = None, None
+        make_cache = None
+        built = build_model(get_preset(config.model), seed)
         if config.dcp_size > 1:
-            from kv_transfer.layout import plan_layout
-
-            layout = plan_layout(get_preset(config.model), tp_size=config.tp_size, dcp_size=config.dcp_size,
-                                 block_size=config.block_size)  # the Engine plans the same layout for its pool
-            model = DCPModel(build_model(get_preset(config.model), seed), ctx, config.token_shard_min_tokens,
-                             layout.dcp_interleave)
+            model = DCPModel(built, ctx, config.token_shard_min_tokens)
             make_cache = model.make_cache
         elif ctx.world_size > 1:
-            model = TPModel(build_model(get_preset(config.model), seed), ctx, config.token_shard_min_tokens)
+            model = TPModel(built, ctx, config.token_shard_min_tokens)
         else:
-            model = SingleModel(build_model(get_preset(config.model), seed))
+            model = TimedModel(built)
         self.engine = Engine(engine_config, model=model, make_cache=make_cache)
         self.layout = self.engine.layout
         self.model_config = self.engine.model_config
@@ -238,7 +230,7 @@ class ReferenceBackend:
             counters += ((f"dcp_merge_bytes_{model.merge}", float(model.merge_bytes)),
                          ("dcp_merge_fallbacks", float(model.merge_fallbacks)))
         timings: tuple[tuple[str, str, float], ...] = ()
-        if isinstance(model, (TPModel, SingleModel)) and model.timings:
+        if model.timings:
             timings, model.timings = tuple(model.timings), []
         return RankStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
                          num_rows_used=total - self.engine.num_free_rows, num_rows_total=total,

@@ -202,6 +202,11 @@ def _pro() -> ModelConfig:
 PRESETS = {"kimi-k3.1-mini": _mini, "kimi-k3.1-pro": _pro}
 
 
+def preset_or_file(name: str) -> ModelConfig:
+    """A preset by name, or a ModelConfig JSON file when `name` ends in .json (the benchmarks' --model)."""
+    return ModelConfig.load(name) if name.endswith(".json") else get_preset(name)
+
+
 def get_preset(name: str) -> ModelConfig:
     """The named preset; a clear error listing the known names otherwise."""
     try:

@@ -33,13 +33,31 @@ def fake_python(tmp_path: Path) -> str:
     return str(wrapper)
 
 
+def _pids_in(log: Path) -> list[int]:
+    return [int(x) for line in log.read_text().splitlines() if line.startswith("PIDS ") for x in line.split()[1:]]
+
+
 def _all_pids(log_dir: Path) -> list[int]:
-    pids = []
-    for log in log_dir.glob("*.log"):
-        for line in log.read_text().splitlines():
-            if line.startswith("PIDS "):
-                pids += [int(x) for x in line.split()[1:]]
-    return pids
+    return [pid for log in log_dir.glob("*.log") for pid in _pids_in(log)]
+
+
+def _start_up(tmp_path: Path, fake_python: str) -> tuple[subprocess.Popen, Path, str]:
+    """`pdcluster up` on POOLS with fake nodes; (process, log dir, output up to the banner's last line)."""
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"startup_timeout_s": 30, "pools": POOLS}))
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdcluster.cli", "up", "--config", str(tmp_path / "c.yaml"), "--router-port", "0",
+         "--log-dir", str(logs), "--node-python", fake_python],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if not line or line.startswith("Ctrl-C stops"):
+            break
+    return proc, logs, "".join(lines)
 
 
 def _alive(pid: int) -> bool:
@@ -95,21 +113,7 @@ def test_startup_is_bounded(tmp_path, fake_python):
 
 
 def test_pdcluster_up_prints_endpoint_and_stops_on_sigterm(tmp_path, fake_python):
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"startup_timeout_s": 30, "pools": POOLS}))
-    logs = tmp_path / "logs"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdcluster.cli", "up", "--config", str(tmp_path / "c.yaml"), "--router-port", "0",
-         "--log-dir", str(logs), "--node-python", fake_python],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    lines = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if not line or line.startswith("Ctrl-C stops"):
-            break
-    text = "".join(lines)
+    proc, logs, text = _start_up(tmp_path, fake_python)
     assert "pdcluster is up: http://127.0.0.1:" in text and "curl -s http://127.0.0.1:" in text, text
     assert f"logs:    {logs}" in text and "/metrics" in text
     router_url = text.split("pdcluster is up: ")[1].split("/v1")[0]
@@ -136,21 +140,8 @@ def test_a_port_already_in_use_is_refused_before_anything_starts(tmp_path, fake_
 
 
 def test_pdcluster_up_stops_everything_when_the_router_dies(tmp_path, fake_python):
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"startup_timeout_s": 30, "pools": POOLS}))
-    logs = tmp_path / "logs"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdcluster.cli", "up", "--config", str(tmp_path / "c.yaml"), "--router-port", "0",
-         "--log-dir", str(logs), "--node-python", fake_python],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line or line.startswith("Ctrl-C stops"):
-            break
-    router_pids = [int(x) for line in (logs / "router.log").read_text().splitlines() if line.startswith("PIDS ")
-                   for x in line.split()[1:]]
-    for pid in router_pids:
+    proc, logs, _ = _start_up(tmp_path, fake_python)
+    for pid in _pids_in(logs / "router.log"):
         subprocess.run(["kill", "-9", str(pid)], check=False)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "the router is gone" in out and "every process stopped" in out, out
