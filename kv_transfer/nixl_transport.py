@@ -24,6 +24,10 @@ UCX transports: `KVTransferSettings.ucx_tls` (env PDC_KV_UCX_TLS) is written to 
 starts, so UCX never picks transports silently; `detect_tcp_fallback` flags a configuration where RMA can only
 run over TCP (logged as a warning; `tcp_fallback` feeds the `pdcluster_node_ucx_tcp_fallback` gauge).
 One UCX context per process: every NixlTransport in a process shares the first one's UCX_TLS.
+UCX peer-failure handling (`KVTransferSettings.error_handling`): on a host without an RDMA device the agents'
+endpoints run without it, so wire-up and notifications go over shared memory and a first READ needs no TCP
+handshake with the remote process; with an RDMA device (peers on other hosts) NIXL's `peer` mode stays.
+A read still running after `repost_after_s` is cancelled and posted once more on a fresh endpoint.
 """
 
 from __future__ import annotations
@@ -70,9 +74,24 @@ class KVTransferSettings(BaseSettings):
     API fixes it at 0, a busy loop (measured: ~95% of a core per idle rank process, so an idle 5-rank cluster
     on 2 cores starved its own prefill 10x). With a delay the thread sleeps in poll() on the workers' event
     fds, waking at once on traffic (wire-up requests from decode peers while a prefill step runs)."""
+    error_handling: str = "auto"
+    """UCX peer-failure handling of the agent's endpoints (NIXL's `ucx_error_handling_mode`): `peer`, `none`,
+    or `auto`. `peer` (NIXL's default) excludes shared-memory transports from the endpoint, so every endpoint
+    gets a TCP lane for its active messages (wire-up, notifications, keepalive) and its first READ waits on a
+    TCP handshake that the remote worker must progress; `none` sends those over shared memory and connects to
+    the remote interface at once. `auto`: `none` when the peers are on this host (CMA or shared memory reads
+    fail by themselves if a peer process is gone, and P's leases expire) on a host without an RDMA device,
+    `peer` where one is present (peers on other hosts)."""
     poll_timeout_s: float = 30.0
+    repost_after_s: float = 10.0
+    """A read still running after this long is cancelled and posted once more on a fresh endpoint to the same
+    peer (NixlTransport.repost), within poll_timeout_s. A local CMA read of a whole request takes milliseconds;
+    one stalled for seconds is waiting on an endpoint, not on bytes."""
     lease_ttl_s: float = 30.0
 
+
+SPIN_S = 0.002
+POLL_SLEEP_S = 0.0005
 
 NIXL_MODULES = ("nixl_cu12", "nixl_cu13")
 """NIXL's wheels by CUDA major; the `nixl` meta package may pick one that does not match the machine, so the
@@ -115,6 +134,20 @@ def _progress_delay(api: Any, delay_us: int) -> Iterator[None]:
         api.nixlBind.nixlAgentConfig = base
 
 
+def rdma_present(infiniband_dir: str = "/sys/class/infiniband") -> bool:
+    ib = Path(infiniband_dir)
+    return ib.is_dir() and any(ib.iterdir())
+
+
+def resolve_error_handling(setting: str, infiniband_dir: str = "/sys/class/infiniband") -> str:
+    """NIXL's `ucx_error_handling_mode` for `setting` (see KVTransferSettings.error_handling)."""
+    if setting == "auto":
+        return "peer" if rdma_present(infiniband_dir) else "none"
+    if setting not in ("none", "peer"):
+        raise ValueError(f"error_handling must be auto, none or peer, got {setting!r}")
+    return setting
+
+
 def nvidia_gpu_present(driver_dir: str = "/proc/driver/nvidia/gpus") -> bool:
     d = Path(driver_dir)
     return d.is_dir() and any(d.iterdir())
@@ -127,8 +160,7 @@ def resolve_ucx_tls(setting: str, mem_type: str, infiniband_dir: str = "/sys/cla
     backend on a GPU machine whose UCX_TLS lacks cuda_copy, even for a DRAM pool (seen on an H200 host)."""
     if setting != "auto":
         return setting
-    ib = Path(infiniband_dir)
-    parts = [RDMA_TLS] if ib.is_dir() and any(ib.iterdir()) else []
+    parts = [RDMA_TLS] if rdma_present(infiniband_dir) else []
     if mem_type == "VRAM" or (nvidia_gpu_present() if gpu_present is None else gpu_present):
         parts.append(GPU_TLS)
     return ",".join(parts + [HOST_TLS])
@@ -142,8 +174,7 @@ def detect_tcp_fallback(ucx_tls: str, peer_is_local: bool, infiniband_dir: str =
     if tls and tls[0].startswith("^"):
         excluded = {tls[0][1:], *tls[1:]}
         tls = [t for t in FAST_RMA_TLS + ("tcp",) if t not in excluded]
-    ib = Path(infiniband_dir)
-    has_ib = ib.is_dir() and any(ib.iterdir())
+    has_ib = rdma_present(infiniband_dir)
     if peer_is_local:
         scope = Path(ptrace_scope_file)
         cma_ok = not scope.exists() or scope.read_text().strip() in ("0", "1")
@@ -177,6 +208,8 @@ class _Handle:
     descriptors: int
     t_start: float
     post_s: float
+    ops: tuple[ReadOp, ...]
+    notif: bytes
     state: TransferState = TransferState.PROC
     wall_s: float = 0.0
 
@@ -197,10 +230,10 @@ class NixlTransport:
         if self.fallback_reason:
             log.warning("KV transfer will run over TCP: %s", self.fallback_reason)
         self.agent_name = agent_name
-        conf = api.nixl_agent_config(backends=["UCX"], capture_telemetry=self.settings.capture_telemetry,
-                                     num_threads=self.settings.num_threads)
+        conf = api.nixl_agent_config(backends=[], capture_telemetry=self.settings.capture_telemetry)
         with _progress_delay(api, self.settings.progress_delay_us):
             self._agent = api.nixl_agent(agent_name, conf)
+            self._agent.create_backend("UCX", self._backend_params())
         self._pool = pool  # keep the memory alive while registered
         if row_bytes <= 0:
             raise ValueError(f"row_bytes must be positive, got {row_bytes}")
@@ -209,6 +242,13 @@ class NixlTransport:
         self._reg = self._agent.register_memory([(self.base_addr, self.pool_bytes, self.device_id, "")], self.mem_type)
         self._peers: dict[str, str] = {}
         self.reads_failed = 0
+        self.reads_reposted = 0
+
+    def _backend_params(self) -> dict[str, str]:
+        params = {"ucx_error_handling_mode": resolve_error_handling(self.settings.error_handling)}
+        if self.settings.num_threads > 0:
+            params["num_threads"] = str(self.settings.num_threads)
+        return params
 
     def set_row_bytes(self, row_bytes: int) -> None:
         """Re-slice the same registered pool into rows of another size (re-planning; no re-registration)."""
@@ -258,7 +298,7 @@ class NixlTransport:
         xfer = self._agent.initialize_xfer("READ", ldl, rdl, name, notif)
         state = self._agent.transfer(xfer)
         post_s = time.perf_counter() - t0
-        h = _Handle(xfer, peer, int(local[:, 1].sum()), len(ops), t0, post_s)
+        h = _Handle(xfer, peer, int(local[:, 1].sum()), len(ops), t0, post_s, tuple(ops), notif)
         self._set_state(h, state)
         return h
 
@@ -277,12 +317,36 @@ class NixlTransport:
         return handle.state
 
     def wait(self, handle: _Handle, timeout_s: float | None = None) -> ReadResult:
-        """Poll until DONE/ERR or the timeout (TransferError)."""
-        deadline = time.monotonic() + (timeout_s or self.settings.poll_timeout_s)
+        """Poll until DONE/ERR or the timeout (TransferError). Polls back to back for the first SPIN_S (a CMA
+        or RDMA read of a few MB is done by then), then every POLL_SLEEP_S: on two cores a reader spinning for
+        seconds takes a core from the ranks it waits on."""
+        timeout_s = timeout_s or self.settings.poll_timeout_s
+        started = time.monotonic()
         while self.poll(handle) is TransferState.PROC:
-            if time.monotonic() > deadline:
-                raise TransferError(f"read from {handle.peer.agent_name} still running after {timeout_s} s")
+            waited = time.monotonic() - started
+            if waited > timeout_s:
+                raise TransferError(f"read from {handle.peer.agent_name} ({handle.descriptors} descriptors, "
+                                    f"{handle.nbytes} B) still running after {timeout_s:.1f} s")
+            if waited > SPIN_S:
+                time.sleep(POLL_SLEEP_S)
         return self.result(handle)
+
+    def repost(self, handle: _Handle) -> _Handle:
+        """Cancel a read that is still running and post it again on a fresh endpoint to the same peer (its
+        metadata loaded anew). Reads are idempotent and the DONE notification goes out only when a read
+        completes, so P sees one DONE either way."""
+        try:
+            self.release(handle)
+        except Exception:  # noqa: BLE001 - NIXL could not cancel it; the new read does not depend on it
+            log.warning("could not cancel the stalled read from %s", handle.peer.agent_name)
+        name = self._peers.pop(handle.peer.agent_name, None)
+        if name is not None:
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - reloading the metadata below is what matters
+                log.warning("could not drop the endpoint to %s", handle.peer.agent_name)
+        self.reads_reposted += 1
+        return self.post_read(handle.peer, handle.ops, handle.notif)
 
     def result(self, handle: _Handle) -> ReadResult:
         backend_descs = xfer_s = None
@@ -334,16 +398,26 @@ def pump_notifications(transports: Sequence[NixlTransport], leases: LeaseManager
 def read_request(transport: NixlTransport, d_rank: int, plan: ReadPlan, endpoints: dict[int, RankEndpoint],
                  lease_id: str, timeout_s: float | None = None) -> list[ReadResult]:
     """Decode side, one D rank: one READ per source P rank (each notifies P with a DONE for the lease),
-    polled to completion. Raises TransferError on ERR or timeout."""
+    polled to completion. A read still running after `settings.repost_after_s` is posted once more on a fresh
+    endpoint (NixlTransport.repost). Raises TransferError on ERR or when `timeout_s` (default
+    settings.poll_timeout_s) runs out."""
     total = len(plan.consumers())
+    deadline = time.monotonic() + (timeout_s or transport.settings.poll_timeout_s)
     handles = []
     for p_rank, ops in plan.by_source(d_rank).items():
         notif = done_message(lease_id, f"{d_rank}.{p_rank}", total)
         handles.append(transport.post_read(endpoints[p_rank], ops, notif))
     results = []
     try:
-        for h in handles:
-            res = transport.wait(h, timeout_s)
+        for i, h in enumerate(handles):
+            try:
+                res = transport.wait(h, max(0.001, min(transport.settings.repost_after_s, deadline - time.monotonic())))
+            except TransferError as exc:
+                if deadline - time.monotonic() <= 0:
+                    raise
+                log.warning("%s; posting it again on a fresh endpoint", exc)
+                handles[i] = h = transport.repost(h)
+                res = transport.wait(h, max(0.001, deadline - time.monotonic()))
             if res.state is not TransferState.DONE:
                 raise TransferError(f"read from {h.peer.agent_name} failed")
             results.append(res)

@@ -5,7 +5,8 @@ Used by tests/kv_transfer and benchmarks/transfer.py to run P and D ranks as sep
 returns its answer (a child error is re-raised as RuntimeError carrying the child's traceback).
 Commands: fill (random bytes from a seed), zero, import (the full decode path of kv_transfer.importer:
 side channel over HTTP, checks, plan, READs with DONE notifications), raw_read (benchmark reads),
-digest, pool, notifs, tcp_fallback, stop.
+read_plan (nixl_transport.read_request over given ops: DONE notifications, reposting a stalled read),
+digest, pool, notifs, tcp_fallback, stop. `settings` are KVTransferSettings fields for the rank's agent.
 """
 
 from __future__ import annotations
@@ -23,18 +24,18 @@ def pool_pattern(seed: int, nbytes: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
 
 
-def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None) -> None:
+def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, settings: dict) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cpu % os.cpu_count()})
     from engine.model.config import get_preset
     from kv_transfer.importer import import_request, plan_import
     from kv_transfer.layout import plan_layout
-    from kv_transfer.nixl_transport import KVTransferSettings, NixlTransport
+    from kv_transfer.nixl_transport import KVTransferSettings, NixlTransport, read_request
     from kv_transfer.params import KVTransferParams
 
     pool = np.zeros(pool_bytes, dtype=np.uint8)
-    t = NixlTransport(name, pool, 1, KVTransferSettings(ucx_tls=ucx_tls))
+    t = NixlTransport(name, pool, 1, KVTransferSettings(ucx_tls=ucx_tls, **settings))
     conn.send(("ok", name))
     inbox: list[tuple[str, bytes]] = []
     while True:
@@ -78,6 +79,12 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None) -> N
                     cpu = time.process_time() - c0
                     out.append((res.wall_s, res.backend_descriptors, res.backend_xfer_s, cpu))
                     t.release(h)
+            elif cmd == "read_plan":  # read_request: one READ per P rank in `endpoints`, DONE notifications
+                from kv_transfer.remap import ReadPlan
+
+                res = read_request(t, kw["d_rank"], ReadPlan({kw["d_rank"]: kw["ops"]}), kw["endpoints"],
+                                   kw["lease_id"], kw.get("timeout"))
+                out = {"results": [(r.state.value, r.bytes) for r in res], "reposted": t.reads_reposted}
             elif cmd == "digest":  # sha256 over the listed (offset, length) ranges, in order
                 hsh = hashlib.sha256()
                 for off, length in kw["ranges"]:
@@ -103,10 +110,11 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None) -> N
 class RankProcess:
     """Parent-side handle of one rank process."""
 
-    def __init__(self, ctx, name: str, pool_bytes: int, ucx_tls: str = "auto", cpu: int | None = None) -> None:
+    def __init__(self, ctx, name: str, pool_bytes: int, ucx_tls: str = "auto", cpu: int | None = None,
+                 settings: dict | None = None) -> None:
         self.conn, child = ctx.Pipe()
         self.name = name
-        self.proc = ctx.Process(target=_serve, args=(child, name, pool_bytes, ucx_tls, cpu), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, name, pool_bytes, ucx_tls, cpu, settings or {}), daemon=True)
         self.proc.start()
 
     def ready(self, timeout: float = 60) -> None:

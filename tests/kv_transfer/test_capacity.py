@@ -11,7 +11,7 @@ import pytest
 from engine.model.config import get_preset
 from kv_transfer.capacity import parse_parallel, plan_capacity
 from kv_transfer.cli import main
-from kv_transfer.nixl_transport import detect_tcp_fallback, resolve_ucx_tls
+from kv_transfer.nixl_transport import detect_tcp_fallback, resolve_error_handling, resolve_ucx_tls
 
 PRO = get_preset("kimi-k3.1-pro")
 
@@ -74,6 +74,12 @@ def test_ucx_tls_is_explicit_and_tcp_fallback_detected(tmp_path):
     (ib / "mlx5_0").mkdir(parents=True)
     assert resolve_ucx_tls("auto", "VRAM", str(ib)).startswith("rc_x,rc,ud_x,dc_x,cuda_ipc,cuda_copy")
     assert resolve_ucx_tls("tcp", "DRAM") == "tcp"
+    # Peer-failure handling: off on a host without RDMA (shared-memory wire-up), NIXL's `peer` with it.
+    assert resolve_error_handling("auto", no_ib) == "none"
+    assert resolve_error_handling("auto", str(ib)) == "peer"
+    assert resolve_error_handling("peer", no_ib) == "peer"
+    with pytest.raises(ValueError, match="error_handling"):
+        resolve_error_handling("sometimes", no_ib)
     scope = tmp_path / "ptrace"
     scope.write_text("0\n")
     assert detect_tcp_fallback("sm,cma,self,tcp", True, no_ib, str(scope)) is None

@@ -170,3 +170,47 @@ def test_an_idle_agent_does_not_spin():
     finally:
         p.stop()
         d.stop()
+
+
+def test_a_stalled_read_is_posted_again_on_a_fresh_endpoint():
+    """A READ still running after `repost_after_s` is cancelled and posted once more on a fresh endpoint
+    (nixl_transport.read_request / NixlTransport.repost). The stall is real: with UCX peer error handling an
+    endpoint's first READ waits on a TCP handshake that the P process must answer, and P is stopped (SIGSTOP)
+    until after the first attempt gave up. The bytes arrive exactly and P gets exactly one DONE."""
+    import multiprocessing
+    import signal
+    import threading
+
+    from kv_transfer.lease import done_message
+    from kv_transfer.rank_process import RankProcess, pool_pattern
+    from kv_transfer.remap import ReadOp
+
+    ctx = multiprocessing.get_context("spawn")
+    peer_mode = {"error_handling": "peer", "repost_after_s": 1.5}
+    p, d = RankProcess(ctx, "stall-P", 1 << 20, settings=peer_mode), RankProcess(ctx, "stall-D", 1 << 20,
+                                                                                  settings=peer_mode)
+    try:
+        p.ready(120)
+        d.ready(120)
+        endpoint = p.call("fill", seed=5, row_bytes=4096, rank=0, cheap=True)
+        d.call("zero", row_bytes=4096, rank=0)
+        ops = [ReadOp(0, 3, 0, 4096, 10, 0), ReadOp(0, 7, 100, 2000, 11, 50)]
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        resume = threading.Timer(2.5, os.kill, (p.proc.pid, signal.SIGCONT))
+        resume.start()
+        started = time.monotonic()
+        out = d.call("read_plan", d_rank=0, ops=ops, endpoints={0: endpoint}, lease_id="L1", timeout=30)
+        elapsed = time.monotonic() - started
+        resume.join()
+        assert out == {"results": [("DONE", 6096)], "reposted": 1}, out
+        assert 1.5 <= elapsed < 30, elapsed
+        src = np.resize(pool_pattern(5, 4099), 1 << 20)
+        pool = np.frombuffer(d.call("pool"), dtype=np.uint8)
+        assert np.array_equal(pool[10 * 4096:11 * 4096], src[3 * 4096:4 * 4096])
+        assert np.array_equal(pool[11 * 4096 + 50:11 * 4096 + 2050], src[7 * 4096 + 100:7 * 4096 + 2100])
+        notes = p.notifs(count=2, timeout=3)
+        assert [m for _, m in notes] == [done_message("L1", "0.0", 1)], notes
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+        p.stop()
+        d.stop()
