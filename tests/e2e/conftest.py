@@ -77,7 +77,8 @@ VLLM_CONFIG = {
     "vllm": {"max_model_len": 1024, "served_model_name": SERVED_MODEL,
              "extra_args": ["--dtype", "float32", "--seed", "0", "--max-num-seqs", "8", "--no-enable-prefix-caching",
                             "--enable-prompt-tokens-details", "--enforce-eager"]},
-    "router": {"port": None, "settings": {"disagg_min_uncached_tokens": 1}},
+    # connect_timeout_s: both vLLM servers busy-poll the two cores the router shares with them.
+    "router": {"port": None, "settings": {"disagg_min_uncached_tokens": 1, "connect_timeout_s": 30.0}},
     "pools": [{"name": "prefill", "role": "prefill", "cores": [0]},
               {"name": "tp", "role": "decode", "cores": [1]}],
 }

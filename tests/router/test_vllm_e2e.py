@@ -32,8 +32,10 @@ def router_url(vllm_pd_pair):
     prefill, decode = vllm_pd_pair
     settings = Settings(prefill_urls=[prefill.url], decode_urls=[decode.url], engine="vllm",
                         disagg_min_uncached_tokens=1, admin_token=TOKEN, health_interval_s=2.0,
-                        health_timeout_s=10.0,
-                        prefill_timeout_s=120.0, first_token_timeout_s=120.0)
+                        health_timeout_s=10.0, prefill_timeout_s=120.0, first_token_timeout_s=120.0,
+                        # The router runs in this process on the two cores both vLLM servers spin on (their OMP
+                        # threads and NIXL progress threads busy-poll): its event loop can miss 5 s at a time.
+                        connect_timeout_s=30.0)
     with uvicorn_server(create_app(settings)) as url:
         # every test below expects the P leg: wait until the pair is usable
         assert wait_until(lambda: "prefill-0" in httpx.get(f"{url}/metrics", timeout=10).text
