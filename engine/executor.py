@@ -268,13 +268,8 @@ class ExecutorState:
     """Rank 0's durations not yet taken by the metrics (`take_timings`); the oldest drop past the bound."""
 
     def take_timings(self) -> list[tuple[str, str, float]]:
-        """Pop what the driver thread queued (deque appends and pops are thread-safe)."""
-        taken = []
-        while True:
-            try:
-                taken.append(self.timings.popleft())
-            except IndexError:
-                return taken
+        """Pop what the driver thread queued (deque appends and pops are thread-safe; this is the one consumer)."""
+        return [self.timings.popleft() for _ in range(len(self.timings))]
 
 
 MAX_PENDING_TIMINGS = 10_000

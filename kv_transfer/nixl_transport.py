@@ -204,14 +204,20 @@ def _buffer_addr(pool: Any) -> tuple[int, int, str, int]:
 class _Handle:
     xfer: Any
     peer: RankEndpoint
-    nbytes: int
-    descriptors: int
-    t_start: float
-    post_s: float
     ops: tuple[ReadOp, ...]
     notif: bytes
+    t_start: float
+    post_s: float
     state: TransferState = TransferState.PROC
     wall_s: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(op.length for op in self.ops)
+
+    @property
+    def descriptors(self) -> int:
+        return len(self.ops)
 
 
 class NixlTransport:
@@ -298,7 +304,7 @@ class NixlTransport:
         xfer = self._agent.initialize_xfer("READ", ldl, rdl, name, notif)
         state = self._agent.transfer(xfer)
         post_s = time.perf_counter() - t0
-        h = _Handle(xfer, peer, int(local[:, 1].sum()), len(ops), t0, post_s, tuple(ops), notif)
+        h = _Handle(xfer, peer, tuple(ops), notif, t0, post_s)
         self._set_state(h, state)
         return h
 
@@ -403,6 +409,10 @@ def read_request(transport: NixlTransport, d_rank: int, plan: ReadPlan, endpoint
     settings.poll_timeout_s) runs out."""
     total = len(plan.consumers())
     deadline = time.monotonic() + (timeout_s or transport.settings.poll_timeout_s)
+
+    def left_s() -> float:
+        return deadline - time.monotonic()
+
     handles = []
     for p_rank, ops in plan.by_source(d_rank).items():
         notif = done_message(lease_id, f"{d_rank}.{p_rank}", total)
@@ -411,13 +421,13 @@ def read_request(transport: NixlTransport, d_rank: int, plan: ReadPlan, endpoint
     try:
         for i, h in enumerate(handles):
             try:
-                res = transport.wait(h, max(0.001, min(transport.settings.repost_after_s, deadline - time.monotonic())))
+                res = transport.wait(h, max(0.001, min(transport.settings.repost_after_s, left_s())))
             except TransferError as exc:
-                if deadline - time.monotonic() <= 0:
+                if left_s() <= 0:
                     raise
                 log.warning("%s; posting it again on a fresh endpoint", exc)
                 handles[i] = h = transport.repost(h)
-                res = transport.wait(h, max(0.001, deadline - time.monotonic()))
+                res = transport.wait(h, max(0.001, left_s()))
             if res.state is not TransferState.DONE:
                 raise TransferError(f"read from {h.peer.agent_name} failed")
             results.append(res)

@@ -33,6 +33,7 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, sett
     from kv_transfer.layout import plan_layout
     from kv_transfer.nixl_transport import KVTransferSettings, NixlTransport, read_request
     from kv_transfer.params import KVTransferParams
+    from kv_transfer.remap import ReadPlan
 
     pool = np.zeros(pool_bytes, dtype=np.uint8)
     t = NixlTransport(name, pool, 1, KVTransferSettings(ucx_tls=ucx_tls, **settings))
@@ -80,8 +81,6 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, sett
                     out.append((res.wall_s, res.backend_descriptors, res.backend_xfer_s, cpu))
                     t.release(h)
             elif cmd == "read_plan":  # read_request: one READ per P rank in `endpoints`, DONE notifications
-                from kv_transfer.remap import ReadPlan
-
                 res = read_request(t, kw["d_rank"], ReadPlan({kw["d_rank"]: kw["ops"]}), kw["endpoints"],
                                    kw["lease_id"], kw.get("timeout"))
                 out = {"results": [(r.state.value, r.bytes) for r in res], "reposted": t.reads_reposted}

@@ -13,6 +13,7 @@ connection and calls the engine's aborter on both legs so neither node keeps row
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -49,8 +50,6 @@ class RequestContext:
 
 def upstream_message(content: bytes, limit: int = 300) -> str:
     """': <message>' from a node's OpenAI-style error body (empty if there is none), for the router's own error."""
-    import json  # noqa: PLC0415
-
     try:
         message = json.loads(content)["error"]["message"]
     except (ValueError, KeyError, TypeError):

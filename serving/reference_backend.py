@@ -193,9 +193,9 @@ class ReferenceBackend:
         """Decode from the imported rows. A request aborted after its import and before this command (the
         router's abort and the node's StartDecode race when a client leaves between the legs) has nothing to
         start: its abort already ended it."""
-        if request_id not in self._first_tokens:
+        first = self._first_tokens.pop(request_id, None)
+        if first is None:
             return []
-        first = self._first_tokens.pop(request_id)
         return [self._token(out) for out in self.engine.start_decode(request_id, first)]
 
     def abort(self, request_id: str) -> list[Event]:
