@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from engine.cache import RowPool, RowSequenceCache  # noqa: E402
 from engine.model.config import get_preset  # noqa: E402
 from engine.model.weights import build_model  # noqa: E402
-from kv_transfer.layout import plan_layout  # noqa: E402
+from engine.layout import plan_layout  # noqa: E402
 
 GOAL_PREFILL_4K_S = 5.0
 GOAL_DECODE_B1_MS = 50.0

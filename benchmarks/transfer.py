@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.model.config import get_preset  # noqa: E402
-from kv_transfer.layout import plan_layout  # noqa: E402
-from kv_transfer.rank_process import RankProcess  # noqa: E402
+from engine.layout import plan_layout  # noqa: E402
+from tests.kv_transfer.rank_process import RankProcess  # noqa: E402
 from kv_transfer.remap import ReadOp  # noqa: E402
 
 

@@ -14,24 +14,17 @@ from fastapi.responses import Response
 
 from decode_node.remote import PeerDirectory, serve_remote
 from decode_node.settings import Settings
-from prefill_node.export import parse_params
+from kv_transfer.geometry import Geometry
+from node.app import NodeRuntime, build_app
+from node.local import serve_local
+from node.runtime import RankInfo, start_runtime, worker_config
+from node.textgen import PreparedRequest
 from serving.errors import APIError
-from serving.local import serve_local
-from serving.node_app import NodeRuntime, build_app
-from serving.runtime import RankInfo, start_runtime, worker_config
-from serving.textgen import PreparedRequest
-
-
-class Geometry:
-    """This pool's pairing facts (what kv_transfer.remap.pair_problems reads)."""
-
-    def __init__(self, tp: int, dcp: int, block_size: int, layout_fingerprint: str) -> None:
-        self.tp, self.dcp, self.block_size, self.layout_fingerprint = tp, dcp, block_size, layout_fingerprint
 
 
 def _handler(settings: Settings):  # noqa: ANN202 - returns the node's Handler
     async def handle(runtime: NodeRuntime, prepared: PreparedRequest, request: Request) -> Response:
-        params = parse_params(prepared)
+        params = prepared.kv_params
         if params is not None and params.do_remote_decode:
             raise APIError(400, "this is a decode node: do_remote_decode requests go to a prefill node",
                            "kv_transfer_params")

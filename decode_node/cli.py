@@ -8,7 +8,7 @@ import argparse
 def main(argv: list[str]) -> int:
     from decode_node.app import create_app
     from decode_node.settings import Settings
-    from serving.node_cli import add_common_flags, run
+    from node.cli import add_common_flags, run
 
     parser = argparse.ArgumentParser(prog="pdcluster decode", description=__doc__)
     add_common_flags(parser)

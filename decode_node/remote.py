@@ -17,14 +17,15 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.executor import Abort, ImportKV, ImportOutcome, StartDecode
+from kv_transfer.geometry import Geometry
 from kv_transfer.params import KVParamsError, KVTransferParams, check_readable
 from kv_transfer.remap import pair_problems
-from serving.errors import APIError
-from serving.local import respond, serve_local
-from serving.node_app import NodeRuntime, until_disconnect
 from kv_transfer.side_channel import InstanceMetadata, fetch_metadata
-from serving.textgen import PreparedRequest
+from node.app import NodeRuntime, until_disconnect
+from node.local import respond, serve_local
+from node.protocol import Abort, ImportKV, ImportOutcome, StartDecode
+from node.textgen import PreparedRequest
+from serving.errors import APIError
 
 
 class PeerDirectory:
@@ -55,11 +56,6 @@ class PeerDirectory:
         await self._client.aclose()
 
 
-class _Geometry:  # the prefill side of pair_problems
-    def __init__(self, tp: int, dcp: int, block_size: int, layout_fingerprint: str) -> None:
-        self.tp, self.dcp, self.block_size, self.layout_fingerprint = tp, dcp, block_size, layout_fingerprint
-
-
 async def _admit(runtime: NodeRuntime, prepared: PreparedRequest, params: KVTransferParams) -> InstanceMetadata:
     """Every check before memory is touched; raises APIError (4xx) naming the problem."""
     if params.remote_host is None or params.remote_port is None:
@@ -81,7 +77,7 @@ async def _admit(runtime: NodeRuntime, prepared: PreparedRequest, params: KVTran
     except KVParamsError as exc:
         raise APIError(400, f"kv_transfer_params: {exc}", "kv_transfer_params") from exc
     local = runtime.extras["geometry"]
-    problems = pair_problems(_Geometry(params.tp_size, params.dcp_size, params.block_size or 0,
+    problems = pair_problems(Geometry(params.tp_size, params.dcp_size, params.block_size or 0,
                                        params.layout_fingerprint or ""), local)
     if (params.tp_size, params.dcp_size) != (info.tp_size, info.dcp_size):
         problems.append(f"params say prefill tp_size={params.tp_size} dcp_size={params.dcp_size}, the prefill node "

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from serving.node_settings import NodeSettings
+from node.settings import NodeSettings
 
 
 class Settings(NodeSettings):

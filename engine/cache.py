@@ -1,8 +1,8 @@
-"""The packed row pool the engine reads and writes, built on kv_transfer.layout.
+"""The packed row pool the engine reads and writes, built on engine.layout.
 
 One contiguous CPU uint8 tensor `buffer` [num_rows, row_bytes] (stable data_ptr: the NIXL transport registers it
 once; remote writers/readers move whole rows or sub-block ranges of it). A row holds either one attention block
-of a request (sub-block-major pages of every DSA layer, see kv_transfer/layout.py) or one KDA group's state of one
+of a request (sub-block-major pages of every DSA layer, see engine/layout.py) or one KDA group's state of one
 request (head-major). Rows of both kinds come from one free list.
 
 - `RowPool.allocate(n)` / `free(ids)` / `num_free`: lowest ids first, so ranks that see the same commands make the
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.layout import RowLayout
 from engine.model.config import ModelConfig
 from engine.model.state import CachedAttention, KDAState
 from engine.parallel.dcp_layout import DCPLayout
-from kv_transfer.layout import RowLayout
 
 
 class OutOfRows(RuntimeError):
@@ -300,7 +300,7 @@ class RowSequenceCache:
 class DCPRowCache:
     """One request's cache on one DCP rank, over that rank's rows of a RowPool planned with dcp_size = W.
 
-    Row k of the request holds the rank's owned tokens of block k in increasing order (kv_transfer/layout.py,
+    Row k of the request holds the rank's owned tokens of block k in increasing order (engine/layout.py,
     `dcp_owner`/`dcp_local_token`), which is exactly where a transfer from a prefill row lands them. Writers
     pass full rows for global positions start..start+T-1 (a local prefill, one decode token) and the rank keeps
     its share; the owned tokens of a contiguous global range are one contiguous local range. `read_owned` is

@@ -112,8 +112,8 @@ def _generate(args: argparse.Namespace, prompt_ids: list[int]) -> int:
 
 
 def _rows_needed(model: str, num_tokens: int) -> int:
+    from engine.layout import plan_layout
     from engine.model.config import get_preset
-    from kv_transfer.layout import plan_layout
 
     num_attn, num_kda = plan_layout(get_preset(model)).rows_per_request(num_tokens)
     return num_attn + num_kda

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cache import BlockTable, RowPool
+from engine.layout import RowLayout, plan_layout
 from engine.model.config import ModelConfig, get_preset
 from engine.model.model import KimiModel
 from engine.model.tokenizer import ByteTokenizer
@@ -38,7 +39,6 @@ from engine.model.weights import DEFAULT_SEED, build_model
 from engine.runner import ModelRunner
 from engine.sampling import SampledToken, SamplingParams, request_seed, sample
 from engine.scheduler import Request, RequestState, Scheduler
-from kv_transfer.layout import RowLayout, plan_layout
 
 
 @dataclass(frozen=True)

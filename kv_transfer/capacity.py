@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from engine.layout import RowLayout, plan_layout
 from engine.model.config import ModelConfig
-from kv_transfer.layout import RowLayout, plan_layout
 
 GB = 1_000_000_000
 

@@ -5,14 +5,14 @@ rank runs once the router handed it P's kv_transfer_params and the node fetched 
 1. `check_readable` (engine id, fingerprint, block size, row ids, lease expiry) -> KVParamsError;
 2. P's layout is rebuilt from the metadata and must carry the same fingerprint as D's;
 3. `remap.plan_reads` (IncompatiblePair if the pair cannot be remapped);
-4. `nixl_transport.read_request`: one READ per source P rank, polled to completion, DONE notification.
+4. `nixl_agent.read_request`: one READ per source P rank, polled to completion, DONE notification.
 Steps 1-3 touch no memory; a failure there leaves both pools and P's lease untouched.
 """
 
 from __future__ import annotations
 
+from engine.layout import RowLayout, plan_layout
 from engine.model.config import ModelConfig
-from kv_transfer.layout import RowLayout, plan_layout
 from kv_transfer.params import KVParamsError, KVTransferParams, check_readable
 from kv_transfer.remap import ReadPlan, plan_reads
 from kv_transfer.transport import RankEndpoint, ReadResult
@@ -48,7 +48,7 @@ def import_request(transport, cfg: ModelConfig, d_layout: RowLayout, d_rank: int
                    endpoints: dict[int, RankEndpoint] | None = None) -> list[ReadResult]:
     """All four steps for one D rank; the read results (one per source P rank). `endpoints` defaults to
     `meta.endpoints()` (side_channel.InstanceMetadata)."""
-    from kv_transfer.nixl_transport import read_request  # noqa: PLC0415 - keeps NIXL out of planning imports
+    from kv_transfer.nixl_agent import read_request  # noqa: PLC0415 - keeps NIXL out of planning imports
 
     plan = plan_import(cfg, d_layout, params, meta, d_attn_rows, d_kda_rows)
     eps = endpoints if endpoints is not None else meta.endpoints()

@@ -9,7 +9,7 @@ Every one of those parses here and `to_wire()` gives back the same JSON object (
 newer vLLM field survives a round trip).
 
 Packed-row fields (ours, absent from vLLM's JSON and therefore optional):
-- `block_size`: P's tokens per attention row; `subblock_tokens`; `layout_fingerprint` (kv_transfer.layout).
+- `block_size`: P's tokens per attention row; `subblock_tokens`; `layout_fingerprint` (engine.layout).
 - `remote_block_ids[0]` holds P's attention row ids in token order; `remote_kda_block_ids` one KDA row per
   KDA group (in group order).
 - `first_token_id`: the token P sampled, so D starts decoding without recomputing it.

@@ -24,7 +24,7 @@ Attention bytes: rows are sub-block-major, so any aligned power-of-two token run
 Tokens past the request's end are rounded up to whole sub-blocks (padding bytes move with them).
 
 Pairing: `pair_problems(p, d) -> list[str]` is the pure check the router's pairing matrix calls with any
-objects carrying `tp`, `dcp`, `block_size`, `layout_fingerprint` (router.compat.Geometry);
+objects carrying `tp`, `dcp`, `block_size`, `layout_fingerprint` (kv_transfer.geometry.Geometry);
 `layout_pair_problems(p_layout, d_layout)` checks two full layouts. An empty list means compatible;
 `plan_reads` raises `IncompatiblePair` with the same reasons before anything is read.
 """
@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_transfer.layout import RowLayout
+from engine.layout import RowLayout
 
 
 class IncompatiblePair(ValueError):
@@ -82,7 +82,7 @@ def _is_pow2(n: int | None) -> bool:
 
 
 def pair_problems(p: Any, d: Any) -> list[str]:
-    """Why a P instance cannot feed a D instance, from geometry alone (router.compat.Geometry or a
+    """Why a P instance cannot feed a D instance, from geometry alone (kv_transfer.geometry.Geometry or a
     RowLayout-like object with tp/dcp/block_size/layout_fingerprint). Empty list = compatible."""
     get = lambda obj, *names: next((getattr(obj, n) for n in names if getattr(obj, n, None) is not None), None)  # noqa: E731
     problems: list[str] = []

@@ -1,4 +1,4 @@
-"""The transport interface the nodes program against (NIXL implements it in nixl_transport.py).
+"""The transport interface the nodes program against (NIXL implements it in nixl_agent.py).
 
 One transport object per GPU rank (per pool). Prefill side: `endpoint()` describes the registered pool
 for the side channel; `notifications()` yields what readers sent (lease DONE / HB / ABORT messages).

@@ -11,19 +11,19 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from prefill_node.export import parse_params, serve_export
+from kv_transfer.side_channel import InstanceMetadata, RankMetadata, side_channel_router
+from node.app import NodeRuntime, build_app
+from node.local import serve_local
+from node.runtime import RankInfo, start_runtime, worker_config
+from node.textgen import PreparedRequest
+from prefill_node.export import serve_export
 from prefill_node.exports import ExportIdentity, ExportTable
 from prefill_node.settings import Settings
 from serving.errors import APIError
-from serving.local import serve_local
-from serving.node_app import NodeRuntime, build_app
-from serving.runtime import RankInfo, start_runtime, worker_config
-from kv_transfer.side_channel import InstanceMetadata, RankMetadata, side_channel_router
-from serving.textgen import PreparedRequest
 
 
 async def handle(runtime: NodeRuntime, prepared: PreparedRequest, request: Request) -> Response:
-    params = parse_params(prepared)
+    params = prepared.kv_params
     if params is not None and params.do_remote_decode:
         return await serve_export(runtime, prepared, request)
     return await serve_local(runtime, prepared, request)

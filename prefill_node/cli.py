@@ -6,9 +6,9 @@ import argparse
 
 
 def main(argv: list[str]) -> int:
+    from node.cli import add_common_flags, run
     from prefill_node.app import create_app
     from prefill_node.settings import Settings
-    from serving.node_cli import add_common_flags, run
 
     parser = argparse.ArgumentParser(prog="pdcluster prefill", description=__doc__)
     add_common_flags(parser)

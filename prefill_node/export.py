@@ -15,20 +15,12 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.executor import EngineFailure, ExportedRows, Submit
-from kv_transfer.params import KVParamsError, KVTransferParams
+from node.app import NodeRuntime, until_disconnect
+from node.metrics import RequestTiming
+from node.protocol import EngineFailure, ExportedRows, Submit
+from node.responses import final_response
+from node.textgen import GenerationResult, PreparedRequest
 from serving.errors import APIError
-from serving.node_app import NodeRuntime, until_disconnect
-from serving.node_metrics import RequestTiming
-from serving.responses import final_response
-from serving.textgen import GenerationResult, PreparedRequest
-
-
-def parse_params(prepared: PreparedRequest) -> KVTransferParams | None:
-    try:
-        return KVTransferParams.from_wire(prepared.raw_kv_params)
-    except KVParamsError as exc:
-        raise APIError(400, str(exc), "kv_transfer_params") from exc
 
 
 def check_export_request(prepared: PreparedRequest) -> None:

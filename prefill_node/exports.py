@@ -12,10 +12,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from engine.executor import Executor, ExportedRows, Release, TransportNotice
 from kv_transfer.lease import OUTCOMES, LeaseManager
 from kv_transfer.params import KVTransferParams
-from serving.node_metrics import NodeMetrics
+from node.executor import Executor
+from node.metrics import NodeMetrics
+from node.protocol import ExportedRows, Release, TransportNotice
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from serving.node_settings import NodeSettings
+from node.settings import NodeSettings
 
 
 class Settings(NodeSettings):

@@ -17,21 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kv_transfer.geometry import Geometry
 from kv_transfer.remap import pair_problems as remap_pair_problems
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """What pairing needs to know about one instance (None: not known yet)."""
-
-    name: str
-    engine: str | None
-    model: str | None
-    tp: int | None
-    dcp: int | None
-    block_size: int | None
-    cache_dtype: str | None
-    layout_fingerprint: str | None = None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from router.compat import Geometry, PairVerdict, compat_matrix
+from kv_transfer.geometry import Geometry
+from router.compat import PairVerdict, compat_matrix
 from router.config import InstanceSpec
 from router.facts import CacheFacts, LoadFacts, ModelFacts
 

@@ -21,7 +21,12 @@ import torch
 from torch import nn
 
 from engine.model.config import ModelConfig
-from engine.model.numerics import RowLinear, fp8_quantize_rowwise, fp8_to_float, hadamard_matrix
+from engine.model.numerics import (
+    RowLinear,
+    fp8_quantize_rowwise,
+    fp8_to_float,
+    hadamard_matrix,
+)
 
 
 @dataclass

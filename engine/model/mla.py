@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.model.config import ModelConfig
-from engine.model.indexer import IndexQueries, Indexer, index_scores, select_topk
+from engine.model.indexer import Indexer, IndexQueries, index_scores, select_topk
 from engine.model.numerics import RMSNorm, RowLinear, fp8_quantize_static, fp8_to_float
 
 QUERY_BLOCK = 256

@@ -20,12 +20,32 @@ from torch import nn
 
 from engine.model.config import ModelConfig
 from engine.model.indexer import IndexQueries
-from engine.model.kda import KDA, causal_conv, causal_conv_step, kda_chunked, kda_recurrent_step
+from engine.model.kda import (
+    KDA,
+    causal_conv,
+    causal_conv_step,
+    kda_chunked,
+    kda_recurrent_step,
+)
 from engine.model.mla import MLA, AttentionContext, decode_attention, sparse_attention
 from engine.model.moe import DenseMLP, MoE
-from engine.model.numerics import RMSNorm, RowLinear, device_scope, fp8_to_float, pad_rows, pad_to
-from engine.model.state import (CachedAttention, KDAState, SequenceCache, read_attention_many, read_kda_many,
-                                write_attention_many, write_kda_many)
+from engine.model.numerics import (
+    RMSNorm,
+    RowLinear,
+    device_scope,
+    fp8_to_float,
+    pad_rows,
+    pad_to,
+)
+from engine.model.state import (
+    CachedAttention,
+    KDAState,
+    SequenceCache,
+    read_attention_many,
+    read_kda_many,
+    write_attention_many,
+    write_kda_many,
+)
 
 DECODE_ATTENTION_GROUP = 8
 

@@ -30,7 +30,11 @@ from engine.model.model import KimiModel, dequantize_context
 from engine.model.numerics import device_scope, fp8_to_float, pad_rows
 from engine.model.state import KDAState
 from engine.parallel.comm import all_gather_stack
-from engine.parallel.dcp_attention import dcp_combine, partial_attention, PartialAttention
+from engine.parallel.dcp_attention import (
+    PartialAttention,
+    dcp_combine,
+    partial_attention,
+)
 from engine.parallel.dcp_layout import DCPLayout
 from engine.parallel.dcp_merge import compact_merge, generic_merge
 from engine.parallel.groups import ParallelContext

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from decode_node.app import create_app
 from decode_node.settings import Settings
 from tests.conftest import free_port
-from tests.serving.nodes import TOY
+from tests.node.nodes import TOY
 
 pytestmark = pytest.mark.timeout(900)
 PROMPT = "recompute me"

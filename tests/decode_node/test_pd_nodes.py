@@ -1,6 +1,6 @@
 """Prefill node -> decode node over real HTTP (uvicorn processes), real rank processes and real NIXL.
 
-The ranks run the node test backend (tests/serving/toy_backend.py), whose output tokens are a CRC of the
+The ranks run the node test backend (tests/node/toy_backend.py), whose output tokens are a CRC of the
 request's rows: the decode node reproduces the colocated tokens only if every transferred byte is intact.
 Covers the vLLM wire protocol both ways, streaming and not, pools back to idle after notification,
 abort and client disconnect, clean 4xx for bad params and the KV-load failure policies.
@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.serving.nodes import TOY, running_nodes
+from tests.node.nodes import TOY, running_nodes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 PROMPT = "Disaggregated serving splits prefill and decode. " * 30  # 1,470 tokens: 2 P rows of 1,024

@@ -19,7 +19,7 @@ import pytest
 from engine.model.tokenizer import ByteTokenizer
 from tests.conftest import REPO_ROOT
 from tests.decode_node.test_pd_nodes import _idle, _metric
-from tests.serving.nodes import start_node, stop_node, wait_healthy
+from tests.node.nodes import start_node, stop_node, wait_healthy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 PROMPT = ("Disaggregated serving splits prefill and decode across machines. " * 16)[:1019]

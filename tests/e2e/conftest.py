@@ -1,6 +1,6 @@
 """The e2e `cluster` fixture: the `pdcluster up` topology on free ports, started once per session.
 
-    def test_x(cluster):            # cluster: cluster.harness.ClusterHandle
+    def test_x(cluster):            # cluster: tests.e2e.harness.ClusterHandle
         client = openai.OpenAI(base_url=f"{cluster.router_url}/v1", api_key="none")
         cluster.oracle(prompt, max_tokens)   # `pdcluster generate --json`, the numerical oracle
         cluster.metrics("prefill-0")         # parsed /metrics of a node; cluster.metrics_urls has all
@@ -32,8 +32,8 @@ import yaml
 
 from cluster.cli import build_parser, resolve_config
 from cluster.config import load_config, parse_config
-from cluster.harness import ClusterHandle
 from cluster.launcher import Cluster
+from tests.e2e.harness import ClusterHandle
 from tests.vllm_fixtures import SERVED_MODEL, make_tiny_llama, vllm_python
 
 ADMIN_TOKEN = "e2e-admin-token"

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from cluster.harness import choice_token_ids
+from tests.e2e.harness import choice_token_ids
 
 pytestmark = pytest.mark.e2e
 

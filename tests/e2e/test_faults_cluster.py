@@ -16,9 +16,8 @@ import time
 import openai
 import pytest
 
-from cluster.harness import choice_token_ids
-
 from tests.e2e.conftest import E2E_CONFIG, LONG_POOL, TP_POOL_CAPACITY
+from tests.e2e.harness import choice_token_ids
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.harness import choice_token_ids
+from tests.e2e.harness import choice_token_ids
 
 pytestmark = pytest.mark.e2e
 

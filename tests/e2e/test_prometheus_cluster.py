@@ -20,7 +20,12 @@ import httpx
 import pytest
 
 from tests.deploy.metrics_contract import load_contract
-from tests.deploy.prom_support import PrometheusServer, ScrapeTarget, chart_node_metric_relabels, check_chart_queries
+from tests.deploy.prom_support import (
+    PrometheusServer,
+    ScrapeTarget,
+    chart_node_metric_relabels,
+    check_chart_queries,
+)
 from tests.vllm_fixtures import SERVED_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

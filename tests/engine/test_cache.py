@@ -8,7 +8,7 @@ import torch
 from engine.cache import BlockTable, DCPRowCache, OutOfRows, RowPool, RowSequenceCache
 from engine.model.config import get_preset
 from engine.model.state import KDAState, LocalSequenceCache
-from kv_transfer.layout import plan_layout
+from engine.layout import plan_layout
 
 CFG = get_preset("kimi-k3.1-mini")
 

@@ -12,7 +12,7 @@ from engine.cache import RowPool, RowSequenceCache
 from engine.model.config import get_preset
 from engine.model.state import LocalSequenceCache
 from engine.model.weights import build_model, save_weights
-from kv_transfer.layout import plan_layout
+from engine.layout import plan_layout
 
 CFG = get_preset("kimi-k3.1-mini")
 

@@ -12,15 +12,15 @@ import numpy as np
 import uvicorn
 from fastapi import FastAPI
 
+from engine.layout import RowLayout, plan_layout
 from engine.model.config import get_preset
-from kv_transfer.layout import RowLayout, plan_layout
 from kv_transfer.lease import LeaseManager
 from kv_transfer.params import KVTransferParams
 from kv_transfer.remap import attention_source, naive_subblock_map
 from kv_transfer.side_channel import InstanceMetadata, RankMetadata, side_channel_router
 from serving.errors import install_error_handlers
 from tests.conftest import free_port
-from kv_transfer.rank_process import RankProcess, pool_pattern
+from tests.kv_transfer.rank_process import RankProcess, pool_pattern
 
 MODEL = "kimi-k3.1-mini"
 POOL_BYTES = 8 << 20

@@ -11,7 +11,11 @@ import pytest
 from engine.model.config import get_preset
 from kv_transfer.capacity import parse_parallel, plan_capacity
 from kv_transfer.cli import main
-from kv_transfer.nixl_transport import detect_tcp_fallback, resolve_error_handling, resolve_ucx_tls
+from kv_transfer.ucx_env import (
+    detect_tcp_fallback,
+    resolve_error_handling,
+    resolve_ucx_tls,
+)
 
 PRO = get_preset("kimi-k3.1-pro")
 

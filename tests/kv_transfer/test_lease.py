@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer.lease import LeaseManager, abort_message, done_message, heartbeat_message
+from kv_transfer.lease import (
+    LeaseManager,
+    abort_message,
+    done_message,
+    heartbeat_message,
+)
 
 
 class Clock:

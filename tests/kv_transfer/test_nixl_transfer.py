@@ -11,9 +11,14 @@ import numpy as np
 import pytest
 
 from kv_transfer import side_channel
-
 from kv_transfer.importer import plan_import
-from tests.kv_transfer.cluster import Cluster, drain_notifications, expected_d_pool, export, start_import
+from tests.kv_transfer.cluster import (
+    Cluster,
+    drain_notifications,
+    expected_d_pool,
+    export,
+    start_import,
+)
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -143,13 +148,13 @@ def test_reader_killed_mid_request_rows_freed_after_expiry(cluster):
 
 
 def test_an_idle_agent_does_not_spin():
-    """NIXL's UCX progress thread must sleep between passes (kv_transfer.nixl_transport._progress_delay): with
+    """NIXL's UCX progress thread must sleep between passes (kv_transfer.ucx_env.progress_delay): with
     NIXL's own setting (0 us) an idle process burns a whole core, which on a small machine starves the ranks
     that compute. A real agent in a real process, after a READ has wired it up, idles below 25% of a core."""
     import multiprocessing
 
-    from kv_transfer.rank_process import RankProcess
     from kv_transfer.remap import ReadOp
+    from tests.kv_transfer.rank_process import RankProcess
 
     ctx = multiprocessing.get_context("spawn")
     p, d = RankProcess(ctx, "idle-P", 1 << 20), RankProcess(ctx, "idle-D", 1 << 20)
@@ -174,7 +179,7 @@ def test_an_idle_agent_does_not_spin():
 
 def test_a_stalled_read_is_posted_again_on_a_fresh_endpoint():
     """A READ still running after `repost_after_s` is cancelled and posted once more on a fresh endpoint
-    (nixl_transport.read_request / NixlTransport.repost). The stall is real: with UCX peer error handling an
+    (nixl_agent.read_request / NixlTransport.repost). The stall is real: with UCX peer error handling an
     endpoint's first READ waits on a TCP handshake that the P process must answer, and P is stopped (SIGSTOP)
     until after the first attempt gave up. The bytes arrive exactly and P gets exactly one DONE."""
     import multiprocessing
@@ -182,8 +187,8 @@ def test_a_stalled_read_is_posted_again_on_a_fresh_endpoint():
     import threading
 
     from kv_transfer.lease import done_message
-    from kv_transfer.rank_process import RankProcess, pool_pattern
     from kv_transfer.remap import ReadOp
+    from tests.kv_transfer.rank_process import RankProcess, pool_pattern
 
     ctx = multiprocessing.get_context("spawn")
     peer_mode = {"error_handling": "peer", "repost_after_s": 1.5}

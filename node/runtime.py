@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.executor import Executor, WorkerSpec
-from serving.node_app import NodeRuntime
-from serving.node_metrics import CacheInfo, NodeMetrics
-from serving.node_settings import NodeSettings
-from serving.textgen import Limits
+from node.app import NodeRuntime
+from node.executor import Executor, WorkerSpec
+from node.metrics import CacheInfo, NodeMetrics
+from node.settings import NodeSettings
+from node.textgen import Limits
 
-WORKER_FACTORY = "serving.engine_worker:build_worker"
+WORKER_FACTORY = "node.worker:build_worker"
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class RankInfo:
     endpoint: Any = None
     """kv_transfer.transport.RankEndpoint of this rank's registered pool (None without a transport)."""
     tcp_fallback: bool = False
-    """UCX can only move this pool's bytes over TCP (kv_transfer.nixl_transport.detect_tcp_fallback)."""
+    """UCX can only move this pool's bytes over TCP (kv_transfer.ucx_env.detect_tcp_fallback)."""
 
 
 def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_shard_min_tokens: int = 1024
@@ -65,7 +65,7 @@ def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_sh
 def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int) -> NodeRuntime:
     """Spawn the ranks (blocking until ready) and assemble the runtime."""
     from engine.model.config import get_preset
-    from serving.engine_worker import backend_module
+    from node.worker import backend_module
 
     model_cfg = get_preset(settings.model)
     load_tokenizer = backend_module(config.backend).load_tokenizer

@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from engine.executor import EngineFailure, Executor, SamplingSpec, TokenEvent
+from kv_transfer.params import KVParamsError, KVTransferParams
+from node.metrics import RequestTiming
+from node.protocol import EngineFailure, SamplingSpec, TokenEvent
 from serving.errors import APIError
-from serving.node_metrics import RequestTiming
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 
 Kind = Literal["completion", "chat"]
@@ -50,7 +51,8 @@ class PreparedRequest:
     stop_strings: tuple[str, ...]
     stream: bool
     include_usage: bool
-    raw_kv_params: dict[str, Any] | None
+    kv_params: KVTransferParams | None
+    """The request's parsed `kv_transfer_params` (None when absent)."""
 
 
 def render_chat(messages: list[Any]) -> str:
@@ -74,6 +76,13 @@ def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: Token
         raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})",
                        "prompt")
     return list(req.prompt)
+
+
+def _kv_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
+    try:
+        return KVTransferParams.from_wire(raw)
+    except KVParamsError as exc:
+        raise APIError(400, str(exc), "kv_transfer_params") from exc
 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_id: str, model: str,
@@ -102,7 +111,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_
     )
     return PreparedRequest(request_id=request_id, kind=kind, model=model, prompt_token_ids=tuple(ids),
                            sampling=sampling, stop_strings=tuple(req.stop_strings), stream=req.stream,
-                           include_usage=req.include_usage, raw_kv_params=req.kv_transfer_params)
+                           include_usage=req.include_usage, kv_params=_kv_params(req.kv_transfer_params))
 
 
 class TextAssembler:

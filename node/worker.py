@@ -1,6 +1,6 @@
 """The object each rank process runs: an engine backend plus the rank's KV transport.
 
-`build_worker(config, ctx)` is the executor's factory (engine/executor.py). The worker turns executor
+`build_worker(config, ctx)` is the executor's factory (node/executor.py). The worker turns executor
 commands into backend calls, and owns the transfer side of the rank:
 - prefill ranks register their row pool with NIXL once and report the endpoint (served on the side
   channel); every step they drain the readers' notifications into `TransportNotice`s (the node's lease
@@ -18,19 +18,28 @@ import importlib
 import time
 from typing import Any, Protocol
 
-from engine.executor import (
-    Abort, Command, Event, ImportKV, ImportOutcome, RankStats, Release, StartDecode, Submit, TransportNotice,
+from node.protocol import (
+    Abort,
+    Command,
+    Event,
+    ImportKV,
+    ImportOutcome,
+    RankStats,
+    Release,
+    StartDecode,
+    Submit,
+    TransportNotice,
 )
-from serving.runtime import RankInfo, WorkerConfig
+from node.runtime import RankInfo, WorkerConfig
 
-REFERENCE_BACKEND = "serving.reference_backend:build_backend"
+REFERENCE_BACKEND = "node.backend:build_backend"
 
 
 class Backend(Protocol):
     """One rank's engine as the worker sees it."""
 
     layout: Any
-    """kv_transfer.layout.RowLayout of this rank's pool."""
+    """engine.layout.RowLayout of this rank's pool."""
     model_config: Any
 
     def pool_buffer(self) -> Any: ...
@@ -71,7 +80,7 @@ class RankWorker:
         self.backend = backend
         self.transport = None
         if config.transport:
-            from kv_transfer.nixl_transport import NixlTransport
+            from kv_transfer.nixl_agent import NixlTransport
 
             side = "p" if config.role == "prefill" else "d"
             self.transport = NixlTransport(f"{config.engine_id}-{side}{ctx.rank}", backend.pool_buffer(),

@@ -15,7 +15,7 @@ import httpx
 
 from tests.conftest import REPO_ROOT, free_port
 
-TOY = "tests.serving.toy_backend:build_backend"
+TOY = "tests.node.toy_backend:build_backend"
 START_TIMEOUT_S = 900.0  # rank processes import torch and start NIXL; slow when the machine is busy
 
 

@@ -1,6 +1,6 @@
 """A small deterministic backend for testing the node layer (executor, HTTP, leases, NIXL plumbing).
 
-It is not a model: it owns a real row pool laid out by kv_transfer.layout, fills a request's rows with
+It is not a model: it owns a real row pool laid out by engine.layout, fills a request's rows with
 bytes derived from its prompt at prefill, and derives every output token from a CRC of the request's rows
 (plus the previous token). So a decode that continues from transferred rows produces the colocated tokens
 only if every row byte arrived intact, which is what the P -> D tests check. Rows are allocated lowest id
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.executor import Event, ExportedRows, ImportKV, RankStats, Submit, TokenEvent
+from engine.layout import plan_layout
 from engine.model.config import get_preset
-from kv_transfer.layout import plan_layout
+from node.protocol import Event, ExportedRows, ImportKV, RankStats, Submit, TokenEvent
 
 EOS = 257
 

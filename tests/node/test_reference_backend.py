@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.executor import ImportKV, SamplingSpec
 from engine.parallel.groups import ParallelContext
-from serving.reference_backend import build_backend
-from serving.runtime import WorkerConfig
+from node.backend import build_backend
+from node.protocol import ImportKV, SamplingSpec
+from node.runtime import WorkerConfig
 
 
 def _backend():

@@ -10,9 +10,10 @@ import signal
 
 import pytest
 
-from engine.executor import EngineFailure, Executor, ExecutorDead, SamplingSpec, Submit, TokenEvent, WorkerSpec
-from serving.runtime import WorkerConfig
-from tests.serving.nodes import TOY
+from node.executor import Executor, ExecutorDead, WorkerSpec
+from node.protocol import EngineFailure, SamplingSpec, Submit, TokenEvent
+from node.runtime import WorkerConfig
+from tests.node.nodes import TOY
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.timeout(900)
 def _spec(world: int) -> WorkerSpec:
     config = WorkerConfig(model="kimi-k3.1-mini", role="decode", seed=0, num_rows=32, block_size=None, tp_size=world,
                           dcp_size=1, max_num_seqs=8, engine_id=f"exec-test-{world}", backend=TOY, transport=False)
-    return WorkerSpec(factory="serving.engine_worker:build_worker", config=config, world_size=world,
+    return WorkerSpec(factory="node.worker:build_worker", config=config, world_size=world,
                       step_timeout_s=60)
 
 

@@ -5,7 +5,7 @@ Used by tests/kv_transfer and benchmarks/transfer.py to run P and D ranks as sep
 returns its answer (a child error is re-raised as RuntimeError carrying the child's traceback).
 Commands: fill (random bytes from a seed), zero, import (the full decode path of kv_transfer.importer:
 side channel over HTTP, checks, plan, READs with DONE notifications), raw_read (benchmark reads),
-read_plan (nixl_transport.read_request over given ops: DONE notifications, reposting a stalled read),
+read_plan (nixl_agent.read_request over given ops: DONE notifications, reposting a stalled read),
 digest, pool, notifs, tcp_fallback, stop. `settings` are KVTransferSettings fields for the rank's agent.
 """
 
@@ -28,12 +28,13 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, sett
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cpu % os.cpu_count()})
+    from engine.layout import plan_layout
     from engine.model.config import get_preset
     from kv_transfer.importer import import_request, plan_import
-    from kv_transfer.layout import plan_layout
-    from kv_transfer.nixl_transport import KVTransferSettings, NixlTransport, read_request
+    from kv_transfer.nixl_agent import NixlTransport, read_request
     from kv_transfer.params import KVTransferParams
     from kv_transfer.remap import ReadPlan
+    from kv_transfer.ucx_env import KVTransferSettings
 
     pool = np.zeros(pool_bytes, dtype=np.uint8)
     t = NixlTransport(name, pool, 1, KVTransferSettings(ucx_tls=ucx_tls, **settings))
@@ -56,7 +57,9 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, sett
                 t.set_row_bytes(kw["row_bytes"])
                 out = t.endpoint(kw["rank"])
             elif cmd == "import":  # the decode path: side channel over HTTP, checks, plan, READs, notify
-                from kv_transfer.side_channel import fetch_metadata  # the HTTP stack only where it is used
+                from kv_transfer.side_channel import (
+                    fetch_metadata,  # the HTTP stack only where it is used
+                )
 
                 cfg = get_preset(kw["model"])
                 d_layout = plan_layout(cfg, **kw["layout"])

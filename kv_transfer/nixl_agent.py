@@ -1,191 +1,41 @@
-"""NIXL (UCX backend) implementation of kv_transfer.transport.KVTransport, and how nodes use it.
+"""NIXL (UCX backend) implementation of kv_transfer.transport.KVTransport: one rank's agent with its row pool
+registered once, READs posted with one descriptor per merged row range, polled, reposted or released.
 
-Prefill node (export), per rank:
-  1. `t = NixlTransport(f"{engine_id}-p{rank}", pool, row_bytes, settings)` registers the whole pool once
-     (a numpy uint8 array or a torch uint8 tensor; CPU pools as DRAM, CUDA pools as VRAM).
-  2. Serve `t.endpoint(rank)` of every rank on the side channel: mount
-     `kv_transfer.side_channel.side_channel_router(get_metadata, leases)` in the node's FastAPI app
-     (GET /kv/metadata, POST /kv/leases/{id}/heartbeat, POST /kv/leases/{id}/abort), or an equivalent
-     router serving the same facts (serving/side_channel.py does, under /kv_transfer).
-  3. When a request finishes prefill, keep its rows under `leases.create(rows)` (kv_transfer.lease) and
-     return kv_transfer_params with remote_block_ids, remote_kda_block_ids, block_size, layout_fingerprint,
-     lease_id, lease_expiry, first_token_id.
-  4. In the node loop: `pump_notifications([t...], leases)` applies D's DONE / HB / ABORT messages (rows are
-     freed through the lease's callback) and `leases.expire()` frees what nobody read.
-Decode node (import), per request:
-  1. `meta = side_channel.fetch_metadata(host, port)` (cache per remote engine id) and
-     `check_readable(params, ...)` (kv_transfer.params): unknown engine, wrong fingerprint, bad rows or an
-     expired lease fail here, before any memory is touched.
-  2. Allocate D rows, `plan = remap.plan_reads(p_layout, d_layout, num_tokens, ...)`.
-  3. Per D rank: `read_request(t, d_rank, plan, endpoints, lease_id)` adds peers (once), posts ONE READ per
-     source P rank with one descriptor per merged op and a DONE notification, polls to completion.
-  Steps 1-3 in one call: `kv_transfer.importer.import_request(t, cfg, d_layout, d_rank, params, meta, ...)`.
-UCX transports: `KVTransferSettings.ucx_tls` (env PDC_KV_UCX_TLS) is written to UCX_TLS before the agent
-starts, so UCX never picks transports silently; `detect_tcp_fallback` flags a configuration where RMA can only
-run over TCP (logged as a warning; `tcp_fallback` feeds the `pdcluster_node_ucx_tcp_fallback` gauge).
-One UCX context per process: every NixlTransport in a process shares the first one's UCX_TLS.
-UCX peer-failure handling (`KVTransferSettings.error_handling`): on a host without an RDMA device the agents'
-endpoints run without it, so wire-up and notifications go over shared memory and a first READ needs no TCP
-handshake with the remote process; with an RDMA device (peers on other hosts) NIXL's `peer` mode stays.
-A read still running after `repost_after_s` is cancelled and posted once more on a fresh endpoint.
+Prefill side, per rank: `NixlTransport(f"{engine_id}-p{rank}", pool, row_bytes, settings)` registers the pool
+(a numpy uint8 array or a torch uint8 tensor; CPU pools as DRAM, CUDA pools as VRAM); its `endpoint(rank)` is
+served on the side channel (kv_transfer.side_channel); `notifications()` yields the readers' DONE messages that
+end the node's leases (kv_transfer.lease).
+Decode side, per request and D rank: kv_transfer.importer plans the reads and calls `read_request` (one READ per
+source P rank carrying a DONE notification for the lease, polled to completion; a read still running after
+`repost_after_s` is cancelled and posted once more on a fresh endpoint). UCX configuration: kv_transfer.ucx_env.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kv_transfer.lease import LeaseManager, done_message
+from kv_transfer.lease import done_message
 from kv_transfer.remap import ReadOp, ReadPlan
 from kv_transfer.transport import RankEndpoint, ReadResult, TransferError, TransferState
+from kv_transfer.ucx_env import (
+    KVTransferSettings,
+    detect_tcp_fallback,
+    nixl_api,
+    progress_delay,
+    resolve_error_handling,
+    resolve_ucx_tls,
+)
 
 log = logging.getLogger(__name__)
 
-RDMA_TLS = "rc_x,rc,ud_x,dc_x"
-GPU_TLS = "cuda_ipc,cuda_copy"
-HOST_TLS = "sm,cma,self,tcp"
-DEFAULT_UCX_TLS = "auto"
-"""`auto` resolves to an explicit list from the hardware present (`resolve_ucx_tls`): RDMA verbs when an
-InfiniBand/RoCE device exists, CUDA IPC/copy for GPU pools, shared memory / CMA for same-host peers; tcp
-stays for wire-up and notifications (RMA over tcp is what detect_tcp_fallback reports)."""
-FAST_RMA_TLS = ("rc", "rc_x", "rc_v", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "ud", "ud_x", "ud_v", "ib",
-                "cuda_ipc", "sm", "cma", "posix", "sysv", "xpmem", "knem", "shm", "all")
-
-
-class KVTransferSettings(BaseSettings):
-    """Transfer settings of one node (env prefix PDC_KV_)."""
-
-    model_config = SettingsConfigDict(env_prefix="PDC_KV_")
-    ucx_tls: str = DEFAULT_UCX_TLS
-    capture_telemetry: bool = True
-    num_threads: int = 0
-    """UCX worker threads (0: NIXL default)."""
-    progress_delay_us: int = 2000
-    """How long NIXL's UCX progress thread waits for worker events between progress passes. NIXL's Python
-    API fixes it at 0, a busy loop (measured: ~95% of a core per idle rank process, so an idle 5-rank cluster
-    on 2 cores starved its own prefill 10x). With a delay the thread sleeps in poll() on the workers' event
-    fds, waking at once on traffic (wire-up requests from decode peers while a prefill step runs)."""
-    error_handling: str = "auto"
-    """UCX peer-failure handling of the agent's endpoints (NIXL's `ucx_error_handling_mode`): `peer`, `none`,
-    or `auto`. `peer` (NIXL's default) excludes shared-memory transports from the endpoint, so every endpoint
-    gets a TCP lane for its active messages (wire-up, notifications, keepalive) and its first READ waits on a
-    TCP handshake that the remote worker must progress; `none` sends those over shared memory and connects to
-    the remote interface at once. `auto`: `none` when the peers are on this host (CMA or shared memory reads
-    fail by themselves if a peer process is gone, and P's leases expire) on a host without an RDMA device,
-    `peer` where one is present (peers on other hosts)."""
-    poll_timeout_s: float = 30.0
-    repost_after_s: float = 10.0
-    """A read still running after this long is cancelled and posted once more on a fresh endpoint to the same
-    peer (NixlTransport.repost), within poll_timeout_s. A local CMA read of a whole request takes milliseconds;
-    one stalled for seconds is waiting on an endpoint, not on bytes."""
-    lease_ttl_s: float = 30.0
-
-
 SPIN_S = 0.002
 POLL_SLEEP_S = 0.0005
-
-NIXL_MODULES = ("nixl_cu12", "nixl_cu13")
-"""NIXL's wheels by CUDA major; the `nixl` meta package may pick one that does not match the machine, so the
-wheel is imported by name: PDC_KV_NIXL_MODULE if set, else the first of these that is installed."""
-
-
-def nixl_api() -> Any:
-    """NIXL's Python API module (`<wheel>._api`), imported on first use (heavy)."""
-    import importlib  # noqa: PLC0415
-
-    wanted = os.environ.get("PDC_KV_NIXL_MODULE")
-    errors = []
-    for name in ([wanted] if wanted else NIXL_MODULES):
-        try:
-            return importlib.import_module(f"{name}._api")
-        except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-    raise ImportError("no NIXL wheel could be imported (" + "; ".join(errors) + ")")
-
-
-@contextlib.contextmanager
-def _progress_delay(api: Any, delay_us: int) -> Iterator[None]:
-    """While NIXL (`api`, from nixl_api) builds an agent, its config class keeps `pthrDelay` at `delay_us` (the
-    Python API writes 0)."""
-    base = api.nixlBind.nixlAgentConfig
-
-    class _Config(base):  # type: ignore[misc, valid-type]
-        @property
-        def pthrDelay(self) -> int:  # noqa: N802 - NIXL's field name
-            return base.pthrDelay.__get__(self)
-
-        @pthrDelay.setter
-        def pthrDelay(self, _value: int) -> None:  # noqa: N802
-            base.pthrDelay.__set__(self, delay_us)
-
-    api.nixlBind.nixlAgentConfig = _Config
-    try:
-        yield
-    finally:
-        api.nixlBind.nixlAgentConfig = base
-
-
-def rdma_present(infiniband_dir: str = "/sys/class/infiniband") -> bool:
-    ib = Path(infiniband_dir)
-    return ib.is_dir() and any(ib.iterdir())
-
-
-def resolve_error_handling(setting: str, infiniband_dir: str = "/sys/class/infiniband") -> str:
-    """NIXL's `ucx_error_handling_mode` for `setting` (see KVTransferSettings.error_handling)."""
-    if setting == "auto":
-        return "peer" if rdma_present(infiniband_dir) else "none"
-    if setting not in ("none", "peer"):
-        raise ValueError(f"error_handling must be auto, none or peer, got {setting!r}")
-    return setting
-
-
-def nvidia_gpu_present(driver_dir: str = "/proc/driver/nvidia/gpus") -> bool:
-    d = Path(driver_dir)
-    return d.is_dir() and any(d.iterdir())
-
-
-def resolve_ucx_tls(setting: str, mem_type: str, infiniband_dir: str = "/sys/class/infiniband",
-                    gpu_present: bool | None = None) -> str:
-    """The explicit UCX_TLS list for `setting` (`auto` or a literal list, returned unchanged). CUDA transports
-    are listed for VRAM pools and whenever an NVIDIA GPU is visible: NIXL 1.5.1 refuses to create its UCX
-    backend on a GPU machine whose UCX_TLS lacks cuda_copy, even for a DRAM pool (seen on an H200 host)."""
-    if setting != "auto":
-        return setting
-    parts = [RDMA_TLS] if rdma_present(infiniband_dir) else []
-    if mem_type == "VRAM" or (nvidia_gpu_present() if gpu_present is None else gpu_present):
-        parts.append(GPU_TLS)
-    return ",".join(parts + [HOST_TLS])
-
-
-def detect_tcp_fallback(ucx_tls: str, peer_is_local: bool, infiniband_dir: str = "/sys/class/infiniband",
-                        ptrace_scope_file: str = "/proc/sys/kernel/yama/ptrace_scope") -> str | None:
-    """Why RMA would run over TCP with this transport list, or None. Local peers need shared memory or CMA
-    (CMA needs ptrace_scope <= 1); remote peers need an InfiniBand/RoCE device."""
-    tls = [t.strip() for t in ucx_tls.split(",") if t.strip()]
-    if tls and tls[0].startswith("^"):
-        excluded = {tls[0][1:], *tls[1:]}
-        tls = [t for t in FAST_RMA_TLS + ("tcp",) if t not in excluded]
-    has_ib = rdma_present(infiniband_dir)
-    if peer_is_local:
-        scope = Path(ptrace_scope_file)
-        cma_ok = not scope.exists() or scope.read_text().strip() in ("0", "1")
-        local = {"sm", "posix", "sysv", "xpmem", "knem", "shm", "all", "cuda_ipc"} | ({"cma"} if cma_ok else set())
-        if any(t in local for t in tls) or (has_ib and any(t.startswith(("rc", "dc", "ud", "ib")) for t in tls)):
-            return None
-        return f"UCX_TLS={ucx_tls}: no shared-memory/CMA transport usable between local processes"
-    if has_ib and any(t.startswith(("rc", "dc", "ud", "ib")) or t == "all" for t in tls):
-        return None
-    return f"UCX_TLS={ucx_tls}: no RDMA device/transport for a remote peer (InfiniBand dir {infiniband_dir})"
-
 
 def _buffer_addr(pool: Any) -> tuple[int, int, str, int]:
     """(address, bytes, mem type, device id) of a numpy array or torch tensor pool."""
@@ -237,7 +87,7 @@ class NixlTransport:
             log.warning("KV transfer will run over TCP: %s", self.fallback_reason)
         self.agent_name = agent_name
         conf = api.nixl_agent_config(backends=[], capture_telemetry=self.settings.capture_telemetry)
-        with _progress_delay(api, self.settings.progress_delay_us):
+        with progress_delay(api, self.settings.progress_delay_us):
             self._agent = api.nixl_agent(agent_name, conf)
             self._agent.create_backend("UCX", self._backend_params())
         self._pool = pool  # keep the memory alive while registered
@@ -386,19 +236,6 @@ class NixlTransport:
                 pass
         self._peers.clear()
         self._agent.deregister_memory(self._reg)
-
-
-def pump_notifications(transports: Sequence[NixlTransport], leases: LeaseManager) -> int:
-    """Prefill side: apply every pending reader notification to the leases; how many were applied."""
-    n = 0
-    for t in transports:
-        for src, msg in t.notifications():
-            try:
-                leases.apply_message(msg)
-                n += 1
-            except ValueError:
-                log.warning("ignoring malformed notification %r from %s", msg, src)
-    return n
 
 
 def read_request(transport: NixlTransport, d_rank: int, plan: ReadPlan, endpoints: dict[int, RankEndpoint],

@@ -13,11 +13,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.executor import Submit
+from node.app import NodeRuntime, streaming, until_disconnect
+from node.protocol import Submit
+from node.responses import final_response, stream_chunks
+from node.textgen import GenerationResult, Piece, PreparedRequest, generate_pieces
 from serving.errors import APIError, error_body
-from serving.node_app import NodeRuntime, streaming, until_disconnect
-from serving.responses import final_response, stream_chunks
-from serving.textgen import GenerationResult, Piece, PreparedRequest, generate_pieces
 
 
 async def _record(runtime: NodeRuntime, result: GenerationResult) -> None:

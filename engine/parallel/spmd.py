@@ -1,0 +1,102 @@
+"""SPMD wrappers of the single-device model: the same prefill/decode interface as `KimiModel`, run over a rank
+group. `TimedModel` (one rank: the plain model, prefill steps timed), `TPModel` (prefill token- or head-sharded,
+decode with heads split) and `DCPModel` (decode with the cache split by token). The engine takes any of them as
+its `model`; the model itself never imports parallel code.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class TimedModel:
+    """The plain single-rank model with its prefill steps timed (mode `single`); the base of the SPMD wrappers,
+    which time theirs by sharding mode. `timings` holds the steps since the last `stats()`."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.timings: list[tuple[str, str, float]] = []
+
+    def prefill(self, token_ids: Any, cache: Any, start: int = 0, all_logits: bool = False) -> Any:
+        started = time.perf_counter()
+        logits = self.model.prefill(token_ids, cache, start, all_logits)
+        self.timings.append(("prefill", "single", time.perf_counter() - started))
+        return logits
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+class TPModel(TimedModel):
+    """A full model replica whose prefill and decode run SPMD over the rank group (engine/parallel):
+    prefill token-sharded (steps of at least `token_threshold` tokens) or head-sharded, decode with KDA
+    heads split and the attention heads split (TP). Logits are identical on every rank, so every rank's
+    scheduler samples the same tokens. The pool's KDA rows hold this rank's heads (layout tp_size = W)."""
+
+    def __init__(self, model: Any, ctx: Any, token_threshold: int) -> None:
+        super().__init__(model)
+        self.ctx, self.token_threshold = ctx, token_threshold
+        self.cfg = model.cfg
+        self.alltoall_bytes = 0
+
+    def prefill(self, token_ids: Any, cache: Any, start: int = 0, all_logits: bool = False) -> Any:
+        from engine.parallel.prefill import PrefillBatch, choose_mode, parallel_prefill
+
+        if all_logits:
+            raise ValueError("the TP prefill returns last-token logits only")
+        batch = PrefillBatch((token_ids,), (start,))
+        mode = choose_mode(batch, self.token_threshold)
+        started = time.perf_counter()
+        result = parallel_prefill(self.ctx, self.model, batch, [cache], mode)
+        self.timings.append(("prefill", f"{mode}_sharded", time.perf_counter() - started))
+        self.alltoall_bytes += result.stats.exchange_bytes
+        return result.logits
+
+    def decode(self, token_ids: Any, positions: list[int], caches: list[Any]) -> Any:
+        from engine.parallel.dcp_decode import parallel_decode
+
+        return parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="tp").logits
+
+
+class DCPModel(TPModel):
+    """A full model replica whose decode splits the cache by token over the rank group (DCP = W): each rank
+    keeps its owned tokens (`engine.cache.DCPRowCache`, whose ownership rule comes from the pool layout's
+    `dcp_interleave` and is the one the decode step uses),
+    scores them, takes part in the exact compact top-k merge and the LSE merge (engine/parallel/dcp_decode.py).
+    KDA heads are split as under TP. A local prefill (colocated requests, the `recompute` load-failure policy)
+    runs the SPMD prefill into a temporary whole-sequence cache of the request, then keeps this rank's share."""
+
+    def __init__(self, model: Any, ctx: Any, token_threshold: int, merge: str = "compact") -> None:
+        super().__init__(model, ctx, token_threshold)
+        self.merge = merge
+        self.merge_bytes = 0
+        self.merge_fallbacks = 0
+
+    def prefill(self, token_ids: Any, cache: Any, start: int = 0, all_logits: bool = False) -> Any:
+        from engine.parallel.kda_shard import rank_cache
+
+        if start:
+            raise ValueError("a DCP rank prefills whole prompts only (start = 0)")
+        whole = rank_cache(self.cfg, int(token_ids.shape[0]), self.ctx.world_size, self.ctx.rank)
+        logits = super().prefill(token_ids, whole, 0, all_logits)
+        for i in range(self.cfg.num_mla_layers):
+            rows = whole.read_attention(i, int(token_ids.shape[0]))
+            cache.write_attention(i, 0, rows.latent, rows.index_key, rows.index_scale)
+        for i in range(self.cfg.num_kda_layers):
+            cache.write_kda(i, whole.read_kda(i))
+        return logits
+
+    def decode(self, token_ids: Any, positions: list[int], caches: list[Any]) -> Any:
+        from engine.parallel.dcp_decode import parallel_decode
+
+        result = parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="dcp",
+                                 layout=caches[0].layout, merge=self.merge)
+        self.merge_bytes += result.stats.merge_bytes
+        self.merge_fallbacks += result.stats.merge_fallback_rows
+        return result.logits
+
+    def make_cache(self, pool: Any, table: Any) -> Any:
+        from engine.cache import DCPRowCache
+
+        return DCPRowCache(pool, table, self.ctx.rank)

@@ -1,0 +1,171 @@
+"""The rank protocol: the commands the node's driver sends every rank each round, the events ranks send back,
+and the round's plan and reply. Frozen, picklable dataclasses; no behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# ---------------------------------------------------------------------- commands (driver -> ranks)
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Per-request sampling: temperature 0 is greedy."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Prefill and decode locally; with `export`, prefill only and keep the rows for a remote reader."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    export: bool = False
+
+
+@dataclass(frozen=True)
+class ImportKV:
+    """Allocate rows for the prompt, read them from the prefill node (`params`: KVTransferParams; `peer`:
+    the prefill node's transport metadata), notify it; the rows wait for `StartDecode`."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    first_token: int
+    params: Any
+    peer: Any
+
+
+@dataclass(frozen=True)
+class StartDecode:
+    """Every rank imported its share: decode from the imported rows, starting after `first_token`."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Drop a request wherever it is (queued, running, exported or imported) and free its rows."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """Free the rows an export kept (reader done, lease expired or aborted): by request id, or by row ids."""
+
+    request_id: str = ""
+    row_ids: tuple[int, ...] = ()
+
+
+Command = Submit | ImportKV | StartDecode | Abort | Release
+
+
+# ---------------------------------------------------------------------- events (ranks -> driver)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token; `finish_reason` set on the last one ("stop", "length", "abort")."""
+
+    request_id: str
+    token_id: int | None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ExportedRows:
+    """A prefill-for-export finished: the rows stay allocated until `Release`."""
+
+    request_id: str
+    attn_row_ids: tuple[int, ...]
+    kda_row_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+    num_cached_tokens: int = 0
+    is_final: bool = True
+
+
+@dataclass(frozen=True)
+class ImportOutcome:
+    """A rank's (and after merging, the node's) result of an `ImportKV`."""
+
+    request_id: str
+    error: str | None = None
+    num_bytes: int = 0
+    seconds: float = 0.0
+    num_descriptors: int = 0
+    post_s: tuple[float, ...] = ()
+    """Posting time of each READ (one per source rank per destination rank)."""
+
+    @property
+    def is_final(self) -> bool:
+        return self.error is not None
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """The request cannot continue (bad input found by the engine, or a rank died)."""
+
+    request_id: str
+    error: str
+    status: int = 500
+    is_final: bool = True
+
+
+@dataclass(frozen=True)
+class TransportNotice:
+    """A transport notification a rank received (lease DONE / HB / ABORT message from a reader)."""
+
+    rank: int
+    sender: str
+    message: bytes
+    request_id: str = ""
+    is_final: bool = False
+
+
+Event = TokenEvent | ExportedRows | ImportOutcome | EngineFailure | TransportNotice
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's load after a round."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_rows_used: int = 0
+    num_rows_total: int = 0
+    has_work: bool = False
+    counters: tuple[tuple[str, float], ...] = ()
+    """Cumulative counters (name, total) since the rank started."""
+    timings: tuple[tuple[str, str, float], ...] = ()
+    """Durations measured since the last round (name, label, seconds), e.g. ("prefill", "token", 1.2)."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    round_id: int
+    commands: tuple[Command, ...]
+    run_step: bool = True
+
+
+@dataclass(frozen=True)
+class StepReply:
+    rank: int
+    events: list[Event]
+    stats: RankStats
