@@ -3,7 +3,7 @@
 Serving (colocated):
     engine = Engine(EngineConfig(model="kimi-k3.1-mini"))
     engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32))   # ValueError on bad input
-    while engine.has_work: outputs = engine.step()    # StepOutputs: TokenOutput per generated token
+    while engine.has_work: outputs = engine.step()    # StepOutputs: TokenEvent per generated token
     engine.abort("r1")                                  # frees its rows wherever it is
 Disaggregation, prefill side:
     res = engine.prefill_and_keep("r1", prompt_token_ids, sampling)   # runs now -> PrefillResult
@@ -17,7 +17,7 @@ Disaggregation, decode side:
 Admission outside the queue (`prefill_and_keep`, `allocate_for_import`) raises engine.cache.OutOfRows when the
 pool is short of rows; bad input raises ValueError with a message naming the bad value.
 Oracle: `engine.generate(request_id, prompt_token_ids, sampling) -> GenerationResult`.
-Token events are `TokenOutput(request_id, index, token_id, logprob, finish_reason)`; finish_reason is "stop"
+Token events are `engine.outputs.TokenEvent(request_id, token_id, index, logprob, ..., finish_reason)`; finish_reason is "stop"
 (EOS, stop token or stop string), "length" (max_tokens) or "abort" on the last one.
 The pool buffer (`engine.pool.buffer`) is the one contiguous CPU tensor a transport registers.
 Parallel wrappers (engine/parallel/) may pass their own `model` (any object with KimiModel's prefill/decode).
@@ -32,6 +32,7 @@ from typing import Any
 
 from engine.cache import BlockTable, RowPool
 from engine.layout import RowLayout, plan_layout
+from engine.outputs import TokenEvent
 from engine.model.config import ModelConfig, get_preset
 from engine.model.model import KimiModel
 from engine.model.tokenizer import ByteTokenizer
@@ -63,17 +64,6 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class TokenOutput:
-    request_id: str
-    index: int
-    """Position of the token in the output (0 = first generated token)."""
-    token_id: int
-    logprob: float
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-
-
-@dataclass(frozen=True)
 class PrefillResult:
     request_id: str
     attn_row_ids: tuple[int, ...]
@@ -94,7 +84,7 @@ class GenerationResult:
 
 @dataclass
 class StepOutputs:
-    tokens: list[TokenOutput] = field(default_factory=list)
+    tokens: list[TokenEvent] = field(default_factory=list)
     exported: list[PrefillResult] = field(default_factory=list)
 
 
@@ -163,14 +153,14 @@ class Engine:
                                                            len(req.output_token_ids))))
         return out
 
-    def _append(self, req: Request, tok: SampledToken) -> TokenOutput:
+    def _append(self, req: Request, tok: SampledToken) -> TokenEvent:
         req.output_token_ids.append(tok.token_id)
         req.output_logprobs.append(tok.logprob)
         reason = self._finish_reason(req, tok.token_id)
         if reason is not None:
             self.scheduler.finish(req, reason)
-        return TokenOutput(req.request_id, len(req.output_token_ids) - 1, tok.token_id, tok.logprob, reason,
-                           len(req.prompt_token_ids))
+        return TokenEvent(request_id=req.request_id, token_id=tok.token_id, index=len(req.output_token_ids) - 1,
+                          logprob=tok.logprob, finish_reason=reason, num_prompt_tokens=len(req.prompt_token_ids))
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         params = req.sampling
@@ -224,7 +214,7 @@ class Engine:
         req = self._make_request(request_id, prompt_token_ids, sampling)
         return self.scheduler.add_imported(req, len(req.prompt_token_ids))
 
-    def start_decode(self, request_id: str, first_token: int, first_logprob: float = math.nan) -> list[TokenOutput]:
+    def start_decode(self, request_id: str, first_token: int, first_logprob: float = math.nan) -> list[TokenEvent]:
         """The imported rows are complete: emit the first token and put the request in the decode batch."""
         req = self.scheduler.requests.get(request_id)
         if req is None or req.state != RequestState.IMPORTING:
@@ -238,7 +228,7 @@ class Engine:
                  sampling: SamplingParams, max_steps: int = 1_000_000) -> GenerationResult:
         """Run one request to completion (with whatever else is queued) and return its tokens: the oracle path."""
         self.add_request(request_id, prompt_token_ids, sampling)
-        tokens: list[TokenOutput] = []
+        tokens: list[TokenEvent] = []
         for _ in range(max_steps):
             if not self.has_work or (tokens and tokens[-1].finish_reason):
                 break

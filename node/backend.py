@@ -112,7 +112,7 @@ class ReferenceBackend:
         first = self._first_tokens.pop(request_id, None)
         if first is None:
             return []
-        return [self._token(out) for out in self.engine.start_decode(request_id, first)]
+        return list(self.engine.start_decode(request_id, first))
 
     def abort(self, request_id: str) -> list[Event]:
         self._first_tokens.pop(request_id, None)
@@ -126,16 +126,11 @@ class ReferenceBackend:
         if row_ids:
             self.engine.release_rows(row_ids)
 
-    @staticmethod
-    def _token(out: Any) -> TokenEvent:
-        return TokenEvent(request_id=out.request_id, token_id=out.token_id, finish_reason=out.finish_reason,
-                          num_prompt_tokens=out.num_prompt_tokens)
-
     def step(self) -> list[Event]:
         if not self.engine.has_work:
             return []
         outputs = self.engine.step()
-        events: list[Event] = [self._token(out) for out in outputs.tokens]
+        events: list[Event] = list(outputs.tokens)
         events += [ExportedRows(request_id=res.request_id, attn_row_ids=res.attn_row_ids, kda_row_ids=res.kda_row_ids,
                                 num_tokens=res.num_tokens, first_token=res.first_token) for res in outputs.exported]
         return events

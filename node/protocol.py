@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.outputs import TokenEvent
+
 # ---------------------------------------------------------------------- commands (driver -> ranks)
 
 
@@ -71,21 +73,6 @@ Command = Submit | ImportKV | StartDecode | Abort | Release
 
 
 # ---------------------------------------------------------------------- events (ranks -> driver)
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token; `finish_reason` set on the last one ("stop", "length", "abort")."""
-
-    request_id: str
-    token_id: int | None
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-
-    @property
-    def is_final(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)

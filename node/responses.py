@@ -34,7 +34,7 @@ def response_id(prepared: PreparedRequest) -> str:
 
 
 def usage_of(prepared: PreparedRequest, result: GenerationResult) -> UsageInfo:
-    return UsageInfo.of(len(prepared.prompt_token_ids), len(result.token_ids), result.num_cached_tokens)
+    return UsageInfo.of(len(prepared.prompt_token_ids), len(result.tokens), result.num_cached_tokens)
 
 
 def final_response(prepared: PreparedRequest, result: GenerationResult,
@@ -47,7 +47,7 @@ def final_response(prepared: PreparedRequest, result: GenerationResult,
         return ChatCompletionResponse(id=response_id(prepared), model=prepared.model, choices=[choice],
                                       usage=usage, kv_transfer_params=kv_transfer_params)
     choice = CompletionChoice(text=result.text, finish_reason=result.finish_reason,
-                              token_ids=list(result.token_ids))
+                              token_ids=result.token_ids)
     return CompletionResponse(id=response_id(prepared), model=prepared.model, choices=[choice], usage=usage,
                               kv_transfer_params=kv_transfer_params)
 

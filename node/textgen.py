@@ -152,10 +152,11 @@ class TextAssembler:
 
 @dataclass
 class Piece:
-    """A step of a response: text delta, the token it came from, finish reason on the last one."""
+    """A step of a response: a text delta, the token events it covers (every token since the previous piece,
+    including those whose text was held back), and the finish reason on the last one."""
 
     text: str
-    token_id: int | None
+    tokens: tuple[TokenEvent, ...]
     finish_reason: str | None = None
 
 
@@ -163,11 +164,15 @@ class Piece:
 class GenerationResult:
     """Filled while `generate_pieces` runs; complete once the iterator ends."""
 
-    token_ids: list[int] = field(default_factory=list)
+    tokens: list[TokenEvent] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     timing: RequestTiming | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [int(event.token_id) for event in self.tokens if event.token_id is not None]
 
 
 async def generate_pieces(events: AsyncIterator[Any], prepared: PreparedRequest, tokenizer: Tokenizer,
@@ -176,6 +181,7 @@ async def generate_pieces(events: AsyncIterator[Any], prepared: PreparedRequest,
     started = time.monotonic() if started is None else started
     assembler = TextAssembler(tokenizer, prepared.stop_strings)
     stamps: list[float] = []
+    pending: list[TokenEvent] = []
     try:
         async for event in events:
             if isinstance(event, EngineFailure):
@@ -187,7 +193,8 @@ async def generate_pieces(events: AsyncIterator[Any], prepared: PreparedRequest,
             delta = ""
             if event.token_id is not None and finish != "abort":
                 stamps.append(time.monotonic())
-                result.token_ids.append(event.token_id)
+                result.tokens.append(event)
+                pending.append(event)
                 delta = assembler.add(event.token_id)
             if assembler.stopped:
                 finish = "stop"
@@ -195,16 +202,17 @@ async def generate_pieces(events: AsyncIterator[Any], prepared: PreparedRequest,
                 delta += assembler.flush()
                 result.finish_reason = finish
                 result.text = assembler.text
-                yield Piece(delta, event.token_id, finish)
+                yield Piece(delta, tuple(pending), finish)
                 return
             if delta:
-                yield Piece(delta, event.token_id)
+                yield Piece(delta, tuple(pending))
+                pending.clear()
     finally:
         await events.aclose()  # type: ignore[attr-defined]  # stops (aborts) the request if still running
         end = time.monotonic()
         gaps = tuple(b - a for a, b in zip(stamps, stamps[1:]))
         result.timing = RequestTiming(
-            num_prompt_tokens=len(prepared.prompt_token_ids), num_output_tokens=len(result.token_ids),
+            num_prompt_tokens=len(prepared.prompt_token_ids), num_output_tokens=len(result.tokens),
             finish_reason=result.finish_reason or "abort", e2e=end - started,
             ttft=(stamps[0] - started) if stamps else None, gaps=gaps)
 

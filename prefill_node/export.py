@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from node.app import NodeRuntime, until_disconnect
 from node.metrics import RequestTiming
-from node.protocol import EngineFailure, ExportedRows, Submit
+from node.protocol import EngineFailure, ExportedRows, Submit, TokenEvent
 from node.responses import final_response
 from node.textgen import GenerationResult, PreparedRequest
 from serving.errors import APIError
@@ -50,7 +50,9 @@ async def serve_export(runtime: NodeRuntime, prepared: PreparedRequest, request:
     exports = runtime.extras["exports"]
     params = exports.grant(prepared.request_id, exported)
     elapsed = time.monotonic() - started
-    result = GenerationResult(token_ids=[exported.first_token], text=runtime.tokenizer.decode([exported.first_token]),
+    first = TokenEvent(request_id=prepared.request_id, token_id=exported.first_token, finish_reason="length",
+                       num_prompt_tokens=len(prepared.prompt_token_ids))
+    result = GenerationResult(tokens=[first], text=runtime.tokenizer.decode([exported.first_token]),
                               finish_reason="length", num_cached_tokens=exported.num_cached_tokens)
     runtime.metrics.observe_request(RequestTiming(num_prompt_tokens=len(prepared.prompt_token_ids),
                                                   num_output_tokens=1, finish_reason="length", e2e=elapsed,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine import Engine, EngineConfig, TokenOutput
+from engine.engine import Engine, EngineConfig, TokenEvent
 from engine.model.indexer import index_scores, select_topk
 from engine.model.mla import QUERY_BLOCK
 from engine.model.model import dequantize_context
@@ -26,8 +26,8 @@ def _prompts(engine: Engine) -> list[list[int]]:
             for n in PROMPT_LENGTHS]
 
 
-def _drain(engine: Engine, max_steps: int = 500) -> dict[str, list[TokenOutput]]:
-    outputs: dict[str, list[TokenOutput]] = {}
+def _drain(engine: Engine, max_steps: int = 500) -> dict[str, list[TokenEvent]]:
+    outputs: dict[str, list[TokenEvent]] = {}
     for _ in range(max_steps):
         if not engine.has_work:
             break
