@@ -15,6 +15,8 @@ Pieces the parallel wrappers reuse: `Layer.mixer` (MLA: `project` / `sparse_atte
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -48,6 +50,10 @@ from engine.model.state import (
 )
 
 DECODE_ATTENTION_GROUP = 8
+
+Mixer = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
+"""A layer's token mixer as a forward path runs it: (MLA or KDA module, normed rows [N, d], index among its kind)
+-> output rows [N, d]."""
 
 
 class Layer(nn.Module):
@@ -93,16 +99,28 @@ class KimiModel(nn.Module):
         num_tokens = token_ids.shape[0]
         with device_scope(self.device):
             x = pad_rows(self.embed[token_ids.to(self.device)])
-            for layer_id, layer in enumerate(self.layers):
-                h = layer.mixer_norm(x)
-                if layer.is_mla:
-                    out = self._mla_prefill(layer.mixer, h, num_tokens, start, cache, self.mla_index[layer_id])
-                else:
-                    out = self._kda_prefill(layer.mixer, h, num_tokens, cache, self.kda_index[layer_id])
-                x = x + out
-                x = x + layer.ffn(layer.ffn_norm(x), num_tokens)
+            x = self.run_layers(
+                x, num_tokens,
+                lambda mla, h, i: self._mla_prefill(mla, h, num_tokens, start, cache, i),
+                lambda kda, h, i: self._kda_prefill(kda, h, num_tokens, cache, i),
+            )
             rows = x[:num_tokens] if all_logits else x[num_tokens - 1 : num_tokens]
             return self.logits(rows)
+
+    def run_layers(self, x: torch.Tensor, num_rows: int, mla_mixer: Mixer, kda_mixer: Mixer) -> torch.Tensor:
+        """The layer stack over hidden rows x [N, d] (padded; the first `num_rows` are real): each layer adds its
+        mixer's output (`mla_mixer` or `kda_mixer`, called as (module, normed rows, index among its kind)) and
+        then its MoE FFN's. The one layer loop: prefill, decode and the parallel paths (engine/parallel) supply
+        only their mixers, so every path applies norms, residuals and FFNs in the same order."""
+        for layer_id, layer in enumerate(self.layers):
+            h = layer.mixer_norm(x)
+            if layer.is_mla:
+                out = mla_mixer(layer.mixer, h, self.mla_index[layer_id])
+            else:
+                out = kda_mixer(layer.mixer, h, self.kda_index[layer_id])
+            x = x + out
+            x = x + layer.ffn(layer.ffn_norm(x), num_rows)
+        return x
 
     @property
     def device(self) -> torch.device:
@@ -155,14 +173,11 @@ class KimiModel(nn.Module):
         batch = token_ids.shape[0]
         with device_scope(self.device):
             x = pad_rows(self.embed[token_ids.to(self.device)])
-            for layer_id, layer in enumerate(self.layers):
-                h = layer.mixer_norm(x)
-                if layer.is_mla:
-                    out = self._mla_decode(layer.mixer, h, positions, caches, self.mla_index[layer_id])
-                else:
-                    out = self._kda_decode(layer.mixer, h, caches, self.kda_index[layer_id])
-                x = x + out
-                x = x + layer.ffn(layer.ffn_norm(x), batch)
+            x = self.run_layers(
+                x, batch,
+                lambda mla, h, i: self._mla_decode(mla, h, positions, caches, i),
+                lambda kda, h, i: self._kda_decode(kda, h, caches, i),
+            )
             return self.logits(x[:batch])
 
     def _mla_decode(

@@ -72,15 +72,11 @@ def parallel_decode(ctx: ParallelContext, model: KimiModel, token_ids: torch.Ten
     batch = token_ids.shape[0]
     with torch.no_grad(), device_scope(ctx.device):
         x = pad_rows(model.embed[token_ids.to(ctx.device)])
-        for layer_id, layer in enumerate(model.layers):
-            h = layer.mixer_norm(x)
-            if layer.is_mla:
-                idx = model.mla_index[layer_id]
-                out = _mla(ctx, model, layer.mixer, h, positions, caches, idx, mode, layout, merge, stats)
-            else:
-                out = _kda(ctx, model, layer.mixer, h, caches, model.kda_index[layer_id])
-            x = x + out
-            x = x + layer.ffn(layer.ffn_norm(x), batch)
+        x = model.run_layers(
+            x, batch,
+            lambda mla, h, i: _mla(ctx, model, mla, h, positions, caches, i, mode, layout, merge, stats),
+            lambda kda, h, i: _kda(ctx, model, kda, h, caches, i),
+        )
         return DecodeResult(logits=model.logits(x[:batch]), stats=stats)
 
 

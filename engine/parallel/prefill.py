@@ -133,14 +133,8 @@ def _parallel_prefill(ctx: ParallelContext, model: KimiModel, batch: PrefillBatc
     num_rows = int(own_tokens.numel())
     with torch.no_grad():
         x = pad_rows(model.embed[own_tokens])
-        for layer_id, layer in enumerate(model.layers):
-            h = layer.mixer_norm(x)
-            if layer.is_mla:
-                out = _mla_layer(step, layer.mixer, h, num_rows, model.mla_index[layer_id])
-            else:
-                out = _kda_layer(step, layer.mixer, h, num_rows, model.kda_index[layer_id])
-            x = x + out
-            x = x + layer.ffn(layer.ffn_norm(x), num_rows)
+        x = model.run_layers(x, num_rows, lambda mla, h, i: _mla_layer(step, mla, h, num_rows, i),
+                             lambda kda, h, i: _kda_layer(step, kda, h, num_rows, i))
         logits = _last_logits(step, x[:num_rows])
     step.stats.total_s = _clock(ctx.device) - begin
     return PrefillResult(logits=logits, mode=mode, stats=step.stats)
