@@ -1,11 +1,16 @@
-"""Router overhead: client-seen TTFT and E2E through the PD router vs straight to the decode node.
+"""PD router side by side with vllm-router (Rust) in one run: the same fake engines, port and load.
 
-Fake vLLM-protocol nodes (tests/router/fakes.py) under real uvicorn on 127.0.0.1, so the numbers are the
-router's own cost (two legs, relay, accounting), not a model's. Side by side in one run:
-  direct   client -> decode node (one leg, streaming)
-  router   client -> router -> prefill (max_tokens=1) -> decode (streaming relay)
-    python benchmarks/router.py [--requests 200] [--concurrency 8] [--tokens 16] [--json out.json]
-Headline: added p50 TTFT in milliseconds (router minus direct; includes the P leg round trip).
+Fake vLLM-protocol engines (tests/router/wire_fake.py: `/v1/models`, `/metrics` with
+`vllm:cache_config_info`, a P leg answering `kv_transfer_params`, a D leg answering 16 tokens or streaming
+256) run in their own process. Each contender (vllm-router 0.1.17, our router, optionally our router at an
+older git revision) is started in turn on the same port, alternating the order per round, and driven by
+- wrk (C; one thread) at 1, 16, 64 and 256 connections, non-streaming: req/s, mean and p99 latency;
+- 64 concurrent SSE streams x 256 tokens (an asyncio + httptools client): chunks/s, TTFT p50/p99.
+Every run checks that the engines saw as many P legs as D legs (both routers run both legs).
+The `direct` row (client -> D engine, one leg) is the load generators' and fakes' own ceiling.
+
+    python benchmarks/router.py [--duration 5] [--rounds 2] [--workers 2] [--baseline-rev REV] [--json out.json]
+Headline: router_pd_throughput_ratio_c64 = ours / vllm-router req/s at 64 connections (worst round).
 """
 
 from __future__ import annotations
@@ -13,81 +18,245 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
+import os
+import subprocess
 import sys
+import tempfile
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
+import httptools
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from router.app import create_app  # noqa: E402
-from router.config import InstanceSpec, PoolSpec, RouterConfig  # noqa: E402
-from router.settings import Settings  # noqa: E402
-from tests.router.fakes import FakeNode  # noqa: E402
-from tests.router.servers import uvicorn_server  # noqa: E402
-
-
-async def drive(url: str, num_requests: int, concurrency: int, num_tokens: int) -> tuple[list[float], list[float]]:
-    ttfts, e2es = [], []
-    sem = asyncio.Semaphore(concurrency)
-    body = {"model": "fake-model", "prompt": "benchmark prompt " * 20, "max_tokens": num_tokens, "stream": True}
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency * 2)) as client:
-        async def one() -> None:
-            async with sem:
-                start = time.perf_counter()
-                first = None
-                async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-                    async for line in resp.aiter_lines():
-                        if first is None and line.startswith("data: {"):
-                            first = time.perf_counter()
-                ttfts.append((first or time.perf_counter()) - start)
-                e2es.append(time.perf_counter() - start)
-
-        await asyncio.gather(*(one() for _ in range(num_requests)))
-    return ttfts, e2es
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+CONNECTIONS = (1, 16, 64, 256)
+PROMPT = ("You are a careful assistant. Summarise the following notes about disaggregated serving, where a "
+          "prefill instance computes the prompt's KV cache and hands it to a decode instance over NIXL, and "
+          "the router pairs compatible instances, places long sessions on large pools and relays the stream "
+          "back to the client without buffering it. Keep the answer short, precise and in plain English.  ")
+WRK_LUA = """wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = [[%s]]
+done = function(s, lat, req)
+  local e = s.errors
+  io.write(string.format('WRKJSON {"requests": %%d, "duration_us": %%d, "errors": %%d, "status_errors": %%d, '
+    .. '"mean_us": %%f, "p50_us": %%d, "p99_us": %%d}\\n', s.requests, s.duration,
+    e.connect + e.read + e.write + e.timeout, e.status, lat.mean, lat:percentile(50), lat:percentile(99)))
+end
+"""
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
+def body(max_tokens: int, stream: bool) -> bytes:
+    return json.dumps({"model": "fake-model", "prompt": PROMPT, "max_tokens": max_tokens, "stream": stream}).encode()
+
+
+def run_wrk(url: str, connections: int, duration_s: float, script: Path) -> dict:
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration_s))}s", "--timeout", "10s", "-s",
+                          str(script), f"{url}/v1/completions"], capture_output=True, text=True, check=True).stdout
+    stats = json.loads(next(line[8:] for line in out.splitlines() if line.startswith("WRKJSON ")))
+    return {"req_per_s": stats["requests"] / (stats["duration_us"] / 1e6), "mean_ms": stats["mean_us"] / 1e3,
+            "p99_ms": stats["p99_us"] / 1e3, "errors": stats["errors"] + stats["status_errors"]}
+
+
+class StreamConnection(asyncio.Protocol):
+    """One keep-alive connection that sends streaming requests back to back until the deadline."""
+
+    def __init__(self, request: bytes, deadline: float, stats: dict, done: asyncio.Future) -> None:
+        self.request, self.deadline, self.stats, self.done = request, deadline, stats, done
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.send()
+
+    def send(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.started, self.first, self.events, self.last_nl = time.perf_counter(), None, 0, False
+        self.transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, data: bytes) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            self.stats["ttft"].append(now - self.started)
+        num = data.count(b"\n\n") + (self.last_nl and data[:1] == b"\n")
+        self.last_nl = data.endswith(b"\n") and not data.endswith(b"\n\n")
+        self.events += num
+        if now < self.deadline:
+            self.stats["events"] += num
+
+    def on_message_complete(self) -> None:
+        ok = self.parser.get_status_code() == 200 and self.events == self.stats["expected_events"]
+        self.stats["streams" if ok else "errors"] += 1
+        if time.perf_counter() < self.deadline:
+            self.send()
+        else:
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+async def drive_streams(url: str, num_streams: int, duration_s: float, num_tokens: int) -> dict:
+    host, port = url.removeprefix("http://").split(":")
+    payload = body(num_tokens, True)
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
+    loop = asyncio.get_running_loop()
+    stats = {"ttft": [], "events": 0, "streams": 0, "errors": 0, "expected_events": num_tokens + 1}
+    deadline = time.perf_counter() + duration_s
+    done = [loop.create_future() for _ in range(num_streams)]
+    for fut in done:
+        await loop.create_connection(lambda fut=fut: StreamConnection(request, deadline, stats, fut), host, int(port))
+    await asyncio.wait_for(asyncio.gather(*done), duration_s + 30)
+    ttft = sorted(stats["ttft"]) or [float("nan")]
+    num_streams_done = stats["streams"]
+    return {"chunks_per_s": (stats["events"] - num_streams_done) / duration_s, "streams": num_streams_done,
+            "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3, "ttft_p99_ms": ttft[int(0.99 * (len(ttft) - 1))] * 1e3,
+            "errors": stats["errors"]}
+
+
+def contender_command(name: str, tree: Path, port: int, p_url: str, d_url: str, workers: int) -> list[str]:
+    if name == "vllm-router":
+        return [str(BIN / "vllm-router"), "--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url,
+                "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(port + 3), "--log-level", "warning"]
+    args = ["--prefill", p_url, "--decode", d_url, "--engine", "vllm", "--port", str(port),
+            "--log-level", "warning"]
+    if name == "pdcluster" and workers != 1:
+        args += ["--workers", str(workers)]
+    return [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main(sys.argv[1:]))", *args]
+
+
+def wait_ready(url: str, name: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}")
+        try:
+            resp = httpx.post(f"{url}/v1/completions", content=body(4, False), timeout=5,
+                              headers={"content-type": "application/json"})
+            if resp.status_code == 200 and resp.headers.get("x-pdcluster-prefill", "p") != "none":
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{name} not ready at {url} within {timeout_s} s")
+
+
+def legs(engine_url: str) -> int:
+    return int(httpx.get(f"{engine_url}/stats", timeout=5).json()["requests"])
+
+
+def measure(name: str, url: str, p_url: str, d_url: str, args, script: Path) -> dict:
+    row: dict = {}
+    p0, d0 = legs(p_url), legs(d_url)
+    subprocess.run(["wrk", "-t1", "-c16", "-d1s", "-s", str(script), f"{url}/v1/completions"], capture_output=True)
+    for c in CONNECTIONS:
+        row[f"c{c}"] = run_wrk(url, c, args.duration, script)
+    row["stream"] = asyncio.run(drive_streams(url, 64, args.duration, 256))
+    num_p, num_d = legs(p_url) - p0, legs(d_url) - d0
+    row["legs"] = {"prefill": num_p, "decode": num_d}
+    print(f"{name}: " + ", ".join(f"c={c} {row[f'c{c}']['req_per_s']:,.0f} req/s" for c in CONNECTIONS)
+          + f", SSE {row['stream']['chunks_per_s']:,.0f} chunks/s", flush=True)
+    in_flight = sum(CONNECTIONS) + 64  # requests cut off at the end of each load point
+    if name != "direct" and abs(num_p - num_d) > in_flight + 0.01 * num_d:
+        raise RuntimeError(f"{name}: {num_p} P legs but {num_d} D legs: not every request ran both legs")
+    return row
+
+
+def start_fakes(ports: list[int]) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "tests.router.wire_fake", "--ports", *map(str, ports)],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready", "fake engines did not start"
+    return proc
+
+
+def baseline_tree(rev: str, tmp: Path) -> Path:
+    tree = tmp / f"baseline-{rev}"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
+                   capture_output=True)
+    return tree
+
+
+def print_table(rounds: list[dict]) -> None:
+    head = f"{'round':<5} {'contender':<18}" + "".join(f"{f'c={c} req/s (mean ms)':>23}" for c in CONNECTIONS)
+    print(head + f"{'SSE chunks/s (TTFT p50/p99 ms)':>34}")
+    for i, rnd in enumerate(rounds, 1):
+        for name, row in rnd.items():
+            cells = "".join(f"{row[f'c{c}']['req_per_s']:>12,.0f} ({row[f'c{c}']['mean_ms']:6.2f})   "
+                            for c in CONNECTIONS)
+            s = row["stream"]
+            print(f"{i:<5} {name:<18}{cells}{s['chunks_per_s']:>14,.0f} ({s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f})"
+                  + (f"  errors {sum(row[f'c{c}']['errors'] for c in CONNECTIONS) + s['errors']}"))
+
+
+def ratios(rnd: dict, ours: str = "pdcluster", anchor: str = "vllm-router") -> dict:
+    a, b = rnd[ours], rnd[anchor]
+    out = {f"throughput_c{c}": a[f"c{c}"]["req_per_s"] / b[f"c{c}"]["req_per_s"] for c in CONNECTIONS}
+    out["mean_latency_c1"] = a["c1"]["mean_ms"] / b["c1"]["mean_ms"]
+    out["stream_chunks"] = a["stream"]["chunks_per_s"] / b["stream"]["chunks_per_s"]
+    out["ours_monotonic_1_to_256"] = all(a[f"c{x}"]["req_per_s"] <= a[f"c{y}"]["req_per_s"] * 1.02
+                                         for x, y in zip(CONNECTIONS, CONNECTIONS[1:]))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per load point")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="our router's worker processes")
+    parser.add_argument("--baseline-rev", help="also run our router as of this git revision")
+    parser.add_argument("--port", type=int, default=18500)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    p, d = FakeNode("p0", "prefill"), FakeNode("d0", "decode", num_tokens=args.tokens)
-    with ExitStack() as stack:
-        urls = {n.name: stack.enter_context(uvicorn_server(n.app())) for n in (p, d)}
-        config = RouterConfig(pools=[PoolSpec(name="default")], instances=[
-            InstanceSpec(name=n.name, role=n.role, url=urls[n.name], engine="vllm") for n in (p, d)])
-        router = stack.enter_context(uvicorn_server(create_app(
-            Settings(health_interval_s=3600.0, disagg_min_uncached_tokens=1), config=config)))
-        rows = {}
-        for label, url in (("direct", urls["d0"]), ("router", router)):
-            asyncio.run(drive(url, 10, args.concurrency, args.tokens))  # warm-up
-            start = time.perf_counter()
-            ttfts, e2es = asyncio.run(drive(url, args.requests, args.concurrency, args.tokens))
-            rows[label] = {"req_per_s": args.requests / (time.perf_counter() - start),
-                           "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
-                           "e2e_p50_ms": pct(e2es, 0.5), "e2e_mean_ms": statistics.mean(e2es) * 1000.0}
-    print(f"{'path':<8} {'req/s':>8} {'TTFT p50':>10} {'TTFT p99':>10} {'E2E p50':>10}")
-    for label, row in rows.items():
-        print(f"{label:<8} {row['req_per_s']:>8.1f} {row['ttft_p50_ms']:>8.1f}ms {row['ttft_p99_ms']:>8.1f}ms "
-              f"{row['e2e_p50_ms']:>8.1f}ms")
-    added = rows["router"]["ttft_p50_ms"] - rows["direct"]["ttft_p50_ms"]
-    print(f"router adds {added:.1f} ms p50 TTFT (P leg round trip + relay), "
-          f"throughput ratio router/direct {rows['router']['req_per_s'] / rows['direct']['req_per_s']:.2f}")
+    p_url, d_url = f"http://127.0.0.1:{args.port + 1}", f"http://127.0.0.1:{args.port + 2}"
+    url = f"http://127.0.0.1:{args.port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        script = tmp / "post.lua"
+        script.write_text(WRK_LUA % body(16, False).decode())
+        trees = {"vllm-router": ROOT, "pdcluster": ROOT}
+        if args.baseline_rev:
+            trees[f"pdcluster@{args.baseline_rev[:7]}"] = baseline_tree(args.baseline_rev, tmp)
+        fakes = start_fakes([args.port + 1, args.port + 2])
+        rounds = []
+        try:
+            for i in range(args.rounds):
+                order = list(trees) if i % 2 == 0 else list(reversed(trees))
+                rnd = {"direct": measure("direct", d_url, p_url, d_url, args, script)} if i == 0 else {}
+                for name in order:
+                    env = {**os.environ, "PYTHONPATH": str(trees[name])}
+                    cmd = contender_command(name, trees[name], args.port, p_url, d_url, args.workers)
+                    proc = subprocess.Popen(cmd, cwd=trees[name], env=env, stdout=subprocess.DEVNULL,
+                                            stderr=open(tmp / f"{name.replace('/', '_')}.log", "a"))
+                    try:
+                        wait_ready(url, name, proc)
+                        rnd[name] = measure(name, url, p_url, d_url, args, script)
+                    finally:
+                        proc.terminate()
+                        proc.wait(timeout=30)
+                rounds.append(rnd)
+        finally:
+            fakes.terminate()
+            if args.baseline_rev:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                                str(trees[f"pdcluster@{args.baseline_rev[:7]}"])], capture_output=True)
+    print_table(rounds)
+    per_round = [ratios(rnd) for rnd in rounds]
+    for i, r in enumerate(per_round, 1):
+        print(f"round {i}: ours/vllm-router " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                                          for k, v in r.items()))
+    headline = min(r["throughput_c64"] for r in per_round)
     if args.json:
-        args.json.write_text(json.dumps({"headline": {"metric": "router_added_ttft_p50_ms", "value": added,
-                                                      "goal": "< 10 ms on an idle host"},
-                                         "rows": rows, "args": vars(args) | {"json": str(args.json)}}, indent=2))
+        args.json.write_text(json.dumps({
+            "headline": {"metric": "router_pd_throughput_ratio_c64", "value": headline,
+                         "goal": ">= 0.8 (goal 1.0) x vllm-router req/s at 64 connections, worst round"},
+            "ratios": per_round, "rounds": rounds, "machine": os.uname().nodename, "cpus": os.cpu_count(),
+            "args": {k: str(v) for k, v in vars(args).items()}}, indent=2))
     return 0
 
 
