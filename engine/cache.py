@@ -7,6 +7,11 @@ request (head-major). Rows of both kinds come from one free list.
 
 - `RowPool.allocate(n)` / `free(ids)` / `num_free`: lowest ids first, so ranks that see the same commands make the
   same allocations (SPMD lockstep). `allocate_request(num_tokens)` returns a `BlockTable`.
+- Quarantine: `quarantine(ids, until, key)` takes rows out of use without making them free: a remote READ may
+  still target them (an export a lease gave up, an import that was abandoned). `reclaim(now)` frees the rows
+  whose time is up; `hold(key)` keeps a key's rows out for good (a READ into them could not be cancelled).
+  Quarantined rows are neither free nor allocated; times come from the caller's clock (in a node, the round's
+  time that every rank shares), so every rank reclaims the same rows in the same round.
 - `BlockTable`: a request's attention row ids (block k holds request tokens [k*B, (k+1)*B), or under DCP this
   rank's owned tokens of that block) and its KDA row ids (one per KDA group).
 - Page-address translation (`page_table`): the fixed-size kernel pages of a request for one DSA layer, as byte
@@ -22,6 +27,7 @@ Cached formats: FP8 latent (per-tensor static scale, kv_lora + rope bytes), FP8 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +61,13 @@ class PageTable:
     page_tokens: int
 
 
+@dataclass
+class _Quarantined:
+    key: str
+    until: float
+    row_ids: tuple[int, ...]
+
+
 class RowPool:
     def __init__(self, layout: RowLayout, cfg: ModelConfig, num_rows: int) -> None:
         if cfg.latent_dtype != "fp8" or cfg.index_key_dtype != "fp8" or layout.latent_format != "fp8":
@@ -71,11 +84,16 @@ class RowPool:
         self._free = list(range(num_rows))
         heapq.heapify(self._free)
         self._used: set[int] = set()
+        self._quarantine: list[_Quarantined] = []
 
     # ---- allocation ----
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_quarantined(self) -> int:
+        return sum(len(q.row_ids) for q in self._quarantine)
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
@@ -90,6 +108,33 @@ class RowPool:
                 raise ValueError(f"row {row} is not allocated")
             self._used.remove(row)
             heapq.heappush(self._free, row)
+
+    def quarantine(self, row_ids: list[int] | tuple[int, ...], until: float, key: str) -> None:
+        """Take allocated rows out of use until `until` (then `reclaim` frees them); `key` names them for `hold`."""
+        for row in row_ids:
+            if row not in self._used:
+                raise ValueError(f"row {row} is not allocated")
+            self._used.remove(row)
+        self._quarantine.append(_Quarantined(key, until, tuple(row_ids)))
+
+    def reclaim(self, now: float) -> list[int]:
+        """Free every quarantined row whose time is up; the rows freed."""
+        due = [q for q in self._quarantine if q.until <= now]
+        if not due:
+            return []
+        self._quarantine = [q for q in self._quarantine if q.until > now]
+        freed = [row for q in due for row in q.row_ids]
+        for row in freed:
+            heapq.heappush(self._free, row)
+        return freed
+
+    def hold(self, key: str) -> bool:
+        """Keep the rows quarantined under `key` out of the pool for good; False if there are none."""
+        found = False
+        for q in self._quarantine:
+            if q.key == key:
+                q.until, found = math.inf, True
+        return found
 
     def rows_for(self, num_tokens: int) -> tuple[int, int]:
         """(attention rows, KDA rows) a request of num_tokens needs on this rank."""

@@ -7,9 +7,14 @@ Serving (colocated):
     engine.abort("r1")                                  # frees its rows wherever it is
 Disaggregation, prefill side:
     res = engine.prefill_and_keep("r1", prompt_token_ids, sampling)   # runs now -> PrefillResult
-      (attention row ids, KDA row ids, num_tokens, first token + logprob); the rows stay allocated until
-    engine.release("r1")  or  engine.release_rows(row_ids)
+      (attention row ids, KDA row ids, num_tokens, first token + logprob, generation); the rows stay allocated
+    engine.release("r1", res.generation, reads_done=True)   # the reader is done: the rows are free at once
+    engine.release("r1", res.generation)                    # given up (lease expired, aborted): quarantined
     (or queue it: add_request(..., export=True); the step that prefills it returns the PrefillResult)
+    An export is released by request id AND generation, never by row ids: a stale release frees nothing.
+    `abort` of an exported or importing request quarantines its rows for `config.quarantine_s` (a READ posted
+    before may still target them); `hold(request_id)` keeps them out for good (a READ that could not be
+    cancelled). Quarantine times come from `clock` (a node passes the round's time, shared by its ranks).
 Disaggregation, decode side:
     table = engine.allocate_for_import("r1", prompt_token_ids, sampling)  # rows for prompt + max_tokens;
       an external writer (NIXL) fills the attention rows and KDA rows of `table` inside engine.pool.buffer
@@ -26,6 +31,7 @@ Parallel wrappers (engine/parallel/) may pass their own `model` (any object with
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +67,9 @@ class EngineConfig:
     subblock_tokens: int = 64
     block_size: int | None = None
     """Force a larger power-of-two block size (None: the smallest legal one)."""
+    quarantine_s: float = 30.0
+    """How long rows stay out of the pool after an export or import is given up (lease expired, aborted): a
+    remote READ posted before may still target them until the reader's transfer timeout."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,8 @@ class PrefillResult:
     num_tokens: int
     first_token: int
     first_logprob: float
+    generation: int = 0
+    """Names this export for `release` (unique within the engine)."""
 
 
 @dataclass(frozen=True)
@@ -90,10 +101,13 @@ class StepOutputs:
 
 class Engine:
     def __init__(self, config: EngineConfig, model: KimiModel | None = None,
-                 make_cache: Callable[[RowPool, BlockTable], Any] | None = None) -> None:
+                 make_cache: Callable[[RowPool, BlockTable], Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`model`: a built model or SPMD wrapper (default: built from the preset); `make_cache`: the per-request
-        cache view over the pool (default RowSequenceCache; a DCP rank passes its DCPRowCache)."""
+        cache view over the pool (default RowSequenceCache; a DCP rank passes its DCPRowCache); `clock`: the time
+        quarantines are measured in."""
         self.config = config
+        self.clock = clock
         self.model_config: ModelConfig = get_preset(config.model)
         self.model = model if model is not None else build_model(self.model_config, config.seed, config.weights)
         self.tokenizer = ByteTokenizer()
@@ -125,15 +139,25 @@ class Engine:
         self.scheduler.add(self._make_request(request_id, prompt_token_ids, sampling, export))
 
     def abort(self, request_id: str) -> bool:
+        """End a request wherever it is; an exported or importing one's rows are quarantined, not freed."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return False
-        self.scheduler.finish(req, "abort")
+        remote = req.state in (RequestState.EXPORTED, RequestState.IMPORTING)
+        self.scheduler.finish(req, "abort", self._quarantine_until() if remote else None)
         return True
+
+    def _quarantine_until(self) -> float:
+        return self.clock() + self.config.quarantine_s
+
+    def reclaim(self) -> list[int]:
+        """Free the quarantined rows whose time is up (every step and admission does it first)."""
+        return self.pool.reclaim(self.clock())
 
     # ---- stepping ----
     def step(self) -> StepOutputs:
         out = StepOutputs()
+        self.reclaim()
         plan = self.scheduler.schedule()
         if plan.prefill is not None:
             req = plan.prefill
@@ -179,6 +203,7 @@ class Engine:
                          sampling: SamplingParams) -> PrefillResult:
         """Prefill now (outside the queue) and keep the rows until `release`."""
         req = self._make_request(request_id, prompt_token_ids, sampling, export=True)
+        self.reclaim()
         self.scheduler.add_imported(req, req.capacity, zero_kda=True)
         try:
             tok = sample(self.runner.prefill(req), req.sampling, req.seed, 0)
@@ -193,25 +218,30 @@ class Engine:
     def _prefill_result(self, req: Request) -> PrefillResult:
         assert req.table is not None
         return PrefillResult(req.request_id, tuple(req.table.attn_row_ids), tuple(req.table.kda_row_ids),
-                             len(req.prompt_token_ids), req.output_token_ids[0], req.output_logprobs[0])
+                             len(req.prompt_token_ids), req.output_token_ids[0], req.output_logprobs[0],
+                             req.generation)
 
-    def release(self, request_id: str) -> bool:
-        """Free the rows an exported request kept. False if it is unknown or not exported."""
-        return self.scheduler.release(request_id)
+    def release(self, request_id: str, generation: int, reads_done: bool = False) -> bool:
+        """End export `generation` of `request_id`: its rows are freed when `reads_done` (every READ of them
+        finished), else quarantined. False, freeing nothing, if that export is not live (already released,
+        aborted, or the id now names another export)."""
+        until = None if reads_done else self._quarantine_until()
+        return self.scheduler.release(request_id, generation, until)
 
-    def release_rows(self, row_ids: list[int] | tuple[int, ...]) -> list[str]:
-        """Release every exported request that owns any of these rows; returns their ids."""
-        wanted = set(row_ids)
-        owners = [r.request_id for r in self.scheduler.requests.values()
-                  if r.state == RequestState.EXPORTED and r.table is not None and wanted & set(r.table.row_ids)]
-        for request_id in owners:
-            self.release(request_id)
-        return owners
+    def hold(self, request_id: str) -> bool:
+        """A READ into this request's rows could not be cancelled: keep them out of the pool for good (now if
+        the request already ended, else when it ends). False if the engine knows nothing of it."""
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            req.held = True
+            return True
+        return self.pool.hold(request_id)
 
     def allocate_for_import(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
                             sampling: SamplingParams) -> BlockTable:
         """Rows for a request whose prompt KV an external writer puts into the pool; decode waits for start."""
         req = self._make_request(request_id, prompt_token_ids, sampling)
+        self.reclaim()
         return self.scheduler.add_imported(req, len(req.prompt_token_ids))
 
     def start_decode(self, request_id: str, first_token: int, first_logprob: float = math.nan) -> list[TokenEvent]:
@@ -244,6 +274,10 @@ class Engine:
     @property
     def num_free_rows(self) -> int:
         return self.pool.num_free
+
+    @property
+    def num_quarantined_rows(self) -> int:
+        return self.pool.num_quarantined
 
     def request_state(self, request_id: str) -> RequestState | None:
         req = self.scheduler.requests.get(request_id)

@@ -3,6 +3,11 @@
 States: WAITING (prefill queue) -> RUNNING (decode batch) -> FINISHED; with export: WAITING -> EXPORTED (prefill
 done, rows kept for a remote reader until released); with import: IMPORTING (rows allocated, an external writer
 fills them) -> RUNNING once `start_decode` gives the first token.
+An export is named by its request id AND its `generation` (a per-scheduler counter stamped when the prefill is
+done): `release(request_id, generation)` ends only that export, so a stale release of an earlier request with the
+same id, or of rows that have since been reused, frees nothing. Ending a request whose rows a remote READ may
+still target (EXPORTED or IMPORTING; `finish(..., quarantine_until=t)`) quarantines its rows instead of freeing
+them (engine.cache.RowPool.quarantine); a `held` request's rows stay quarantined for good.
 `Scheduler.schedule()` picks, per engine step, at most one waiting request to prefill (first in, first out; it
 waits while the pool lacks rows for its prompt + max_tokens) and every running request (up to max_batch) to
 decode. Rows are allocated when a request is admitted, for its prompt plus max_tokens, so a running request never
@@ -13,6 +18,7 @@ The scheduler is deterministic: the same commands in the same order give the sam
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,6 +42,10 @@ class Request:
     seed: int
     export: bool = False
     state: RequestState = RequestState.WAITING
+    generation: int = 0
+    """Set when the request is exported (unique within the scheduler); releases must name it."""
+    held: bool = False
+    """A READ into its rows could not be cancelled: when it ends, its rows stay quarantined for good."""
     table: BlockTable | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -65,6 +75,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._generations = 0
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -100,36 +111,43 @@ class Scheduler:
                 prefill.table = self.pool.allocate_request(prefill.capacity)
         return SchedulerOutput(prefill, tuple(self.running[: self.max_batch]))
 
-    def finish(self, req: Request, reason: str) -> None:
-        """End a request in any state and free its rows."""
+    def finish(self, req: Request, reason: str, quarantine_until: float | None = None) -> None:
+        """End a request in any state; its rows are freed, or quarantined until `quarantine_until`."""
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
         if req.state == RequestState.WAITING and req in self.waiting:
             self.waiting.remove(req)
         req.state = RequestState.FINISHED
-        self._free(req)
+        self._free(req, quarantine_until)
         self.requests.pop(req.request_id, None)
 
     def export(self, req: Request) -> None:
-        """The prefill of an export request is done: keep its rows, stop scheduling it."""
+        """The prefill of an export request is done: keep its rows, stop scheduling it, stamp its generation."""
         req.state = RequestState.EXPORTED
+        self._generations += 1
+        req.generation = self._generations
         if req in self.running:
             self.running.remove(req)
 
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str, generation: int, quarantine_until: float | None = None) -> bool:
+        """End export `generation` of `request_id`; False (nothing freed) if that export is not live."""
         req = self.requests.get(request_id)
-        if req is None or req.state != RequestState.EXPORTED:
+        if req is None or req.state != RequestState.EXPORTED or req.generation != generation:
             return False
-        self._free(req)
-        req.state = RequestState.FINISHED
-        del self.requests[request_id]
+        self.finish(req, "released", quarantine_until)
         return True
 
-    def _free(self, req: Request) -> None:
-        if req.table is not None:
+    def _free(self, req: Request, quarantine_until: float | None = None) -> None:
+        if req.table is None:
+            return
+        if req.held:
+            quarantine_until = math.inf
+        if quarantine_until is None:
             self.pool.free(req.table.row_ids)
-            req.table = None
+        else:
+            self.pool.quarantine(req.table.row_ids, quarantine_until, req.request_id)
+        req.table = None
 
     @property
     def num_waiting(self) -> int:

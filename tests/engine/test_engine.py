@@ -99,7 +99,7 @@ def test_prefill_export_then_import_decode_equals_colocated(engine: Engine) -> N
         decoder.pool.buffer[dst] = engine.pool.buffer[src]  # what a NIXL read does
     outs = decoder.start_decode("p1", res.first_token, res.first_logprob) + _drain(decoder).get("p1", [])
     assert [(o.token_id, o.logprob) for o in outs] == colocated
-    assert engine.release_rows(list(res.attn_row_ids)) == ["p1"] and engine.num_free_rows == free + 0
+    assert engine.release("p1", res.generation, reads_done=True) and engine.num_free_rows == free + 0
     assert decoder.num_free_rows == 16
 
 
@@ -108,7 +108,10 @@ def test_queued_export_returns_prefill_result(engine: Engine) -> None:
     engine.add_request("q1", _prompts(engine)[0], SamplingParams(max_tokens=8), export=True)
     out = engine.step()
     assert [r.request_id for r in out.exported] == ["q1"] and not out.tokens and not engine.has_work
-    assert engine.release("q1") and engine.num_free_rows == free and not engine.release("q1")
+    generation = out.exported[0].generation
+    assert not engine.release("q1", generation + 1, reads_done=True)  # another export's generation frees nothing
+    assert engine.release("q1", generation, reads_done=True) and engine.num_free_rows == free
+    assert not engine.release("q1", generation, reads_done=True)
 
 
 def test_stops_and_abort_free_rows(engine: Engine) -> None:
