@@ -12,7 +12,9 @@ in the reader: CMA on loopback), which stays meaningful when other work shares t
 Headline: packed / per-layer bandwidth on the Pro-shaped (64-token block) request; goals >= 3x per-layer and
 >= 0.5x the single descriptor.
 
-    python benchmarks/transfer.py [--rounds 7] [--pro-tokens 8192] [--json PATH]
+    python benchmarks/transfer.py [--rounds 7] [--pro-tokens 8192] [--json PATH] [--kv-error-handling peer ...]
+
+The `--kv-*` flags are the nodes' KV transfer settings (node/cli.py), applied to both rank processes.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.model.config import get_preset  # noqa: E402
 from engine.layout import plan_layout  # noqa: E402
-from tests.kv_transfer.rank_process import RankProcess  # noqa: E402
 from kv_transfer.remap import ReadOp  # noqa: E402
+from kv_transfer.ucx_env import KVTransferSettings  # noqa: E402
+from node.cli import add_kv_flags, settings_fields  # noqa: E402
+from tests.kv_transfer.rank_process import RankProcess  # noqa: E402
 
 
 def _op(p_off: int, d_off: int, length: int) -> ReadOp:
@@ -85,11 +89,13 @@ def _check(p: RankProcess, d: RankProcess, ops: list[ReadOp]) -> bool:
     return src == dst
 
 
-def run(rounds: int, pro_tokens: int) -> list[dict]:
+def run(rounds: int, pro_tokens: int, kv: dict | None = None) -> list[dict]:
     scs = scenarios(pro_tokens)
     pool = max(s["pool"] for s in scs)
     ctx = multiprocessing.get_context("spawn")
-    p, d = RankProcess(ctx, "bench-P", pool), RankProcess(ctx, "bench-D", pool)
+    kv = dict(KVTransferSettings(**(kv or {})).model_dump(exclude_defaults=True))
+    ucx_tls = kv.pop("ucx_tls", "auto")
+    p, d = (RankProcess(ctx, name, pool, ucx_tls, settings=kv) for name in ("bench-P", "bench-D"))
     rows = []
     try:
         p.ready(300)
@@ -151,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--pro-tokens", type=int, default=8192)
     ap.add_argument("--json", default=None)
+    add_kv_flags(ap)
     args = ap.parse_args(argv)
-    rows = run(args.rounds, args.pro_tokens)
+    rows = run(args.rounds, args.pro_tokens, settings_fields(vars(args)).get("kv"))
     print_table(rows)
     pro = next(r for r in rows if "Pro" in r["scenario"])
     if args.json:

@@ -1,7 +1,7 @@
 """The cluster config schema: which pools run, with what parallelism, engine, ports and model.
 
 One YAML file describes a whole PD cluster. The same schema is what the Helm chart's values map onto
-(`pools:` is a list of `{name, role, replicas|count, tp, dcp, engine, model, extraArgs}`), so a file that
+(`pools:` is a list of `{name, role, replicas|count, tp, dcp, engine, model, settings, extraArgs, env}`), so a file that
 `pdcluster up` accepts reads like the `pools` block of a values file. Keys accept both snake_case and the
 Helm camelCase spelling (`extra_args` / `extraArgs`, `count` / `replicas`).
 
@@ -10,7 +10,10 @@ Invariants after validation:
 - a prefill pool has `dcp == 1` (prefill is token-sharded over its TP group);
 - a decode pool is either TP (`tp >= 1, dcp == 1`) or DCP (`dcp > 1, tp == 1`) on the reference engine;
 - tp and dcp are powers of two (block sizes across TP sizes must divide each other);
-- `ports`, when given, has one entry per instance; no port is used twice anywhere in the file.
+- `ports`, when given, has one entry per instance; no port is used twice anywhere in the file;
+- a pool's `settings` are valid fields of its role's node Settings (prefill_node/settings.py,
+  decode_node/settings.py; nested sections as mappings: `kv: {ucx_tls: tcp}`), none of those the pool
+  itself sets (model, host, port, tp, dcp, pool), and only on reference-engine pools.
 """
 
 from __future__ import annotations
@@ -21,11 +24,24 @@ from typing import Any, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from decode_node.settings import Settings as DecodeSettings
+from node.settings import NodeSettings
+from prefill_node.settings import Settings as PrefillSettings
+
 Role = Literal["prefill", "decode"]
 Engine = Literal["reference", "vllm"]
 DEFAULT_MODEL = "kimi-k3.1-mini"
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
 VLLM_CPU_CONFIG_PATH = Path(__file__).with_name("vllm-cpu.yaml")
+
+
+POOL_OWNED_SETTINGS = ("model", "host", "port", "tp", "dcp", "pool")
+"""Node settings a pool spec sets through its own fields (and the launcher passes as flags)."""
+
+
+def node_settings_class(role: Role) -> type[NodeSettings]:
+    """The node Settings class of a role (its fields are what a pool's `settings` may set)."""
+    return PrefillSettings if role == "prefill" else DecodeSettings
 
 
 class ConfigError(ValueError):
@@ -69,6 +85,9 @@ class PoolSpec(_Strict):
     """Decode pools: session context the router places on this pool; unset means the nodes' max_model_len."""
     cores: list[int] | None = None
     """CPU core per instance for vLLM on CPU (`VLLM_CPU_OMP_THREADS_BIND`); unset means round-robin."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """Node `Settings` fields of every instance (reference engine), e.g. `{num_rows: 512, kv: {ucx_tls: tcp}}`;
+    they reach the node as environment with its role's prefix (`PREFILL_NUM_ROWS`, `PREFILL_KV__UCX_TLS`)."""
 
     @field_validator("tp", "dcp")
     @classmethod
@@ -95,7 +114,20 @@ class PoolSpec(_Strict):
             raise ValueError(f"prefill pool {self.name!r}: max_context_tokens applies to decode pools only")
         if self.role == "prefill" and self.dcp != 1:
             raise ValueError(f"prefill pool {self.name!r}: dcp must be 1 (prefill is token-sharded), got {self.dcp}")
+        self._check_settings()
         return self
+
+    def _check_settings(self) -> None:
+        """The role's Settings accept `settings` (validated without reading this process's environment)."""
+        owned = sorted(set(self.settings) & set(POOL_OWNED_SETTINGS))
+        if owned:
+            raise ValueError(f"pool {self.name!r}: settings.{owned[0]}: set by the pool's own fields (name, model, tp, "
+                             "dcp, ports) or the cluster's host, not under settings")
+        try:
+            node_settings_class(self.role).model_validate(self.settings)
+        except ValidationError as exc:
+            problems = "; ".join(f"settings.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"pool {self.name!r}: {problems}") from None
 
     @property
     def world_size(self) -> int:
@@ -156,6 +188,9 @@ class ClusterConfig(_Strict):
             if role not in roles:
                 raise ValueError(f"at least one {role} pool is required, found none")
         for pool in self.pools:
+            if self.engine_of(pool) == "vllm" and pool.settings:
+                raise ValueError(f"pool {pool.name!r}: settings apply to reference-engine nodes; a vllm pool takes "
+                                 "extra_args and env")
             if self.engine_of(pool) == "reference" and pool.tp > 1 and pool.dcp > 1:
                 raise ValueError(
                     f"decode pool {pool.name!r}: the reference engine runs TP or DCP, not both (tp={pool.tp}, dcp={pool.dcp})"

@@ -6,6 +6,8 @@ line of every node kind is unit-testable without starting anything.
 Node command lines (the contracts with the node packages):
 - reference prefill: `pdcluster prefill --model PRESET --tp W --port P --host H`
 - reference decode:  `pdcluster decode --model PRESET (--tp B | --dcp W) --port P --host H --pool NAME`
+  with the pool's `settings` as the role's environment (`settings_env`: `{kv: {ucx_tls: tcp}}` ->
+  `PREFILL_KV__UCX_TLS=tcp`); the pool's `env` wins over it, its `extra_args` flags over both.
 - vllm:  `PYTHON -m vllm.entrypoints.openai.api_server --model DIR --port P --host H
           --tensor-parallel-size T [--decode-context-parallel-size D]
           --kv-transfer-config {"kv_connector":"NixlConnector","kv_role":"kv_producer|kv_consumer"}`
@@ -21,9 +23,9 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from cluster.config import ClusterConfig, PoolSpec
+from cluster.config import ClusterConfig, PoolSpec, node_settings_class
 from engine.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -115,6 +117,20 @@ def _reference_argv(config: ClusterConfig, pool: PoolSpec, port: int, python: st
     return _pdcluster(python, "decode", *common, *width, "--pool", pool.name, *pool.extra_args)
 
 
+def settings_env(prefix: str, settings: dict[str, Any]) -> dict[str, str]:
+    """Node settings as the environment pydantic-settings reads back: `{num_rows: 64, kv: {timeout_s: 5}}` with
+    prefix `DECODE_` -> `DECODE_NUM_ROWS=64`, `DECODE_KV__TIMEOUT_S=5` (nested sections joined by `__`; lists
+    and booleans as JSON)."""
+    env = {}
+    for key, value in settings.items():
+        name = f"{prefix}{key.upper()}"
+        if isinstance(value, dict):
+            env |= settings_env(f"{name}__", value)
+        else:
+            env[name] = value if isinstance(value, str) else json.dumps(value)
+    return env
+
+
 def served_model_name(config: ClusterConfig, pool: PoolSpec | None = None) -> str:
     """The model id clients send: the preset name, or for vLLM the served name (default: the dir's name)."""
     model = config.model_of(pool) if pool else config.model
@@ -181,7 +197,9 @@ def plan_nodes(config: ClusterConfig, ports: Ports, python: str = sys.executable
                     next_gpu += pool.world_size
                 env |= pool.env
             else:
-                argv, env = _reference_argv(config, pool, port, python), dict(pool.env)
+                prefix = node_settings_class(pool.role).model_config["env_prefix"]
+                argv = _reference_argv(config, pool, port, python)
+                env = settings_env(prefix, pool.settings) | pool.env
             plans.append(ProcessPlan(name=name, role=pool.role, pool=pool.name, engine=engine, host=config.host,
                                      port=port, argv=argv, env=env, tp=pool.tp, dcp=pool.dcp))
     return plans

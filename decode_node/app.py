@@ -42,11 +42,11 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         world = settings.world_size
         config = worker_config(settings, "decode", dcp_size=settings.dcp)
-        config = dataclasses.replace(config, tp_size=world, transfer_timeout_s=settings.transfer_timeout_s)
+        config = dataclasses.replace(config, tp_size=world)
         runtime = await asyncio.to_thread(start_runtime, settings, config, world)
         head: RankInfo = runtime.executor.startup_info[0]
         runtime.extras["geometry"] = Geometry(world, settings.dcp, head.block_size, head.layout_fingerprint)
-        runtime.extras["peers"] = PeerDirectory(timeout_s=settings.transfer_timeout_s)
+        runtime.extras["peers"] = PeerDirectory(timeout_s=settings.kv.timeout_s)
         app.state.runtime = runtime
         try:
             yield

@@ -20,7 +20,6 @@ class Settings(NodeSettings):
     """Decode pool name reported to the router."""
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
     """A failed KV read: `fail` answers a clean error (rows released everywhere), `recompute` prefills here."""
-    transfer_timeout_s: float = Field(default=30.0, gt=0)
 
     @property
     def world_size(self) -> int:

@@ -79,7 +79,7 @@ class NixlTransport:
         self.base_addr, self.pool_bytes, self.mem_type, self.device_id = _buffer_addr(pool)
         self.ucx_tls = resolve_ucx_tls(self.settings.ucx_tls, self.mem_type)
         os.environ["UCX_TLS"] = self.ucx_tls  # before UCX starts: never let UCX choose silently
-        api = nixl_api()
+        api = nixl_api(self.settings.nixl_module)
 
         log.info("NIXL agent %s: UCX_TLS=%s", agent_name, self.ucx_tls)
         self.fallback_reason = detect_tcp_fallback(self.ucx_tls, peer_is_local)
@@ -176,7 +176,7 @@ class NixlTransport:
         """Poll until DONE/ERR or the timeout (TransferError). Polls back to back for the first SPIN_S (a CMA
         or RDMA read of a few MB is done by then), then every POLL_SLEEP_S: on two cores a reader spinning for
         seconds takes a core from the ranks it waits on."""
-        timeout_s = timeout_s or self.settings.poll_timeout_s
+        timeout_s = timeout_s or self.settings.timeout_s
         started = time.monotonic()
         while self.poll(handle) is TransferState.PROC:
             waited = time.monotonic() - started
@@ -243,9 +243,9 @@ def read_request(transport: NixlTransport, d_rank: int, plan: ReadPlan, endpoint
     """Decode side, one D rank: one READ per source P rank (each notifies P with a DONE for the lease),
     polled to completion. A read still running after `settings.repost_after_s` is posted once more on a fresh
     endpoint (NixlTransport.repost). Raises TransferError on ERR or when `timeout_s` (default
-    settings.poll_timeout_s) runs out."""
+    settings.timeout_s) runs out."""
     total = len(plan.consumers())
-    deadline = time.monotonic() + (timeout_s or transport.settings.poll_timeout_s)
+    deadline = time.monotonic() + (timeout_s or transport.settings.timeout_s)
 
     def left_s() -> float:
         return deadline - time.monotonic()

@@ -1,6 +1,9 @@
 """Where NIXL's UCX backend gets its configuration: the transfer settings of a node, the NIXL wheel, and what the
 host offers (RDMA devices, NVIDIA GPUs, CMA) turned into an explicit UCX_TLS list and error-handling mode.
 
+The settings are the `kv` section of the node settings (node/settings.py: CLI `--kv-ucx-tls`, YAML pool
+`settings: {kv: {ucx_tls: ...}}`, env `PREFILL_KV__UCX_TLS` / `DECODE_KV__UCX_TLS`); nothing here reads the
+environment.
 UCX transports: `KVTransferSettings.ucx_tls` is written to UCX_TLS before the agent starts, so UCX never picks
 transports silently; `detect_tcp_fallback` flags a configuration where RMA can only run over TCP (logged as a
 warning; feeds the `pdcluster_node_ucx_tcp_fallback` gauge). One UCX context per process: every agent in a
@@ -14,12 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
 
@@ -34,20 +36,22 @@ FAST_RMA_TLS = ("rc", "rc_x", "rc_v", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "ud", 
                 "cuda_ipc", "sm", "cma", "posix", "sysv", "xpmem", "knem", "shm", "all")
 
 
-class KVTransferSettings(BaseSettings):
-    """Transfer settings of one node (env prefix PDC_KV_)."""
+class KVTransferSettings(BaseModel):
+    """KV transfer settings of one node: the `kv` section of its settings (see the module docstring)."""
 
-    model_config = SettingsConfigDict(env_prefix="PDC_KV_")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
     ucx_tls: str = DEFAULT_UCX_TLS
+    """UCX transports (UCX_TLS): `auto` (from the hardware present) or an explicit list."""
     capture_telemetry: bool = True
-    num_threads: int = 0
+    """NIXL transfer telemetry (the transfer-only time of each READ)."""
+    num_threads: int = Field(default=0, ge=0)
     """UCX worker threads (0: NIXL default)."""
-    progress_delay_us: int = 2000
+    progress_delay_us: int = Field(default=2000, ge=0)
     """How long NIXL's UCX progress thread waits for worker events between progress passes. NIXL's Python
     API fixes it at 0, a busy loop (measured: ~95% of a core per idle rank process, so an idle 5-rank cluster
     on 2 cores starved its own prefill 10x). With a delay the thread sleeps in poll() on the workers' event
     fds, waking at once on traffic (wire-up requests from decode peers while a prefill step runs)."""
-    error_handling: str = "auto"
+    error_handling: Literal["auto", "none", "peer"] = "auto"
     """UCX peer-failure handling of the agent's endpoints (NIXL's `ucx_error_handling_mode`): `peer`, `none`,
     or `auto`. `peer` (NIXL's default) excludes shared-memory transports from the endpoint, so every endpoint
     gets a TCP lane for its active messages (wire-up, notifications, keepalive) and its first READ waits on a
@@ -55,25 +59,29 @@ class KVTransferSettings(BaseSettings):
     the remote interface at once. `auto`: `none` when the peers are on this host (CMA or shared memory reads
     fail by themselves if a peer process is gone, and P's leases expire) on a host without an RDMA device,
     `peer` where one is present (peers on other hosts)."""
-    poll_timeout_s: float = 30.0
-    repost_after_s: float = 10.0
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Bound on one request's KV import on a decode node: fetching the prefill node's side-channel metadata,
+    and its NIXL READs (still running after this long: the import fails)."""
+    repost_after_s: float = Field(default=10.0, gt=0)
     """A read still running after this long is cancelled and posted once more on a fresh endpoint to the same
-    peer (NixlTransport.repost), within poll_timeout_s. A local CMA read of a whole request takes milliseconds;
+    peer (NixlTransport.repost), within timeout_s. A local CMA read of a whole request takes milliseconds;
     one stalled for seconds is waiting on an endpoint, not on bytes."""
+    nixl_module: str | None = None
+    """NIXL wheel to import (`nixl_cu12`, `nixl_cu13`); unset: the first of NIXL_MODULES installed."""
 
 
 NIXL_MODULES = ("nixl_cu12", "nixl_cu13")
 """NIXL's wheels by CUDA major; the `nixl` meta package may pick one that does not match the machine, so the
-wheel is imported by name: PDC_KV_NIXL_MODULE if set, else the first of these that is installed."""
+wheel is imported by name: `KVTransferSettings.nixl_module` if set, else the first of these that is installed."""
 
 
-def nixl_api() -> Any:
-    """NIXL's Python API module (`<wheel>._api`), imported on first use (heavy)."""
+def nixl_api(module: str | None = None) -> Any:
+    """NIXL's Python API module (`<module>._api`, default: the first of NIXL_MODULES that imports), imported on
+    first use (heavy)."""
     import importlib  # noqa: PLC0415
 
-    wanted = os.environ.get("PDC_KV_NIXL_MODULE")
     errors = []
-    for name in ([wanted] if wanted else NIXL_MODULES):
+    for name in ([module] if module else NIXL_MODULES):
         try:
             return importlib.import_module(f"{name}._api")
         except ImportError as exc:

@@ -1,9 +1,30 @@
-"""Shared command-line handling of the node servers: flags -> Settings -> uvicorn."""
+"""Shared command-line handling of the node servers: flags -> Settings -> uvicorn.
+
+Flags override the node's environment (`PREFILL_*`, `DECODE_*`). The `kv` section's flags are generated from
+KVTransferSettings, one `--kv-<field>` each (`--kv-ucx-tls tcp`, `--kv-timeout-s 10`, `--no-kv-capture-telemetry`).
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any, Callable
+
+from kv_transfer.ucx_env import KVTransferSettings
+
+SECTION_SEP = "."
+"""Flag destinations of a nested section are `<section>.<field>` (`kv.ucx_tls`)."""
+
+
+def add_kv_flags(parser: argparse.ArgumentParser) -> None:
+    """One `--kv-<field>` flag per KVTransferSettings field (validated by the settings, not argparse)."""
+    group = parser.add_argument_group("KV transfer (env <PREFIX>KV__<FIELD>)")
+    for name, field in KVTransferSettings.model_fields.items():
+        flag, dest = f"--kv-{name.replace('_', '-')}", f"kv{SECTION_SEP}{name}"
+        help_text = (field.description or "").split(". ")[0]
+        if field.annotation is bool:
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            group.add_argument(flag, dest=dest, metavar=name.upper(), help=help_text)
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
@@ -18,14 +39,28 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, help="most requests in one batch")
     parser.add_argument("--seed", type=int, help="reference weights seed (all nodes must agree)")
     parser.add_argument("--log-level", default="warning")
+    add_kv_flags(parser)
+
+
+def settings_fields(args: dict[str, Any], renames: dict[str, str] | None = None) -> dict[str, Any]:
+    """Parsed flags (None: not given) -> Settings keyword arguments, `kv.x` flags nested under `kv`."""
+    fields: dict[str, Any] = {}
+    for key, value in args.items():
+        if value is None:
+            continue
+        section, sep, name = key.partition(SECTION_SEP)
+        if sep:
+            fields.setdefault(section, {})[name] = value
+        else:
+            fields[(renames or {}).get(key, key)] = value
+    return fields
 
 
 def run(argv: list[str], parser: argparse.ArgumentParser, settings_cls: type, create_app: Callable[[Any], Any],
         renames: dict[str, str] | None = None) -> int:
     args = vars(parser.parse_args(argv))
     log_level = args.pop("log_level")
-    fields = {(renames or {}).get(k, k): v for k, v in args.items() if v is not None}
-    settings = settings_cls(**fields)
+    settings = settings_cls(**settings_fields(args, renames))
     import uvicorn
 
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level,

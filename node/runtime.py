@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kv_transfer.ucx_env import KVTransferSettings
 from node.app import NodeRuntime
 from node.executor import Executor, WorkerSpec
 from node.metrics import CacheInfo, NodeMetrics
@@ -32,7 +33,8 @@ class WorkerConfig:
     """"reference" (engine/) or a "module:function" backend factory."""
     transport: bool = True
     """Register the pool with NIXL (needed for P -> D transfer)."""
-    transfer_timeout_s: float = 30.0
+    kv: KVTransferSettings = KVTransferSettings()
+    """The node's KV transfer settings (the rank's NIXL agent, the import deadline)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_sh
                         block_size=settings.block_size, tp_size=settings.tp, dcp_size=dcp_size,
                         max_num_seqs=settings.max_num_seqs, engine_id=settings.engine_id,
                         token_shard_min_tokens=token_shard_min_tokens, backend=settings.backend,
-                        transport=settings.transport)
+                        transport=settings.transport, kv=settings.kv)
 
 
 def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int) -> NodeRuntime:

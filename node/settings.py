@@ -1,15 +1,25 @@
-"""Settings fields both node kinds share (each node subclasses with its own env prefix)."""
+"""Settings fields both node kinds share (each node subclasses with its own env prefix).
+
+Every field is settable three ways, highest first: a CLI flag (`--num-rows`, `--kv-ucx-tls`), the environment
+with the node's prefix (`PREFILL_NUM_ROWS`; a nested field joins its section with `__`: `PREFILL_KV__UCX_TLS`,
+`DECODE_KV__TIMEOUT_S`), the default. A cluster config (or Helm values) sets them per pool with
+`settings: {num_rows: 512, kv: {ucx_tls: tcp}}`, which cluster/plan.py turns into that environment.
+"""
 
 from __future__ import annotations
 
 import uuid
 
 from pydantic import Field
-from pydantic_settings import BaseSettings
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kv_transfer.ucx_env import KVTransferSettings
 
 
 class NodeSettings(BaseSettings):
     """Common node settings; values come from CLI flags or the node's environment prefix."""
+
+    model_config = SettingsConfigDict(env_nested_delimiter="__")
 
     model: str = "kimi-k3.1-mini"
     """Model preset name (engine.model.config presets); also the served model id."""
@@ -40,6 +50,8 @@ class NodeSettings(BaseSettings):
     """Engine backend of the ranks: "reference" (engine/), or "module:function" of another backend factory."""
     transport: bool = True
     """Register the row pool with NIXL (P -> D transfer); off only for a node that never transfers."""
+    kv: KVTransferSettings = Field(default_factory=KVTransferSettings)
+    """KV transfer (NIXL over UCX): transports, timeouts, the NIXL wheel (kv_transfer/ucx_env.py)."""
 
     @property
     def public_host(self) -> str:

@@ -84,7 +84,7 @@ class RankWorker:
 
             side = "p" if config.role == "prefill" else "d"
             self.transport = NixlTransport(f"{config.engine_id}-{side}{ctx.rank}", backend.pool_buffer(),
-                                           backend.layout.row_bytes)
+                                           backend.layout.row_bytes, config.kv)
 
     def startup_info(self) -> RankInfo:
         layout = self.backend.layout
@@ -122,7 +122,7 @@ class RankWorker:
             attn_rows, kda_rows = self.backend.allocate_import(cmd)
             results = import_request(self.transport, self.backend.model_config, self.backend.layout, self.ctx.rank,
                                      cmd.params, cmd.peer, attn_rows, kda_rows,
-                                     timeout_s=self.config.transfer_timeout_s)
+                                     timeout_s=self.config.kv.timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure becomes this rank's import error
             return ImportOutcome(request_id=cmd.request_id, error=f"rank {self.ctx.rank}: {type(exc).__name__}: {exc}")
         return ImportOutcome(request_id=cmd.request_id, num_bytes=sum(r.bytes for r in results),

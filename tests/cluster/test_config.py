@@ -69,6 +69,14 @@ BAD = {
     "engine": ({"engine": "trt", "pools": [PREFILL, DECODE]}, "engine", "'trt'"),
     "pools-missing": ({"model": "kimi-k3.1-mini"}, "pools: Field required", ""),
     "prefill-capacity": ({"pools": [dict(PREFILL, max_context_tokens=10), DECODE]}, "decode pools only", ""),
+    "settings-unknown-kv": ({"pools": [dict(PREFILL, settings={"kv": {"ucx_tlss": "tcp"}}), DECODE]},
+                            "pools[0]", "settings.kv.ucx_tlss"),
+    "settings-bad-value": ({"pools": [PREFILL, dict(DECODE, settings={"kv": {"timeout_s": -1}})]},
+                           "settings.kv.timeout_s", "greater than 0"),
+    "settings-other-role": ({"pools": [dict(PREFILL, settings={"pool": "x"}), DECODE]}, "settings.pool", ""),
+    "settings-decode-only": ({"pools": [dict(PREFILL, settings={"dcp": 2}), DECODE]}, "settings.dcp", ""),
+    "settings-on-vllm": ({"engine": "vllm", "pools": [PREFILL, dict(DECODE, settings={"num_rows": 8})]},
+                         "settings apply to reference-engine nodes", ""),
 }
 
 

@@ -38,6 +38,13 @@ def test_helm_env_list_and_zero_replicas():
     assert config.pools[1].env == {"OMP_NUM_THREADS": "1", "A": "b"} and config.pools[1].max_context_tokens == 99
 
 
+def test_pool_settings_map_one_to_one():
+    settings = {"num_rows": 64, "kv": {"ucx_tls": "tcp"}}
+    config = config_from_helm_values({"pools": [{"name": "p", "role": "prefill", "settings": settings},
+                                                {"name": "d", "role": "decode"}]})
+    assert config.pools[0].settings == settings and config.pools[1].settings == {}
+
+
 def test_bad_values_name_the_field():
     with pytest.raises(ConfigError, match=r"pools\[1\].tp: must be a power of two"):
         config_from_helm_values({"pools": [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode", "tp": 6}]})

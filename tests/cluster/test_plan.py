@@ -32,6 +32,28 @@ def test_reference_command_lines():
     assert not ports.side_channel  # no vLLM instance, no side channel
 
 
+def test_pool_settings_become_the_role_env(monkeypatch):
+    """A pool's `settings` reach each instance as its role's environment, read back by the node's Settings;
+    the pool's own `env` wins over them."""
+    from decode_node.settings import Settings as DecodeSettings
+    from prefill_node.settings import Settings as PrefillSettings
+
+    config = parse_config({"pools": [
+        {"name": "p", "role": "prefill", "settings": {"lease_seconds": 5, "kv": {"ucx_tls": "tcp", "num_threads": 2}}},
+        {"name": "d", "role": "decode", "settings": {"kv": {"timeout_s": 4, "capture_telemetry": False}},
+         "env": {"DECODE_KV__TIMEOUT_S": "6"}}]})
+    nodes = _by_name(plan_nodes(config, assign_ports(config)))
+    assert nodes["p-0"].env == {"PREFILL_LEASE_SECONDS": "5", "PREFILL_KV__UCX_TLS": "tcp",
+                                "PREFILL_KV__NUM_THREADS": "2"}
+    assert nodes["d-0"].env == {"DECODE_KV__TIMEOUT_S": "6", "DECODE_KV__CAPTURE_TELEMETRY": "false"}
+    for plan in nodes.values():
+        for name, value in plan.env.items():
+            monkeypatch.setenv(name, value)
+    prefill, decode = PrefillSettings(), DecodeSettings()
+    assert (prefill.lease_seconds, prefill.kv.ucx_tls, prefill.kv.num_threads) == (5.0, "tcp", 2)
+    assert (decode.kv.timeout_s, decode.kv.capture_telemetry, decode.kv.ucx_tls) == (6.0, False, "auto")
+
+
 def test_ports_are_distinct_and_configured_ports_kept():
     config = parse_config({
         "router": {"port": None},

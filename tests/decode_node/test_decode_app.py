@@ -18,7 +18,7 @@ PROMPT = "recompute me"
 @pytest.fixture(scope="module")
 def client():
     settings = Settings(backend=TOY, num_rows=16, max_context=4096, kv_load_failure_policy="recompute",
-                        transfer_timeout_s=5)
+                        kv={"timeout_s": 5})
     with TestClient(create_app(settings)) as c:
         yield c
 

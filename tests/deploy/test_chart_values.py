@@ -231,6 +231,9 @@ BAD_VALUES = {
     "reference-multi-node": ({"pools": [{"name": "p", "role": "prefill", "tp": 8, "nodesPerInstance": 2},
                                         {"name": "d", "role": "decode"}]}, "one node"),
     "duplicate-pool": ({"pools": [{"name": "p", "role": "prefill"}, {"name": "p", "role": "decode"}]}, "unique"),
+    "vllm-pool-settings": ({"pools": [{"name": "p", "role": "prefill", "engine": "vllm", "tp": 1,
+                                       "settings": {"kv": {"ucx_tls": "tcp"}}},
+                                      {"name": "d", "role": "decode"}]}, "reference-engine"),
 }
 
 
@@ -241,3 +244,23 @@ def test_bad_values_are_refused(case: str, tmp_path) -> None:
     path.write_text(yaml.safe_dump(values))
     error = render_error(path)
     assert needle in error, f"{case}: helm refused, but not for {needle!r}:\n{error}"
+
+
+def test_pool_settings_render_as_the_role_env_and_read_back(tmp_path, monkeypatch) -> None:
+    """`settings` of a reference pool become PREFILL_/DECODE_ env that the node's Settings read back (the same
+    names cluster/plan.py gives `pdcluster up`)."""
+    from cluster.plan import settings_env
+    from decode_node.settings import Settings as DecodeSettings
+
+    settings = {"num_rows": 512, "kv": {"ucx_tls": "rc,sm,self", "timeout_s": 12.5, "capture_telemetry": False}}
+    out = render(CPU_DEV, overrides={"pools": [
+        {"name": "prefill", "role": "prefill", "tp": 2, "engine": "reference"},
+        {"name": "tp", "role": "decode", "engine": "reference", "settings": settings}]}, tmp_dir=tmp_path)
+    env = {item["name"]: item["value"] for item in out.pool_pods("tp")[0].container["env"] if "value" in item}
+    assert {k: v for k, v in env.items() if k.startswith("DECODE_")} == settings_env("DECODE_", settings)
+    assert not any(k.startswith("PREFILL_") for k in env)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    node = DecodeSettings()
+    assert (node.num_rows, node.kv.ucx_tls, node.kv.timeout_s, node.kv.capture_telemetry) == (
+        512, "rc,sm,self", 12.5, False)

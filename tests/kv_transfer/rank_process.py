@@ -6,7 +6,8 @@ returns its answer (a child error is re-raised as RuntimeError carrying the chil
 Commands: fill (random bytes from a seed), zero, import (the full decode path of kv_transfer.importer:
 side channel over HTTP, checks, plan, READs with DONE notifications), raw_read (benchmark reads),
 read_plan (nixl_agent.read_request over given ops: DONE notifications, reposting a stalled read),
-digest, pool, notifs, tcp_fallback, stop. `settings` are KVTransferSettings fields for the rank's agent.
+digest, pool, notifs, tcp_fallback, stop. `settings` are KVTransferSettings fields for the rank's agent (the
+`kv` section of a node's settings).
 """
 
 from __future__ import annotations

@@ -67,6 +67,9 @@ Input: dict "root" $ "pool" <pool values>.
 {{- fail (printf "prefill pool %s: dcp must be 1 (prefill is token-sharded over its TP group), got %d" $p.name $dcp) -}}
 {{- end -}}
 {{- if eq $engine "vllm" -}}
+{{- if $p.settings -}}
+{{- fail (printf "pool %s: settings apply to reference-engine nodes; a vllm pool takes extraArgs and env" $p.name) -}}
+{{- end -}}
 {{- if ne (mod $tp $dcp) 0 -}}
 {{- fail (printf "pool %s: vLLM needs tp divisible by dcp, got tp=%d dcp=%d" $p.name $tp $dcp) -}}
 {{- end -}}
@@ -100,6 +103,7 @@ nodeSelector: {{- toYaml ($p.nodeSelector | default $d.nodeSelector) | nindent 2
 tolerations: {{- toYaml ($p.tolerations | default $d.tolerations) | nindent 2 }}
 env: {{- toYaml (concat ($d.env | default list) ($p.env | default list)) | nindent 2 }}
 extraArgs: {{- toYaml ($p.extraArgs | default list) | nindent 2 }}
+settings: {{- toYaml ($p.settings | default dict) | nindent 2 }}
 {{- with $p.maxContextTokens }}
 maxContextTokens: {{ int . }}
 {{- end }}

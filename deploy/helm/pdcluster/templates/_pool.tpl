@@ -68,6 +68,21 @@
 {{- end }}
 {{- end -}}
 
+{{/* Node settings as the environment the node's Settings read (cluster/plan.py settings_env does the same):
+     dict "prefix" "DECODE_" "settings" {kv: {timeout_s: 5}} -> DECODE_KV__TIMEOUT_S=5 (nested: `__`). */}}
+{{- define "pdcluster.settingsEnv" -}}
+{{- $prefix := .prefix -}}
+{{- range $key, $value := .settings -}}
+{{- $name := printf "%s%s" $prefix (upper $key) -}}
+{{- if kindIs "map" $value -}}
+{{- include "pdcluster.settingsEnv" (dict "prefix" (printf "%s__" $name) "settings" $value) -}}
+{{- else }}
+- name: {{ $name }}
+  value: {{ ternary $value (toJson $value) (kindIs "string" $value) | quote }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "pdcluster.poolResources" -}}
 {{- $root := .root -}}{{- $p := .p -}}
 {{- $res := deepCopy ($p.resources | default dict) -}}
@@ -154,6 +169,10 @@ containers:
         value: {{ $root.Values.vllm.sideChannelPort | quote }}
       {{- with $root.Values.vllm.env }}
       {{- toYaml . | nindent 6 }}
+      {{- end }}
+      {{- else }}
+      {{- with $p.settings }}
+      {{- include "pdcluster.settingsEnv" (dict "prefix" (printf "%s_" (upper $p.role)) "settings" .) | trim | nindent 6 }}
       {{- end }}
       {{- end }}
       {{- with $p.env }}
