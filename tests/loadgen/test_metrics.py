@@ -1,8 +1,14 @@
-"""Metric math against hand-computed cases and against vLLM 0.33.0's own `calculate_metrics`."""
+"""Metric math against hand-computed cases and against the installed vLLM's own `calculate_metrics` (run in the
+vLLM venv by tests/loadgen/vllm_metrics.py)."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,8 +17,13 @@ from loadgen.metrics import (
     naive_percentile, pareto_points, percentile, request_timing, summarize_level, throughput_timeline,
 )
 from loadgen.slo import SLO
-from tests.loadgen import vllm_reference as vllm
 from tests.loadgen.helpers import record
+from tests.vllm_fixtures import vllm_python
+
+VLLM_METRICS = Path(__file__).with_name("vllm_metrics.py")
+SEEDS = range(3)
+SLO_MS = {"ttft": 1200, "tpot": 35, "e2el": 2500}
+DURATION_S = 7.5
 
 
 def test_timing_multi_token():
@@ -127,22 +138,48 @@ def _random_records(seed: int):
     return recs
 
 
-def _as_vllm(rec) -> "vllm.RequestFuncOutput":
+@dataclass(frozen=True)
+class RequestOutput:
+    """The fields of vLLM's RequestFuncOutput that calculate_metrics reads, as vllm bench serve fills them."""
+
+    success: bool
+    latency: float = 0.0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_len: int = 0
+    error: str = ""
+    start_time: float = 0.0
+
+
+def _as_vllm(rec) -> RequestOutput:
     if not rec.is_ok:
-        return vllm.RequestFuncOutput(success=False, error=rec.error_kind or "")
-    return vllm.RequestFuncOutput(success=True, latency=rec.e2e_s, output_tokens=rec.output_tokens, ttft=rec.ttft_s,
-                                  itl=list(rec.itl_s), prompt_len=rec.prompt_tokens, start_time=rec.start_s)
+        return RequestOutput(success=False, error=rec.error_kind or "")
+    return RequestOutput(success=True, latency=rec.e2e_s, output_tokens=rec.output_tokens, ttft=rec.ttft_s,
+                         itl=list(rec.itl_s), prompt_len=rec.prompt_tokens, start_time=rec.start_s)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_agrees_with_vllm_calculate_metrics(seed, capsys):
+@pytest.fixture(scope="module")
+def vllm_metrics() -> dict[int, SimpleNamespace]:
+    """vLLM's BenchmarkMetrics for each seed's records (one vLLM-venv process for all seeds)."""
+    python = vllm_python()
+    if python is None:
+        pytest.fail("the vLLM venv is missing: scripts/setup/vllm.sh builds .venv-vllm (make test runs it)")
+    cases = [{"outputs": [asdict(_as_vllm(r)) for r in _random_records(seed)], "dur_s": DURATION_S,
+              "percentiles": [50.0, 90.0, 99.0], "goodput": SLO_MS} for seed in SEEDS]
+    proc = subprocess.run([str(python), str(VLLM_METRICS)], input=json.dumps({"cases": cases}), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"{VLLM_METRICS.name} failed:\n{proc.stderr[-4000:]}"
+    answer = json.loads(proc.stdout)
+    return {seed: SimpleNamespace(**metrics) for seed, metrics in zip(SEEDS, answer["metrics"], strict=True)}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_agrees_with_vllm_calculate_metrics(seed, vllm_metrics):
     recs = _random_records(seed)
-    slo = SLO(ttft_ms=1200, tpot_ms=35, e2e_ms=2500)
-    dur = 7.5
-    ours = summarize_level(8, recs, dur, slo)
-    theirs, _ = vllm.calculate_metrics([], [_as_vllm(r) for r in recs], dur, None, [50.0, 90.0, 99.0],
-                                       {"ttft": 1200, "tpot": 35, "e2el": 2500})
-    capsys.readouterr()
+    slo = SLO(ttft_ms=SLO_MS["ttft"], tpot_ms=SLO_MS["tpot"], e2e_ms=SLO_MS["e2el"])
+    ours = summarize_level(8, recs, DURATION_S, slo)
+    theirs = vllm_metrics[seed]
     assert ours.num_ok == theirs.completed and ours.num_errors + ours.num_cancelled == theirs.failed
     assert ours.output_tokens == theirs.total_output and ours.input_tokens == theirs.total_input
     for mine, ref in ((ours.request_throughput, theirs.request_throughput),
@@ -159,41 +196,26 @@ def test_agrees_with_vllm_calculate_metrics(seed, capsys):
         assert (st.p50, st.p90, st.p99) == pytest.approx((ref_pcts[50.0], ref_pcts[90.0], ref_pcts[99.0]), rel=1e-12)
 
 
-CHAT_CHOICES = [
-    {"delta": {"role": "assistant", "content": ""}},
-    {"delta": {"content": ""}},
-    {"delta": {"content": "hi"}},
-    {"delta": {"reasoning": "hmm"}},
-    {"delta": {"tool_calls": [{"index": 0}]}},
-    {"delta": {}},
-    {"delta": None},
-    {"finish_reason": "stop"},
+CHAT_CHOICES = [  # (choice, carries a token): vllm bench serve's rule (`_choice_has_streamed_output`, vLLM 0.33)
+    ({"delta": {"role": "assistant", "content": ""}}, False),
+    ({"delta": {"content": ""}}, True),
+    ({"delta": {"content": "hi"}}, True),
+    ({"delta": {"reasoning": "hmm"}}, True),
+    ({"delta": {"tool_calls": [{"index": 0}]}}, True),
+    ({"delta": {}}, False),
+    ({"delta": None}, False),
+    ({"finish_reason": "stop"}, False),
 ]
 
 
-@pytest.mark.parametrize("choice", CHAT_CHOICES, ids=[str(c) for c in CHAT_CHOICES])
-def test_output_chunk_rule_matches_vllm(choice):
-    assert has_output("chat", choice) == vllm._choice_has_streamed_output(choice)
+@pytest.mark.parametrize("choice,expected", CHAT_CHOICES, ids=[str(c) for c, _ in CHAT_CHOICES])
+def test_output_chunk_rule(choice, expected):
+    assert has_output("chat", choice) is expected
 
 
 def test_output_chunk_rule_extension_for_null_role():
     # {"role": null, "content": ""} is a token that decoded to no text, as pdcluster's nodes send it;
     # vLLM's rule only looks for the key, so it would miss such a token
     choice = {"delta": {"role": None, "content": ""}, "finish_reason": "length"}
-    assert has_output("chat", choice) and not vllm._choice_has_streamed_output(choice)
+    assert has_output("chat", choice)
     assert not has_output("chat", {"delta": {"role": "assistant", "content": ""}})
-
-
-def test_vendored_copy_is_verbatim():
-    """The oracle's bodies are the wheel's, character for character (needs the unpacked wheel)."""
-    import inspect
-    from pathlib import Path
-
-    root = Path("/tmp/vllmsrc/vllm/benchmarks")
-    if not (root / "serve.py").exists():
-        pytest.skip("vllm 0.33.0 wheel not unpacked at /tmp/vllmsrc (pip download --no-deps vllm==0.33.0; unzip)")
-    serve = (root / "serve.py").read_text()
-    endpoint = (root / "lib" / "endpoint_request_func.py").read_text()
-    assert inspect.getsource(vllm.calculate_metrics) in serve
-    assert inspect.getsource(vllm._choice_has_streamed_output) in endpoint
-    assert inspect.getsource(vllm.RequestFuncOutput).split("\n", 1)[1] in endpoint
