@@ -184,7 +184,8 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(req, reason)
         return TokenEvent(request_id=req.request_id, token_id=tok.token_id, index=len(req.output_token_ids) - 1,
-                          logprob=tok.logprob, finish_reason=reason, num_prompt_tokens=len(req.prompt_token_ids))
+                          logprob=tok.logprob, top_logprobs=tok.top_logprobs, finish_reason=reason,
+                          num_prompt_tokens=len(req.prompt_token_ids))
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         params = req.sampling

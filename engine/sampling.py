@@ -24,6 +24,10 @@ class SamplingParams:
     """Stop strings: generation ends once the output text contains one (the text is cut before it)."""
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    """How many most-likely alternatives to report beside each sampled token's log-prob (None: none asked)."""
+    prompt_logprobs: int | None = None
+    """Log-probs of the prompt tokens (each under the prefix before it) with this many alternatives (None: none)."""
 
     def validate(self) -> "SamplingParams":
         if self.max_tokens <= 0:
@@ -32,7 +36,15 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         return self
+
+
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask for per position (OpenAI's limit)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,16 @@ class SampledToken:
     token_id: int
     logprob: float
     """log p(token) under the model's unscaled distribution (temperature 1, no top-p)."""
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    """The most likely tokens with their log-probs (same distribution), most likely first, ties to the lower id."""
+
+
+def top_logprobs(logprobs: torch.Tensor, count: int) -> tuple[tuple[int, float], ...]:
+    """The `count` largest entries of logprobs [V] as (token id, log-prob), ties broken by the lower id."""
+    if count <= 0:
+        return ()
+    values, ids = torch.sort(logprobs, descending=True, stable=True)
+    return tuple((int(i), float(v)) for i, v in zip(ids[:count], values[:count]))
 
 
 def request_seed(params: SamplingParams, request_id: str) -> int:
@@ -60,4 +82,4 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
         token = int(torch.multinomial(probs, 1, generator=gen))
-    return SampledToken(token, float(logprobs[token]))
+    return SampledToken(token, float(logprobs[token]), top_logprobs(logprobs, params.logprobs or 0))

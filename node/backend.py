@@ -41,6 +41,9 @@ class ServerTokenizer:
     def decode(self, ids: Any) -> str:
         return self.inner.decode(list(ids))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.inner.token_bytes(token_id)
+
     def encode_chat(self, messages: list[Any]) -> list[int]:
         from engine.model.tokenizer import ChatMessage
 
@@ -57,7 +60,8 @@ def _sampling(spec: SamplingSpec) -> Any:
     from engine.sampling import SamplingParams
 
     return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed,
-                          stop_token_ids=tuple(spec.stop_token_ids), ignore_eos=spec.ignore_eos).validate()
+                          stop_token_ids=tuple(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+                          logprobs=spec.logprobs, prompt_logprobs=spec.prompt_logprobs).validate()
 
 
 class ReferenceBackend:

@@ -33,7 +33,7 @@ def respond(runtime: NodeRuntime, prepared: PreparedRequest, request: Request, e
     if prepared.stream:
         async def chunks() -> AsyncIterator[Any]:
             try:
-                async for chunk in stream_chunks(prepared, pieces, result):
+                async for chunk in stream_chunks(prepared, pieces, result, runtime.tokenizer):
                     yield chunk
             except APIError as exc:  # headers are gone: report in-band, as vLLM does
                 yield json.dumps(error_body(exc.status, exc.message, exc.param))
@@ -49,7 +49,7 @@ def respond(runtime: NodeRuntime, prepared: PreparedRequest, request: Request, e
         finally:
             await pieces.aclose()
             await _record(runtime, result)
-        body = final_response(prepared, result, kv_params)
+        body = final_response(prepared, result, runtime.tokenizer, kv_params)
         return JSONResponse(body.model_dump())
     return until_disconnect(request, collect())
 

@@ -22,6 +22,10 @@ class SamplingSpec:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    """Alternatives to report beside each sampled token's log-prob (None: no log-probs asked)."""
+    prompt_logprobs: int | None = None
+    """Prompt-token log-probs with this many alternatives (None: none asked)."""
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,17 @@ def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: Token
     return list(req.prompt)
 
 
+def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many alternatives per sampled token the request asks for (None: no log-probs)."""
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise APIError(400, "echo is not supported by this engine yet", "echo")
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
 def _kv_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
     try:
         return KVTransferParams.from_wire(raw)
@@ -107,7 +118,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_
     sampling = SamplingSpec(
         max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
-        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=_logprobs(req),
     )
     return PreparedRequest(request_id=request_id, kind=kind, model=model, prompt_token_ids=tuple(ids),
                            sampling=sampling, stop_strings=tuple(req.stop_strings), stream=req.stream,

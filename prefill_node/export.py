@@ -57,4 +57,4 @@ async def serve_export(runtime: NodeRuntime, prepared: PreparedRequest, request:
     runtime.metrics.observe_request(RequestTiming(num_prompt_tokens=len(prepared.prompt_token_ids),
                                                   num_output_tokens=1, finish_reason="length", e2e=elapsed,
                                                   ttft=elapsed))
-    return JSONResponse(final_response(prepared, result, params.to_wire()).model_dump())
+    return JSONResponse(final_response(prepared, result, runtime.tokenizer, params.to_wire()).model_dump())

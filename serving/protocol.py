@@ -209,7 +209,7 @@ class ChatMessageOut(BaseModel):
 
 class ChatLogprob(BaseModel):
     token: str
-    logprob: float
+    logprob: float | None
     bytes: list[int] | None = None
     top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
 

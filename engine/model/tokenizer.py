@@ -39,6 +39,12 @@ class ByteTokenizer:
                 out.extend(SPECIAL_NAMES.get(tok, f"<|{tok}|>").encode())
         return out.decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: its byte, or a special's name (`<|eos|>`, `<|1234|>` for unused ids)."""
+        if 0 <= token_id < 256:
+            return bytes([token_id])
+        return SPECIAL_NAMES.get(token_id, f"<|{token_id}|>").encode()
+
     def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         """BOS, then <|role|>role\\ncontent<|end|> per message, then <|role|>assistant\\n to prompt a reply."""
         ids = [BOS_ID]

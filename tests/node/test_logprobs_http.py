@@ -1,0 +1,105 @@
+"""Log-probs over HTTP on a real decode node (reference engine, TP=1, colocated prefill + decode).
+
+The served log-prob of every generated token is the engine's own, bit for bit (JSON floats round-trip
+exactly), in both OpenAI formats, streaming and not; top alternatives are sorted, ties to the lower id, and
+hold the sampled token whenever the request is greedy.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from engine.engine import Engine, EngineConfig
+from engine.model.tokenizer import ByteTokenizer
+from engine.sampling import SamplingParams
+from node.logprobs import token_name
+from tests.node.nodes import start_node, stop_node, wait_healthy
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+PROMPT = "Log-probs travel with every token."
+
+
+@pytest.fixture(scope="module")
+def node():
+    started = start_node("decode", ["--model", "kimi-k3.1-mini", "--tp", "1", "--num-rows", "16"])
+    try:
+        wait_healthy(started)
+        yield started.url
+    finally:
+        stop_node(started)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """Greedy and seeded-sampled answers with log-probs, from the engine in this process."""
+    engine = Engine(EngineConfig(model="kimi-k3.1-mini", num_rows=16))
+    ids = ByteTokenizer().encode(PROMPT)
+    greedy = engine.generate("g", ids, SamplingParams(max_tokens=6, temperature=0.0, logprobs=3))
+    sampled = engine.generate("s", ids, SamplingParams(max_tokens=6, temperature=0.8, seed=7, logprobs=3))
+    return {"greedy": greedy, "sampled": sampled}
+
+
+def _stream(url: str, path: str, body: dict) -> list[dict]:
+    chunks = []
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+@pytest.mark.parametrize("mode,extra", [("greedy", {"temperature": 0}), ("sampled", {"temperature": 0.8, "seed": 7})])
+def test_completion_logprobs_are_the_engines(node, oracle, mode, extra):
+    body = {"prompt": PROMPT, "max_tokens": 6, "logprobs": 3, "ignore_eos": True, **extra}
+    out = httpx.post(f"{node}/v1/completions", json=body, timeout=300).json()
+    logprobs = out["choices"][0]["logprobs"]
+    want = oracle[mode]
+    assert out["choices"][0]["token_ids"] == want.token_ids
+    assert logprobs["token_logprobs"] == want.logprobs
+    tok = ByteTokenizer()
+    assert logprobs["tokens"] == [token_name(tok, t) for t in want.token_ids]
+    for position, top in enumerate(logprobs["top_logprobs"]):
+        values = list(top.values())
+        assert len(top) in (3, 4) and logprobs["tokens"][position] in top
+        assert sorted(values[:3], reverse=True) == values[:3]
+        if mode == "greedy":
+            assert top[logprobs["tokens"][position]] == max(values)
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    streamed = _stream(node, "/v1/completions", body)
+    tokens, values = [], []
+    for chunk in streamed:
+        for choice in chunk["choices"]:
+            if choice.get("logprobs"):
+                tokens += choice["logprobs"]["tokens"]
+                values += choice["logprobs"]["token_logprobs"]
+    assert (tokens, values) == (logprobs["tokens"], logprobs["token_logprobs"])
+
+
+def test_chat_logprobs_content_format(node):
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+    out = httpx.post(f"{node}/v1/chat/completions", json=body, timeout=300).json()
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5
+    for entry in content:
+        assert isinstance(entry["logprob"], float) and entry["bytes"]
+        assert len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["token"] == entry["token"]  # greedy: the sampled token is the most likely
+        assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]
+    streamed = [e for chunk in _stream(node, "/v1/chat/completions", body) for c in chunk["choices"]
+                if c.get("logprobs") for e in c["logprobs"]["content"]]
+    assert streamed == content
+
+
+def test_logprobs_not_asked_stay_null_and_bad_values_are_refused(node):
+    out = httpx.post(f"{node}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=300).json()
+    assert out["choices"][0]["logprobs"] is None
+    bad = httpx.post(f"{node}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "logprobs": 21}, timeout=60)
+    assert bad.status_code == 400 and "logprobs" in bad.text
+    orphan = httpx.post(f"{node}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "top_logprobs": 2})
+    assert orphan.status_code == 400 and orphan.json()["error"]["param"] == "top_logprobs"
