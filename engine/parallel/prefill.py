@@ -69,7 +69,8 @@ class PrefillStats:
 @dataclass(frozen=True)
 class PrefillResult:
     logits: torch.Tensor
-    """[B, V]: logits of each request's last new token (identical on every rank)."""
+    """[B, V]: logits of each request's last new token, or with `all_logits` [sum of new tokens, V]: every new
+    token's, request by request in position order (identical on every rank)."""
     mode: str
     stats: PrefillStats
 
@@ -105,14 +106,16 @@ class _Step:
 
 
 def parallel_prefill(ctx: ParallelContext, model: KimiModel, batch: PrefillBatch, caches: list[SequenceCache],
-                     mode: str = "token", record_selections: bool = False) -> PrefillResult:
-    """Run one prefill step on every rank (SPMD). Returns the last-token logits of every request."""
+                     mode: str = "token", record_selections: bool = False, all_logits: bool = False
+                     ) -> PrefillResult:
+    """Run one prefill step on every rank (SPMD). Returns the last-token logits of every request (`all_logits`:
+    of every new token; each rank computes its own rows' logits, one all-gather puts them in order)."""
     if mode not in MODES:
         raise ValueError(f"prefill mode must be one of {MODES}, got {mode!r}")
     if not batch.token_ids or min(batch.lengths) < 1:
         raise ValueError("every request of a prefill step needs at least one new token")
     with device_scope(ctx.device):
-        return _parallel_prefill(ctx, model, batch, caches, mode, record_selections)
+        return _parallel_prefill(ctx, model, batch, caches, mode, record_selections, all_logits)
 
 
 def _clock(device: torch.device) -> float:
@@ -123,7 +126,7 @@ def _clock(device: torch.device) -> float:
 
 
 def _parallel_prefill(ctx: ParallelContext, model: KimiModel, batch: PrefillBatch, caches: list[SequenceCache],
-                      mode: str, record_selections: bool) -> PrefillResult:
+                      mode: str, record_selections: bool, all_logits: bool = False) -> PrefillResult:
     begin = _clock(ctx.device)
     batch = PrefillBatch(tuple(t.to(ctx.device) for t in batch.token_ids), batch.starts)
     plans = all_plans(batch.lengths, ctx.world_size, "zigzag" if mode == "token" else "contiguous")
@@ -135,7 +138,10 @@ def _parallel_prefill(ctx: ParallelContext, model: KimiModel, batch: PrefillBatc
         x = pad_rows(model.embed[own_tokens])
         x = model.run_layers(x, num_rows, lambda mla, h, i: _mla_layer(step, mla, h, num_rows, i),
                              lambda kda, h, i: _kda_layer(step, kda, h, num_rows, i))
-        logits = _last_logits(step, x[:num_rows])
+        if all_logits:
+            logits = torch.cat(step.gather_rows(model.logits(x[:num_rows])), dim=0)
+        else:
+            logits = _last_logits(step, x[:num_rows])
     step.stats.total_s = _clock(ctx.device) - begin
     return PrefillResult(logits=logits, mode=mode, stats=step.stats)
 

@@ -43,12 +43,10 @@ class TPModel(TimedModel):
     def prefill(self, token_ids: Any, cache: Any, start: int = 0, all_logits: bool = False) -> Any:
         from engine.parallel.prefill import PrefillBatch, choose_mode, parallel_prefill
 
-        if all_logits:
-            raise ValueError("the TP prefill returns last-token logits only")
         batch = PrefillBatch((token_ids,), (start,))
         mode = choose_mode(batch, self.token_threshold)
         started = time.perf_counter()
-        result = parallel_prefill(self.ctx, self.model, batch, [cache], mode)
+        result = parallel_prefill(self.ctx, self.model, batch, [cache], mode, all_logits=all_logits)
         self.timings.append(("prefill", f"{mode}_sharded", time.perf_counter() - started))
         self.alltoall_bytes += result.stats.exchange_bytes
         return result.logits

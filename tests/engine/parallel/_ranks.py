@@ -36,7 +36,7 @@ def attention_case(ctx: ParallelContext, q: torch.Tensor, keys: torch.Tensor, va
 
 
 def prefill_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], prefix_lens: list[int], mode: str,
-                 capacity: int, expert_parallel: bool = False) -> dict:
+                 capacity: int, expert_parallel: bool = False, all_logits: bool = False) -> dict:
     """Build the seeded model, prefill each prompt's prefix (if any) then the rest in one batch."""
     from engine.model.weights import build_model
     from engine.parallel.kda_shard import rank_cache
@@ -53,7 +53,7 @@ def prefill_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], prefix_
         first = PrefillBatch(tuple(prompts[b][: prefix_lens[b]] for b in with_prefix), tuple(0 for _ in with_prefix))
         parallel_prefill(ctx, model, first, [caches[b] for b in with_prefix], mode)
     batch = PrefillBatch(tuple(p[n:] for p, n in zip(prompts, prefix_lens)), tuple(prefix_lens))
-    res = parallel_prefill(ctx, model, batch, caches, mode, record_selections=True)
+    res = parallel_prefill(ctx, model, batch, caches, mode, record_selections=True, all_logits=all_logits)
     return {"logits": res.logits, "caches": caches, "stats": res.stats}
 
 

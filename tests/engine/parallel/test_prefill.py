@@ -127,3 +127,26 @@ def test_world_size_one_is_the_model_prefill(oracle) -> None:
     res = _ranks.prefill_case(ParallelContext.single(), CFG, ps, list(prefix), "token", 1024)
     assert torch.equal(res["logits"], want_logits)
     assert_same_cache([res["caches"]], want_caches, new, prefix)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("mode", ["token", "head"])
+def test_all_logits_two_ranks_bitwise_equal_to_single_rank(pool2, mode: str) -> None:
+    """Every new token's logits (prompt log-probs), gathered in order: the single-rank prefill's (bitwise when
+    token-sharded)."""
+    new, prefix = (150, 41), (0, 60)
+    ps = prompts([a + b for a, b in zip(new, prefix)], seed=9)
+    model = build_model(CFG)
+    want = []
+    for p, n in zip(ps, prefix):
+        cache = LocalSequenceCache(CFG, 1024)
+        if n:
+            model.prefill(p[:n], cache, 0)
+        want.append(model.prefill(p[n:], cache, n, all_logits=True))
+    results = pool2.run(_ranks.prefill_case, CFG, ps, list(prefix), mode, 1024, False, True)
+    for res in results:
+        assert res["logits"].shape == (sum(new), CFG.vocab_size)
+        if mode == "token":
+            assert torch.equal(res["logits"], torch.cat(want)), "all-token logits differ from the single-rank prefill"
+        else:  # head sharding is within fp32 tolerance only (see test_head_sharded_two_ranks_within_fp32_tolerance)
+            torch.testing.assert_close(res["logits"], torch.cat(want), rtol=1e-4, atol=1e-4)
