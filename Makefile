@@ -5,7 +5,7 @@ VENV := .venv
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: up test setup setup-python
+.PHONY: up test test-fast setup setup-python
 
 setup-python:
 	@PY=$(PY) ./scripts/setup.sh python
@@ -18,3 +18,7 @@ up: setup-python
 
 test: setup
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+# The fast tier: every test that starts no process or server (pytest marker `process`, tests/conftest.py).
+test-fast: setup-python
+	$(VENV)/bin/python -m pytest -m "not gpu and not process" $(PYTEST_ARGS)

@@ -19,6 +19,8 @@ import yaml
 from cluster.config import parse_config
 from cluster.launcher import Cluster, ClusterStartError
 
+pytestmark = pytest.mark.process
+
 FAKE_NODE = Path(__file__).with_name("fake_node.py")
 REPO = Path(__file__).resolve().parents[2]
 POOLS = [{"name": "prefill", "role": "prefill", "tp": 2}, {"name": "tp", "role": "decode"},

@@ -9,7 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from cluster.process import descendants, kill_tree, spawn, stop_tree
+
+pytestmark = pytest.mark.process
 
 FAKE_NODE = Path(__file__).with_name("fake_node.py")
 

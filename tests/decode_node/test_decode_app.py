@@ -11,7 +11,7 @@ from decode_node.settings import Settings
 from tests.conftest import free_port
 from tests.node.nodes import TOY
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 PROMPT = "recompute me"
 
 

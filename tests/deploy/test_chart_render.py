@@ -17,6 +17,8 @@ import yaml
 from tests.deploy import crd_checks
 from tests.deploy.helm_support import CHART, EXAMPLE_VALUES, KUBE_VERSION, Rendered, render, run_helm
 
+pytestmark = pytest.mark.process
+
 CRD_KINDS = {"LeaderWorkerSet", "ServiceMonitor", "PodMonitor", "PrometheusRule", "ComputeDomain"}
 
 

@@ -16,6 +16,8 @@ from router.config import RouterConfig
 from router.discovery import pod_to_spec
 from tests.deploy.helm_support import CHART, NAMESPACE, RELEASE, Rendered, arg_value, render, render_error
 
+pytestmark = pytest.mark.process
+
 GB300 = "values-gb300-tp8-dcp8.yaml"
 CPU_DEV = "values-cpu-dev.yaml"
 

@@ -11,6 +11,8 @@ import pytest
 from tests.deploy.prom_support import (PrometheusServer, ScrapeTarget, alert_query_part, check_chart_queries,
                                        finite_values, rule_queries, running_prometheus)
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def prometheus(scrape_targets: list[ScrapeTarget], tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:

@@ -18,12 +18,14 @@ from tests.deploy.prom_support import (CHART, RULES_FILE, alert_query_part, dash
                                        rule_queries)
 
 
+@pytest.mark.process
 def test_promtool_check_rules() -> None:
     proc = subprocess.run(["promtool", "check", "rules", str(RULES_FILE)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"SUCCESS: {len(rule_queries())} rules found" in proc.stdout
 
 
+@pytest.mark.process
 def test_promtool_rejects_a_broken_rule(tmp_path) -> None:
     """The check above can fail: a typo in PromQL is caught."""
     rules = yaml.safe_load(RULES_FILE.read_text())

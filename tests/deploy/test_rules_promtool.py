@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 import yaml
 
 from tests.deploy.prom_support import RULES_FILE
+
+pytestmark = pytest.mark.process
 
 
 def _histogram(name: str, labels: str, edges: dict[str, int]) -> list[dict]:

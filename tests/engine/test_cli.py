@@ -11,6 +11,7 @@ import pytest
 from engine.cli import main
 
 
+@pytest.mark.process
 def test_generate_json_through_the_console_script() -> None:
     cmd = [sys.executable, "-m", "pdcluster", "generate", "--model", "kimi-k3.1-mini", "--prompt", "Hello",
            "--max-tokens", "3", "--json"]

@@ -63,6 +63,7 @@ def test_cli_json_and_errors(capsys):
     assert main(["--model", "nope"]) == 2
 
 
+@pytest.mark.process
 def test_cli_through_pdcluster_entrypoint():
     out = subprocess.run([sys.executable, "-m", "pdcluster.cli", "plan", "--model", "kimi-k3.1-pro", "--gpu", "gb300",
                           "--gpus", "8", "--parallel", "tp8", "--latent", "fp8", "--index-key", "fp8", "--json"],

@@ -10,7 +10,6 @@ import httpx
 import numpy as np
 import pytest
 
-from kv_transfer import side_channel
 from kv_transfer.importer import plan_import
 from tests.kv_transfer.cluster import (
     Cluster,
@@ -20,7 +19,7 @@ from tests.kv_transfer.cluster import (
     start_import,
 )
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(420)]
 
 CASES = {  # id: (P layout kwargs, D layout kwargs, tokens)
     "tp1-tp1-B1024-B2048": ({"tp_size": 1}, {"tp_size": 1, "block_size": 2048}, 4096),
@@ -100,23 +99,6 @@ class SteppedClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def test_heartbeat_over_side_channel_keeps_rows_then_notification_frees(cluster):
-    clock = SteppedClock()
-    req = export(cluster, {"tp_size": 1}, {"tp_size": 1}, 2048, seed=11, ttl_s=60.0, clock=clock)
-    first = req.leases.get(req.params.lease_id).expiry
-    clock.now += 40
-    status = side_channel.heartbeat("127.0.0.1", cluster.side.port, req.params.lease_id)  # real HTTP
-    assert status.alive and status.expiry == first + 40
-    clock.now = first + 1
-    assert req.leases.expire() == [] and req.leases.outstanding == 1  # past the first deadline, kept alive
-    wire = req.params.to_wire() | {"lease_expiry": status.expiry}  # D carries the latest expiry it was given
-    start_import(cluster, req, {"tp_size": 1}, params=wire, ranks=[0])
-    assert [x[0] for x in cluster.d[0].recv(240)] == ["DONE"]
-    assert drain_notifications(cluster, req, {0: 1}) == 1
-    assert req.leases.outcomes["notified"] == 1 and len(req.free.free) == req.free.idle
-    assert not side_channel.heartbeat("127.0.0.1", cluster.side.port, req.params.lease_id).alive
 
 
 def test_abort_over_side_channel_frees_rows(cluster):

@@ -174,6 +174,7 @@ def vllm_metrics() -> dict[int, SimpleNamespace]:
     return {seed: SimpleNamespace(**metrics) for seed, metrics in zip(SEEDS, answer["metrics"], strict=True)}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("seed", SEEDS)
 def test_agrees_with_vllm_calculate_metrics(seed, vllm_metrics):
     recs = _random_records(seed)

@@ -35,6 +35,7 @@ def ok_records(summary):
     return [r for lv in summary.levels for r in lv.records if r.is_ok]
 
 
+@pytest.mark.process
 def test_timing_matches_known_delays(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.15, itl_s=0.03)
     rc, out, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "6", "--concurrency", "1",
@@ -64,6 +65,7 @@ def test_timing_matches_known_delays(stub, tmp_path, capsys):
     assert "TTFT p50" in out
 
 
+@pytest.mark.process
 def test_bundled_chunks_with_and_without_usage(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.05, itl_s=0.02, tokens_per_chunk=3)
     rc, _, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "7", "--endpoint",
@@ -84,6 +86,7 @@ def test_bundled_chunks_with_and_without_usage(stub, tmp_path, capsys):
     assert summary.levels[0].num_counted_by_chunks == len(recs)
 
 
+@pytest.mark.process
 def test_errors_and_disconnects_by_kind(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.02, itl_s=0.005, error_every=3, error_status=503, disconnect_every=4, disconnect_after=2)
     rc, out, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "5", "--concurrency", "2",
@@ -104,6 +107,7 @@ def test_errors_and_disconnects_by_kind(stub, tmp_path, capsys):
     assert "errors: disconnect" in out
 
 
+@pytest.mark.process
 def test_non_streaming_answer_is_a_bad_response(stub, tmp_path, capsys):
     stub.configure(plain_json=True)
     rc, _, err = run(capsys, "--url", stub.url, "--scenario", "random", "--output-len", "3", "--duration", "30",
@@ -113,6 +117,7 @@ def test_non_streaming_answer_is_a_bad_response(stub, tmp_path, capsys):
     assert "without SSE data lines" in level.records[0].error and "application/json" in level.records[0].error
 
 
+@pytest.mark.process
 def test_cancelled_streams(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.02, itl_s=0.01)
     rc, _, err = run(capsys, "--url", stub.url, "--scenario", "agentx", "--cancel-prob", "1", "--output-len", "8",
@@ -133,6 +138,7 @@ def test_cancelled_streams(stub, tmp_path, capsys):
     assert level.duration_s < 1.9
 
 
+@pytest.mark.process
 def test_agentx_sessions_reports_and_plots(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.03, itl_s=0.005)
     rc, out, err = run(capsys, "--url", stub.url, "--scenario", "agentx", "--concurrency", "1,3", "--duration", "20",
@@ -168,6 +174,7 @@ def test_agentx_sessions_reports_and_plots(stub, tmp_path, capsys):
     assert rc == 0 and f"schedule hash {summary.run.schedule_hash}" in dry
 
 
+@pytest.mark.process
 def test_progress_bar_forced_on_and_auto_off(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.01, itl_s=0.2)
     base = ["--url", stub.url, "--scenario", "random", "--output-len", "4", "--input-len", "5", "--duration", "30",
@@ -178,6 +185,7 @@ def test_progress_bar_forced_on_and_auto_off(stub, tmp_path, capsys):
     assert rc == 0 and "\r" not in err
 
 
+@pytest.mark.process
 def test_trace_replay_open_loop_with_bad_lines(stub, tmp_path, capsys):
     stub.configure(ttft_s=0.02, itl_s=0.005)
     trace = tmp_path / "trace.jsonl"
@@ -208,6 +216,7 @@ def test_unreachable_url_is_clear_and_leaves_summary(tmp_path, capsys):
     assert "Run stopped early" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.process
 def test_server_dies_mid_run_keeps_partial_results(tmp_path, capsys):
     own = start_stub()
     try:
@@ -228,6 +237,7 @@ def test_server_dies_mid_run_keeps_partial_results(tmp_path, capsys):
     assert any("cannot connect to" in r.error for r in levels[1].records)
 
 
+@pytest.mark.process
 def test_interrupt_keeps_partial_level(stub, tmp_path):
     stub.configure(ttft_s=0.01, itl_s=0.05)
     cmd = [sys.executable, "-m", "pdcluster.cli", "loadgen", "--url", stub.url, "--scenario", "random",

@@ -15,7 +15,7 @@ from node.protocol import EngineFailure, SamplingSpec, Submit, TokenEvent
 from node.runtime import WorkerConfig
 from tests.node.nodes import TOY
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 
 
 def _spec(world: int) -> WorkerSpec:

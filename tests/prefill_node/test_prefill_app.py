@@ -14,7 +14,7 @@ from prefill_node.app import create_app
 from prefill_node.settings import Settings
 from tests.node.nodes import TOY
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
@@ -161,10 +161,9 @@ def test_lease_expiry_frees_rows_and_side_channel(client):
     assert meta["engine_id"] == "prefill-test" and meta["ranks"][0]["agent_name"] == "prefill-test-p0"
     params = _export(client, "req-expire")["kv_transfer_params"]
     assert _rows_used(client) == 3
-    assert client.post(f"/kv/leases/{params['lease_id']}/heartbeat").status_code == 200
     _wait_rows(client, 0, timeout_s=10)
     text = client.get("/metrics").text
     assert _metric(text, "pdcluster_node_lease_outcomes_total", 'outcome="expired"') >= 1
     assert _metric(text, "vllm:nixl_num_kv_expired_reqs_total") >= 1
     assert _metric(text, "pdcluster_node_leases_outstanding") == 0
-    _error(client.post(f"/kv/leases/{params['lease_id']}/heartbeat"), 404, "lease_id")
+    _error(client.post(f"/kv/leases/{params['lease_id']}/abort"), 404, "lease_id")

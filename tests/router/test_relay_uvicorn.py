@@ -16,6 +16,8 @@ from tests.router.fakes import FakeNode
 from tests.router.harness import completion
 from tests.router.servers import get, uvicorn_server, wait_until
 
+pytestmark = pytest.mark.process
+
 
 def start(stack: ExitStack, nodes: list[FakeNode], engine: str = "vllm", **overrides) -> str:
     urls = {n.name: stack.enter_context(uvicorn_server(n.app())) for n in nodes}

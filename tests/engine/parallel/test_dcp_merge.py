@@ -71,6 +71,7 @@ def check_merge(pool: RankPool, scores: torch.Tensor, k: int, interleave: int, m
     return sum(res["fallback"] for res in results) // len(results)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("interleave", [1, 16])
 def test_random_scores(pools, world_size: int, interleave: int) -> None:
@@ -79,6 +80,7 @@ def test_random_scores(pools, world_size: int, interleave: int) -> None:
         check_merge(pools(world_size), scores, 64, interleave, method, key_bits)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_adversarial_all_top_on_one_rank_falls_back(pools, world_size: int) -> None:
     scores = adversarial_scores(4, 600, world_size, 4, seed=world_size)
@@ -87,6 +89,7 @@ def test_adversarial_all_top_on_one_rank_falls_back(pools, world_size: int) -> N
     check_merge(pools(world_size), scores, 64, 4, "generic")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("key_bits", [32, 16])
 def test_ties_resolve_to_lower_position(pools, world_size: int, key_bits: int | None) -> None:
@@ -95,6 +98,7 @@ def test_ties_resolve_to_lower_position(pools, world_size: int, key_bits: int | 
     assert fallbacks >= 1, "ambiguous cross-rank boundary ties must take the exact round"
 
 
+@pytest.mark.process
 def test_truncated_keys_exercise_bucket_fallback(pools) -> None:
     # Scores packed into a narrow range: 16-bit keys collide across ranks, the exact round resolves them.
     gen = torch.Generator().manual_seed(3)
@@ -103,6 +107,7 @@ def test_truncated_keys_exercise_bucket_fallback(pools) -> None:
     assert fallbacks == 4
 
 
+@pytest.mark.process
 def test_bytes_compact_vs_generic(pools) -> None:
     scores = causal_scores(2, 4096, seed=1)
     scores[:, :] = torch.randn(2, 4096, generator=torch.Generator().manual_seed(2))
@@ -147,6 +152,7 @@ def test_resolve_single_process_matches_naive() -> None:
             assert torch.equal(torch.bincount(owners, minlength=world), decision.counts[b])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_lse_merge_equals_single_pass(pools, world_size: int) -> None:
     gen = torch.Generator().manual_seed(world_size)

@@ -42,6 +42,7 @@ def pool2():
         yield pool
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mode,interleave", [("dcp", 1), ("dcp", 64), ("tp", 1)])
 def test_two_rank_decode_matches_oracle(pool2, oracle, mode: str, interleave: int) -> None:
     want_tokens, want_logits = oracle

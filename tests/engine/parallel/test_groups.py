@@ -11,6 +11,7 @@ from engine.parallel.shard_plan import all_plans, contiguous_offsets, zigzag_off
 from tests.engine.parallel import _ranks
 
 
+@pytest.mark.process
 def test_uneven_all_to_all_and_rank_failure() -> None:
     with RankPool(3, backend="gloo", timeout_s=600) as pool:
         received = pool.run(_ranks.exchange_case)

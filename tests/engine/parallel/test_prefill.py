@@ -68,6 +68,7 @@ CASES = {
 }
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", list(CASES))
 def test_token_sharded_two_ranks_bitwise_equal_to_single_rank(pool2, oracle, case: str) -> None:
     new, prefix = CASES[case]
@@ -80,6 +81,7 @@ def test_token_sharded_two_ranks_bitwise_equal_to_single_rank(pool2, oracle, cas
     assert_same_cache([r["caches"] for r in results], want_caches, new, prefix)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", list(CASES))
 def test_head_sharded_two_ranks_within_fp32_tolerance(pool2, oracle, case: str) -> None:
     # Head sharding runs the sparse-MLA score GEMM on H/W heads (M = 2 instead of 4 rows), which MKL computes
@@ -104,6 +106,7 @@ def test_head_sharded_two_ranks_within_fp32_tolerance(pool2, oracle, case: str) 
             torch.testing.assert_close(full.recurrent, want_caches[b].kda[i].recurrent, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.process
 def test_selections_identical_across_modes(pool2) -> None:
     new, prefix = (300, 37), (0, 0)
     ps = prompts(list(new), seed=4)
