@@ -1,0 +1,20 @@
+"""`mm`: the tensor-core dot the kernels use, with a work-around for the Triton interpreter.
+
+On the GPU `mm(a, b)` is `tl.dot` on the bf16 operands (fp32 accumulator). Triton 3.9's CPU interpreter gets
+`tl.dot` on bf16 operands wrong (it multiplies the raw 16-bit patterns), so under the interpreter the operands
+(already rounded to bf16 by the caller) are widened to fp32 and multiplied in IEEE fp32: the same products,
+summed in another order. `INTERPRET` is the constexpr the kernels receive from `backend.interpreter_active()`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mm(a, b, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)

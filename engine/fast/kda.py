@@ -1,0 +1,102 @@
+"""KDA decode on the packed KDA rows: the recurrent step in place (Triton) and the short-conv step.
+
+`kda_recurrent_step` runs one program per (request, head, block of BV value dims): it loads the [d_k, BV] slice
+of the fp32 state from the request's KDA row (`layout.kda_recurrent_offset`), applies
+    S <- Diag(exp g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
+(the reference engine.model.kda.kda_recurrent_step) and stores S back into the row, so the state never leaves
+the pool. `kda_conv_step` gathers the conv state [3, d, W-1] of each head from the rows, runs the depthwise
+causal conv + SiLU in the reference's term order and writes the shifted window back (fp32 or bf16 state, as
+`conv_state_bytes` says).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from engine.layout import RowLayout
+from engine.model.kda import causal_conv_step, kda_recurrent_step
+from engine.model.state import KDAState
+
+BLOCK_V = 32
+
+
+@triton.jit
+def _kda_step_kernel(state_ptr, rows_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+                     row_words, head_words, layer_words, num_heads,
+                     D: tl.constexpr, BV: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    base = row * row_words + h * head_words + layer_words
+    kk = tl.arange(0, D)
+    vv = vb * BV + tl.arange(0, BV)
+    ptrs = state_ptr + base + kk[:, None] * D + vv[None, :]
+    s = tl.load(ptrs)  # [D, BV]
+    vec = (b * num_heads + h) * D
+    q = tl.load(q_ptr + vec + kk)
+    k = tl.load(k_ptr + vec + kk)
+    g = tl.load(g_ptr + vec + kk)
+    v = tl.load(v_ptr + vec + vv)
+    beta = tl.load(beta_ptr + b * num_heads + h)
+    s = s * tl.exp(g)[:, None]
+    ks = tl.sum(k[:, None] * s, axis=0)
+    u = beta * (v - ks)
+    s = s + k[:, None] * u[None, :]
+    o = tl.sum(q[:, None] * s, axis=0)
+    tl.store(ptrs, s)
+    tl.store(o_ptr + vec + vv, o)
+
+
+def kda_recurrent_step_rows(buffer: torch.Tensor, layout: RowLayout, rows: torch.Tensor, layer_in_group: int,
+                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor) -> torch.Tensor:
+    """One step for B requests whose state sits in KDA rows `rows` [B]: q,k,v,g [B,H,d] fp32, beta [B,H] ->
+    o [B,H,d] fp32; the rows' recurrent states are updated in place."""
+    batch, heads, dim = q.shape
+    assert layout.row_bytes % 4 == 0 and layout.kda_head_bytes % 4 == 0 and dim % BLOCK_V == 0
+    out = torch.empty(batch, heads, dim, dtype=torch.float32, device=buffer.device)
+    args = [t.float().contiguous() for t in (q, k, v, g)]
+    _kda_step_kernel[(batch, heads, dim // BLOCK_V)](
+        buffer.view(-1).view(torch.float32), rows.contiguous(), *args, beta.float().contiguous(), out,
+        layout.row_bytes // 4, layout.kda_head_bytes // 4, layout.kda_recurrent_offset(0, layer_in_group) // 4,
+        heads, D=dim, BV=BLOCK_V, num_warps=4,
+    )
+    return out
+
+
+def _conv_rows(buffer: torch.Tensor, layout: RowLayout, layer_in_group: int) -> torch.Tensor:
+    """Strided view [num_rows, heads, conv_bytes] of one KDA layer's conv state in every row."""
+    return buffer.view(-1).as_strided((buffer.shape[0], layout.kda_heads_per_gpu, layout.kda_conv_bytes),
+                                      (layout.row_bytes, layout.kda_head_bytes, 1),
+                                      layout.kda_conv_offset(0, layer_in_group))
+
+
+def kda_conv_step(buffer: torch.Tensor, layout: RowLayout, rows: torch.Tensor, layer_in_group: int,
+                  x: torch.Tensor, weight: torch.Tensor, conv_dtype: torch.dtype) -> torch.Tensor:
+    """Depthwise causal conv + SiLU of one token. x [B, 3*H*d] (channels q | k | v, head-major inside each),
+    weight [3*H*d, W]; the conv states of `rows` are read and shifted in place -> y [B, 3*H*d] fp32."""
+    batch = x.shape[0]
+    heads, width = layout.kda_heads_per_gpu, weight.shape[1]
+    dim = x.shape[1] // (3 * heads)
+    view = _conv_rows(buffer, layout, layer_in_group)
+    state = view[rows].view(conv_dtype).view(batch, heads, 3, dim, width - 1).float()
+    window = torch.cat([state, x.float().view(batch, 3, heads, dim).transpose(1, 2).unsqueeze(-1)], dim=-1)
+    taps = weight.float().view(3, heads, dim, width).transpose(0, 1)  # [H, 3, d, W]
+    acc = window[..., 0] * taps[..., 0]
+    for w in range(1, width):  # oldest first, as the reference
+        acc = acc + window[..., w] * taps[..., w]
+    view[rows] = window[..., 1:].to(conv_dtype).contiguous().view(torch.uint8).view(batch, heads, -1)
+    return F.silu(acc).transpose(1, 2).reshape(batch, -1)
+
+
+def naive_kda_decode(state: KDAState, x: torch.Tensor, weight: torch.Tensor, split, g: torch.Tensor,
+                     beta: torch.Tensor) -> tuple[torch.Tensor, KDAState]:  # type: ignore[no-untyped-def]
+    """Reference: engine.model.kda's conv step and recurrent step on a batched KDAState (fp32)."""
+    conv_out, conv_state = causal_conv_step(x, state.conv, weight)
+    q, k, v = split(conv_out)
+    o, recurrent = kda_recurrent_step(q, k, v, g, beta, state.recurrent)
+    return o, KDAState(recurrent, conv_state)

@@ -1,0 +1,80 @@
+"""A decode batch's view of the packed row pool: per request its attention sub-block ids and KDA row ids.
+
+Kernels address a token t of request b in DSA layer l as (engine/layout.py):
+    sub-block s = subblock_ids[b, t // b0]      (global: row * subblocks_per_row + j)
+    latent      = s * subblock_bytes + l * layer_stride + (t % b0) * latent_bytes
+    index entry = latent page base + latent_page_bytes + (t % b0) * index_bytes  ([key bytes | fp32 scale])
+so one int32 table [B, max_pages] serves every DSA layer. KDA state of request b, KDA layer i:
+row `kda_row_ids[b, i // layers_per_group]`, head h at `layout.kda_recurrent_offset(h, i % layers_per_group)`.
+Single rank, no DCP (dcp_size 1): local token = request token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.layout import RowLayout
+
+
+@dataclass(frozen=True)
+class PageBatch:
+    """Device tensors of one decode step (built once per step, shared by every layer)."""
+
+    subblock_ids: torch.Tensor  # [B, P] int32 global sub-block ids (P = pages of the longest request)
+    positions: torch.Tensor  # [B] int32: the position of the token being decoded (its keys are 0..pos)
+    kda_row_ids: torch.Tensor  # [B, groups] int64 KDA rows
+    attn_row_ids: torch.Tensor  # [B, R] int64 attention rows (R = rows of the longest request)
+    max_len: int
+    """Longest cached length in the batch, max(positions) + 1."""
+
+
+def build_page_batch(layout: RowLayout, attn_rows: list[list[int]], kda_rows: list[list[int]],
+                     positions: list[int], device: torch.device | str) -> PageBatch:
+    """Page table of B requests whose token positions[b] is being decoded (rows must cover it)."""
+    if layout.dcp_size != 1:
+        raise ValueError("the fast decode path serves dcp_size 1 pools")
+    max_len = max(positions) + 1
+    num_pages = -(-max_len // layout.subblock_tokens)
+    num_rows = -(-num_pages // layout.subblocks_per_row)
+    rows = torch.zeros(len(attn_rows), num_rows, dtype=torch.int64)
+    for b, ids in enumerate(attn_rows):
+        need = -(-(positions[b] + 1) // layout.tokens_per_row)
+        if len(ids) < need:
+            raise ValueError(f"request {b} has {len(ids)} attention rows, position {positions[b]} needs {need}")
+        take = ids[:num_rows]
+        rows[b, : len(take)] = torch.tensor(take, dtype=torch.int64)
+    pages = torch.arange(num_pages)
+    sb = rows[:, pages // layout.subblocks_per_row] * layout.subblocks_per_row + pages % layout.subblocks_per_row
+    return PageBatch(
+        subblock_ids=sb.to(torch.int32).to(device),
+        positions=torch.tensor(positions, dtype=torch.int32).to(device),
+        kda_row_ids=torch.tensor(kda_rows, dtype=torch.int64).to(device),
+        attn_row_ids=rows.to(device),
+        max_len=max_len,
+    )
+
+
+def token_byte_offsets(layout: RowLayout, pages: PageBatch, dsa_layer: int, tokens: torch.Tensor,
+                       index: bool) -> torch.Tensor:
+    """Byte offsets in the flat pool of tokens [B, n] (request-local positions) of one DSA layer."""
+    b0 = layout.subblock_tokens
+    sb = pages.subblock_ids.long().gather(1, tokens // b0)
+    base = sb * layout.subblock_bytes + dsa_layer * layout.layer_stride
+    if index:
+        return base + layout.latent_page_bytes + (tokens % b0) * layout.index_bytes
+    return base + (tokens % b0) * layout.latent_bytes
+
+
+def write_token(buffer: torch.Tensor, layout: RowLayout, pages: PageBatch, dsa_layer: int, latent: torch.Tensor,
+                index_key: torch.Tensor, index_scale: torch.Tensor) -> None:
+    """Store each request's new token (at pages.positions) in DSA layer `dsa_layer`: latent [B, C] uint8,
+    index_key [B, D] uint8, index_scale [B] float32 (as engine.cache.RowPool.write_attention_tokens)."""
+    flat = buffer.view(-1)
+    pos = pages.positions.long().unsqueeze(1)
+    lat_off = token_byte_offsets(layout, pages, dsa_layer, pos, index=False)  # [B, 1]
+    idx_off = token_byte_offsets(layout, pages, dsa_layer, pos, index=True)
+    entry = torch.cat([index_key, index_scale.contiguous().view(torch.uint8).view(-1, 4)], dim=1)
+    flat[lat_off + torch.arange(latent.shape[1], device=flat.device)] = latent
+    flat[idx_off + torch.arange(entry.shape[1], device=flat.device)] = entry

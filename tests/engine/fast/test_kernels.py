@@ -1,0 +1,146 @@
+"""Fast decode kernels (engine/fast) against their naive references, on packed pools with random contents.
+
+Tolerances: index scores rtol 1e-5 (the fast dot sums d_I exact products in fp32, the reference in float64);
+top-k sets equal except for positions whose reference score lies within that tolerance of the k-th score
+(ties); sparse MLA and KDA outputs within 2e-2 of the output's scale (bf16 query/probabilities in the MLA dots)
+and 1e-5 (KDA, fp32 throughout). CPU runs use the Triton interpreter on kimi-k3.1-mini shapes; the `gpu` case
+runs K3.1 Pro's per-head shapes (kv_lora 512, rope 64, 32 x 128 index heads, top-k 2048) at 32K context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.fast.indexer import index_scores, index_topk, naive_index_scores, naive_select
+from engine.fast.kda import kda_conv_step, kda_recurrent_step_rows
+from engine.fast.mla import naive_sparse_mla_decode, sparse_mla_decode
+from engine.fast.pages import write_token
+from engine.model.config import ModelConfig, get_preset
+from engine.model.kda import causal_conv_step, kda_recurrent_step
+from engine.model.numerics import fp8_quantize_rowwise, fp8_quantize_static, fp8_to_float
+from tests.engine.fast._pools import device_pages, filled_pool
+
+MINI = get_preset("kimi-k3.1-mini")
+PRO_SHAPES = dataclasses.replace(
+    MINI, name="pro-shapes", num_heads=12, kv_lora_rank=512, qk_rope_dim=64, qk_nope_dim=128, v_head_dim=128,
+    index_num_heads=32, index_head_dim=128, index_topk=2048, max_context=65536,
+)
+
+
+def _queries(cfg: ModelConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q_bytes, _ = fp8_quantize_rowwise(torch.randn(batch, cfg.index_num_heads, cfg.index_head_dim, generator=gen))
+    return fp8_to_float(q_bytes), torch.rand(batch, cfg.index_num_heads, generator=gen) * 0.1
+
+
+def _reference_rows(pool, tables, layer: int, lengths: list[int]):  # type: ignore[no-untyped-def]
+    cached = pool.read_attention_padded(tables, layer, lengths)  # padded to whole pages: cut to the longest
+    n = max(lengths)
+    return type(cached)(cached.latent[:, :n], cached.index_key[:, :n], cached.index_scale[:, :n])
+
+
+def _check_selection(fast: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor, rtol: float) -> None:
+    for b in range(fast.shape[0]):
+        got = set(fast[b][fast[b] >= 0].tolist())
+        want = set(ref[b][ref[b] >= 0].tolist())
+        if len(want) < ref.shape[1]:  # every key kept
+            assert got == want
+            continue
+        thresh = float(scores[b, ref[b]].min())
+        for pos in got ^ want:
+            assert abs(float(scores[b, pos]) - thresh) <= rtol * abs(thresh) + 1e-12, (b, pos)
+
+
+def _indexer_case(cfg: ModelConfig, lengths: list[int], layer: int, device: torch.device) -> None:
+    pool, tables = filled_pool(cfg, lengths, seed=len(lengths))
+    positions = [n - 1 for n in lengths]
+    buffer, pages = device_pages(pool, tables, positions, device)
+    q, w = _queries(cfg, len(lengths), seed=1)
+    fast = index_scores(buffer, pool.layout, pages, layer, q.to(device), w.to(device)).cpu()
+    cached = _reference_rows(pool, tables, layer, lengths)
+    ref = naive_index_scores(cached.index_key, cached.index_scale, q, w, torch.tensor(positions))
+    finite = torch.isfinite(ref)
+    assert torch.equal(finite, torch.isfinite(fast))
+    torch.testing.assert_close(fast[finite], ref[finite], rtol=1e-5, atol=1e-6)
+    pos = torch.tensor(positions)
+    selected = index_topk(fast.to(device), pos.to(device, torch.int32), cfg.index_topk).cpu()
+    _check_selection(selected, naive_select(ref, pos, cfg.index_topk), ref, rtol=1e-5)
+
+
+def _mla_case(cfg: ModelConfig, lengths: list[int], layer: int, device: torch.device, splits: int | None) -> None:
+    pool, tables = filled_pool(cfg, lengths, seed=7)
+    positions = [n - 1 for n in lengths]
+    buffer, pages = device_pages(pool, tables, positions, device)
+    gen = torch.Generator().manual_seed(3)
+    q_abs = torch.randn(len(lengths), cfg.num_heads, cfg.latent_dim, generator=gen)
+    cached = _reference_rows(pool, tables, layer, lengths)
+    scores = torch.randn(len(lengths), max(lengths), generator=gen)
+    selected = naive_select(scores, torch.tensor(positions), cfg.index_topk)
+    scale, lat_scale = (cfg.qk_nope_dim + cfg.qk_rope_dim) ** -0.5, cfg.latent_fp8_scale
+    perm = torch.randperm(selected.shape[1], generator=gen)  # the kernel must not depend on the order
+    fast = sparse_mla_decode(buffer, pool.layout, pages, layer, q_abs.to(device),
+                             selected[:, perm].to(device, torch.int32), scale, lat_scale, cfg.kv_lora_rank,
+                             num_splits=splits).cpu()
+    q_bf16 = q_abs.to(torch.bfloat16).float()  # the kernel's query precision
+    ref = naive_sparse_mla_decode(cached.latent, q_bf16, selected, scale, lat_scale, cfg.kv_lora_rank)
+    torch.testing.assert_close(fast, ref, rtol=0, atol=2e-2 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("lengths", [[200, 700, 1500], [1300]], ids=["mixed-short-long", "one-long"])
+def test_index_scores_and_topk_match_reference(lengths, device) -> None:  # type: ignore[no-untyped-def]
+    _indexer_case(MINI, lengths, layer=1, device=device)
+
+
+@pytest.mark.parametrize("splits", [1, 4, None], ids=["one-split", "four-splits", "auto"])
+def test_sparse_mla_decode_matches_reference(splits, device) -> None:  # type: ignore[no-untyped-def]
+    _mla_case(MINI, [100, 900, 1500], layer=0, device=device, splits=splits)
+
+
+def test_kda_step_in_rows_matches_reference(device) -> None:  # type: ignore[no-untyped-def]
+    cfg = MINI
+    pool, tables = filled_pool(cfg, [10, 20], seed=5)
+    buffer, pages = device_pages(pool, tables, [9, 19], device)
+    lay, kda_index = pool.layout, 4  # group 1, layer 1 in the group
+    group, li = divmod(kda_index, lay.kda_layers_per_group)
+    before = pool.read_kda_batch(tables, kda_index)
+    gen = torch.Generator().manual_seed(2)
+    h, d = cfg.kda_num_heads, cfg.kda_head_dim
+    x = torch.randn(2, 3 * h * d, generator=gen)
+    weight = torch.randn(3 * h * d, cfg.kda_conv_size, generator=gen) * 0.5
+    g = -torch.rand(2, h, d, generator=gen)
+    beta = torch.rand(2, h, generator=gen)
+    rows = pages.kda_row_ids[:, group].contiguous()
+    conv_fast = kda_conv_step(buffer, lay, rows, li, x.to(device), weight.to(device), torch.float32).cpu()
+    conv_ref, conv_state = causal_conv_step(x, before.conv, weight)
+    torch.testing.assert_close(conv_fast, conv_ref, rtol=1e-5, atol=1e-5)
+    q, k, v = (conv_ref.view(2, 3, h, d)[:, i] for i in range(3))
+    o_fast = kda_recurrent_step_rows(buffer, lay, rows, li, q.to(device), k.to(device), v.to(device),
+                                     g.to(device), beta.to(device)).cpu()
+    o_ref, s_ref = kda_recurrent_step(q, k, v, g, beta, before.recurrent)
+    torch.testing.assert_close(o_fast, o_ref, rtol=1e-5, atol=1e-5)
+    pool.buffer.copy_(buffer.cpu())
+    after = pool.read_kda_batch(tables, kda_index)
+    torch.testing.assert_close(after.recurrent, s_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(after.conv, conv_state, rtol=0, atol=0)
+
+
+def test_write_token_matches_row_pool(device) -> None:  # type: ignore[no-untyped-def]
+    cfg = MINI
+    pool, tables = filled_pool(cfg, [70, 1030], seed=9)
+    buffer, pages = device_pages(pool, tables, [70, 1030], device)
+    gen = torch.Generator().manual_seed(4)
+    latent = fp8_quantize_static(torch.randn(2, cfg.latent_dim, generator=gen), cfg.latent_fp8_scale)
+    keys, scales = fp8_quantize_rowwise(torch.randn(2, cfg.index_head_dim, generator=gen))
+    write_token(buffer, pool.layout, pages, 1, latent.to(device), keys.to(device), scales.to(device))
+    pool.write_attention_tokens(tables, 1, [70, 1030], latent, keys, scales)
+    assert torch.equal(buffer.cpu(), pool.buffer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="K3.1 Pro per-head shapes at 32K context need a GPU")
+def test_pro_shapes_on_gpu(device) -> None:  # type: ignore[no-untyped-def]
+    _indexer_case(PRO_SHAPES, [1000, 32768, 20000], layer=1, device=device)
+    _mla_case(PRO_SHAPES, [1000, 32768, 20000], layer=1, device=device, splits=None)
