@@ -1,6 +1,6 @@
 """DSA lightning indexer: FP8 index keys, exact index scores, stable causal top-k.
 
-Math (research/model.md section 2; NoPE: no RoPE on the indexer, as K3.1's attention):
+Math (NoPE: no RoPE on the indexer, as K3.1's attention):
     q^I_{t,h} = Hadamard(W_q qr_t)_h            k^I_s = Hadamard(LayerNorm(W_k x_s))
     (q^, s^q) = fp8 per head vector             (k^, s^k) = fp8 per token (one fp32 scale per token)
     w_{t,h}   = (W_w x_t)_h * H_I^-1/2 * d_I^-1/2 * s^q_{t,h}
@@ -8,9 +8,9 @@ Math (research/model.md section 2; NoPE: no RoPE on the indexer, as K3.1's atten
     Sel_t     = the index_topk best s (ties to the lower position); every s <= t when t + 1 <= index_topk
 
 Exactness: e4m3 x e4m3 products are multiples of 2^-18 below 2^18, so a d_I-term dot product in float64 is exact
-and independent of summation order (R7). The rest is element-wise fp32 with the head sum in fixed order, so a
+and independent of summation order. The rest is element-wise fp32 with the head sum in fixed order, so a
 score does not depend on the query block, the batch, or how many keys are scored alongside it.
-Selections come back as [T, k] int64 ascending positions, padded with -1 at the end (R4).
+Selections come back as [T, k] int64 ascending positions, padded with -1 at the end.
 """
 
 from __future__ import annotations

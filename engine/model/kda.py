@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA): projections, short conv, and the chunked (prefill) / recurrent (decode) cores.
 
-Per layer, H heads of d = d_k = d_v, gates per channel (research/model.md section 3):
+Per layer, H heads of d = d_k = d_v, gates per channel:
     q, k, v  = SiLU(causal depthwise conv over time (width W) of W_qkv x)     conv state: last W-1 inputs
     q, k     = l2-normalised per head; q *= d^-1/2
     g_t      = lb * sigmoid(exp(A_log_h) * (W_fb W_fa x + dt_bias))   (log decay, in (lb, 0));  beta = sigmoid(W_b x)

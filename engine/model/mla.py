@@ -10,7 +10,7 @@ NoPE: k^R and q^R stay unrotated (K3.1). Softmax scale tau = (qk_nope + qk_rope)
 Attention core (`sparse_attention`): for any subset of query tokens of one request, score the request's cached
 index keys, select the top-k positions per query, and attend in the absorbed form over exactly those cached,
 dequantized latents. Queries run in blocks; each query's keys are gathered into a fixed [k] buffer in ascending
-position order, padded with -inf (R4), so a query's output does not depend on its block or batch.
+position order, padded with -inf, so a query's output does not depend on its block or batch.
 The latent cache is FP8 with a per-tensor static scale (`latent_scale`); prefill and decode both attend over the
 quantised values, so prefill -> transfer -> decode agrees with a teacher-forced forward.
 """

@@ -1,10 +1,10 @@
 """Feed-forward blocks: the dense SiLU-GLU MLP and the latent MoE with a sigmoid router and correction bias.
 
-MoE (research/model.md section 4; SiLU-GLU experts stand in for K3's SiTU/clipup):
+MoE (SiLU-GLU experts stand in for K3's SiTU/clipup):
     s = sigmoid(W_r x);  Sel = top-k(s + correction_bias) (stable: ties to the lower expert id)
     w_e = s_e / sum_{Sel} s * routed_scaling_factor    (the bias only picks experts, it never weighs them)
     z = W_down x;  y = W_up(RMSNorm(sum_{e in Sel, ascending e} w_e * expert_e(z))) + shared(x)
-Batch invariance: each expert runs on its gathered tokens padded to a multiple of 16 rows (R3), and the chosen experts'
+Batch invariance: each expert runs on its gathered tokens padded to a multiple of 16 rows (numerics.ROW_BLOCK), and the chosen experts'
 outputs are added in ascending expert id, so a token's output does not depend on the other tokens in its batch.
 """
 

@@ -1,13 +1,13 @@
 """Batch-invariant numerics shared by every op: padded row blocks, row-block linears, norms, FP8 and Hadamard.
 
-Invariants (research/model.md section 6, recipe R1-R9):
+Invariants (what makes every op batch-invariant):
 - Every token-wise GEMM runs on a [num_rows, K] input with num_rows a multiple of ROW_BLOCK (16). Measured with
   MKL on one thread: for M >= 16 rows (K <= 512) every row of x @ W^T comes out bit-identical whatever M, the
   row's position and its neighbours; below that MKL takes small-M/GEMV paths with another summation order. So a
   token's hidden state does not depend on which other tokens share its batch. `check_row_invariance` re-checks
   this for given weights (tests run it on every weight of the model).
 - Element-wise transcendentals run on tensors whose element count is a multiple of the AVX-512 width, so no
-  element falls into a scalar tail loop (R8): with row counts padded to 16 this holds for every width.
+  element falls into a scalar tail loop: with row counts padded to 16 this holds for every width.
 - FP8 (e4m3fn) values are stored as raw uint8 bytes; `fp8_to_float` restores them exactly.
 - Device: ops create their tensors with torch's default device; `device_scope(device)` makes that the model's
   device for the duration of a forward pass (a no-op on CPU, so the CPU path is untouched).

@@ -1,7 +1,7 @@
 """Every collective lives here: process groups, token-sharded prefill, DCP decode merges, head-sharded baseline.
 
 API for node servers (SPMD: every rank of a group calls the same function with the same batch):
-- groups.init_context(rank, world_size, init_method, backend) -> ParallelContext   (RankPool for tests/benchmarks)
+- groups.init_context(rank, world_size, init_method, backend) -> ParallelContext   (RankPool for tests and benchmarks)
 - tp.apply_tp(model, ctx): expert-parallel MoE on a built model (bit-identical to the single-rank model)
 - prefill.parallel_prefill(ctx, model, PrefillBatch, caches, mode) -> PrefillResult; prefill.choose_mode(batch,
   token_threshold) picks "token" (zigzag token-sharded) or "head" (head-sharded) per step; caches hold whole

@@ -1,6 +1,6 @@
 """Thin collective wrappers over a ParallelContext: data movement only (all_gather, all_to_all).
 
-Following the determinism recipe (research/model.md R2), nothing here sums partial results across ranks:
+Determinism rule of every parallel path (move data, never partial sums): nothing here sums across ranks:
 every rank receives the other ranks' data and reduces it itself in a fixed order. With world_size == 1
 each wrapper returns its input unchanged (shaped as a 1-rank gather), so callers need no branch.
 """

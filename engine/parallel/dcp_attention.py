@@ -2,7 +2,7 @@
 
 Absorbed-MLA (MQA) form: every query head scores the same gathered cache rows. A rank computes, per
 query row and head, the softmax-normalised output over its own selected rows and the log-sum-exp of the
-scaled scores; an empty selection gives lse = -inf and a zero output. The merge (research/model.md 5(b)):
+scaled scores; an empty selection gives lse = -inf and a zero output. The merge:
 M = max_r lse_r, a_r = exp(lse_r - M), o = sum_r a_r o_r / sum_r a_r, lse = M + log sum_r a_r, summed in
 ascending rank order on every rank (the gather moves data only; no cross-rank reduction tree).
 """

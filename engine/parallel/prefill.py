@@ -2,7 +2,7 @@
 
 SPMD: every rank calls `parallel_prefill(ctx, model, batch, caches, mode)` with the same batch; the model is a
 full replica (engine.model, untouched), each rank's caches hold the whole attention rows (replicated, as under
-TP) and its own KDA heads (`kda_shard.rank_cache`). Recipe R2 of research/model.md: only all_gather and
+TP) and its own KDA heads (`kda_shard.rank_cache`). Data moves, partial sums never do: only all_gather and
 all_to_all move data, every linear runs with its full weight on whole rows of a rank's token share, and the
 attention and KDA cores run unchanged code on a query subset or head subset, so each value is computed by
 the same ops on the same inputs as in the single-rank `KimiModel.prefill`.

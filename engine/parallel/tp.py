@@ -1,7 +1,7 @@
 """Tensor/expert parallelism applied to a built single-device model (gpt-fast style: the model never knows).
 
 `apply_tp(model, ctx)` shards what is worth sharding in memory and keeps every result bit-identical to the
-single-rank model, following recipe R2 of research/model.md (move data, never partial sums):
+single-rank model, by moving data and never partial sums:
 - MoE: expert parallelism. Rank r keeps experts [r*E/W, (r+1)*E/W) only (`ExpertParallelMoE` replaces each
   `MoE` in place; the other experts' weights are dropped). Each rank routes its own rows, sends each row's
   latent z to the ranks owning its chosen experts (all_to_all), every owner runs its experts on the rows it
@@ -9,7 +9,7 @@ single-rank model, following recipe R2 of research/model.md (move data, never pa
   per-slot expert outputs travel back (all_to_all). Every (row, slot) output comes from exactly one rank, so
   the combine selects rather than sums, and then adds the slots in ascending expert id as `MoE.forward` does.
 - KDA heads: the recurrent/conv state and the KDA core are head-sharded by the parallel prefill/decode
-  (engine.parallel.kda_shard); the KDA projection weights stay whole, because R2 computes every linear with
+  (engine.parallel.kda_shard); the KDA projection weights stay whole, because every linear runs with
   its full weight on a rank's token rows (no cross-rank split-K sums).
 - MLA/indexer projections stay whole for the same reason (the MLA latent is replicated under TP anyway).
 World size 1 leaves the model untouched.
