@@ -4,8 +4,11 @@ then decode from the imported rows and answer as a normal (streaming or JSON) co
 
 Failures before admission (malformed params, unknown engine, expired lease, geometry mismatch) are 4xx
 answers that touch no memory; the prefill node is told to release its rows where the lease is ours to end.
-A failed read follows `kv_load_failure_policy`: `fail` answers 502 and frees the rows on both sides,
-`recompute` prefills locally.
+`check_readable` runs here, once per import (the ranks plan and post without checking again).
+The import itself is asynchronous on the ranks (node/worker.py): this handler awaits the merged outcome while
+other streams keep decoding. A failed read follows `kv_load_failure_policy`: `fail` answers 502 and frees the rows
+on both sides, `recompute` prefills locally; the prefill node is told to release its rows only when every READ
+was cancelled (an uncancelled one leaves both sides' rows quarantined: P's lease expires, D holds its rows).
 """
 
 from __future__ import annotations
@@ -111,7 +114,8 @@ async def serve_remote(runtime: NodeRuntime, prepared: PreparedRequest, request:
         await events.aclose()
         runtime.executor.abort(prepared.request_id)
         runtime.metrics.failed_transfers.inc()
-        await peers.release(params)
+        if not (isinstance(outcome, ImportOutcome) and outcome.uncancelled):  # a READ may still run: let it expire
+            await peers.release(params)
         reason = outcome.error if isinstance(outcome, ImportOutcome) else getattr(outcome, "error", "import failed")
         if policy == "recompute":
             return await serve_local(runtime, prepared, request)

@@ -1,11 +1,13 @@
 """Decode-side import of one request's rows: validate, plan, read, notify - in that order.
 
-`import_request(transport, cfg, d_layout, d_rank, params, meta, d_attn_rows, d_kda_rows)` is what a decode
-rank runs once the router handed it P's kv_transfer_params and the node fetched P's side-channel metadata:
-1. `check_readable` (engine id, fingerprint, block size, row ids, lease expiry) -> KVParamsError;
+Once the router handed a decode node P's kv_transfer_params and the node fetched P's side-channel metadata:
+1. `check_readable` (engine id, fingerprint, block size, row ids, lease expiry) -> KVParamsError; run ONCE per
+   import, by whoever admits it: the decode node at its HTTP edge (decode_node/remote.py, a 400), or
+   `import_request` for a caller with no edge of its own;
 2. P's layout is rebuilt from the metadata and must carry the same fingerprint as D's;
 3. `remap.plan_reads` (IncompatiblePair if the pair cannot be remapped);
-4. `nixl_agent.read_request`: one READ per source P rank, polled to completion, DONE notification.
+4. the READs: one per source P rank with a DONE notification, posted by `post_import` (kv_transfer.reads.
+   PendingReads, polled by the caller between its own steps) or read to completion by `import_request`.
 Steps 1-3 touch no memory; a failure there leaves both pools and P's lease untouched.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 from engine.layout import RowLayout, plan_layout
 from engine.model.config import ModelConfig
 from kv_transfer.params import KVParamsError, KVTransferParams, check_readable
+from kv_transfer.reads import PendingReads, read_request
 from kv_transfer.remap import ReadPlan, plan_reads
 from kv_transfer.transport import RankEndpoint, ReadResult
 
@@ -32,10 +35,9 @@ def prefill_layout(cfg: ModelConfig, meta, d_layout: RowLayout) -> RowLayout:
 
 
 def plan_import(cfg: ModelConfig, d_layout: RowLayout, params: KVTransferParams, meta,
-                d_attn_rows: list[int], d_kda_rows: list[int], now: float | None = None) -> ReadPlan:
-    """Steps 1-3 of the module docstring: the read plan, or an error before any memory is touched."""
-    check_readable(params, engine_id=meta.engine_id, fingerprint=meta.layout_fingerprint, num_rows=meta.num_rows,
-                   kda_groups=meta.kda_groups, block_size=meta.block_size, now=now)
+                d_attn_rows: list[int], d_kda_rows: list[int]) -> ReadPlan:
+    """Steps 2-3 of the module docstring (the params were checked, step 1): the read plan, or an error before
+    any memory is touched."""
     if params.layout_fingerprint != d_layout.fingerprint:
         raise KVParamsError(f"layout_fingerprint {params.layout_fingerprint} does not match D's {d_layout.fingerprint}")
     p_layout = prefill_layout(cfg, meta, d_layout)
@@ -43,13 +45,22 @@ def plan_import(cfg: ModelConfig, d_layout: RowLayout, params: KVTransferParams,
                       params.kda_rows, d_attn_rows, d_kda_rows)
 
 
+def post_import(transport, cfg: ModelConfig, d_layout: RowLayout, d_rank: int, params: KVTransferParams, meta,
+                d_attn_rows: list[int], d_kda_rows: list[int], timeout_s: float | None = None,
+                endpoints: dict[int, RankEndpoint] | None = None) -> PendingReads:
+    """Steps 2-4 for one D rank (the params were checked): the posted READs, to poll. `endpoints` defaults to
+    `meta.endpoints()` (side_channel.InstanceMetadata)."""
+    plan = plan_import(cfg, d_layout, params, meta, d_attn_rows, d_kda_rows)
+    eps = endpoints if endpoints is not None else meta.endpoints()
+    return PendingReads(transport, d_rank, plan, eps, str(params.lease_id), timeout_s)
+
+
 def import_request(transport, cfg: ModelConfig, d_layout: RowLayout, d_rank: int, params: KVTransferParams,
                    meta, d_attn_rows: list[int], d_kda_rows: list[int], timeout_s: float | None = None,
                    endpoints: dict[int, RankEndpoint] | None = None) -> list[ReadResult]:
-    """All four steps for one D rank; the read results (one per source P rank). `endpoints` defaults to
-    `meta.endpoints()` (side_channel.InstanceMetadata)."""
-    from kv_transfer.nixl_agent import read_request  # noqa: PLC0415 - keeps NIXL out of planning imports
-
+    """All four steps for one D rank, blocking: the read results (one per source P rank)."""
+    check_readable(params, engine_id=meta.engine_id, fingerprint=meta.layout_fingerprint, num_rows=meta.num_rows,
+                   kda_groups=meta.kda_groups, block_size=meta.block_size)
     plan = plan_import(cfg, d_layout, params, meta, d_attn_rows, d_kda_rows)
     eps = endpoints if endpoints is not None else meta.endpoints()
     return read_request(transport, d_rank, plan, eps, str(params.lease_id), timeout_s)

@@ -5,9 +5,10 @@ Prefill side, per rank: `NixlTransport(f"{engine_id}-p{rank}", pool, row_bytes, 
 (a numpy uint8 array or a torch uint8 tensor; CPU pools as DRAM, CUDA pools as VRAM); its `endpoint(rank)` is
 served on the side channel (kv_transfer.side_channel); `notifications()` yields the readers' DONE messages that
 end the node's leases (kv_transfer.lease).
-Decode side, per request and D rank: kv_transfer.importer plans the reads and calls `read_request` (one READ per
-source P rank carrying a DONE notification for the lease, polled to completion; a read still running after
-`repost_after_s` is cancelled and posted once more on a fresh endpoint). UCX configuration: kv_transfer.ucx_env.
+Decode side, per request and D rank: kv_transfer.importer plans the reads and kv_transfer.reads posts them (one
+READ per source P rank carrying a DONE notification for the lease) and polls them without blocking; a read still
+running after `repost_after_s` is cancelled and posted once more on a fresh endpoint (`repost`).
+UCX configuration: kv_transfer.ucx_env.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kv_transfer.lease import done_message
-from kv_transfer.remap import ReadOp, ReadPlan
+from kv_transfer.remap import ReadOp
 from kv_transfer.transport import RankEndpoint, ReadResult, TransferError, TransferState
 from kv_transfer.ucx_env import (
     KVTransferSettings,
@@ -188,13 +188,9 @@ class NixlTransport:
         return self.result(handle)
 
     def repost(self, handle: _Handle) -> _Handle:
-        """Cancel a read that is still running and post it again on a fresh endpoint to the same peer (its
-        metadata loaded anew). Reads are idempotent and the DONE notification goes out only when a read
-        completes, so P sees one DONE either way."""
-        try:
-            self.release(handle)
-        except Exception:  # noqa: BLE001 - NIXL could not cancel it; the new read does not depend on it
-            log.warning("could not cancel the stalled read from %s", handle.peer.agent_name)
+        """Post a stalled read again on a fresh endpoint to the same peer (its metadata loaded anew); the caller
+        has released (cancelled) the old handle, or keeps it if NIXL could not. Reads are idempotent and the
+        DONE notification goes out only when a read completes, so P sees one DONE either way."""
         name = self._peers.pop(handle.peer.agent_name, None)
         if name is not None:
             try:
@@ -237,41 +233,3 @@ class NixlTransport:
         self._peers.clear()
         self._agent.deregister_memory(self._reg)
 
-
-def read_request(transport: NixlTransport, d_rank: int, plan: ReadPlan, endpoints: dict[int, RankEndpoint],
-                 lease_id: str, timeout_s: float | None = None) -> list[ReadResult]:
-    """Decode side, one D rank: one READ per source P rank (each notifies P with a DONE for the lease),
-    polled to completion. A read still running after `settings.repost_after_s` is posted once more on a fresh
-    endpoint (NixlTransport.repost). Raises TransferError on ERR or when `timeout_s` (default
-    settings.timeout_s) runs out."""
-    total = len(plan.consumers())
-    deadline = time.monotonic() + (timeout_s or transport.settings.timeout_s)
-
-    def left_s() -> float:
-        return deadline - time.monotonic()
-
-    handles = []
-    for p_rank, ops in plan.by_source(d_rank).items():
-        notif = done_message(lease_id, f"{d_rank}.{p_rank}", total)
-        handles.append(transport.post_read(endpoints[p_rank], ops, notif))
-    results = []
-    try:
-        for i, h in enumerate(handles):
-            try:
-                res = transport.wait(h, max(0.001, min(transport.settings.repost_after_s, left_s())))
-            except TransferError as exc:
-                if left_s() <= 0:
-                    raise
-                log.warning("%s; posting it again on a fresh endpoint", exc)
-                handles[i] = h = transport.repost(h)
-                res = transport.wait(h, max(0.001, left_s()))
-            if res.state is not TransferState.DONE:
-                raise TransferError(f"read from {h.peer.agent_name} failed")
-            results.append(res)
-    finally:
-        for h in handles:
-            try:
-                transport.release(h)
-            except Exception:  # noqa: BLE001 - NIXL keeps a handle it cannot cancel yet
-                log.warning("could not release a read handle from %s", h.peer.agent_name)
-    return results

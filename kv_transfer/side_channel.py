@@ -3,22 +3,21 @@
 Prefill node: `app.include_router(side_channel_router(get_metadata, leases))` mounts
   GET  /kv/metadata                    -> InstanceMetadata (engine id, layout facts, one entry per rank with
                                           its NIXL agent metadata, pool address and size)
-  POST /kv/leases/{lease_id}/heartbeat -> LeaseStatus (new expiry) | 404 OpenAI error JSON if it ended
-  POST /kv/leases/{lease_id}/abort     -> LeaseStatus | 404
-`get_metadata` is a callable so the node can build it lazily once its ranks registered their pools.
-Decode node: `fetch_metadata(host, port)` (httpx, bounded timeout) and `heartbeat(host, port, lease_id)`.
+  POST /kv/leases/{lease_id}/abort     -> LeaseStatus | 404 OpenAI error JSON if it already ended
+`get_metadata` is a callable so the node can build it lazily once its ranks registered their pools; `leases` is
+anything with `abort(lease_id) -> bool` (the node's export table: the abort goes through its lease).
+Decode node: `fetch_metadata(host, port)` (httpx, bounded timeout); it posts the abort when it will not read.
 """
 
 from __future__ import annotations
 
 import base64
-from typing import Callable
+from typing import Callable, Protocol
 
 import httpx
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from kv_transfer.lease import LeaseManager
 from kv_transfer.transport import RankEndpoint
 from serving.errors import APIError
 
@@ -67,10 +66,13 @@ class InstanceMetadata(BaseModel):
 class LeaseStatus(BaseModel):
     lease_id: str
     alive: bool
-    expiry: float | None = None
 
 
-def side_channel_router(get_metadata: Callable[[], InstanceMetadata], leases: LeaseManager | None = None) -> APIRouter:
+class LeaseAborter(Protocol):
+    def abort(self, lease_id: str) -> bool: ...
+
+
+def side_channel_router(get_metadata: Callable[[], InstanceMetadata], leases: LeaseAborter | None = None) -> APIRouter:
     """The /kv routes (see the module docstring)."""
     router = APIRouter(prefix="/kv")
 
@@ -78,21 +80,11 @@ def side_channel_router(get_metadata: Callable[[], InstanceMetadata], leases: Le
     def metadata() -> InstanceMetadata:
         return get_metadata()
 
-    def _need_leases() -> LeaseManager:
-        if leases is None:
-            raise APIError(404, "this node exports no leases")
-        return leases
-
-    @router.post("/leases/{lease_id}/heartbeat", response_model=LeaseStatus)
-    def heartbeat(lease_id: str) -> LeaseStatus:
-        expiry = _need_leases().heartbeat(lease_id)
-        if expiry is None:
-            raise APIError(404, f"lease {lease_id} has ended (expired, aborted or already read)", param="lease_id")
-        return LeaseStatus(lease_id=lease_id, alive=True, expiry=expiry)
-
     @router.post("/leases/{lease_id}/abort", response_model=LeaseStatus)
     def abort(lease_id: str) -> LeaseStatus:
-        if not _need_leases().abort(lease_id):
+        if leases is None:
+            raise APIError(404, "this node exports no leases")
+        if not leases.abort(lease_id):
             raise APIError(404, f"lease {lease_id} has ended (expired, aborted or already read)", param="lease_id")
         return LeaseStatus(lease_id=lease_id, alive=False)
 
@@ -105,11 +97,3 @@ def fetch_metadata(host: str, port: int, timeout_s: float = 5.0) -> InstanceMeta
     resp.raise_for_status()
     return InstanceMetadata.model_validate(resp.json())
 
-
-def heartbeat(host: str, port: int, lease_id: str, timeout_s: float = 5.0) -> LeaseStatus:
-    """Extend a lease; alive=False if P says it has ended."""
-    resp = httpx.post(f"http://{host}:{port}/kv/leases/{lease_id}/heartbeat", timeout=timeout_s)
-    if resp.status_code == 404:
-        return LeaseStatus(lease_id=lease_id, alive=False)
-    resp.raise_for_status()
-    return LeaseStatus.model_validate(resp.json())

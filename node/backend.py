@@ -1,7 +1,9 @@
 """The reference engine (engine/) as a rank backend of the node worker (node/worker.py).
 
 Wraps `engine.engine.Engine`: queued prefill/decode with continuous batching (`add_request` + `step`),
-prefill-for-export (`add_request(export=True)`, rows kept until `release`), import (`allocate_for_import`,
+prefill-for-export (`add_request(export=True)`, rows kept until `Release` names the export's request id and
+generation; aborted exports and imports are quarantined for `config.kv.timeout_s`, the read timeout, measured in
+the round's time that every rank shares), import (`allocate_for_import`,
 external writes into `engine.pool.buffer`, then `start_decode` with the prefill node's first token). With W ranks
 the model is SPMD over the rank group: `TPModel` (heads split) or, on a DCP pool, `DCPModel` (cache split by token).
 Also `load_tokenizer`, the server-side tokenizer matching the engine's (byte-level, BOS first, chat template).
@@ -18,6 +20,7 @@ from node.protocol import (
     ExportedRows,
     ImportKV,
     RankStats,
+    Release,
     SamplingSpec,
     Submit,
     TokenEvent,
@@ -79,7 +82,8 @@ class ReferenceBackend:
         seed = DEFAULT_SEED if config.seed is None else config.seed
         engine_config = EngineConfig(model=config.model, seed=seed, num_rows=config.num_rows,
                                      max_batch=config.max_num_seqs, tp_size=config.tp_size,
-                                     dcp_size=config.dcp_size, block_size=config.block_size)
+                                     dcp_size=config.dcp_size, block_size=config.block_size,
+                                     quarantine_s=config.kv.timeout_s)
         make_cache = None
         built = build_model(get_preset(config.model), seed)
         if config.dcp_size > 1:
@@ -89,10 +93,14 @@ class ReferenceBackend:
             model = TPModel(built, ctx, config.token_shard_min_tokens)
         else:
             model = TimedModel(built)
-        self.engine = Engine(engine_config, model=model, make_cache=make_cache)
+        self._now = 0.0
+        self.engine = Engine(engine_config, model=model, make_cache=make_cache, clock=lambda: self._now)
         self.layout = self.engine.layout
         self.model_config = self.engine.model_config
         self._first_tokens: dict[str, int] = {}
+
+    def begin_round(self, now: float) -> None:
+        self._now = now
 
     def pool_buffer(self) -> Any:
         return self.engine.pool.buffer
@@ -124,19 +132,21 @@ class ReferenceBackend:
             return []
         return [TokenEvent(request_id=request_id, token_id=None, finish_reason="abort")]
 
-    def release_rows(self, row_ids: tuple[int, ...], request_id: str) -> None:
-        if request_id:
-            self.engine.release(request_id)
-        if row_ids:
-            self.engine.release_rows(row_ids)
+    def release(self, cmd: Release) -> None:
+        self.engine.release(cmd.request_id, cmd.generation, reads_done=cmd.reads_done)
+
+    def hold(self, request_id: str) -> None:
+        self.engine.hold(request_id)
 
     def step(self) -> list[Event]:
+        self.engine.reclaim()  # quarantines end in lockstep, busy or idle
         if not self.engine.has_work:
             return []
         outputs = self.engine.step()
         events: list[Event] = list(outputs.tokens)
         events += [ExportedRows(request_id=res.request_id, attn_row_ids=res.attn_row_ids, kda_row_ids=res.kda_row_ids,
-                                num_tokens=res.num_tokens, first_token=res.first_token) for res in outputs.exported]
+                                num_tokens=res.num_tokens, first_token=res.first_token, generation=res.generation)
+                   for res in outputs.exported]
         return events
 
     def stats(self) -> RankStats:
@@ -153,7 +163,8 @@ class ReferenceBackend:
         if model.timings:
             timings, model.timings = tuple(model.timings), []
         return RankStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
-                         num_rows_used=total - self.engine.num_free_rows, num_rows_total=total,
+                         num_rows_used=total - self.engine.num_free_rows - self.engine.num_quarantined_rows,
+                         num_rows_total=total,
                          has_work=self.engine.has_work, counters=counters, timings=timings)
 
     def close(self) -> None:

@@ -8,6 +8,14 @@ Design (SPMD lockstep):
   rank's `StepReply`. All ranks apply the same commands in the same order and then run one engine step, so
   their deterministic schedulers make identical decisions (same batch, same row ids) and their collectives
   line up. Token events are taken from rank 0; import outcomes and transport notifications from all ranks.
+- Time: each plan carries the driver's clock (`StepPlan.now`); ranks measure quarantines in it, never in their
+  own clocks, so they free the same rows in the same round.
+- Imports: a rank answers one `ImportOutcome` per `ImportKV`, possibly rounds later than another rank (its
+  READs are polled between decode steps). The driver keeps each request's parts until every rank's part is in,
+  then delivers one merged outcome (an error if any part failed); only then may the node send StartDecode.
+  A part that says a READ could not be cancelled makes the driver queue `HoldRows` for that request at once,
+  before the merged outcome reaches the node (so before any Abort the node sends in reply to it). While
+  imports are pending and nothing else runs, rounds come every `import_poll_s` (the ranks poll their READs).
 - Failure: a rank that exits, closes its pipe or misses the reply deadline marks the executor dead; every
   in-flight request receives a failure event (no hang), `healthy` turns False, new work is refused.
 The module never imports torch: rank processes do, inside the worker factory.
@@ -34,6 +42,8 @@ from node.protocol import (
     Command,
     EngineFailure,
     Event,
+    HoldRows,
+    ImportKV,
     ImportOutcome,
     RankStats,
     StepPlan,
@@ -46,8 +56,8 @@ from node.protocol import (
 class WorkerSpec:
     """How a rank builds its worker: `factory` is "module:function", called as
     `factory(config, ctx)` (ctx: engine.parallel.groups.ParallelContext) inside the rank process, returning an object with
-    `startup_info() -> Any`, `apply(cmd) -> list[Event]`, `step() -> list[Event]`, `stats() -> RankStats`
-    and `close()`."""
+    `startup_info() -> Any`, `begin_round(now)`, `apply(cmd) -> list[Event]`, `step() -> list[Event]`,
+    `stats() -> RankStats` and `close()`."""
 
     factory: str
     config: Any
@@ -55,6 +65,8 @@ class WorkerSpec:
     pin_cores: bool = True
     step_timeout_s: float = 120.0
     idle_poll_s: float = 0.02
+    import_poll_s: float = 0.001
+    """Round interval while imports are pending and no request runs (how often ranks poll their READs)."""
 
 
 class ExecutorDead(RuntimeError):
@@ -84,6 +96,7 @@ def _rank_main(spec: WorkerSpec, rank: int, init_method: str, conn: Any) -> None
         plan = conn.recv()
         if plan is None:
             break
+        worker.begin_round(plan.now)
         events: list[Event] = []
         for cmd in plan.commands:
             try:
@@ -137,6 +150,8 @@ class Executor:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._ids = itertools.count()
+        self._import_parts: dict[str, list[ImportOutcome]] = {}
+        """Requests with an ImportKV sent to the ranks -> the parts (one per rank) received so far."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -256,8 +271,9 @@ class Executor:
 
     def _next_plan(self) -> StepPlan | None:
         busy = any(s.has_work for s in self.state.stats)
+        wait_s = 0 if busy else self.spec.import_poll_s if self._import_parts else self.spec.idle_poll_s
         try:
-            first = self._commands.get(timeout=0 if busy else self.spec.idle_poll_s)
+            first = self._commands.get(timeout=wait_s)
             commands = [first]
         except queue.Empty:
             commands = []
@@ -266,7 +282,10 @@ class Executor:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 break
-        return StepPlan(round_id=next(self._ids), commands=tuple(commands), run_step=True)
+        for cmd in commands:
+            if isinstance(cmd, ImportKV):
+                self._import_parts[cmd.request_id] = []
+        return StepPlan(round_id=next(self._ids), commands=tuple(commands), run_step=True, now=time.monotonic())
 
     def _drive(self) -> None:
         while not self._stopping.is_set():
@@ -298,23 +317,31 @@ class Executor:
         self.state.rounds += 1
         if replies:
             self.state.timings.extend(replies[0].stats.timings)
-        outcomes: dict[str, list[ImportOutcome]] = {}
         for reply in replies:
             for event in reply.events:
                 if isinstance(event, ImportOutcome):
-                    outcomes.setdefault(event.request_id, []).append(event)
+                    self._import_part(event)
                 elif isinstance(event, TransportNotice):
                     for handler in self._notice_handlers:
                         handler(event)
                 elif reply.rank == 0:
                     self._deliver(event)
-        for request_id, parts in outcomes.items():
-            errors = [p.error for p in parts if p.error]
-            self._deliver(ImportOutcome(request_id=request_id, error="; ".join(errors) or None,
-                                        num_bytes=sum(p.num_bytes for p in parts),
-                                        seconds=max(p.seconds for p in parts),
-                                        num_descriptors=sum(p.num_descriptors for p in parts),
-                                        post_s=tuple(t for p in parts for t in p.post_s)))
+
+    def _import_part(self, part: ImportOutcome) -> None:
+        """Keep one rank's import outcome; deliver the merge once every rank's part is in."""
+        if part.uncancelled:  # before the merged outcome: any Abort the node sends in reply comes after it
+            self._commands.put(HoldRows(request_id=part.request_id))
+        parts = self._import_parts.setdefault(part.request_id, [])
+        parts.append(part)
+        if len(parts) < self.spec.world_size:
+            return
+        del self._import_parts[part.request_id]
+        errors = [p.error for p in parts if p.error]
+        self._deliver(ImportOutcome(request_id=part.request_id, error="; ".join(errors) or None,
+                                    num_bytes=sum(p.num_bytes for p in parts), seconds=max(p.seconds for p in parts),
+                                    num_descriptors=sum(p.num_descriptors for p in parts),
+                                    post_s=tuple(t for p in parts for t in p.post_s),
+                                    uncancelled=any(p.uncancelled for p in parts)))
 
     def _deliver(self, event: Event) -> None:
         with self._lock:

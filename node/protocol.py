@@ -40,8 +40,10 @@ class Submit:
 
 @dataclass(frozen=True)
 class ImportKV:
-    """Allocate rows for the prompt, read them from the prefill node (`params`: KVTransferParams; `peer`:
-    the prefill node's transport metadata), notify it; the rows wait for `StartDecode`."""
+    """Allocate rows for the prompt and post the READs from the prefill node (`params`: KVTransferParams, already
+    checked by the decode node; `peer`: the prefill node's side-channel metadata). Every rank answers exactly one
+    `ImportOutcome` per ImportKV, in a later round's step when its reads are done, failed or past their deadline
+    (or at once when it cannot post, or on `Abort`); the rows wait for `StartDecode`."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -67,13 +69,24 @@ class Abort:
 
 @dataclass(frozen=True)
 class Release:
-    """Free the rows an export kept (reader done, lease expired or aborted): by request id, or by row ids."""
+    """End export `generation` of `request_id` (its lease ended). Never by row ids: a release that names an
+    export no longer live frees nothing. `reads_done`: every READ finished, the rows are free at once; else
+    (lease expired or aborted) they stay quarantined for the read timeout."""
 
-    request_id: str = ""
-    row_ids: tuple[int, ...] = ()
+    request_id: str
+    generation: int
+    reads_done: bool = False
 
 
-Command = Submit | ImportKV | StartDecode | Abort | Release
+@dataclass(frozen=True)
+class HoldRows:
+    """A READ into this request's rows could not be cancelled on some rank: keep them out of the pool for good
+    on every rank (the driver sends it, so all ranks agree)."""
+
+    request_id: str
+
+
+Command = Submit | ImportKV | StartDecode | Abort | Release | HoldRows
 
 
 # ---------------------------------------------------------------------- events (ranks -> driver)
@@ -89,6 +102,8 @@ class ExportedRows:
     num_tokens: int
     first_token: int
     num_cached_tokens: int = 0
+    generation: int = 0
+    """Names this export in `Release` (the engine's per-export counter)."""
     is_final: bool = True
 
 
@@ -103,6 +118,8 @@ class ImportOutcome:
     num_descriptors: int = 0
     post_s: tuple[float, ...] = ()
     """Posting time of each READ (one per source rank per destination rank)."""
+    uncancelled: bool = False
+    """A READ of this import could not be cancelled (its rows must never be reused; the driver sends HoldRows)."""
 
     @property
     def is_final(self) -> bool:
@@ -121,7 +138,7 @@ class EngineFailure:
 
 @dataclass(frozen=True)
 class TransportNotice:
-    """A transport notification a rank received (lease DONE / HB / ABORT message from a reader)."""
+    """A transport notification a rank received (lease DONE / ABORT message from a reader)."""
 
     rank: int
     sender: str
@@ -153,6 +170,8 @@ class StepPlan:
     round_id: int
     commands: tuple[Command, ...]
     run_step: bool = True
+    now: float = 0.0
+    """The driver's clock (time.monotonic) for this round: ranks measure quarantines in it, so they agree."""
 
 
 @dataclass(frozen=True)

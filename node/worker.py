@@ -7,8 +7,14 @@ commands into backend calls, and owns the transfer side of the rank:
   table frees rows on DONE);
 - decode ranks, on `ImportKV`, allocate rows through the backend, plan the reads with kv_transfer.remap
   (P layout rebuilt from the params and checked against its fingerprint), and post ONE READ per source P
-  rank carrying one descriptor per merged row range, with the lease's DONE notification; the outcome
-  (bytes, seconds, descriptors or the error) goes back to the driver, which merges all ranks.
+  rank carrying one descriptor per merged row range, with the lease's DONE notification. The READs are then
+  polled without blocking at the end of every round (kv_transfer.reads.PendingReads), so decode steps of
+  other requests go on while a READ is in flight or stalled.
+Import invariant: each rank answers exactly one `ImportOutcome` per `ImportKV` it applied - when its READs are
+all DONE, when one fails or the import's deadline (`config.kv.timeout_s`) passes, at once if it cannot post,
+or when an `Abort` cancels it - and it has released every READ handle by then. `uncancelled` on the outcome
+says NIXL refused to cancel one: the driver then sends `HoldRows` so every rank keeps those rows out for good.
+The driver merges the ranks' outcomes and only then lets the request decode.
 Backends implement `Backend` (below); `config.backend` names the factory ("reference" = engine/).
 """
 
@@ -16,12 +22,14 @@ from __future__ import annotations
 
 import importlib
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from node.protocol import (
     Abort,
     Command,
     Event,
+    HoldRows,
     ImportKV,
     ImportOutcome,
     RankStats,
@@ -42,6 +50,9 @@ class Backend(Protocol):
     """engine.layout.RowLayout of this rank's pool."""
     model_config: Any
 
+    def begin_round(self, now: float) -> None:
+        """The round's time (the driver's clock, the same on every rank): quarantines are measured in it."""
+
     def pool_buffer(self) -> Any: ...
 
     def num_rows(self) -> int: ...
@@ -54,7 +65,9 @@ class Backend(Protocol):
 
     def abort(self, request_id: str) -> list[Event]: ...
 
-    def release_rows(self, row_ids: tuple[int, ...], request_id: str) -> None: ...
+    def release(self, cmd: Release) -> None: ...
+
+    def hold(self, request_id: str) -> None: ...
 
     def step(self) -> list[Event]: ...
 
@@ -73,12 +86,23 @@ def backend_module(path: str) -> Any:
     return importlib.import_module((REFERENCE_BACKEND if path == "reference" else path).split(":")[0])
 
 
+@dataclass
+class _Import:
+    """An import in flight on this rank."""
+
+    request_id: str
+    reads: Any
+    """kv_transfer.reads.PendingReads"""
+    started: float
+
+
 class RankWorker:
     def __init__(self, config: WorkerConfig, ctx: Any, backend: Backend) -> None:
         self.config = config
         self.ctx = ctx
         self.backend = backend
         self.transport = None
+        self._imports: dict[str, _Import] = {}
         if config.transport:
             from kv_transfer.nixl_agent import NixlTransport
 
@@ -96,42 +120,80 @@ class RankWorker:
                         kda_groups=layout.kda_groups, endpoint=endpoint,
                         tcp_fallback=bool(self.transport and self.transport.tcp_fallback))
 
+    def begin_round(self, now: float) -> None:
+        self.backend.begin_round(now)
+
     def apply(self, cmd: Command) -> list[Event]:
         if isinstance(cmd, Submit):
             return self.backend.submit(cmd)
         if isinstance(cmd, ImportKV):
-            return [self._import(cmd)]
+            return self._post_import(cmd)
         if isinstance(cmd, StartDecode):
             return self.backend.start_decode(cmd.request_id)
         if isinstance(cmd, Abort):
-            return self.backend.abort(cmd.request_id)
+            return self._cancel_import(cmd.request_id) + self.backend.abort(cmd.request_id)
         if isinstance(cmd, Release):
-            self.backend.release_rows(cmd.row_ids, cmd.request_id)
+            self.backend.release(cmd)
+            return []
+        if isinstance(cmd, HoldRows):
+            self.backend.hold(cmd.request_id)
             return []
         raise ValueError(f"unknown command {type(cmd).__name__}")
 
-    def _import(self, cmd: ImportKV) -> ImportOutcome:
-        """Allocate, then validate / plan / read / notify through kv_transfer.importer (`cmd.peer` is the
-        prefill node's side-channel InstanceMetadata)."""
-        from kv_transfer.importer import import_request
+    def _error(self, request_id: str, exc: BaseException | str, uncancelled: bool = False) -> ImportOutcome:
+        reason = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        return ImportOutcome(request_id=request_id, error=f"rank {self.ctx.rank}: {reason}", uncancelled=uncancelled)
+
+    def _post_import(self, cmd: ImportKV) -> list[Event]:
+        """Allocate, plan and post the READs (`cmd.params` were checked by the decode node; `cmd.peer` is the
+        prefill node's side-channel InstanceMetadata); the outcome comes from a later `step`."""
+        from kv_transfer.importer import post_import
 
         started = time.perf_counter()
         try:
             if self.transport is None:
                 raise ValueError("this node runs without a KV transport")
             attn_rows, kda_rows = self.backend.allocate_import(cmd)
-            results = import_request(self.transport, self.backend.model_config, self.backend.layout, self.ctx.rank,
-                                     cmd.params, cmd.peer, attn_rows, kda_rows,
-                                     timeout_s=self.config.kv.timeout_s)
+            reads = post_import(self.transport, self.backend.model_config, self.backend.layout, self.ctx.rank,
+                                cmd.params, cmd.peer, attn_rows, kda_rows, timeout_s=self.config.kv.timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure becomes this rank's import error
-            return ImportOutcome(request_id=cmd.request_id, error=f"rank {self.ctx.rank}: {type(exc).__name__}: {exc}")
-        return ImportOutcome(request_id=cmd.request_id, num_bytes=sum(r.bytes for r in results),
-                             seconds=time.perf_counter() - started,
-                             num_descriptors=sum(r.descriptors for r in results),
-                             post_s=tuple(r.post_s for r in results))
+            return [self._error(cmd.request_id, exc)]
+        self._imports[cmd.request_id] = _Import(cmd.request_id, reads, started)
+        return []
+
+    def _poll_imports(self) -> list[Event]:
+        """One non-blocking poll of every import in flight; the outcomes of those that ended."""
+        from kv_transfer.transport import TransferError
+
+        events: list[Event] = []
+        for imp in list(self._imports.values()):
+            try:
+                if not imp.reads.poll():
+                    continue
+                results = imp.reads.results()
+            except TransferError as exc:
+                del self._imports[imp.request_id]
+                events.append(self._error(imp.request_id, exc, uncancelled=not imp.reads.close()))
+                continue
+            del self._imports[imp.request_id]
+            clean = imp.reads.close()
+            events.append(ImportOutcome(request_id=imp.request_id, num_bytes=sum(r.bytes for r in results),
+                                        seconds=time.perf_counter() - imp.started,
+                                        num_descriptors=sum(r.descriptors for r in results),
+                                        post_s=tuple(r.post_s for r in results), uncancelled=not clean))
+        return events
+
+    def _cancel_import(self, request_id: str) -> list[Event]:
+        """An abort reached an import in flight: cancel its READs; its one outcome says whether they were."""
+        imp = self._imports.pop(request_id, None)
+        if imp is None:
+            return []
+        return [self._error(request_id, "aborted", uncancelled=not imp.reads.close())]
 
     def step(self) -> list[Event]:
         events = self.backend.step()
+        if self._imports:
+            events += self._poll_imports()
         if self.transport is not None and self.config.role == "prefill":
             events += [TransportNotice(rank=self.ctx.rank, sender=src, message=msg)
                        for src, msg in self.transport.notifications()]
@@ -141,6 +203,9 @@ class RankWorker:
         return self.backend.stats()
 
     def close(self) -> None:
+        for imp in self._imports.values():
+            imp.reads.close()
+        self._imports.clear()
         if self.transport is not None:
             self.transport.close()
         self.backend.close()

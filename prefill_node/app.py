@@ -37,7 +37,7 @@ def _attach_exports(runtime: NodeRuntime, settings: Settings) -> ExportTable:
     table = ExportTable(identity, runtime.executor, runtime.metrics, settings.lease_seconds)
     runtime.executor.on_notice(table.on_notice)
     runtime.extras["exports"] = table
-    runtime.extras["abort_hook"] = lambda external: any(table.abort(i) for i in (external,))
+    runtime.extras["abort_hook"] = lambda external: table.abort(external, runtime.internal_ids(external))
     return table
 
 
@@ -75,18 +75,18 @@ def create_app(settings: Settings) -> FastAPI:
             ranks=[RankMetadata.from_endpoint(info.endpoint) for info in ranks if info.endpoint is not None])
 
     app = build_app("pdcluster prefill node", handle, lifespan)
-    app.include_router(side_channel_router(metadata, _LazyLeases(app)))
+    app.include_router(side_channel_router(metadata, _LazyExports(app)))
     return app
 
 
-class _LazyLeases:
-    """The LeaseManager of the running app (it exists only once the lifespan started)."""
+class _LazyExports:
+    """The running app's ExportTable as the side channel's lease aborter (it exists once the lifespan started)."""
 
     def __init__(self, app: FastAPI) -> None:
         self._app = app
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - forwards to kv_transfer.lease.LeaseManager
+    def abort(self, lease_id: str) -> bool:
         runtime = getattr(self._app.state, "runtime", None)
         if runtime is None:
             raise APIError(503, "the node is starting")
-        return getattr(runtime.extras["exports"].leases, name)
+        return runtime.extras["exports"].abort_lease(lease_id)

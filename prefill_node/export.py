@@ -5,7 +5,8 @@ Request (router -> P): the client body with `max_tokens=1`, `stream=false` and
 `kv_transfer_params` = {do_remote_prefill: true, remote_engine_id, remote_request_id, remote_block_ids,
 remote_host, remote_port, tp_size, dcp_size, remote_num_tokens, ...} plus the packed-row fields (block size,
 layout fingerprint, KDA row ids, first token id, lease id and expiry).
-The rows stay allocated until the reader's notification, an abort, or lease expiry frees them.
+The rows stay allocated under a lease (prefill_node/exports.py) until the reader's notification, an abort, or
+lease expiry ends it; an abort that lands before the lease is granted makes the grant fail (499).
 """
 
 from __future__ import annotations
@@ -46,9 +47,13 @@ async def serve_export(runtime: NodeRuntime, prepared: PreparedRequest, request:
     """Prefill for a remote decoder and answer with the transfer params."""
     check_export_request(prepared)
     started = time.monotonic()
-    exported: ExportedRows = await until_disconnect(request, _run_export(runtime, prepared))
     exports = runtime.extras["exports"]
-    params = exports.grant(prepared.request_id, exported)
+    exports.begin(prepared.request_id)
+    try:
+        exported: ExportedRows = await until_disconnect(request, _run_export(runtime, prepared))
+        params = exports.grant(prepared.request_id, exported)  # refused if an abort came first
+    finally:
+        exports.forget(prepared.request_id)
     elapsed = time.monotonic() - started
     first = TokenEvent(request_id=prepared.request_id, token_id=exported.first_token, finish_reason="length",
                        num_prompt_tokens=len(prepared.prompt_token_ids))

@@ -1,22 +1,30 @@
-"""Exported rows of the prefill node and the leases (kv_transfer.lease) that bound how long they wait.
+"""Exported rows of the prefill node: the lease table (kv_transfer.lease) is their one owner once granted.
 
-`ExportTable.grant()` turns an engine export into the wire params and starts a lease over the request's
-rows; the rows are freed (`Release` to every rank) exactly once, by whichever comes first: the readers'
-DONE notifications (one per READ), an abort (by request id, or a reader's ABORT / HTTP release), or lease
-expiry (`sweep()`, run periodically). Heartbeats push the expiry. Lease outcomes feed the node metrics.
-Thread-safe: notifications arrive on the executor's driver thread.
+`ExportTable.grant()` turns an engine export (`ExportedRows`: request id, generation, rows) into the wire params
+and starts a lease naming that export. The lease ends exactly once, by whichever comes first: the readers' DONE
+notifications (one per READ), an abort (`abort(request_id)` from the node's /abort_requests, or `abort_lease`
+from a reader's HTTP abort / ABORT notification), or expiry (`sweep()`, run periodically). Its end sends
+`Release(request_id, generation, reads_done)` to every rank: the engine frees exactly that export (a release
+naming an export that is no longer live frees nothing), at once when no READ can still run (notified, or the
+reader aborted), else into quarantine for the read timeout (a READ posted before the end may still target them).
+An abort that lands before the grant (between the engine's export step and `grant`) is remembered: the ranks
+end the export on their own `Abort`, and `grant` refuses it (APIError 499), so no lease and no params ever
+point at rows an abort already gave back. Lease outcomes feed the node metrics.
+Thread-safe: notifications arrive on the executor's driver thread, the rest on the event loop.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kv_transfer.lease import OUTCOMES, LeaseManager
+from kv_transfer.lease import OUTCOMES, ExportKey, Lease, LeaseManager
 from kv_transfer.params import KVTransferParams
 from node.executor import Executor
 from node.metrics import NodeMetrics
 from node.protocol import ExportedRows, Release, TransportNotice
+from serving.errors import APIError
 
 
 @dataclass(frozen=True)
@@ -40,14 +48,21 @@ class ExportTable:
         self.identity = identity
         self.executor = executor
         self.metrics = metrics
-        self.leases = LeaseManager(self._free_rows, ttl_s=lease_seconds)
+        self.leases = LeaseManager(self._lease_ended, ttl_s=lease_seconds)
         self._lease_of: dict[str, str] = {}
+        self._exporting: dict[str, bool] = {}
+        """Exports in flight (`begin` .. `forget`) -> aborted before their grant."""
         self._lock = threading.Lock()
         self._counted = {outcome: 0 for outcome in OUTCOMES}
 
-    def _free_rows(self, rows: tuple[int, ...]) -> None:
+    def _lease_ended(self, lease: Lease, outcome: str) -> None:
+        key = lease.export
+        with self._lock:
+            if self._lease_of.get(key.request_id) == lease.lease_id:
+                del self._lease_of[key.request_id]
         if self.executor.healthy:
-            self.executor.submit(Release(row_ids=tuple(rows)))
+            self.executor.submit(Release(request_id=key.request_id, generation=key.generation,
+                                         reads_done=lease.reads_done))
 
     def _sync_metrics(self) -> None:
         with self._lock:
@@ -61,11 +76,17 @@ class ExportTable:
             self.metrics.leases_outstanding.set(self.leases.outstanding)
 
     def grant(self, request_id: str, exported: ExportedRows) -> KVTransferParams:
-        rows = tuple(exported.attn_row_ids) + tuple(exported.kda_row_ids)
-        lease = self.leases.create(rows)
+        """Lease the export and answer its params; APIError 499 if the request was aborted before this."""
+        with self._lock:
+            aborted = self._exporting.get(request_id, False)
+        if aborted:
+            if self.executor.healthy:  # the ranks' Abort ends it too; whichever comes second frees nothing
+                self.executor.submit(Release(request_id=request_id, generation=exported.generation))
+            raise APIError(499, f"request {request_id} was aborted before its rows were leased")
+        lease = self.leases.create(ExportKey(request_id, exported.generation))
         with self._lock:
             self._lease_of[request_id] = lease.lease_id
-        self.metrics.rows_exported.inc(len(rows))
+        self.metrics.rows_exported.inc(len(exported.attn_row_ids) + len(exported.kda_row_ids))
         self._sync_metrics()
         ident = self.identity
         return KVTransferParams(
@@ -80,33 +101,44 @@ class ExportTable:
         )
 
     def on_notice(self, notice: TransportNotice) -> None:
-        """A reader's DONE / HB / ABORT message (called on the driver thread)."""
+        """A reader's DONE / ABORT message (called on the driver thread)."""
         try:
             self.leases.apply_message(notice.message)
         except ValueError:
             pass  # a malformed message frees nothing; the lease still expires
         self._sync_metrics()
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, in_flight: Iterable[str] = ()) -> bool:
+        """End `request_id`'s lease; every export among `in_flight` (requests still running here, which the
+        caller aborts on the ranks) is refused a lease from now on. True if a lease ended."""
         with self._lock:
-            lease_id = self._lease_of.pop(request_id, None)
+            lease_id = self._lease_of.get(request_id)
+            for rid in in_flight:
+                if rid in self._exporting:
+                    self._exporting[rid] = True
         ended = lease_id is not None and self.leases.abort(lease_id)
         self._sync_metrics()
         return ended
 
-    def release(self, lease_id: str) -> bool:
-        ended = self.leases.abort(lease_id)
+    def abort_lease(self, lease_id: str) -> bool:
+        """The reader will not read, and none of its READs can still run (the side channel's abort route)."""
+        ended = self.leases.abort(lease_id, by_reader=True)
         self._sync_metrics()
         return ended
 
-    def extend(self, lease_id: str) -> float | None:
-        return self.leases.heartbeat(lease_id)
+    def begin(self, request_id: str) -> None:
+        """An export of `request_id` starts (before its Submit): an abort from now on reaches `grant`."""
+        with self._lock:
+            self._exporting[request_id] = False
+
+    def forget(self, request_id: str) -> None:
+        """The export path of `request_id` is over (granted or failed)."""
+        with self._lock:
+            self._exporting.pop(request_id, None)
 
     def sweep(self) -> list[str]:
+        """Expire leases past their deadline."""
         expired = self.leases.expire()
-        with self._lock:
-            live = {lid for lid in self._lease_of.values() if self.leases.get(lid) is not None}
-            self._lease_of = {rid: lid for rid, lid in self._lease_of.items() if lid in live}
         self._sync_metrics()
         return expired
 

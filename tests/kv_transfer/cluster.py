@@ -14,7 +14,7 @@ from fastapi import FastAPI
 
 from engine.layout import RowLayout, plan_layout
 from engine.model.config import get_preset
-from kv_transfer.lease import LeaseManager
+from kv_transfer.lease import ExportKey, LeaseManager
 from kv_transfer.params import KVTransferParams
 from kv_transfer.remap import attention_source, naive_subblock_map
 from kv_transfer.side_channel import InstanceMetadata, RankMetadata, side_channel_router
@@ -67,9 +67,6 @@ class SideChannel:
         outer = self
 
         class Proxy:  # the current case's lease manager
-            def heartbeat(self, lid):
-                return outer.leases.heartbeat(lid)
-
             def abort(self, lid):
                 return outer.leases.abort(lid)
 
@@ -127,10 +124,10 @@ def export(cl: Cluster, p_kw: dict, d_kw: dict, num_tokens: int, seed: int, ttl_
     for r in range(d.tp_size):
         cl.d[r].call("zero", row_bytes=d.row_bytes, rank=r)
     free = FreeList(POOL_BYTES // p.row_bytes)
-    leases = LeaseManager(free.give, ttl_s=ttl_s, clock=clock)
     p_attn = free.take(-(-num_tokens // p.block_size), rng)
     p_kda = free.take(p.kda_groups, rng)
-    lease = leases.create(p_attn + p_kda)
+    leases = LeaseManager(lambda lease, outcome: free.give(p_attn + p_kda), ttl_s=ttl_s, clock=clock)
+    lease = leases.create(ExportKey("req-1", 1))
     cl.side.leases = leases
     cl.side.meta = InstanceMetadata(
         engine_id=engine_id, model=MODEL, layout_fingerprint=p.fingerprint, tp_size=p.tp_size, block_size=p.block_size,

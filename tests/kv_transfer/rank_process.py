@@ -5,7 +5,7 @@ Used by tests/kv_transfer and benchmarks/transfer.py to run P and D ranks as sep
 returns its answer (a child error is re-raised as RuntimeError carrying the child's traceback).
 Commands: fill (random bytes from a seed), zero, import (the full decode path of kv_transfer.importer:
 side channel over HTTP, checks, plan, READs with DONE notifications), raw_read (benchmark reads),
-read_plan (nixl_agent.read_request over given ops: DONE notifications, reposting a stalled read),
+read_plan (reads.read_request over given ops: DONE notifications, reposting a stalled read),
 digest, pool, notifs, tcp_fallback, stop. `settings` are KVTransferSettings fields for the rank's agent (the
 `kv` section of a node's settings).
 """
@@ -32,7 +32,8 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, sett
     from engine.layout import plan_layout
     from engine.model.config import get_preset
     from kv_transfer.importer import import_request, plan_import
-    from kv_transfer.nixl_agent import NixlTransport, read_request
+    from kv_transfer.nixl_agent import NixlTransport
+    from kv_transfer.reads import read_request
     from kv_transfer.params import KVTransferParams
     from kv_transfer.remap import ReadPlan
     from kv_transfer.ucx_env import KVTransferSettings

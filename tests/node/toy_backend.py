@@ -4,11 +4,15 @@ It is not a model: it owns a real row pool laid out by engine.layout, fills a re
 bytes derived from its prompt at prefill, and derives every output token from a CRC of the request's rows
 (plus the previous token). So a decode that continues from transferred rows produces the colocated tokens
 only if every row byte arrived intact, which is what the P -> D tests check. Rows are allocated lowest id
-first, so every rank of a node makes the same choices (SPMD).
+first, so every rank of a node makes the same choices (SPMD). Row ownership follows the engine's rules: an
+export is released by request id and generation; aborted exports and imports are quarantined for
+`config.kv.timeout_s` in the round's time (rows in quarantine count neither as used nor as free); `hold` keeps a
+request's rows out for good.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +21,7 @@ import numpy as np
 
 from engine.layout import plan_layout
 from engine.model.config import get_preset
-from node.protocol import Event, ExportedRows, ImportKV, RankStats, Submit, TokenEvent
+from node.protocol import Event, ExportedRows, ImportKV, RankStats, Release, Submit, TokenEvent
 
 EOS = 257
 
@@ -48,6 +52,8 @@ class _Req:
     kda_rows: list[int] = field(default_factory=list)
     out: list[int] = field(default_factory=list)
     state: str = "waiting"
+    generation: int = 0
+    held: bool = False
 
 
 class ToyBackend:
@@ -60,6 +66,13 @@ class ToyBackend:
         self.pool = np.zeros(config.num_rows * self.layout.row_bytes, dtype=np.uint8)
         self.free = list(range(config.num_rows))
         self.reqs: dict[str, _Req] = {}
+        self.quarantine_s = config.kv.timeout_s
+        self.quarantined: list[list] = []  # [until, rows, request id]
+        self.now = 0.0
+        self.generations = 0
+
+    def begin_round(self, now: float) -> None:
+        self.now = now
 
     def pool_buffer(self) -> np.ndarray:
         return self.pool
@@ -126,35 +139,56 @@ class ToyBackend:
         return [TokenEvent(request_id=req.cmd.request_id, token_id=token, finish_reason="length" if done else None,
                            num_prompt_tokens=len(req.cmd.prompt_token_ids))]
 
-    def _drop(self, request_id: str) -> None:
+    def _drop(self, request_id: str, quarantine: bool = False) -> None:
         req = self.reqs.pop(request_id, None)
         if req is not None:
-            self.free += req.attn_rows + req.kda_rows
+            rows = req.attn_rows + req.kda_rows
+            if req.held or quarantine:
+                until = math.inf if req.held else self.now + self.quarantine_s
+                self.quarantined.append([until, rows, request_id])
+            else:
+                self.free += rows
             req.attn_rows, req.kda_rows = [], []
 
     def abort(self, request_id: str) -> list[Event]:
-        if request_id not in self.reqs:
+        req = self.reqs.get(request_id)
+        if req is None:
             return []
-        self._drop(request_id)
+        self._drop(request_id, quarantine=req.state in ("exported", "importing"))
         return [TokenEvent(request_id=request_id, token_id=None, finish_reason="abort")]
 
-    def release_rows(self, row_ids: tuple[int, ...], request_id: str) -> None:
-        for rid, req in list(self.reqs.items()):
-            if req.state == "exported" and (rid == request_id or set(row_ids) == set(req.attn_rows + req.kda_rows)):
-                self._drop(rid)
+    def release(self, cmd: Release) -> None:
+        req = self.reqs.get(cmd.request_id)
+        if req is not None and req.state == "exported" and req.generation == cmd.generation:
+            self._drop(cmd.request_id, quarantine=not cmd.reads_done)
+
+    def hold(self, request_id: str) -> None:
+        if request_id in self.reqs:
+            self.reqs[request_id].held = True
+        for entry in self.quarantined:
+            if entry[2] == request_id:
+                entry[0] = math.inf
 
     def step(self) -> list[Event]:
+        due = [entry for entry in self.quarantined if entry[0] <= self.now]
+        self.quarantined = [entry for entry in self.quarantined if entry[0] > self.now]
+        self.free += [row for entry in due for row in entry[1]]
         events: list[Event] = []
         for req in list(self.reqs.values()):
             if req.state == "waiting":
+                if sum(self.layout.rows_per_request(len(req.cmd.prompt_token_ids))) > len(self.free):
+                    continue  # waits for rows (some may be in quarantine), as the engine's queue does
                 req.attn_rows, req.kda_rows = self._alloc(len(req.cmd.prompt_token_ids))
                 self._fill(req)
                 first = self._token(req, -1 % 256)
                 if req.cmd.export:
                     req.state = "exported"
+                    self.generations += 1
+                    req.generation = self.generations
                     events.append(ExportedRows(request_id=req.cmd.request_id, attn_row_ids=tuple(req.attn_rows),
                                                kda_row_ids=tuple(req.kda_rows),
-                                               num_tokens=len(req.cmd.prompt_token_ids), first_token=first))
+                                               num_tokens=len(req.cmd.prompt_token_ids), first_token=first,
+                                               generation=req.generation))
                 else:
                     req.state = "running"
                     events += self._emit(req, first)
@@ -165,7 +199,9 @@ class ToyBackend:
     def stats(self) -> RankStats:
         running = sum(r.state == "running" for r in self.reqs.values())
         waiting = sum(r.state == "waiting" for r in self.reqs.values())
-        return RankStats(num_running=running, num_waiting=waiting, num_rows_used=self._num_rows - len(self.free),
+        num_quarantined = sum(len(entry[1]) for entry in self.quarantined)
+        return RankStats(num_running=running, num_waiting=waiting,
+                         num_rows_used=self._num_rows - len(self.free) - num_quarantined,
                          num_rows_total=self._num_rows, has_work=bool(running or waiting))
 
     def close(self) -> None:

@@ -1,0 +1,116 @@
+"""One request's READs on one decode rank, posted at once and polled without blocking, over a KVTransport.
+
+`PendingReads(transport, d_rank, plan, endpoints, lease_id, timeout_s)` posts one READ per source P rank (each
+carries the lease's DONE notification, so P hears one DONE per READ). Then:
+- `poll()` never blocks: True once every READ is DONE; TransferError when one failed (ERR) or the request's own
+  deadline (`timeout_s`, default settings.timeout_s, from the post) passed. A READ still running after
+  `settings.repost_after_s` is cancelled and posted once more on a fresh endpoint (NixlTransport.repost).
+- `close()` releases every handle, cancelling READs still running, and is called exactly once whatever the
+  outcome. `uncancelled` is then True if NIXL refused to release a handle whose READ may still be running
+  (a stalled READ dropped at a repost counts too): its late bytes may land in the destination rows, so the
+  caller must keep those rows out of use for good.
+`read_request(...)` is the blocking form (poll with a short spin, then back off; used by tests and benchmarks).
+A decode node's worker (node/worker.py) polls between decode steps instead, so a stalled READ stalls only its
+own request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kv_transfer.lease import done_message
+from kv_transfer.remap import ReadPlan
+from kv_transfer.transport import RankEndpoint, ReadResult, TransferError, TransferState
+
+log = logging.getLogger(__name__)
+
+SPIN_S = 0.002
+"""read_request polls back to back this long (a CMA or RDMA read of a few MB is done by then)..."""
+POLL_SLEEP_S = 0.0005
+"""...then sleeps this long between polls: on two cores a reader spinning for seconds takes a core from the
+ranks it waits on."""
+
+
+class PendingReads:
+    """One request's READs on one D rank (see the module docstring)."""
+
+    def __init__(self, transport: Any, d_rank: int, plan: ReadPlan, endpoints: dict[int, RankEndpoint],
+                 lease_id: str, timeout_s: float | None = None) -> None:
+        self.transport = transport
+        self.timeout_s = timeout_s or transport.settings.timeout_s
+        self.deadline = time.monotonic() + self.timeout_s
+        self.handles: list[Any] = []
+        self._reposted: set[int] = set()
+        self._stuck: list[Any] = []  # handles NIXL would not release (their READ may still run)
+        self._closed = False
+        self.uncancelled = False
+        total = len(plan.consumers())
+        try:
+            for p_rank, ops in plan.by_source(d_rank).items():
+                notif = done_message(lease_id, f"{d_rank}.{p_rank}", total)
+                self.handles.append(transport.post_read(endpoints[p_rank], ops, notif))
+        except BaseException:
+            self.close()
+            raise
+
+    def poll(self) -> bool:
+        """True when every READ is DONE; raises TransferError on ERR or past the deadline. Never blocks."""
+        now = time.monotonic()
+        done = True
+        for i, handle in enumerate(self.handles):
+            state = self.transport.poll(handle)
+            if state is TransferState.ERR:
+                raise TransferError(f"read from {handle.peer.agent_name} failed")
+            if state is TransferState.PROC:
+                done = False
+                stalled_s = time.perf_counter() - handle.t_start
+                if i not in self._reposted and stalled_s > self.transport.settings.repost_after_s \
+                        and now < self.deadline:
+                    log.warning("read from %s still running after %.1f s; posting it again on a fresh endpoint",
+                                handle.peer.agent_name, stalled_s)
+                    self._release(handle)
+                    self.handles[i] = self.transport.repost(handle)
+                    self._reposted.add(i)
+        if not done and now >= self.deadline:
+            running = [h for h in self.handles if h.state is TransferState.PROC]
+            raise TransferError(f"{len(running)} read(s) from {running[0].peer.agent_name} "
+                                f"({sum(h.nbytes for h in running)} B) still running after {self.timeout_s:.1f} s")
+        return done
+
+    def results(self) -> list[ReadResult]:
+        return [self.transport.result(h) for h in self.handles]
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self.transport.release(handle)
+        except Exception:  # noqa: BLE001 - NIXL keeps a handle it cannot cancel yet
+            log.warning("could not release a read handle from %s", handle.peer.agent_name)
+            self._stuck.append(handle)
+            self.uncancelled = True
+
+    def close(self) -> bool:
+        """Release every handle (cancelling READs still running; stuck ones are tried again). True when no READ
+        of this request can still write into the destination rows."""
+        if not self._closed:
+            self._closed = True
+            stuck, self._stuck = self._stuck, []
+            for handle in self.handles + stuck:
+                self._release(handle)
+        return not self.uncancelled
+
+
+def read_request(transport: Any, d_rank: int, plan: ReadPlan, endpoints: dict[int, RankEndpoint], lease_id: str,
+                 timeout_s: float | None = None) -> list[ReadResult]:
+    """Blocking form of PendingReads: post, poll to completion (spin SPIN_S, then every POLL_SLEEP_S), release.
+    Raises TransferError on ERR or past the deadline."""
+    reads = PendingReads(transport, d_rank, plan, endpoints, lease_id, timeout_s)
+    started = time.monotonic()
+    try:
+        while not reads.poll():
+            if time.monotonic() - started > SPIN_S:
+                time.sleep(POLL_SLEEP_S)
+        return reads.results()
+    finally:
+        reads.close()

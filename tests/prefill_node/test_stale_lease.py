@@ -1,0 +1,134 @@
+"""Issue 13's stale lease at node level: a prefill node's ExportTable over a real executor and rank process (test
+backend). The router's abort lands between the engine's export step and the grant: the grant is refused, the
+rows the abort gave back (handed to export B once their quarantine is over) are never freed by anything naming
+A, and within the quarantine B never gets A's rows at all."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kv_transfer.ucx_env import KVTransferSettings
+from node.executor import Executor, WorkerSpec
+from node.metrics import NodeMetrics
+from node.protocol import ExportedRows, Release, SamplingSpec, Submit
+from node.runtime import WorkerConfig
+from prefill_node.exports import ExportIdentity, ExportTable
+from serving.errors import APIError
+from tests.node.nodes import TOY
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
+NUM_ROWS = 16
+
+
+def _executor(quarantine_s: float) -> Executor:
+    config = WorkerConfig(model="kimi-k3.1-mini", role="prefill", seed=0, num_rows=NUM_ROWS, block_size=None,
+                          tp_size=1, dcp_size=1, max_num_seqs=8, engine_id="stale-lease", backend=TOY,
+                          transport=False, kv=KVTransferSettings(timeout_s=quarantine_s))
+    executor = Executor(WorkerSpec(factory="node.worker:build_worker", config=config, step_timeout_s=120))
+    executor.start()
+    return executor
+
+
+def _table(executor: Executor, lease_seconds: float = 600.0) -> ExportTable:
+    identity = ExportIdentity(engine_id="stale-lease", host="127.0.0.1", port=1, tp_size=1, block_size=1024,
+                              subblock_tokens=64, layout_fingerprint="fp")
+    return ExportTable(identity, executor, NodeMetrics("kimi-k3.1-mini", "prefill"), lease_seconds)
+
+
+async def _export(executor: Executor, request_id: str, prompt: tuple[int, ...]) -> ExportedRows:
+    async for event in executor.events(Submit(request_id, prompt, SamplingSpec(max_tokens=1), export=True)):
+        if isinstance(event, ExportedRows):
+            return event
+    raise AssertionError(f"{request_id} ended without rows")
+
+
+def _rows(exported: ExportedRows) -> set[int]:
+    return set(exported.attn_row_ids) | set(exported.kda_row_ids)
+
+
+async def _rounds(executor: Executor, count: int = 3) -> None:
+    """Wait until the driver completed `count` more rounds (commands queued before are applied by then)."""
+    target = executor.state.rounds + count
+    deadline = time.monotonic() + 120
+    while executor.state.rounds < target:
+        assert time.monotonic() < deadline, "the driver stopped"
+        await asyncio.sleep(0.01)
+
+
+def _rows_used(executor: Executor) -> int:
+    return executor.state.stats[0].num_rows_used
+
+
+async def _abort_before_grant(executor: Executor, table: ExportTable, request_id: str) -> ExportedRows:
+    """Export `request_id`, then let /abort_requests' path run before the grant (as prefill_node/app.py does:
+    the executor's abort of the in-flight request, then the table's); the grant must be refused."""
+    table.begin(request_id)
+    exported = await _export(executor, request_id, (256, 1, 2))
+    executor.abort(request_id)
+    table.abort(request_id, in_flight=[request_id])
+    with pytest.raises(APIError) as refused:
+        table.grant(request_id, exported)
+    assert refused.value.status == 499 and table.num_outstanding == 0
+    table.forget(request_id)
+    return exported
+
+
+def test_stale_lease_node_abort_before_grant_cannot_free_reused_rows():
+    executor = _executor(quarantine_s=0.3)
+    try:
+        table = _table(executor)
+
+        async def scenario() -> None:
+            a = await _abort_before_grant(executor, table, "A")
+            await _rounds(executor)
+            await asyncio.sleep(0.6)  # past A's quarantine: its rows are free again
+            await _rounds(executor)
+            assert _rows_used(executor) == 0
+            table.begin("B")
+            b = await _export(executor, "B", (256, 7, 7))
+            params = table.grant("B", b)
+            table.forget("B")
+            assert _rows(b) == _rows(a)  # the allocator handed B exactly A's rows: what a stale lease would free
+            for generation in (a.generation, b.generation + 1):  # what anything still naming A could send
+                executor.submit(Release(request_id="A", generation=a.generation, reads_done=True))
+                executor.submit(Release(request_id="B", generation=generation, reads_done=True))
+            await _rounds(executor)
+            assert _rows_used(executor) == len(_rows(b)) and table.holds("B")  # B's rows untouched
+            assert table.abort_lease(params.lease_id)  # B's own lease ends: B's rows go (into quarantine)
+            await _rounds(executor)
+            assert _rows_used(executor) == 0 and table.num_outstanding == 0
+
+        asyncio.run(scenario())
+    finally:
+        executor.stop()
+
+
+def test_stale_lease_node_quarantine_keeps_aborted_rows_from_the_next_export():
+    """Within the read timeout a reader of A's params could still READ A's rows: B must get other rows."""
+    executor = _executor(quarantine_s=600.0)
+    try:
+        table = _table(executor, lease_seconds=0.2)
+
+        async def scenario() -> None:
+            a = await _abort_before_grant(executor, table, "A")
+            await _rounds(executor)
+            table.begin("B")
+            b = await _export(executor, "B", (256, 7, 7))
+            table.grant("B", b)
+            table.forget("B")
+            assert not _rows(a) & _rows(b)
+            await asyncio.sleep(0.3)
+            assert table.sweep() and table.num_outstanding == 0  # B's lease expired: its rows are quarantined
+            await _rounds(executor)
+            assert _rows_used(executor) == 0
+            table.begin("C")
+            c = await _export(executor, "C", (256, 9, 9))
+            assert not (_rows(a) | _rows(b)) & _rows(c)  # neither quarantine is over: C gets fresh rows
+            table.forget("C")
+
+        asyncio.run(scenario())
+    finally:
+        executor.stop()
