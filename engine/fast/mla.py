@@ -101,7 +101,7 @@ def sparse_mla_decode(buffer: torch.Tensor, layout: RowLayout, pages: PageBatch,
         pages.subblock_ids.stride(0), topk, num_heads, topk, per_split, dsa_layer * layout.layer_stride,
         layout.subblock_bytes, layout.latent_bytes, softmax_scale * latent_scale * LOG2E,
         C=kv_lora_rank, R=rope, B0=layout.subblock_tokens, BH=BLOCK_H, BN=BLOCK_N, SPLITS=splits,
-        INTERPRET=interpreter_active(),        num_warps=8 if kv_lora_rank >= 256 else 4,
+        INTERPRET=interpreter_active(), num_warps=8 if kv_lora_rank >= 256 else 4,
     )
     if splits == 1:
         return partial[:, :, 0] * latent_scale

@@ -14,13 +14,22 @@ import dataclasses
 import pytest
 import torch
 
-from engine.fast.indexer import index_scores, index_topk, naive_index_scores, naive_select
+from engine.fast.indexer import (
+    index_scores,
+    index_topk,
+    naive_index_scores,
+    naive_select,
+)
 from engine.fast.kda import kda_conv_step, kda_recurrent_step_rows
 from engine.fast.mla import naive_sparse_mla_decode, sparse_mla_decode
 from engine.fast.pages import write_token
 from engine.model.config import ModelConfig, get_preset
 from engine.model.kda import causal_conv_step, kda_recurrent_step
-from engine.model.numerics import fp8_quantize_rowwise, fp8_quantize_static, fp8_to_float
+from engine.model.numerics import (
+    fp8_quantize_rowwise,
+    fp8_quantize_static,
+    fp8_to_float,
+)
 from tests.engine.fast._pools import device_pages, filled_pool
 
 MINI = get_preset("kimi-k3.1-mini")

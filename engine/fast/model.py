@@ -1,0 +1,42 @@
+"""FastModel: what an engine runs with `kernels="fast"`: the reference model's prefill, the fast decode.
+
+It has KimiModel's prefill/decode interface (engine/runner.py calls it like the model). Decode takes the
+request caches the runner built (`engine.cache.RowSequenceCache`: one pool, single rank), builds the step's page
+batch from their block tables and runs `FastDecoder` on the pool's buffer, which must live on the model's device.
+Prefill (and everything else) is the wrapped reference model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.fast.decoder import FastDecoder
+from engine.fast.pages import build_page_batch
+from engine.model.model import KimiModel
+
+
+class FastModel:
+    def __init__(self, model: KimiModel, layout: Any, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.model = model
+        self.layout = layout
+        self.decoder = FastDecoder(model, layout, dtype)
+
+    def prefill(self, token_ids: torch.Tensor, cache: Any, start: int = 0, all_logits: bool = False) -> torch.Tensor:
+        return self.model.prefill(token_ids, cache, start, all_logits)
+
+    def decode(self, token_ids: torch.Tensor, positions: list[int], caches: list[Any]) -> torch.Tensor:
+        pool = caches[0].pool
+        if any(c.pool is not pool for c in caches) or not hasattr(caches[0], "table"):
+            raise ValueError("the fast decode runs one single-rank row pool (RowSequenceCache) per batch")
+        device = self.model.device
+        if pool.buffer.device != device:
+            raise ValueError(f"the fast decode needs the pool on the model's device ({device}), it is on "
+                             f"{pool.buffer.device}")
+        pages = build_page_batch(self.layout, [c.table.attn_row_ids for c in caches],
+                                 [c.table.kda_row_ids for c in caches], positions, device)
+        return self.decoder.decode(pool.buffer, token_ids.to(device), pages)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
