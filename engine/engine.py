@@ -32,19 +32,21 @@ from __future__ import annotations
 
 import math
 import time
+
+import torch
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cache import BlockTable, RowPool
 from engine.layout import RowLayout, plan_layout
-from engine.outputs import TokenEvent
+from engine.outputs import PromptLogprobs, TokenEvent
 from engine.model.config import ModelConfig, get_preset
 from engine.model.model import KimiModel
 from engine.model.tokenizer import ByteTokenizer
 from engine.model.weights import DEFAULT_SEED, build_model
 from engine.runner import ModelRunner
-from engine.sampling import SampledToken, SamplingParams, request_seed, sample
+from engine.sampling import SampledToken, SamplingParams, prompt_logprobs, request_seed, sample
 from engine.scheduler import Request, RequestState, Scheduler
 
 
@@ -97,6 +99,7 @@ class GenerationResult:
 class StepOutputs:
     tokens: list[TokenEvent] = field(default_factory=list)
     exported: list[PrefillResult] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 class Engine:
@@ -161,21 +164,43 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.prefill is not None:
             req = plan.prefill
-            tok = sample(self.runner.prefill(req), req.sampling, req.seed, 0)
-            if req.export:
-                req.output_token_ids.append(tok.token_id)
-                req.output_logprobs.append(tok.logprob)
-                self.scheduler.export(req)
-                out.exported.append(self._prefill_result(req))
+            logits = self._prefill(req, out)
+            if req.sampling.max_tokens == 0:  # scoring only: the prompt's log-probs are the answer
+                self.scheduler.finish(req, "length")
+                out.tokens.append(TokenEvent(request_id=req.request_id, token_id=None, finish_reason="length",
+                                             num_prompt_tokens=len(req.prompt_token_ids)))
             else:
-                self.scheduler.start_running(req)
-                out.tokens.append(self._append(req, tok))
+                self._first_token(req, sample(logits, req.sampling, req.seed, 0), out)
         if plan.decode:
             logits = self.runner.decode(plan.decode)
             for i, req in enumerate(plan.decode):
                 out.tokens.append(self._append(req, sample(logits[i], req.sampling, req.seed,
                                                            len(req.output_token_ids))))
         return out
+
+    def _first_token(self, req: Request, tok: SampledToken, out: StepOutputs) -> None:
+        if req.export:
+            req.output_token_ids.append(tok.token_id)
+            req.output_logprobs.append(tok.logprob)
+            self.scheduler.export(req)
+            out.exported.append(self._prefill_result(req))
+        else:
+            self.scheduler.start_running(req)
+            out.tokens.append(self._append(req, tok))
+
+    def _prefill(self, req: Request, out: StepOutputs) -> torch.Tensor:
+        """Prefill `req` -> its last position's logits [V]; with `prompt_logprobs`, every position's logits are
+        computed and the prompt's log-probs go to `out`."""
+        count = req.sampling.prompt_logprobs
+        if count is None:
+            return self.runner.prefill(req)
+        logits = self.runner.prefill(req, all_logits=True)
+        entries = [TokenEvent(request_id=req.request_id, token_id=req.prompt_token_ids[0], index=0)]
+        for i, (lp, top) in enumerate(prompt_logprobs(logits, req.prompt_token_ids, count), start=1):
+            entries.append(TokenEvent(request_id=req.request_id, token_id=req.prompt_token_ids[i], index=i,
+                                      logprob=lp, top_logprobs=top))
+        out.prompt_logprobs.append(PromptLogprobs(req.request_id, tuple(entries)))
+        return logits[-1]
 
     def _append(self, req: Request, tok: SampledToken) -> TokenEvent:
         req.output_token_ids.append(tok.token_id)

@@ -2,7 +2,8 @@
 the rank protocol (node/protocol.py) to the HTTP layer (node/textgen.py, node/responses.py).
 
 A per-token field (a log-prob, top-k log-probs, a timing) is added here, filled where the engine samples,
-and rendered where responses are built; nothing converts it on the way.
+and rendered where responses are built; nothing converts it on the way. Prompt log-probs are the same events,
+one per prompt position, in a `PromptLogprobs`.
 """
 
 from __future__ import annotations
@@ -33,3 +34,14 @@ class TokenEvent:
     @property
     def is_final(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt tokens' log-probs of one request (asked with `prompt_logprobs`), sent once after its prefill:
+    one `TokenEvent` per prompt position (`index` = position, `token_id` = the prompt token, `logprob` under the
+    prefix before it; position 0 has none: NaN and no alternatives)."""
+
+    request_id: str
+    tokens: tuple[TokenEvent, ...]
+    is_final: bool = False

@@ -30,10 +30,12 @@ class ModelRunner:
         return self.make_cache(self.pool, req.table)
 
     @torch.no_grad()
-    def prefill(self, req: Request) -> torch.Tensor:
-        """Run the whole prompt of `req` into its rows -> logits [V] of the last prompt token."""
+    def prefill(self, req: Request, all_logits: bool = False) -> torch.Tensor:
+        """Run the whole prompt of `req` into its rows -> logits [V] of the last prompt token, or with
+        `all_logits` [T, V] of every prompt position."""
         tokens = torch.tensor(req.prompt_token_ids, dtype=torch.int64)
-        return self.model.prefill(tokens, self._cache(req))[0]
+        logits = self.model.prefill(tokens, self._cache(req), all_logits=all_logits)
+        return logits if all_logits else logits[0]
 
     @torch.no_grad()
     def decode(self, reqs: list[Request] | tuple[Request, ...]) -> torch.Tensor:

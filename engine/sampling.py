@@ -30,8 +30,8 @@ class SamplingParams:
     """Log-probs of the prompt tokens (each under the prefix before it) with this many alternatives (None: none)."""
 
     def validate(self) -> "SamplingParams":
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise ValueError(f"max_tokens must be positive (0 only to score a prompt), got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -83,3 +83,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -
         gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
         token = int(torch.multinomial(probs, 1, generator=gen))
     return SampledToken(token, float(logprobs[token]), top_logprobs(logprobs, params.logprobs or 0))
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt: list[int], count: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """logits [T, V] of a prompt's T positions -> for each prompt token after the first, its log-prob under the
+    logits of the position before it, with the `count` most likely alternatives (same rule as `sample`)."""
+    logprobs = torch.log_softmax(logits[: len(prompt) - 1], dim=-1)
+    return [(float(logprobs[i, prompt[i + 1]]), top_logprobs(logprobs[i], count)) for i in range(len(prompt) - 1)]

@@ -68,7 +68,8 @@ class ModelConfig:
     kda_gate_lower_bound: float = -5.0
     """K3 gate lower bound: g = lb * sigmoid(...), in (lb, 0)."""
     kda_chunk_size: int = 64
-    """Chunk length of the chunked (prefill) form, anchored at each request's position 0."""
+    """Chunk length of the chunked form (`kda.kda_chunked`, anchored at position 0). The reference engine's prefill
+    runs KDA token by token (`kda.kda_sequential`) so that prefill and decode agree bit for bit."""
     kda_state_groups: int = 2
     """KDA layers are grouped for the packed cache: one row per group per request."""
 

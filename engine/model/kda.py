@@ -1,4 +1,8 @@
-"""Kimi Delta Attention (KDA): projections, short conv, and the chunked (prefill) / recurrent (decode) cores.
+"""Kimi Delta Attention (KDA): projections, short conv, and the recurrent and chunked cores.
+
+The engine runs the recurrent step for decode and, token by token, for prefill (`kda_sequential`: prefill and
+decode agree bit for bit); the chunked form computes the same values in a parallel order (the shape GPU kernels
+use) and is tested against the naive reference.
 
 Per layer, H heads of d = d_k = d_v, gates per channel:
     q, k, v  = SiLU(causal depthwise conv over time (width W) of W_qkv x)     conv state: last W-1 inputs
@@ -122,6 +126,22 @@ def kda_recurrent_step(
     u = beta.unsqueeze(-1) * (v - ks)
     s = s + k.unsqueeze(-1) * u.unsqueeze(-2)
     return (q.unsqueeze(-1) * s).sum(-2), s
+
+
+def kda_sequential(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA over one request's T prompt tokens as T decode steps (`kda_recurrent_step`, a batch of one). Shapes as
+    kda_chunked. What the engine's prefill runs: every output and the final state are bit-identical to decoding
+    the same tokens one at a time, so a prompt's log-probs under teacher forcing equal, bit for bit, the log-probs
+    served while decoding those tokens (the chunked form computes the same values in another order; it differs
+    in the last bits). Costs ~1.6x the chunked form's time on one CPU core at 4K tokens."""
+    s = state.unsqueeze(0)
+    outputs = []
+    for t in range(q.shape[0]):
+        o, s = kda_recurrent_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], s)
+        outputs.append(o)
+    return torch.cat(outputs, 0), s[0]
 
 
 def _exp_decay(x: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,15 @@
 """The K3.1-style hybrid decoder: KDA and MLA+DSA layers, dense-then-MoE feed-forward, tied to no cache layout.
 
-`KimiModel.prefill(tokens, cache, start)` runs T new tokens of one request (chunked KDA, query-blocked sparse MLA)
-and `KimiModel.decode(tokens, positions, caches)` runs one token for each of B requests (recurrent KDA, one sparse
-MLA call per request). Both read and write through the `SequenceCache` protocol (engine.model.state).
+`KimiModel.prefill(tokens, cache, start)` runs T new tokens of one request (KDA token by token, query-blocked
+sparse MLA) and `KimiModel.decode(tokens, positions, caches)` runs one token for each of B requests (the same KDA
+step, one sparse MLA call per request). Both read and write through the `SequenceCache` protocol (engine.model.state).
 
 Batch invariance (decode): every token-wise op runs on rows padded to a multiple of 16 (numerics.py), the attention
 core (`decode_attention`) computes exact index dots, selects per row, and attends with per-request [H, C] x [C, k]
 products, and the KDA step is element-wise plus reductions over a fixed dim. So a request's logits are bit-identical whether it decodes alone or in any batch.
-Prefill runs one request at a time and needs no such care beyond determinism.
+Prefill = decode, bit for bit: the logits prefill computes for position i equal what decode computes at i after
+the same tokens (teacher forcing reproduces served log-probs exactly): the KDA prefill is the decode step applied
+token by token, and the sparse MLA scores and attends each query with the ops decode uses.
 
 Pieces the parallel wrappers reuse: `Layer.mixer` (MLA: `project` / `sparse_attention` / `output`; KDA:
 `project` / core functions / `output`), `Layer.ffn` (MoE or DenseMLP), and `embed` / `final_norm` / `lm_head`.
@@ -26,7 +28,7 @@ from engine.model.kda import (
     KDA,
     causal_conv,
     causal_conv_step,
-    kda_chunked,
+    kda_sequential,
     kda_recurrent_step,
 )
 from engine.model.mla import MLA, AttentionContext, decode_attention, sparse_attention
@@ -161,9 +163,7 @@ class KimiModel(nn.Module):
         state = cache.read_kda(kda_index)
         conv_out, conv_state = causal_conv(proj.qkv[:num_tokens], state.conv, kda.conv_weight)
         q, k, v = kda.split_qkv(conv_out)
-        o, recurrent = kda_chunked(
-            q, k, v, proj.g[:num_tokens], proj.beta[:num_tokens], state.recurrent, self.cfg.kda_chunk_size
-        )
+        o, recurrent = kda_sequential(q, k, v, proj.g[:num_tokens], proj.beta[:num_tokens], state.recurrent)
         cache.write_kda(kda_index, KDAState(recurrent, conv_state))
         return kda.output(pad_to(o, h.shape[0]), proj.gate_out)
 

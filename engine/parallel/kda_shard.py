@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine.model.config import ModelConfig
-from engine.model.kda import KDA, causal_conv, kda_chunked, l2_normalize
+from engine.model.kda import KDA, causal_conv, kda_sequential, l2_normalize
 from engine.model.state import KDAState, LocalSequenceCache
 
 
@@ -54,8 +54,8 @@ def rank_cache(cfg: ModelConfig, capacity: int, world_size: int, rank: int) -> L
 
 
 def kda_core_heads(kda: KDA, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: KDAState,
-                   channels: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, KDAState]:
-    """Conv + chunked KDA for one request's T tokens on a head slice.
+                   channels: torch.Tensor) -> tuple[torch.Tensor, KDAState]:
+    """Conv + KDA (token by token, as `KimiModel.prefill`) for one request's T tokens on a head slice.
 
     qkv [T, 3*h*d] (the slice's channels), g [T, h, d], beta [T, h], state: the slice's state.
     """
@@ -63,5 +63,5 @@ def kda_core_heads(kda: KDA, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Ten
     conv_out, conv_state = causal_conv(qkv, state.conv, kda.conv_weight[channels])
     q, k, v = conv_out.view(-1, 3, num_heads, d).unbind(1)
     q = l2_normalize(q) * d**-0.5
-    o, recurrent = kda_chunked(q, l2_normalize(k), v, g, beta, state.recurrent, chunk_size)
+    o, recurrent = kda_sequential(q, l2_normalize(k), v, g, beta, state.recurrent)
     return o, KDAState(recurrent, conv_state)

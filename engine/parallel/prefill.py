@@ -9,7 +9,7 @@ the same ops on the same inputs as in the single-rank `KimiModel.prefill`.
 
 Per layer, both modes: token-local work (norms, projections, MoE) on the rank's rows; the new latent and
 index-key rows are all-gathered into every rank's cache; KDA: all-to-all #1 (own tokens, all heads) ->
-(all tokens, own heads), conv + chunked KDA per request on the rank's heads, all-to-all #2 back.
+(all tokens, own heads), conv + KDA per request on the rank's heads, all-to-all #2 back.
 - token mode: rows are the zigzag split (pieces r and 2W-1-r of each request); each rank runs the indexer
   and sparse MLA for its own queries only, all heads, against the replicated cache. The queries are born
   token-sharded (full-weight projections on the rank's rows), so the attention needs no query exchange.
@@ -243,7 +243,7 @@ def _kda_layer(step: _Step, kda, h: torch.Tensor, num_rows: int, kda_index: int)
     for b, rows in enumerate(per_request):
         qkv, g, beta = rows.split([3 * per * d, per * d, per], dim=1)
         state = step.caches[b].read_kda(kda_index)
-        o, state = kda_core_heads(kda, qkv, g.reshape(-1, per, d), beta, state, channels, cfg.kda_chunk_size)
+        o, state = kda_core_heads(kda, qkv, g.reshape(-1, per, d), beta, state, channels)
         step.caches[b].write_kda(kda_index, state)
         outs.append(o)
     back = [torch.cat([o[pl.offsets[b]] for b, o in enumerate(outs)]) for pl in step.plans]
