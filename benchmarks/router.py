@@ -126,7 +126,7 @@ def contender_command(name: str, tree: Path, port: int, p_url: str, d_url: str, 
                 "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(port + 3), "--log-level", "warning"]
     args = ["--prefill", p_url, "--decode", d_url, "--engine", "vllm", "--port", str(port),
             "--log-level", "warning"]
-    if name == "pdcluster" and workers != 1:
+    if name == "pdcluster":
         args += ["--workers", str(workers)]
     return [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main(sys.argv[1:]))", *args]
 
@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="our router's worker processes")
     parser.add_argument("--baseline-rev", help="also run our router as of this git revision")
+    parser.add_argument("--only", nargs="+", choices=["vllm-router", "pdcluster", "baseline"],
+                        help="run only these contenders (ratios need vllm-router and pdcluster)")
     parser.add_argument("--port", type=int, default=18500)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -222,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         trees = {"vllm-router": ROOT, "pdcluster": ROOT}
         if args.baseline_rev:
             trees[f"pdcluster@{args.baseline_rev[:7]}"] = baseline_tree(args.baseline_rev, tmp)
+        if args.only:
+            trees = {k: v for k, v in trees.items() if k.split("@")[0] in args.only
+                     or ("baseline" in args.only and "@" in k)}
         fakes = start_fakes([args.port + 1, args.port + 2])
         rounds = []
         try:
@@ -246,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
                                 str(trees[f"pdcluster@{args.baseline_rev[:7]}"])], capture_output=True)
     print_table(rounds)
+    if not all("pdcluster" in rnd and "vllm-router" in rnd for rnd in rounds):
+        return 0
     per_round = [ratios(rnd) for rnd in rounds]
     for i, r in enumerate(per_round, 1):
         print(f"round {i}: ours/vllm-router " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"

@@ -74,6 +74,8 @@ def _set_draining(request: Request, name: str, value: bool) -> dict:
     inst.is_draining = value
     if value and inst.spec.role == "decode":
         state.sessions.drop_instance(name)
+    if state.shared is not None:
+        state.shared.set_draining(name, value)  # the other workers follow within shared_sync_interval_s
     return {"name": name, "draining": value, "inflight": inst.num_inflight}
 
 

@@ -1,9 +1,12 @@
-"""The router's FastAPI app: `create_app(settings) -> FastAPI`.
+"""The router's FastAPI app: `create_app(settings) -> FastAPI` (a `RouterApp`).
 
 Public: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /health
-(readiness: 503 without a usable decode instance), GET /livez (liveness), GET /metrics. Admin (bearer token): see router/admin.py. The lifespan builds the RouterState (registry
-from the YAML config or the quick-start URLs), runs one health round, then keeps health checking and,
-when configured, Kubernetes discovery running in the background.
+(readiness: 503 without a usable decode instance), GET /livez (liveness), GET /metrics. Admin (bearer
+token): see router/admin.py. The two completion routes are the hot path: `RouterApp` hands them to
+router/fastpath.py before FastAPI's middleware and routing; every other route is plain FastAPI.
+The lifespan builds the RouterState (registry from the YAML config or the quick-start URLs, the
+upstream pool for the legs, an httpx client for health checks and aborts), runs one health round, then
+keeps health checking, worker-shared state syncing and, when configured, Kubernetes discovery running.
 """
 
 from __future__ import annotations
@@ -16,15 +19,28 @@ import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from router import admin
+from router import admin, fastpath
 from router.config import RouterConfig, load_config, quick_start_config
 from router.discovery import KubeDiscovery, make_core_api
 from router.health import HealthChecker
 from router.metrics import CONTENT_TYPE
-from router.service import serve
 from router.settings import Settings
 from router.state import RouterState
+from router.upstream import HttpxUpstream, UpstreamPool
+from router.workers import WorkerShared
 from serving.errors import APIError, install_error_handlers
+
+
+class RouterApp(FastAPI):
+    """FastAPI, with POST /v1/completions and /v1/chat/completions served by router/fastpath.py."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = fastpath.ENDPOINTS.get(scope["path"])
+            if endpoint is not None:
+                await fastpath.handle(self.state.router, endpoint, scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def resolve_config(settings: Settings) -> tuple[Settings, RouterConfig]:
@@ -51,7 +67,9 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
         timeout = httpx.Timeout(None, connect=settings.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         async with httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits) as client:
-            state = RouterState(settings=settings, config=config, client=client)
+            upstream = UpstreamPool(settings.connect_timeout_s) if transport is None else HttpxUpstream(client)
+            shared = WorkerShared(settings.state_dir, settings.worker_id) if settings.state_dir else None
+            state = RouterState(settings=settings, config=config, client=client, upstream=upstream, shared=shared)
             app.state.router = state
             checker = HealthChecker(state.registry, client, interval_s=settings.health_interval_s,
                                     timeout_s=settings.health_timeout_s,
@@ -61,6 +79,8 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
             app.state.health_checker = checker
             await checker.check_all()
             tasks = [asyncio.create_task(checker.run())]
+            if state.shared is not None:
+                tasks.append(asyncio.create_task(state.shared.run(state)))
             kube = config.kubernetes
             if kube is not None or settings.kube_namespace:
                 namespace = kube.namespace if kube else settings.kube_namespace
@@ -71,23 +91,17 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
             try:
                 yield
             finally:
+                if isinstance(upstream, UpstreamPool):
+                    upstream.close()
                 for task in tasks + list(state.background):
                     task.cancel()
                 for task in tasks:
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
 
-    app = FastAPI(title="pdcluster router", lifespan=lifespan)
+    app = RouterApp(title="pdcluster router", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(admin.router)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serve(request.app.state.router, request, "completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serve(request.app.state.router, request, "chat")
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -111,6 +125,9 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
     async def metrics(request: Request) -> Response:
         state: RouterState = request.app.state.router
         state.refresh_gauges()
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        text = state.metrics.render()
+        if state.shared is not None:
+            text = state.shared.merged_metrics(text)
+        return Response(text, media_type=CONTENT_TYPE)
 
     return app

@@ -2,7 +2,8 @@
 
 closed -> (failure_threshold consecutive failures) -> open -> (recovery_s later) -> half-open: one trial
 request is let through; its success closes the breaker, its failure opens it again. Time is passed in
-(`now`) so the state machine is tested without sleeping.
+(`now`) so the state machine is tested without sleeping. `Breakers.tripped` holds the keys of every
+breaker that is not closed, so the hot path skips breaker checks entirely while all are closed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ class CircuitBreaker:
     num_failures: int = 0
     opened_at: float | None = None
     is_trial_inflight: bool = False
+    key: object = None
+    tripped: set | None = None
+    """The owner's set of keys of breakers that are not closed (kept current here)."""
 
     def state(self, now: float) -> str:
         if self.opened_at is None:
@@ -36,12 +40,16 @@ class CircuitBreaker:
         self.num_failures = 0
         self.opened_at = None
         self.is_trial_inflight = False
+        if self.tripped is not None:
+            self.tripped.discard(self.key)
 
     def on_failure(self, now: float) -> None:
         self.num_failures += 1
         self.is_trial_inflight = False
         if self.opened_at is not None or self.num_failures >= self.failure_threshold:
             self.opened_at = now
+            if self.tripped is not None:
+                self.tripped.add(self.key)
 
 
 @dataclass
@@ -52,14 +60,20 @@ class Breakers:
     recovery_s: float
     instances: dict[str, CircuitBreaker] = field(default_factory=dict)
     links: dict[tuple[str, str], CircuitBreaker] = field(default_factory=dict)
+    tripped: set = field(default_factory=set)
+    """Keys (an instance name, or a (prefill, decode) link) of breakers that are open or half-open."""
 
     def instance(self, name: str) -> CircuitBreaker:
-        if name not in self.instances:
-            self.instances[name] = CircuitBreaker(self.failure_threshold, self.recovery_s)
-        return self.instances[name]
+        breaker = self.instances.get(name)
+        if breaker is None:
+            breaker = self.instances[name] = CircuitBreaker(self.failure_threshold, self.recovery_s, key=name,
+                                                            tripped=self.tripped)
+        return breaker
 
     def link(self, prefill: str, decode: str) -> CircuitBreaker:
         key = (prefill, decode)
-        if key not in self.links:
-            self.links[key] = CircuitBreaker(self.failure_threshold, self.recovery_s)
-        return self.links[key]
+        breaker = self.links.get(key)
+        if breaker is None:
+            breaker = self.links[key] = CircuitBreaker(self.failure_threshold, self.recovery_s, key=key,
+                                                       tripped=self.tripped)
+        return breaker

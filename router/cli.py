@@ -2,6 +2,7 @@
 
     pdcluster router --config router.yaml [--port 8000] [--host 0.0.0.0]
     pdcluster router --prefill http://p0:8000 [URL...] --decode http://d0:8000 [URL...] [--engine vllm]
+    pdcluster router ... --workers N    (default: the cores this process may use; see router/workers.py)
 
 Every other knob comes from ROUTER_* environment variables or the config file's `router:` section
 (see router/settings.py).
@@ -10,6 +11,7 @@ Every other knob comes from ROUTER_* environment variables or the config file's 
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,8 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (default 8000)")
     parser.add_argument("--admin-token", help="bearer token for the admin endpoints")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="worker processes (default: ROUTER_WORKERS, else the cores available)")
     parser.add_argument("--log-level", default="info")
     return parser
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def main(argv: list[str]) -> int:
@@ -30,16 +38,19 @@ def main(argv: list[str]) -> int:
     if not args.config and not args.decode:
         print("pdcluster router: give --config FILE or at least one --decode URL")
         return 2
-    import uvicorn  # noqa: PLC0415
-
-    from router.app import create_app  # noqa: PLC0415
     from router.settings import Settings  # noqa: PLC0415
+    from router.workers import serve  # noqa: PLC0415
 
     overrides = {key: value for key, value in {
         "config_file": args.config, "prefill_urls": args.prefill or None, "decode_urls": args.decode or None,
         "engine": args.engine, "host": args.host, "port": args.port, "admin_token": args.admin_token,
+        "workers": args.workers,
     }.items() if value is not None}
     settings = Settings(**overrides)
-    app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    if "workers" not in settings.model_fields_set:
+        settings = settings.model_copy(update={"workers": available_cores()})
+    if settings.workers < 1:
+        print(f"pdcluster router: --workers must be at least 1, got {settings.workers}")
+        return 2
+    serve(settings, args.log_level)
     return 0

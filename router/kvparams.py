@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,16 +29,18 @@ class KVHandoff:
         return self.params.get("remote_engine_id")
 
 
+PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(body)
+    """A new top-level dict (nested values shared with `body`, never mutated): serialised at once."""
+    out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
     out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
     out["stream"] = False
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
-    for key in ("stream_options", "min_tokens", "min_completion_tokens"):
-        out.pop(key, None)
     return out
 
 

@@ -1,6 +1,8 @@
 """The router's Prometheus series (`pdcluster_*`, names per docs/METRICS.md), in a registry per app.
 
-Client-seen latency histograms carry (pool, model); TTFT buckets include 2.0 s. `refresh_gauges`
+Client-seen latency histograms carry (pool, model); TTFT buckets include 2.0 s. The router's own share
+of an ok request (`pdcluster_router_overhead_seconds`: e2e minus the time inside its P and D legs) has
+sub-millisecond buckets. `refresh_gauges`
 recomputes instance, pair and session gauges from the registry at scrape time.
 """
 
@@ -15,6 +17,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 0.5, 1.0)
 LEG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled")
@@ -35,6 +39,9 @@ class RouterMetrics:
                              buckets=E2E_BUCKETS, registry=reg)
         self.leg = Histogram("pdcluster_leg_duration_seconds", "Per-leg duration.", ["leg", "pool"],
                              buckets=LEG_BUCKETS, registry=reg)
+        self.overhead = Histogram("pdcluster_router_overhead_seconds",
+                                  "Router time of a request outside its upstream legs (e2e minus P and D legs).",
+                                  ["pool"], buckets=OVERHEAD_BUCKETS, registry=reg)
         self.requests = Counter("pdcluster_requests", "Requests by outcome.", ["outcome", "pool"], registry=reg)
         self.leg_timeouts = Counter("pdcluster_leg_timeouts", "Per-leg timeouts.", ["leg"], registry=reg)
         self.retries = Counter("pdcluster_retries", "Retried legs.", ["leg"], registry=reg)

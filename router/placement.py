@@ -9,7 +9,10 @@ output is a `Placement`. Rules:
 - sticky: a session stays on its decode instance (prefix reuse) while that instance is usable and its
   pool still fits; it migrates explicitly (`is_migration`) when it outgrows the pool.
 - least-loaded decode within the pool (router in-flight + node running/waiting + KV usage), preferring
-  instances that have a usable compatible prefill.
+  instances that have a usable compatible prefill. With `hash_sessions` (a router of several worker
+  processes, each with its own session table) a session that needs an instance (new to this worker, or
+  its instance unusable) goes to the one its id hashes to (rendezvous hashing over the pool's usable
+  decodes, same preference), so every worker picks the same instance for it.
 - prefill ranking: compatible and usable only, least-loaded, warm (already handshaken) pairs preferred.
 - conditional disaggregation: skip the P leg when the uncached part of the prompt (prompt minus what the
   sticky decode instance already holds) is below `min_uncached_tokens`, or when no prefill is compatible.
@@ -17,6 +20,7 @@ output is a `Placement`. Rules:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -135,12 +139,27 @@ def rank_prefills(prefills: list[InstanceView], decode: str, compatible: frozens
 def choose_decode(candidates: list[InstanceView], prefills: list[InstanceView],
                   compatible: frozenset[tuple[str, str]]) -> InstanceView:
     """Least-loaded usable decode, preferring those with a usable compatible prefill."""
-    usable_prefills = {p.name for p in prefills if p.is_usable}
+    paired = _decodes_with_prefill(prefills, compatible)
+    return min(candidates, key=lambda d: (d.name not in paired, load_score(d), d.name))
 
-    def has_prefill(d: InstanceView) -> bool:
-        return any((p, d.name) in compatible for p in usable_prefills)
 
-    return min(candidates, key=lambda d: (not has_prefill(d), load_score(d), d.name))
+def _decodes_with_prefill(prefills: list[InstanceView], compatible: frozenset[tuple[str, str]]) -> set[str]:
+    """Decodes that a usable prefill may hand KV to."""
+    usable = {p.name for p in prefills if p.is_usable}
+    return {d for p, d in compatible if p in usable}
+
+
+def rendezvous_score(session_id: str, instance: str) -> bytes:
+    """Highest score wins; every process computes the same (no per-process hash seed)."""
+    return hashlib.blake2b(f"{session_id}\0{instance}".encode(), digest_size=8).digest()
+
+
+def choose_decode_by_hash(session_id: str, candidates: list[InstanceView], prefills: list[InstanceView],
+                          compatible: frozenset[tuple[str, str]]) -> InstanceView:
+    """The session's rendezvous-hash choice, among those with a usable compatible prefill when any has one."""
+    with_prefill = _decodes_with_prefill(prefills, compatible)
+    paired = [d for d in candidates if d.name in with_prefill]
+    return max(paired or candidates, key=lambda d: rendezvous_score(session_id, d.name))
 
 
 def should_disaggregate(prompt_tokens: int, cached_tokens: int, min_uncached_tokens: int) -> bool:
@@ -149,12 +168,18 @@ def should_disaggregate(prompt_tokens: int, cached_tokens: int, min_uncached_tok
 
 def place(shape: RequestShape, session: SessionRecord | None, pools: list[PoolView],
           instances: list[InstanceView], compatible: frozenset[tuple[str, str]],
-          warm: frozenset[tuple[str, str]], min_uncached_tokens: int) -> Placement:
+          warm: frozenset[tuple[str, str]], min_uncached_tokens: int, hash_sessions: bool = False) -> Placement:
     decodes = [v for v in instances if v.role == "decode" and v.is_usable]
     prefills = [v for v in instances if v.role == "prefill"]
     live_pools = [p for p in pools if any(d.pool == p.name for d in decodes)]
     projected = projected_context(shape, session)
     by_name = {d.name: d for d in decodes}
+
+    def pick(candidates: list[InstanceView]) -> InstanceView:
+        if hash_sessions and shape.session_id:
+            return choose_decode_by_hash(shape.session_id, candidates, prefills, compatible)
+        return choose_decode(candidates, prefills, compatible)
+
     current_pool = next((p for p in live_pools if session and p.name == session.pool), None)
     is_migration = False
     if current_pool is not None and _fits(current_pool, projected):
@@ -162,11 +187,11 @@ def place(shape: RequestShape, session: SessionRecord | None, pools: list[PoolVi
         if session.decode in by_name and by_name[session.decode].pool == pool.name:
             decode, reason = by_name[session.decode], "sticky"
         else:
-            decode = choose_decode([d for d in decodes if d.pool == pool.name], prefills, compatible)
+            decode = pick([d for d in decodes if d.pool == pool.name])
             reason = f"session's instance {session.decode} unusable; least-loaded in pool {pool.name}"
     else:
         pool = choose_pool(live_pools, projected)
-        decode = choose_decode([d for d in decodes if d.pool == pool.name], prefills, compatible)
+        decode = pick([d for d in decodes if d.pool == pool.name])
         if session is not None and session.pool != pool.name:
             is_migration = True
             reason = f"session moved from pool {session.pool} to {pool.name} (projected {projected} tokens)"

@@ -5,7 +5,9 @@ next candidate after a failure or timeout (up to `prefill_max_attempts`); when e
 fallback policy either sends D the plain request (D prefills locally) or answers 502/504.
 D leg: `kvparams.decode_body` (P's handoff, never the client's kv_transfer_params). Non-streaming waits
 for the whole answer; streaming returns once the first chunk arrived (within `first_token_timeout_s`),
-and relay.py streams the rest. Breakers: P failures count against P; D failures against D and, when a
+and relay.py streams the rest. Both legs go through `state.upstream` (router/upstream.py); bodies are
+serialised with orjson. `ctx.upstream_s` sums the wall time of every leg attempt (send to last byte), so
+the router's own share of a request (`pdcluster_router_overhead_seconds`) is what is left. Breakers: P failures count against P; D failures against D and, when a
 handoff was used, against the P-D link (a broken transfer path). A cancelled leg (client gone) closes its
 connection and calls the engine's aborter on both legs so neither node keeps rows for it.
 """
@@ -13,17 +15,17 @@ connection and calls the engine's aborter on both legs so neither node keeps row
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import orjson
 
 from router.aborts import aborter_for
 from router.kvparams import KVHandoff, decode_body, handoff_from_answer, prefill_body
 from router.placement import Placement, RequestShape
 from router.registry import InstanceState
 from router.state import RouterState
+from router.upstream import UPSTREAM_ERRORS, UpstreamResponse
 from router.validation import ValidRequest
 from serving.errors import APIError
 
@@ -38,6 +40,9 @@ class RequestContext:
     started: float
     handoff: KVHandoff | None = None
     prefill_s: float | None = None
+    upstream_s: float = 0.0
+    """Wall time inside upstream legs: every P attempt and the D leg, send to last byte (the relay adds the
+    streamed part)."""
     first_decode_s: float | None = None
     kv_transfer_s: float | None = None
     is_prefill_timeout: bool = False
@@ -51,8 +56,8 @@ class RequestContext:
 def upstream_message(content: bytes, limit: int = 300) -> str:
     """': <message>' from a node's OpenAI-style error body (empty if there is none), for the router's own error."""
     try:
-        message = json.loads(content)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
+        message = orjson.loads(content)["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
         return ""
     return f": {str(message)[:limit]}"
 
@@ -121,15 +126,14 @@ class Orchestrator:
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.settings.prefill_timeout_s):
-                resp = await self.state.client.post(f"{url}{ctx.path}", json=prefill_body(ctx.valid.body),
-                                                    headers=self._headers(ctx))
+                resp, content = await self._post(url, ctx, orjson.dumps(prefill_body(ctx.valid.body)))
         except TimeoutError:
             self.state.metrics.leg_timeouts.labels("prefill").inc()
             ctx.is_prefill_timeout = True
             breaker.on_failure(time.monotonic())
             self.abort(state, ctx.request_id)
             return None
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             ctx.notes.append(f"{name}: {type(exc).__name__}")
             breaker.on_failure(time.monotonic())
             return None
@@ -138,18 +142,19 @@ class Orchestrator:
             raise
         finally:
             state.num_inflight -= 1
+            ctx.upstream_s += time.monotonic() - started
         if resp.status_code >= 500:
             ctx.notes.append(f"{name}: HTTP {resp.status_code}")
             breaker.on_failure(time.monotonic())
             return None
         if resp.status_code >= 400:
             breaker.on_success()
-            raise UpstreamReply(resp.status_code, resp.content, resp.headers.get("content-type"))
+            raise UpstreamReply(resp.status_code, content, resp.headers.get("content-type"))
         breaker.on_success()
         ctx.prefill_s = time.monotonic() - started
         try:
-            answer = resp.json()
-        except ValueError:
+            answer = orjson.loads(content)
+        except orjson.JSONDecodeError:
             answer = None
         handoff = handoff_from_answer(name, self.state.registry.view(state).host, answer)
         if handoff is None:
@@ -176,20 +181,29 @@ class Orchestrator:
             link.on_failure(now)
             self.state.warm_pairs.discard(pair)
 
-    async def decode_json(self, ctx: RequestContext) -> httpx.Response:
+    async def _post(self, url: str, ctx: RequestContext, body: bytes) -> tuple[UpstreamResponse, bytes]:
+        """One whole leg: send, read the answer to its end (the connection goes back to the pool)."""
+        resp = await self.state.upstream.send(url, ctx.path, body, self._headers(ctx))
+        try:
+            return resp, await resp.aread()
+        finally:
+            await resp.aclose()
+
+    async def decode_json(self, ctx: RequestContext) -> tuple[UpstreamResponse, bytes]:
+        """The D leg of a non-streaming request: (response, body)."""
         state = self._decode_state(ctx)
-        body = decode_body(ctx.valid.body, ctx.handoff)
+        body = orjson.dumps(decode_body(ctx.valid.body, ctx.handoff))
         state.num_inflight += 1
+        started = time.monotonic()
         try:
             async with asyncio.timeout(self.settings.decode_timeout_s):
-                resp = await self.state.client.post(f"{state.spec.url}{ctx.path}", json=body,
-                                                    headers=self._headers(ctx))
+                resp, content = await self._post(state.spec.url, ctx, body)
         except TimeoutError:
             self.state.metrics.leg_timeouts.labels("decode").inc()
             ctx.outcome = "timeout"
             self.abort_legs(ctx)
             raise APIError(504, f"decode timed out after {self.settings.decode_timeout_s} s") from None
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             self.record_decode_status(ctx, None)
             ctx.outcome = "upstream_error"
             raise APIError(502, f"decode instance {state.spec.name} failed: {type(exc).__name__}") from None
@@ -198,9 +212,10 @@ class Orchestrator:
             raise
         finally:
             state.num_inflight -= 1
+            ctx.upstream_s += time.monotonic() - started
         self.record_decode_status(ctx, resp.status_code)
         self._note_kv_time(ctx, resp)
-        return resp
+        return resp, content
 
     def _decode_state(self, ctx: RequestContext) -> InstanceState:
         state = self.state.registry.get(ctx.placement.decode)
@@ -208,7 +223,7 @@ class Orchestrator:
             raise APIError(503, f"decode instance {ctx.placement.decode} left the registry")
         return state
 
-    def _note_kv_time(self, ctx: RequestContext, resp: httpx.Response) -> None:
+    def _note_kv_time(self, ctx: RequestContext, resp: UpstreamResponse) -> None:
         """Decode nodes may report the KV fetch time (header X-KV-Transfer-Seconds)."""
         value = resp.headers.get("x-kv-transfer-seconds")
         try:
@@ -216,18 +231,16 @@ class Orchestrator:
         except ValueError:
             ctx.kv_transfer_s = None
 
-    async def open_stream(self, ctx: RequestContext) -> tuple[httpx.Response, object, bytes]:
+    async def open_stream(self, ctx: RequestContext) -> tuple[UpstreamResponse, object, bytes]:
         """Send the D leg and wait for its first chunk; returns (response, raw iterator, first chunk)."""
         state = self._decode_state(ctx)
-        body = decode_body(ctx.valid.body, ctx.handoff)
-        request = self.state.client.build_request("POST", f"{state.spec.url}{ctx.path}", json=body,
-                                                  headers=self._headers(ctx))
+        body = orjson.dumps(decode_body(ctx.valid.body, ctx.handoff))
         started = time.monotonic()
         state.num_inflight += 1
-        resp: httpx.Response | None = None
+        resp: UpstreamResponse | None = None
         try:
             async with asyncio.timeout(self.settings.first_token_timeout_s):
-                resp = await self.state.client.send(request, stream=True)
+                resp = await self.state.upstream.send(state.spec.url, ctx.path, body, self._headers(ctx))
                 if resp.status_code != 200:
                     content = await resp.aread()
                     await resp.aclose()
@@ -245,7 +258,7 @@ class Orchestrator:
             self.state.metrics.leg_timeouts.labels("first_decode").inc()
             ctx.outcome = "timeout"
             raise APIError(504, f"no first token within {self.settings.first_token_timeout_s} s") from None
-        except (httpx.HTTPError, StopAsyncIteration) as exc:
+        except (*UPSTREAM_ERRORS, StopAsyncIteration) as exc:
             await self._close_failed(resp, state, ctx)
             self.record_decode_status(ctx, None)
             ctx.outcome = "upstream_error"
@@ -254,11 +267,12 @@ class Orchestrator:
             await self._close_failed(resp, state, ctx)
             raise
         ctx.first_decode_s = time.monotonic() - started
+        ctx.upstream_s += ctx.first_decode_s
         self._note_kv_time(ctx, resp)
         return resp, chunks, first
 
-    async def _close_failed(self, resp: httpx.Response | None, state: InstanceState, ctx: RequestContext) -> None:
-        if resp is not None and not resp.is_closed:
+    async def _close_failed(self, resp: UpstreamResponse | None, state: InstanceState, ctx: RequestContext) -> None:
+        if resp is not None:
             await resp.aclose()
         if resp is None or resp.status_code == 200:
             state.num_inflight -= 1

@@ -2,7 +2,10 @@
 
 Sources (static YAML, the CLI quick start, Kubernetes discovery) call `upsert` / `remove`; the health
 checker updates facts and health; request handling bumps in-flight counters. Policies never read this
-mutable state directly: `snapshot()` hands them frozen `InstanceView`s.
+mutable state directly: `snapshot()` hands them frozen `InstanceView`s. What only changes with specs,
+facts or health (geometry, the compat matrix, compatible pairs, served model ids) is recomputed in
+`recompute_matrix()` (every source and the health checker call it on a change), never per request;
+`version` counts those recomputations so callers can cache what they derive from them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class InstanceState:
     is_draining: bool = False
     num_inflight: int = 0
     last_error: str | None = None
+    geometry: Geometry | None = None
+    """geometry_of(self) as of the last recompute_matrix()."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,10 @@ class Registry:
     def __init__(self) -> None:
         self._instances: dict[str, InstanceState] = {}
         self._matrix: dict[tuple[str, str], PairVerdict] = {}
+        self.compatible_pairs: frozenset[tuple[str, str]] = frozenset()
+        self._served_ids: set[str] = set()
+        self._states: list[InstanceState] = []
+        self.version = 0
 
     def upsert(self, spec: InstanceSpec) -> None:
         current = self._instances.get(spec.name)
@@ -91,13 +100,22 @@ class Registry:
         return sorted(self._instances)
 
     def states(self) -> list[InstanceState]:
-        return [self._instances[n] for n in sorted(self._instances)]
+        return list(self._states)
 
     def recompute_matrix(self) -> None:
-        geos = {s.spec.name: geometry_of(s) for s in self._instances.values()}
-        prefills = [geos[s.spec.name] for s in self.states() if s.spec.role == "prefill"]
-        decodes = [geos[s.spec.name] for s in self.states() if s.spec.role == "decode"]
+        self._states = [self._instances[n] for n in sorted(self._instances)]
+        for state in self._states:
+            state.geometry = geometry_of(state)
+        prefills = [s.geometry for s in self._states if s.spec.role == "prefill"]
+        decodes = [s.geometry for s in self._states if s.spec.role == "decode"]
         self._matrix = compat_matrix(prefills, decodes)
+        self.compatible_pairs = frozenset(key for key, verdict in self._matrix.items() if verdict.is_compatible)
+        self._served_ids = {str(card["id"]) for card in self.served_models()}
+        self.version += 1
+
+    def served_model_ids(self) -> set[str]:
+        """Ids of the models healthy decode instances serve (as of the last recompute)."""
+        return self._served_ids
 
     @property
     def matrix(self) -> dict[tuple[str, str], PairVerdict]:
@@ -105,12 +123,13 @@ class Registry:
 
     def view(self, state: InstanceState) -> InstanceView:
         return InstanceView(name=state.spec.name, role=state.spec.role, url=state.spec.url,
-                            pool=state.spec.pool, geometry=geometry_of(state), is_healthy=state.is_healthy,
+                            pool=state.spec.pool, geometry=state.geometry or geometry_of(state),
+                            is_healthy=state.is_healthy,
                             is_draining=state.is_draining, num_inflight=state.num_inflight, load=state.load,
                             max_model_len=state.models.max_model_len)
 
     def snapshot(self) -> list[InstanceView]:
-        return [self.view(s) for s in self.states()]
+        return [self.view(s) for s in self._states]
 
     def served_models(self) -> list[dict]:
         """Model cards of healthy decode instances, de-duplicated by id."""

@@ -1,21 +1,21 @@
-"""One client request end to end: validate, place, run the legs, answer, account.
+"""One client request end to end: validate, place, run the legs, build the reply, account.
 
-`serve()` is what the completion handlers call. It races the work against a client disconnect (for the
-phase before the response starts; the streaming relay handles the rest), fills the metrics, and keeps
-the session table current.
+`serve()` is what the ASGI fast path (router/fastpath.py) calls with the request's headers and body; it
+returns a `Reply` (status, headers, a body or a relay stream) and never touches the HTTP server. A client
+that leaves cancels the task running `serve()` (before the reply) or the relay (after): the legs' cleanup
+aborts both legs and the request is counted `cancelled`. `finish()` fills the metrics, including the
+router's own time outside the upstream legs, and keeps the session table current.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 
-from fastapi import Request, Response
-from fastapi.responses import StreamingResponse
-from starlette.background import BackgroundTask
+import orjson
 
 from router.placement import NoPlacement, RequestShape, SessionRecord, estimate_prompt_tokens, place, \
     session_id_of
@@ -23,88 +23,71 @@ from router.proxy import Orchestrator, RequestContext, UpstreamReply, upstream_m
 from router.relay import StreamAccounting, relay
 from router.state import RouterState
 from router.validation import Endpoint, parse_body, validate
-from serving.errors import APIError, error_response
+from serving.errors import APIError, error_body
 
 log = logging.getLogger("router")
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+JSON = "application/json"
 
 
-class ClientGone(Exception):
-    """The client disconnected before the response started."""
+@dataclass
+class Reply:
+    """What the HTTP edge sends: a whole body, or `stream` (an async iterator of bytes) when set."""
+
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    content_type: str = JSON
+    stream: AsyncIterator[bytes] | None = None
+    on_abandon: object = None
+    """For streams: called when the client left before the stream was iterated (runs the bookkeeping)."""
 
 
-async def until_disconnect(request: Request, work):
-    """Await `work`; if the client disconnects first, cancel it (its cleanup aborts the legs)."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    raise ClientGone
+def error_reply(status: int, message: str, param: str | None = None, type_: str | None = None) -> Reply:
+    return Reply(status, body=orjson.dumps(error_body(status, message, param, type_)))
 
 
-async def read_limited(request: Request, max_bytes: int) -> bytes:
-    """The request body, refused (413) as soon as it grows past `max_bytes`."""
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > max_bytes:
-            raise APIError(413, f"request body is more than the limit of {max_bytes} bytes")
-        parts.append(part)
-    return b"".join(parts)
-
-
-def _shape(state: RouterState, request: Request, body: dict) -> RequestShape:
+def _shape(state: RouterState, headers: Mapping[str, str], body: dict) -> RequestShape:
     s = state.settings
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or s.default_max_tokens
-    hint = request.headers.get("x-expected-context-tokens")
+    hint = headers.get("x-expected-context-tokens")
     growth = int(hint) if hint and hint.isdigit() else s.session_growth_tokens
-    return RequestShape(session_id=session_id_of(request.headers, body),
+    return RequestShape(session_id=session_id_of(headers, body),
                         prompt_tokens=estimate_prompt_tokens(body, s.chars_per_token),
                         max_tokens=int(max_tokens), expected_growth_tokens=growth)
 
 
-def _context(state: RouterState, request: Request, endpoint: Endpoint, raw: bytes) -> RequestContext:
+def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint, raw: bytes,
+             started: float) -> RequestContext:
     s = state.settings
     body = parse_body(raw, s.max_body_bytes)
-    known = {str(card["id"]) for card in state.registry.served_models()}
-    valid = validate(body, endpoint, known, s.max_tokens_limit)
-    shape = _shape(state, request, valid.body)
+    valid = validate(body, endpoint, state.registry.served_model_ids(), s.max_tokens_limit)
+    shape = _shape(state, headers, valid.body)
     now = time.monotonic()
     session = state.sessions.get(shape.session_id, now) if shape.session_id else None
     instances = state.registry.snapshot()
     try:
         placement = place(shape, session, state.pool_views(instances), instances, state.usable_pairs(now),
-                          frozenset(state.warm_pairs), s.disagg_min_uncached_tokens)
+                          frozenset(state.warm_pairs), s.disagg_min_uncached_tokens,
+                          hash_sessions=state.is_multi_worker)
     except NoPlacement as exc:
         raise APIError(503, f"no decode instance available: {exc}") from None
     if shape.session_id:
         known_tokens = max(shape.prompt_tokens, session.context_tokens if session else 0)
         state.sessions.put(SessionRecord(shape.session_id, placement.pool, placement.decode, known_tokens, now))
     # Always the router's own id: a client-chosen one could collide with (and abort) another request.
-    request_id = f"pdc-{uuid.uuid4().hex}"
+    request_id = state.next_request_id()
     return RequestContext(request_id=request_id, path=PATHS[endpoint], valid=valid, shape=shape,
-                          placement=placement, started=now)
+                          placement=placement, started=started)
 
 
 def _route_headers(ctx: RequestContext) -> dict[str, str]:
-    headers = {"X-Request-Id": ctx.request_id, "X-PDCluster-Pool": ctx.placement.pool,
-               "X-PDCluster-Decode": ctx.placement.decode,
-               "X-PDCluster-Prefill": ctx.handoff.prefill if ctx.handoff else "none"}
+    headers = {"x-request-id": ctx.request_id, "x-pdcluster-pool": ctx.placement.pool,
+               "x-pdcluster-decode": ctx.placement.decode,
+               "x-pdcluster-prefill": ctx.handoff.prefill if ctx.handoff else "none"}
     if ctx.placement.is_migration:
-        headers["X-PDCluster-Migrated"] = "true"
+        headers["x-pdcluster-migrated"] = "true"
     return headers
 
 
@@ -127,10 +110,12 @@ def finish(state: RouterState, ctx: RequestContext, acct: StreamAccounting | Non
         return
     e2e = now - ctx.started
     m.e2e.labels(pool, model).observe(e2e)
+    m.overhead.labels(pool).observe(max(0.0, e2e - ctx.upstream_s))
     if acct is not None and acct.ttft_s is not None:
         m.ttft.labels(pool, model).observe(acct.ttft_s)
+        itl = m.itl.labels(pool, model)
         for gap in acct.itls():
-            m.itl.labels(pool, model).observe(gap)
+            itl.observe(gap)
         num_out = (usage or {}).get("completion_tokens") or acct.num_token_events
         if num_out > 1:
             m.tpot.labels(pool, model).observe((e2e - acct.ttft_s) / (num_out - 1))
@@ -140,8 +125,8 @@ def finish(state: RouterState, ctx: RequestContext, acct: StreamAccounting | Non
 
 
 class _StreamEnd:
-    """Runs the end-of-stream bookkeeping exactly once (relay's finally, or the response's background
-    task when the client left before the relay started)."""
+    """Runs the end-of-stream bookkeeping exactly once (relay's finally, or `abandon` when the client left
+    before the relay started)."""
 
     def __init__(self, state: RouterState, orch: Orchestrator, ctx: RequestContext, acct: StreamAccounting,
                  resp) -> None:
@@ -155,6 +140,7 @@ class _StreamEnd:
         decode = self.state.registry.get(self.ctx.placement.decode)
         if decode is not None:
             decode.num_inflight -= 1
+        self.ctx.upstream_s += (self.acct.ended_at or time.monotonic()) - self.acct.started_relay
         self.ctx.outcome = status
         if status != "ok":
             self.orch.abort_legs(self.ctx)
@@ -165,61 +151,59 @@ class _StreamEnd:
             self.state.metrics.leg_timeouts.labels("decode").inc()
         finish(self.state, self.ctx, self.acct, self.acct.usage)
 
-    async def background(self) -> None:
+    async def abandon(self) -> None:
         if not self.is_done:
             await self.resp.aclose()
             self("cancelled")
 
 
-async def _run(state: RouterState, orch: Orchestrator, ctx: RequestContext) -> Response:
+async def _run(state: RouterState, orch: Orchestrator, ctx: RequestContext) -> Reply:
     if ctx.placement.disaggregate:
         ctx.handoff = await orch.prefill(ctx)
     if not ctx.valid.is_stream:
-        resp = await orch.decode_json(ctx)
+        resp, content = await orch.decode_json(ctx)
         usage = None
         if resp.status_code == 200:
-            with contextlib.suppress(ValueError):
-                usage = resp.json().get("usage")
+            try:
+                answer = orjson.loads(content)
+                usage = answer.get("usage") if isinstance(answer, dict) else None
+            except orjson.JSONDecodeError:
+                pass
         else:
             ctx.outcome = "client_error" if resp.status_code < 500 else "upstream_error"
-            ctx.error = f"decode answered {resp.status_code}{upstream_message(resp.content)}"
+            ctx.error = f"decode answered {resp.status_code}{upstream_message(content)}"
         finish(state, ctx, None, usage)
-        return Response(content=resp.content, status_code=resp.status_code,
-                        media_type=resp.headers.get("content-type", "application/json"), headers=_route_headers(ctx))
+        return Reply(resp.status_code, _route_headers(ctx), content, resp.headers.get("content-type", JSON))
     resp, chunks, first = await orch.open_stream(ctx)
-    acct = StreamAccounting(ctx.started)
+    acct = StreamAccounting(ctx.started, started_relay=time.monotonic())
     end = _StreamEnd(state, orch, ctx, acct, resp)
-    return StreamingResponse(relay(resp, chunks, first, acct, state.settings.stream_idle_timeout_s, end),
-                             media_type="text/event-stream", headers=_route_headers(ctx),
-                             background=BackgroundTask(end.background))
+    return Reply(200, _route_headers(ctx), content_type="text/event-stream",
+                 stream=relay(resp, chunks, first, acct, state.settings.stream_idle_timeout_s, end),
+                 on_abandon=end.abandon)
 
 
-async def serve(state: RouterState, request: Request, endpoint: Endpoint) -> Response:
-    """Handle one /v1/completions or /v1/chat/completions request."""
+async def serve(state: RouterState, endpoint: Endpoint, headers: Mapping[str, str], raw: bytes,
+                started: float) -> Reply:
+    """Handle one /v1/completions or /v1/chat/completions request (`headers`: lower-cased names)."""
     try:
-        length = int(request.headers.get("content-length") or 0)
-        if length > state.settings.max_body_bytes:
-            raise APIError(413, f"request body is {length} bytes, more than the limit of "
-                                f"{state.settings.max_body_bytes}")
-        ctx = _context(state, request, endpoint, await read_limited(request, state.settings.max_body_bytes))
+        ctx = _context(state, headers, endpoint, raw, started)
     except APIError as exc:
         state.metrics.requests.labels("client_error" if exc.status < 500 else "upstream_error", "none").inc()
-        raise
+        return error_reply(exc.status, exc.message, exc.param, exc.type)
     orch = Orchestrator(state)
     try:
-        return await until_disconnect(request, _run(state, orch, ctx))
-    except ClientGone:
+        return await _run(state, orch, ctx)
+    except asyncio.CancelledError:
         ctx.outcome = "cancelled"
         finish(state, ctx, None, None)
-        return Response(status_code=499)
+        raise
     except UpstreamReply as reply:
         ctx.outcome = "client_error"
         finish(state, ctx, None, None)
-        return Response(content=reply.content, status_code=reply.status, media_type=reply.content_type,
-                        headers=_route_headers(ctx))
+        return Reply(reply.status, _route_headers(ctx), reply.content, reply.content_type)
     except APIError as exc:
         if ctx.outcome == "ok":
             ctx.outcome = "timeout" if exc.status == 504 else "upstream_error"
         ctx.error = exc.message
         finish(state, ctx, None, None)
-        return error_response(exc.status, exc.message, exc.param, exc.type)
+        return error_reply(exc.status, exc.message, exc.param, exc.type)

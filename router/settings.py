@@ -67,6 +67,17 @@ class Settings(BaseSettings):
     chars_per_token: float = 4.0
     """Tokenize-free prompt length estimate."""
 
+    workers: int = 1
+    """Worker processes serving the port (`pdcluster router --workers N`; default there: the cores available).
+    Shared between them: drains and the metrics of every worker (router/workers.py); per worker: breakers,
+    warm pairs, health checks and session tables (sessions placed by a hash every worker agrees on)."""
+    worker_id: int = 0
+    """Set by the worker supervisor; 0 for a single worker."""
+    state_dir: str | None = None
+    """Directory the workers share (drain markers, metric snapshots); set by the supervisor when workers > 1."""
+    shared_sync_interval_s: float = 1.0
+    """How often a worker applies other workers' drains and publishes its metrics for the others."""
+
     kube_namespace: str | None = None
     kube_label_selector: str = "app.kubernetes.io/part-of=pdcluster"
     kube_watch_timeout_s: int = 60

@@ -1,12 +1,17 @@
 """RouterState: everything one router app owns (created in its lifespan, held on `app.state.router`).
 
-Registry, breakers, sessions, warm pairs, metrics, the upstream HTTP client and background tasks.
-`snapshot_for_placement` turns the mutable parts into the frozen inputs the pure policies take.
+Registry, breakers, sessions, warm pairs, metrics, the upstream pool for the legs (`upstream`), the httpx
+client for health checks and aborts (`client`), the state shared with sibling worker processes
+(`shared`, None for a single worker) and background tasks. `pool_views` and `usable_pairs` turn the
+mutable parts into the frozen inputs the pure policies take; both are cached between registry changes
+and cost nothing per request while every breaker is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +24,7 @@ from router.placement import PoolView
 from router.registry import InstanceView, Registry
 from router.sessions import SessionTable
 from router.settings import Settings
+from router.upstream import Upstream
 
 
 @dataclass
@@ -26,6 +32,9 @@ class RouterState:
     settings: Settings
     config: RouterConfig
     client: httpx.AsyncClient
+    upstream: Upstream | None = None
+    shared: object | None = None
+    """router/workers.py `WorkerShared` when the router runs several worker processes."""
     registry: Registry = field(default_factory=Registry)
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     breakers: Breakers | None = None
@@ -33,6 +42,9 @@ class RouterState:
     warm_pairs: set[tuple[str, str]] = field(default_factory=set)
     prefill_engine_ids: dict[str, str] = field(default_factory=dict)
     background: set[asyncio.Task] = field(default_factory=set)
+    _pool_views: tuple[int, list[PoolView]] = (-1, [])
+    _id_prefix: str = field(default_factory=lambda: f"pdc-{os.urandom(6).hex()}-")
+    _id_counter: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -40,6 +52,10 @@ class RouterState:
         self.sessions = self.sessions or SessionTable(s.session_ttl_s, s.max_sessions)
         for spec in self.config.instances:
             self.registry.upsert(spec)
+
+    def next_request_id(self) -> str:
+        """Unique per router process (random prefix) and request (counter); never the client's."""
+        return f"{self._id_prefix}{next(self._id_counter):x}"
 
     def spawn(self, coro) -> None:
         """Run a best-effort side task (aborts) that must outlive a cancelled request."""
@@ -54,7 +70,16 @@ class RouterState:
                 declared[state.spec.pool] = PoolSpec(name=state.spec.pool, kind="tp")
         return list(declared.values())
 
+    @property
+    def is_multi_worker(self) -> bool:
+        return self.shared is not None
+
     def pool_views(self, instances: list[InstanceView]) -> list[PoolView]:
+        """Pool capacities (declared, else the smallest max_model_len of its decodes); cached per registry
+        version (facts, specs and health change only through `Registry.recompute_matrix`)."""
+        version, views = self._pool_views
+        if version == self.registry.version:
+            return views
         views = []
         for spec in self.pool_specs():
             capacity = spec.max_context_tokens
@@ -63,14 +88,17 @@ class RouterState:
                         if v.role == "decode" and v.pool == spec.name and v.max_model_len]
                 capacity = min(lens) if lens else None
             views.append(PoolView(name=spec.name, kind=spec.kind, capacity_tokens=capacity))
+        self._pool_views = (self.registry.version, views)
         return views
 
     def usable_pairs(self, now: float) -> frozenset[tuple[str, str]]:
         """Compatible pairs whose link breaker and prefill breaker let a request through."""
         assert self.breakers is not None
-        return frozenset(key for key, verdict in self.registry.matrix.items()
-                         if verdict.is_compatible and self.breakers.link(*key).allows(now)
-                         and self.breakers.instance(key[0]).allows(now))
+        compatible = self.registry.compatible_pairs
+        if not self.breakers.tripped:
+            return compatible
+        return frozenset(key for key in compatible
+                         if self.breakers.link(*key).allows(now) and self.breakers.instance(key[0]).allows(now))
 
     def note_prefill_engine(self, prefill: str, engine_id: str | None) -> None:
         """A prefill whose engine id changed restarted: its handshakes with every decode are cold."""

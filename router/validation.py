@@ -9,9 +9,10 @@ Errors are `APIError(400|404|413)` with the offending param named.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import orjson
 
 from serving.errors import APIError
 
@@ -32,8 +33,8 @@ def parse_body(raw: bytes, max_body_bytes: int) -> dict[str, Any]:
     if len(raw) > max_body_bytes:
         raise APIError(413, f"request body is {len(raw)} bytes, more than the limit of {max_body_bytes}")
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
         raise APIError(400, "request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
