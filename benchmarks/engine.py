@@ -1,7 +1,12 @@
-"""Reference engine speed on this CPU: prefill tokens/s by prompt length, decode step time by batch size.
+"""Engine speed. CPU (default): the reference engine's prefill tokens/s by prompt length and decode step time by
+batch size. `--device cuda`: decode step time of the fast path and the reference path on one GPU per
+(model, context, batch), with bytes/FLOPs per step and the HBM-roofline fraction (benchmarks/gpu_decode.py).
 
     python benchmarks/engine.py [--model kimi-k3.1-mini] [--prefill 1024 4096 16384] [--batches 1 8 32]
                                 [--context 1024] [--steps 5] [--json PATH]
+    python benchmarks/engine.py --device cuda --kernels fast reference \
+        --models benchmarks/k31_scaled.json benchmarks/k31_pro_rank.json \
+        --contexts 8192 32768 131072 --batches 1 8 32 [--steps 10] [--ref-steps 2] [--json PATH]
 
 Prefill runs one request through `KimiModel.prefill` into the row pool (the engine's path). Decode runs
 `KimiModel.decode` on B requests whose rows hold a `--context`-token prefill (copied row by row from one
@@ -69,7 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024, help="tokens of context per request when decoding")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--kernels", nargs="+", default=["fast", "reference"], choices=["fast", "reference"],
+                   help="cuda: kernel sets to time (the speed-up needs both)")
+    p.add_argument("--models", nargs="+", default=["benchmarks/k31_scaled.json", "benchmarks/k31_pro_rank.json"],
+                   help="cuda: presets or ModelConfig JSON files")
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072], help="cuda: cached tokens")
+    p.add_argument("--ref-steps", type=int, default=2, help="cuda: timed reference steps per cell")
     args = p.parse_args(argv)
+    if args.device == "cuda":
+        return main_cuda(args)
     torch.set_num_threads(1)
     cfg = get_preset(args.model)
     model = build_model(cfg)
@@ -96,6 +110,58 @@ def main(argv: list[str] | None = None) -> int:
     prefill_4k = results["prefill"].get("4096", {}).get("seconds")
     results["headline"] = {"metric": "prefill_4096_tokens_seconds", "value": prefill_4k, "goal": GOAL_PREFILL_4K_S}
     results["goals"] = {"prefill_4096_s": GOAL_PREFILL_4K_S, "decode_batch1_ms": GOAL_DECODE_B1_MS}
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def main_cuda(args) -> int:  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    from engine.model.config import preset_or_file
+
+    spec = importlib.util.spec_from_file_location("gpu_decode", Path(__file__).with_name("gpu_decode.py"))
+    gpu = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_decode"] = gpu  # dataclasses look their module up there
+    spec.loader.exec_module(gpu)
+    copy_bandwidth_gbps, matmul_tflops, run_cells = gpu.copy_bandwidth_gbps, gpu.matmul_tflops, gpu.run_cells
+
+    device = torch.device("cuda")
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    copy_gbps, tflops = copy_bandwidth_gbps(device), matmul_tflops(device)
+    log(f"copy bandwidth {copy_gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s")
+    cells = []
+    for name in args.models:
+        cfg = preset_or_file(name)
+        model = build_model(cfg, device=device)
+        with torch.no_grad():
+            cells += run_cells(cfg, model, args.contexts, args.batches, args.kernels, max(args.steps, 3),
+                               args.ref_steps, device, log)
+        del model
+        torch.cuda.empty_cache()
+    ref = {(c.model, c.context, c.batch): c.step_ms for c in cells if c.kernels == "reference"}
+    print(f"{torch.cuda.get_device_name(device)}: copy {copy_gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s")
+    print(f"| model | context | batch | kernels | ms/step | MB/step | GFLOP/step | HBM roofline | bf16 peak | "
+          f"speed-up vs reference |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
+    for c in cells:
+        base = ref.get((c.model, c.context, c.batch))
+        speedup = base / c.step_ms if base is not None and c.kernels == "fast" else None
+        rows.append({"model": c.model, "context": c.context, "batch": c.batch, "kernels": c.kernels,
+                     "step_ms": round(c.step_ms, 4), "bytes_per_step": c.bytes_per_step,
+                     "flops_per_step": c.flops_per_step, "hbm_roofline_fraction": round(c.hbm_fraction(copy_gbps), 4),
+                     "bf16_peak_fraction": round(c.matmul_fraction(tflops), 5),
+                     "speedup_vs_reference": None if speedup is None else round(speedup, 1)})
+        print(f"| {c.model} | {c.context} | {c.batch} | {c.kernels} | {c.step_ms:.3f} | {c.bytes_per_step / 1e6:.0f} | "
+              f"{c.flops_per_step / 1e9:.1f} | {c.hbm_fraction(copy_gbps):.1%} | {c.matmul_fraction(tflops):.2%} | "
+              f"{'' if speedup is None else f'{speedup:.1f}x'} |")
+    head = [r for r in rows if r["model"] == "kimi-k3.1-pro-rank" and r["kernels"] == "fast" and r["batch"] == 32
+            and r["context"] == 131072]
+    results = {"headline": {"metric": "decode_hbm_roofline_fraction_b32_128k",
+                            "value": head[0]["hbm_roofline_fraction"] if head else None, "goal": 0.5},
+               "device": torch.cuda.get_device_name(device), "copy_gbps": round(copy_gbps, 1),
+               "bf16_tflops": round(tflops, 1), "cells": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
