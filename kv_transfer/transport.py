@@ -1,7 +1,7 @@
 """The transport interface the nodes program against (NIXL implements it in nixl_agent.py).
 
 One transport object per GPU rank (per pool). Prefill side: `endpoint()` describes the registered pool
-for the side channel; `notifications()` yields what readers sent (lease DONE / HB / ABORT messages).
+for the side channel; `notifications()` yields what readers sent (lease DONE / ABORT messages).
 Decode side: `add_peer(endpoint)` once per remote rank, then per request `post_read(peer, ops, notif)` (ONE
 read carrying one descriptor per op; ops come from kv_transfer.remap and are already merged), `poll` until
 DONE or ERR (the notification to the peer is delivered while the reader polls), `result`, `release`.

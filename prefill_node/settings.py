@@ -13,7 +13,8 @@ class Settings(NodeSettings):
 
     port: int = 8100
     lease_seconds: float = Field(default=30.0, gt=0)
-    """How long exported rows wait for their reader (extended by heartbeats)."""
+    """How long exported rows wait for their reader (after it, the lease expires and the rows are quarantined
+    for `kv.timeout_s`, the read timeout)."""
     lease_sweep_s: float = Field(default=0.25, gt=0)
     token_shard_min_tokens: int = Field(default=1024, ge=1)
     """Prefill steps with at least this many tokens use the token-sharded attention (else head-sharded)."""

@@ -161,7 +161,7 @@ def test_an_idle_agent_does_not_spin():
 
 def test_a_stalled_read_is_posted_again_on_a_fresh_endpoint():
     """A READ still running after `repost_after_s` is cancelled and posted once more on a fresh endpoint
-    (nixl_agent.read_request / NixlTransport.repost). The stall is real: with UCX peer error handling an
+    (reads.read_request / NixlTransport.repost). The stall is real: with UCX peer error handling an
     endpoint's first READ waits on a TCP handshake that the P process must answer, and P is stopped (SIGSTOP)
     until after the first attempt gave up. The bytes arrive exactly and P gets exactly one DONE."""
     import multiprocessing
