@@ -31,6 +31,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s-router" (include "pdcluster.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* Router worker processes: router.workers, else the router's CPU request rounded up (250m -> 1, "2" -> 2). */}}
+{{- define "pdcluster.routerWorkers" -}}
+{{- $r := .Values.router -}}
+{{- if $r.workers -}}
+{{- $r.workers | int -}}
+{{- else -}}
+{{- $cpu := toString (dig "requests" "cpu" "1" ($r.resources | default dict)) -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- max 1 (divf (trimSuffix "m" $cpu | float64) 1000 | ceil | int) -}}
+{{- else -}}
+{{- max 1 ($cpu | float64 | ceil | int) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "pdcluster.nodeServiceAccount" -}}
 {{- printf "%s-node" (include "pdcluster.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
