@@ -7,6 +7,8 @@ Per (config, context C, batch B) cell, for each kernel set asked for:
   building the step's page table on the host; median of --steps timed steps after 2 warm-ups.
 - reference: `KimiModel.decode` (fp32, exact fp64 indexer) over per-request `LocalSequenceCache`s on the GPU
   (as benchmarks/decode.py), median of --ref-steps after 1 warm-up.
+- fast+graph: the fast step replayed as one CUDA graph (engine/fast/graphs.py) sized for the cell, inputs copied
+  in each step (page table built on the host, as eager).
 The bytes a step must read and the FLOPs it must do come from the config (`step_bytes`, `step_flops` below:
 bf16 weights, expected distinct experts touched, every cached index key (FP8 + fp32 scale), top-k latents, KDA
 state read and written); roofline fractions divide by the copy bandwidth ((read + write) / time of a 4 GiB
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.fast.decoder import FastDecoder
+from engine.fast.graphs import GraphedDecode
 from engine.fast.pages import build_page_batch, token_byte_offsets
 from engine.layout import RowLayout, plan_layout
 from engine.model.config import ModelConfig
@@ -130,21 +133,36 @@ def fast_pool(cfg: ModelConfig, layout: RowLayout, batch: int, capacity: int, de
 
 
 def time_fast(cfg: ModelConfig, model, batch: int, context: int, steps: int,  # type: ignore[no-untyped-def]
-              decoder: FastDecoder, device: torch.device) -> float:
+              decoder: FastDecoder, device: torch.device) -> tuple[float, float]:
+    """(eager ms, CUDA-graph ms) per step; the graph is captured on the same pool's rows (benchmark data)."""
     layout = decoder.layout
-    buffer, attn, kda = fast_pool(cfg, layout, batch, context + steps + 3, device)
-    times = []
-    for step in range(steps + 2):
-        tokens = torch.randint(0, cfg.vocab_size, (batch,), device=device)
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        pages = build_page_batch(layout, attn, kda, [context + step] * batch, device)
-        decoder.decode(buffer, tokens, pages)
-        torch.cuda.synchronize(device)
-        if step >= 2:
-            times.append(time.perf_counter() - start)
+    capacity = context + 2 * steps + 6
+    buffer, attn, kda = fast_pool(cfg, layout, batch, capacity, device)
+    num_pages = -(-capacity // layout.subblock_tokens)
+    result = []
+    for graphed in (False, True):
+        runner = None
+        if graphed:
+            first = build_page_batch(layout, attn, kda, [context] * batch, device)
+            runner = GraphedDecode(decoder, buffer, batch, num_pages, layout.kda_groups, first,
+                                   torch.zeros(batch, dtype=torch.int64, device=device))
+        times = []
+        for step in range(steps + 2):
+            tokens = torch.randint(0, cfg.vocab_size, (batch,), device=device)
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            pages = build_page_batch(layout, attn, kda, [context + step + graphed * (steps + 2)] * batch, device)
+            if runner is None:
+                decoder.decode(buffer, tokens, pages)
+            else:
+                runner(tokens, pages)
+            torch.cuda.synchronize(device)
+            if step >= 2:
+                times.append(time.perf_counter() - start)
+        result.append(statistics.median(times) * 1e3)
+        del runner
     del buffer
-    return statistics.median(times) * 1e3
+    return result[0], result[1]
 
 
 def time_reference(cfg: ModelConfig, model, batch: int, context: int, steps: int,  # type: ignore[no-untyped-def]
@@ -176,9 +194,17 @@ def run_cells(cfg: ModelConfig, model, contexts: list[int], batches: list[int], 
         for batch in batches:
             nbytes, flops = step_bytes(cfg, layout, model, batch, context), step_flops(cfg, model, batch, context)
             for kind in kernels:
-                ms = (time_fast(cfg, model, batch, context, steps, decoder, device) if kind == "fast"
-                      else time_reference(cfg, model, batch, context, ref_steps, device))
-                cells.append(Cell(cfg.name, context, batch, kind, ms, nbytes, flops))
-                log(f"{cfg.name} ctx {context} batch {batch} {kind}: {ms:.3f} ms")
+                if kind == "fast":
+                    try:
+                        eager, graph = time_fast(cfg, model, batch, context, steps, decoder, device)
+                    except RuntimeError as exc:  # a capture failure must not lose the other cells
+                        log(f"fast cell failed: {exc!r}")
+                        eager = graph = float("nan")
+                    timed = {"fast": eager, "fast+graph": graph}
+                else:
+                    timed = {kind: time_reference(cfg, model, batch, context, ref_steps, device)}
+                for name, ms in timed.items():
+                    cells.append(Cell(cfg.name, context, batch, name, ms, nbytes, flops))
+                    log(f"{cfg.name} ctx {context} batch {batch} {name}: {ms:.3f} ms")
                 torch.cuda.empty_cache()
     return cells

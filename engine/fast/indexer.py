@@ -33,7 +33,7 @@ BLOCK_N = 128
 def _index_scores_kernel(pool8_ptr, pool32_ptr, sb_ptr, pos_ptr, q_ptr, w_ptr, out_ptr,
                          sb_stride, out_stride, index_base, subblock_bytes, index_bytes,
                          H: tl.constexpr, D: tl.constexpr, B0: tl.constexpr, BLOCK: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         ALIGN: tl.constexpr, INTERPRET: tl.constexpr):
     b = tl.program_id(0)
     blk = tl.program_id(1)
     pos = tl.load(pos_ptr + b)
@@ -41,6 +41,7 @@ def _index_scores_kernel(pool8_ptr, pool32_ptr, sb_ptr, pos_ptr, q_ptr, w_ptr, o
     valid = n <= pos
     sb = tl.load(sb_ptr + b * sb_stride + n // B0, mask=valid, other=0).to(tl.int64)
     base = sb * subblock_bytes + index_base + (n % B0).to(tl.int64) * index_bytes  # [BLOCK] byte offsets
+    base = tl.multiple_of(base, ALIGN)  # lets the compiler load ALIGN bytes at a time
     dims = tl.arange(0, D)
     keys = tl.load(pool8_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
     scale = tl.load(pool32_ptr + (base + D) // 4, mask=valid, other=0.0)
@@ -51,6 +52,14 @@ def _index_scores_kernel(pool8_ptr, pool32_ptr, sb_ptr, pos_ptr, q_ptr, w_ptr, o
     score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * scale
     score = tl.where(valid, score, float("-inf"))
     tl.store(out_ptr + b * out_stride + n, score, mask=n < out_stride)
+
+
+def byte_alignment(*offsets: int) -> int:
+    """The largest power of two up to 16 dividing every offset (the alignment of every page address)."""
+    align = 16
+    while any(o % align for o in offsets):
+        align //= 2
+    return align
 
 
 def pad_heads(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +89,8 @@ def index_scores(buffer: torch.Tensor, layout: RowLayout, pages: PageBatch, dsa_
         flat.view(FP8_DTYPE), flat.view(torch.float32), pages.subblock_ids, pages.positions, qp, wp, out,
         pages.subblock_ids.stride(0), num_keys, dsa_layer * layout.layer_stride + layout.latent_page_bytes,
         layout.subblock_bytes, layout.index_bytes, H=heads, D=dim, B0=layout.subblock_tokens, BLOCK=BLOCK_N,
+        ALIGN=byte_alignment(layout.subblock_bytes, layout.layer_stride, layout.latent_page_bytes,
+                             layout.index_bytes),
         INTERPRET=interpreter_active(), num_warps=4,
     )
     return out

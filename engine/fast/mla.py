@@ -17,6 +17,7 @@ import triton.language as tl
 
 from engine.fast.backend import interpreter_active
 from engine.fast.dot import mm
+from engine.fast.indexer import byte_alignment
 from engine.fast.pages import PageBatch
 from engine.layout import RowLayout
 from engine.model.mla import sparse_mla_gathered
@@ -32,7 +33,7 @@ def _sparse_mla_kernel(q_ptr, pool_ptr, sb_ptr, sel_ptr, o_ptr, lse_ptr,
                        sb_stride, sel_stride, num_heads, topk, keys_per_split, latent_base, subblock_bytes,
                        latent_bytes, qk_scale,
                        C: tl.constexpr, R: tl.constexpr, B0: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                       SPLITS: tl.constexpr, INTERPRET: tl.constexpr):
+                       SPLITS: tl.constexpr, ALIGN: tl.constexpr, INTERPRET: tl.constexpr):
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -55,6 +56,7 @@ def _sparse_mla_kernel(q_ptr, pool_ptr, sb_ptr, sel_ptr, o_ptr, lse_ptr,
         tok = tl.where(valid, tok, 0)
         sb = tl.load(sb_ptr + b * sb_stride + tok // B0, mask=valid, other=0).to(tl.int64)
         base = sb * subblock_bytes + latent_base + (tok % B0).to(tl.int64) * latent_bytes
+        base = tl.multiple_of(base, ALIGN)
         kc = tl.load(pool_ptr + base[:, None] + cdim[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)
         kr = tl.load(pool_ptr + base[:, None] + C + rdim[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)
         s = mm(qc, tl.trans(kc), INTERPRET) + mm(qr, tl.trans(kr), INTERPRET)  # [BH, BN] fp32
@@ -101,6 +103,7 @@ def sparse_mla_decode(buffer: torch.Tensor, layout: RowLayout, pages: PageBatch,
         pages.subblock_ids.stride(0), topk, num_heads, topk, per_split, dsa_layer * layout.layer_stride,
         layout.subblock_bytes, layout.latent_bytes, softmax_scale * latent_scale * LOG2E,
         C=kv_lora_rank, R=rope, B0=layout.subblock_tokens, BH=BLOCK_H, BN=BLOCK_N, SPLITS=splits,
+        ALIGN=byte_alignment(layout.subblock_bytes, layout.layer_stride, layout.latent_bytes),
         INTERPRET=interpreter_active(), num_warps=8 if kv_lora_rank >= 256 else 4,
     )
     if splits == 1:

@@ -19,3 +19,13 @@ triton = pytest.importorskip("triton", reason="the fast kernels need the triton 
 def device() -> torch.device:
     """CUDA when present (the `gpu` runs), else CPU under the Triton interpreter."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
+    """On a CUDA machine Triton compiles the kernels with ptxas, a subprocess: the tests here carry `process`."""
+    if not torch.cuda.is_available():
+        return
+    here = str(__file__).rsplit("/", 1)[0]
+    for item in items:
+        if str(item.path).startswith(here):
+            item.add_marker(pytest.mark.process)
