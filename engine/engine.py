@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cache import BlockTable, RowPool
+from engine.fast.backend import resolve_kernels
 from engine.layout import RowLayout, plan_layout
 from engine.outputs import PromptLogprobs, TokenEvent
 from engine.model.config import ModelConfig, get_preset
@@ -70,6 +71,9 @@ class EngineConfig:
     block_size: int | None = None
     """Force a larger power-of-two block size (None: the smallest legal one)."""
     quarantine_s: float = 30.0
+    kernels: str | None = None
+    """Kernel set: "reference" (engine/model/) or "fast" (engine/fast/: Triton decode over the packed rows, single
+    rank); None or "auto": fast on CUDA, reference on CPU. "fast" on CPU is refused unless TRITON_INTERPRET=1."""
     """How long rows stay out of the pool after an export or import is given up (lease expired, aborted): a
     remote READ posted before may still target them until the reader's transfer timeout."""
 
@@ -117,8 +121,19 @@ class Engine:
         self.layout: RowLayout = plan_layout(self.model_config, tp_size=config.tp_size, dcp_size=config.dcp_size,
                                              subblock_tokens=config.subblock_tokens, block_size=config.block_size)
         self.pool = RowPool(self.layout, self.model_config, config.num_rows)
+        self.kernels = resolve_kernels(config.kernels, getattr(self.model, "device", "cpu"))
+        if self.kernels == "fast":
+            self.model = self._fast_model(model is not None or make_cache is not None)
         self.scheduler = Scheduler(self.pool, config.max_batch)
         self.runner = ModelRunner(self.model, self.pool, make_cache)
+
+    def _fast_model(self, wrapped: bool) -> Any:
+        from engine.fast.model import FastModel
+
+        if wrapped or self.config.tp_size != 1 or self.config.dcp_size != 1:
+            raise ValueError("kernels='fast' serves the single-rank engine (no SPMD model, tp_size = dcp_size = 1) "
+                             "so far; use kernels='reference'")
+        return FastModel(self.model, self.layout)
 
     # ---- requests ----
     def _make_request(self, request_id: str, prompt: list[int] | tuple[int, ...], sampling: SamplingParams,
