@@ -246,8 +246,9 @@ def run_oracle_ids(python: str, model: str, prompt_ids: list[int], max_tokens: i
 
 
 def _run_generate(argv: list[str], timeout_s: float) -> OracleResult:
+    # cwd: the repo root (from tests/, the test package tests/engine would shadow engine/)
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parents[2])
     if proc.returncode != 0:
         raise RuntimeError(f"pdcluster generate failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
     data = json.loads(proc.stdout.strip().splitlines()[-1])
