@@ -175,14 +175,15 @@ class KimiModel(nn.Module):
             x = pad_rows(self.embed[token_ids.to(self.device)])
             x = self.run_layers(
                 x, batch,
-                lambda mla, h, i: self._mla_decode(mla, h, positions, caches, i),
+                lambda mla, h, i: self.mla_decode(mla, h, positions, caches, i),
                 lambda kda, h, i: self._kda_decode(kda, h, caches, i),
             )
             return self.logits(x[:batch])
 
-    def _mla_decode(
+    def mla_decode(
         self, mla: MLA, h: torch.Tensor, positions: list[int], caches: list[SequenceCache], mla_index: int
     ) -> torch.Tensor:
+        """One MLA + DSA layer for B requests at their positions: write the new rows, score, select, attend."""
         batch = len(caches)
         proj = mla.project(h)
         write_attention_many(caches, mla_index, positions, proj.latent_bytes[:batch], proj.index_key_bytes[:batch],

@@ -1,18 +1,23 @@
-"""W-rank decode step over the model's pieces: DCP (cache split by token) or TP (heads split).
+"""W-rank decode step over the model's pieces: DCP (cache split by token) or TP (whole cache on every rank).
 
 SPMD: every rank calls `parallel_decode(ctx, model, token_ids, positions, caches, mode)` with the same batch of
 B requests (one new token each). Token-wise work (norms, projections, MoE, logits) runs on all B rows on every
 rank with the full weights (B is small in decode; the rows are identical everywhere, so every rank ends the
 step with identical logits and needs no broadcast). KDA heads are split in both modes: each rank steps its
-own heads' state, and one all-gather of o restores all heads before the output projection.
+own heads' state (per-head work, bitwise as on one rank), and one all-gather of o restores all heads before
+the output projection.
 
 MLA + DSA attention:
 - dcp: each rank holds only its owned tokens (`DCPRankCache`). Every rank has the broadcast query (computed
   locally from the replicated rows), scores its own index keys (exact, engine.model.indexer.index_scores),
-  the DCP merge (`dcp_merge.compact_merge`, or `generic_merge`) gives the exact global top-k, each rank
-  attends over its owned selected tokens, and the LSE merge combines the partial outputs in rank order.
-- tp: every rank holds the whole cache (replicated latent) and runs the indexer plus sparse MLA for its
-  H/W heads; one all-gather of o^lat restores all heads.
+  the DCP merge (`dcp_merge.compact_merge`, or `generic_merge`) gives the exact global top-k. Then, by
+  `attention`: `exact` (default) all-gathers the selected FP8 latents with their positions and every rank
+  runs the single-rank sparse MLA over them in position order, so the logits equal one rank's bit for bit
+  (what makes served log-probs reproducible on any pool); `lse`: each rank attends over its owned selected
+  tokens and the LSE merge combines the partial outputs in rank order (moves [H, d_c] per rank instead of
+  the selected latents; equal within fp32 rounding).
+- tp: every rank holds the whole cache (replicated latent) and runs the single-rank indexer and sparse MLA
+  for all heads (`KimiModel.mla_decode`): splitting heads changes the score GEMM's shape and its last bits.
 World size 1 in either mode is the plain single-rank decode on the same code path.
 """
 
@@ -25,22 +30,23 @@ import torch
 
 from engine.model.indexer import index_scores
 from engine.model.kda import causal_conv_step, kda_recurrent_step, l2_normalize
-from engine.model.mla import MLA, sparse_attention
-from engine.model.model import KimiModel, dequantize_context
+from engine.model.mla import MLA, sparse_mla_gathered
+from engine.model.model import KimiModel
 from engine.model.numerics import device_scope, fp8_to_float, pad_rows
 from engine.model.state import KDAState
-from engine.parallel.comm import all_gather_stack
+from engine.parallel.comm import all_gather_stack, all_gather_varlen
 from engine.parallel.dcp_attention import (
     PartialAttention,
     dcp_combine,
     partial_attention,
 )
 from engine.parallel.dcp_layout import DCPLayout
-from engine.parallel.dcp_merge import compact_merge, generic_merge
+from engine.parallel.dcp_merge import MergeResult, compact_merge, generic_merge
 from engine.parallel.groups import ParallelContext
 from engine.parallel.kda_shard import head_range, qkv_channels
 
 MODES = ("dcp", "tp")
+ATTENTION = ("exact", "lse")
 NEG_INF = float("-inf")
 
 
@@ -62,85 +68,115 @@ class DecodeResult:
 
 
 def parallel_decode(ctx: ParallelContext, model: KimiModel, token_ids: torch.Tensor, positions: list[int],
-                    caches: list, mode: str = "dcp", layout: DCPLayout | None = None, merge: str = "compact"
-                    ) -> DecodeResult:
-    """One decode step for B requests: token_ids [B] at `positions` -> next-token logits [B, V]."""
+                    caches: list, mode: str = "dcp", layout: DCPLayout | None = None, merge: str = "compact",
+                    attention: str = "exact") -> DecodeResult:
+    """One decode step for B requests: token_ids [B] at `positions` -> next-token logits [B, V].
+
+    `attention` (DCP): `exact` gathers the selected latents so every rank attends as one rank does (logits
+    bit-identical to the single-rank decode); `lse` attends over each rank's own selected tokens and merges the
+    partial outputs by log-sum-exp (less data moved; equal within fp32 rounding)."""
     if mode not in MODES:
         raise ValueError(f"decode mode must be one of {MODES}, got {mode!r}")
+    if attention not in ATTENTION:
+        raise ValueError(f"DCP attention must be one of {ATTENTION}, got {attention!r}")
     layout = layout or DCPLayout(ctx.world_size)
     stats = DecodeStats()
     batch = token_ids.shape[0]
+    step = _Step(ctx, model, positions, caches, mode, layout, merge, attention, stats)
     with torch.no_grad(), device_scope(ctx.device):
         x = pad_rows(model.embed[token_ids.to(ctx.device)])
-        x = model.run_layers(
-            x, batch,
-            lambda mla, h, i: _mla(ctx, model, mla, h, positions, caches, i, mode, layout, merge, stats),
-            lambda kda, h, i: _kda(ctx, model, kda, h, caches, i),
-        )
+        x = model.run_layers(x, batch, step.mla, lambda kda, h, i: _kda(ctx, model, kda, h, caches, i))
         return DecodeResult(logits=model.logits(x[:batch]), stats=stats)
 
 
-def _mla(ctx: ParallelContext, model: KimiModel, mla: MLA, h: torch.Tensor, positions: list[int], caches: list,
-         idx: int, mode: str, layout: DCPLayout, merge: str, stats: DecodeStats) -> torch.Tensor:
-    proj = mla.project(h)
-    batch = len(positions)
-    for b, (pos, cache) in enumerate(zip(positions, caches)):
-        cache.write_attention(idx, pos, proj.latent_bytes[b:b + 1], proj.index_key_bytes[b:b + 1],
-                              proj.index_key_scale[b:b + 1])
-    start = time.perf_counter()
-    if mode == "dcp":
-        part = _dcp_partial(ctx, model, mla, proj, positions, caches, idx, layout, merge, stats)
-        o_lat = dcp_combine(ctx, part).out                                    # [B, H, kv_lora]
-    else:
-        o_lat = _tp_attention(ctx, model, mla, proj, positions, caches, idx)
-    stats.attention_s += time.perf_counter() - start
-    out = h.new_zeros(h.shape[0], model.cfg.num_heads, model.cfg.kv_lora_rank)
-    out[:batch] = o_lat
-    return mla.output(out, proj.gate)
+@dataclass
+class _Step:
+    ctx: ParallelContext
+    model: KimiModel
+    positions: list[int]
+    caches: list
+    mode: str
+    layout: DCPLayout
+    merge: str
+    attention: str
+    stats: DecodeStats
 
+    def mla(self, mla: MLA, h: torch.Tensor, idx: int) -> torch.Tensor:
+        start = time.perf_counter()
+        if self.mode == "tp":  # every rank holds the whole cache: attend exactly as one rank does
+            out = self.model.mla_decode(mla, h, self.positions, self.caches, idx)
+            self.stats.attention_s += time.perf_counter() - start
+            return out
+        cfg = self.model.cfg
+        proj = mla.project(h)
+        batch = len(self.positions)
+        for b, (pos, cache) in enumerate(zip(self.positions, self.caches)):
+            cache.write_attention(idx, pos, proj.latent_bytes[b:b + 1], proj.index_key_bytes[b:b + 1],
+                                  proj.index_key_scale[b:b + 1])
+        owned = [c.read_owned(idx, pos + 1) for c, pos in zip(self.caches, self.positions)]
+        merged = self._select(proj, owned)
+        if self.attention == "exact":
+            o_lat = self._gathered_attention(mla, proj, owned, merged)
+        else:
+            o_lat = dcp_combine(self.ctx, self._partial(mla, proj, owned, merged)).out     # [B, H, kv_lora]
+        self.stats.attention_s += time.perf_counter() - start
+        out = h.new_zeros(h.shape[0], cfg.num_heads, cfg.kv_lora_rank)
+        out[:batch] = o_lat
+        return mla.output(out, proj.gate)
 
-def _dcp_partial(ctx: ParallelContext, model: KimiModel, mla: MLA, proj, positions: list[int],  # type: ignore[no-untyped-def]
-                 caches: list, idx: int, layout: DCPLayout, merge: str, stats: DecodeStats) -> PartialAttention:
-    cfg = model.cfg
-    owned = [c.read_owned(idx, pos + 1) for c, pos in zip(caches, positions)]
-    width = max(1, max(o.latent.shape[0] for o in owned))
-    scores = torch.full((len(positions), width), NEG_INF)
-    for b, rows in enumerate(owned):
-        n = rows.latent.shape[0]
-        if n:
-            scores[b, :n] = index_scores(proj.index_queries.q[b:b + 1], proj.index_queries.weights[b:b + 1],
-                                         fp8_to_float(rows.index_key), rows.index_scale)[0]
-    merged = (compact_merge if merge == "compact" else generic_merge)(ctx, scores, cfg.index_topk, layout)
-    stats.merge_bytes += merged.bytes_sent
-    stats.merge_fallback_rows += merged.num_fallback_rows
-    stats.selections.append([])
-    k = cfg.index_topk
-    keys = torch.zeros(len(positions), k, cfg.latent_dim)
-    mask = merged.local_ids >= 0
-    for b, rows in enumerate(owned):
-        ids = merged.local_ids[b][mask[b]]
-        keys[b, : ids.numel()] = fp8_to_float(rows.latent[ids]) * mla.latent_scale
-        stats.selections[-1].append(layout.global_ids(ctx.rank, rows.latent.shape[0])[ids])
-    q = proj.q_absorbed[: len(positions)]
-    return partial_attention(q, keys, keys[..., : cfg.kv_lora_rank], mask, mla.softmax_scale)
+    def _select(self, proj, owned: list) -> MergeResult:  # type: ignore[no-untyped-def]
+        """Score this rank's owned index keys; the exact global top-k merge says which of them are selected."""
+        scores = torch.full((len(self.positions), max(1, max(o.latent.shape[0] for o in owned))), NEG_INF)
+        for b, rows in enumerate(owned):
+            n = rows.latent.shape[0]
+            if n:
+                scores[b, :n] = index_scores(proj.index_queries.q[b:b + 1], proj.index_queries.weights[b:b + 1],
+                                             fp8_to_float(rows.index_key), rows.index_scale)[0]
+        merged = (compact_merge if self.merge == "compact" else generic_merge)(self.ctx, scores,
+                                                                               self.model.cfg.index_topk, self.layout)
+        self.stats.merge_bytes += merged.bytes_sent
+        self.stats.merge_fallback_rows += merged.num_fallback_rows
+        self.stats.selections.append([])
+        return merged
 
+    def _gathered_attention(self, mla: MLA, proj, owned: list, merged: MergeResult) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """Every rank receives every selected latent (FP8 bytes and global position), orders them by position as
+        `select_topk` does, and runs the single-rank sparse MLA on them: the same ops on the same inputs."""
+        cfg, ctx = self.model.cfg, self.ctx
+        tags, rows = [], []
+        for b, own in enumerate(owned):
+            ids = merged.local_ids[b][merged.local_ids[b] >= 0]
+            gids = self.layout.global_ids(ctx.rank, own.latent.shape[0])[ids]
+            self.stats.selections[-1].append(gids)
+            tags.append(torch.stack([torch.full_like(gids, b), gids], dim=1))
+            rows.append(own.latent[ids])
+        mine_tags, mine_rows = torch.cat(tags), torch.cat(rows)
+        self.stats.merge_bytes += (mine_tags.numel() * 8 + mine_rows.numel()) * (ctx.world_size - 1)
+        all_tags = torch.cat(all_gather_varlen(ctx, mine_tags))
+        all_rows = torch.cat(all_gather_varlen(ctx, mine_rows))
+        k = cfg.index_topk
+        selected = torch.full((len(owned), k), -1, dtype=torch.int64)
+        latent = torch.zeros(len(owned), k, mine_rows.shape[1], dtype=mine_rows.dtype)
+        for b in range(len(owned)):
+            mine = (all_tags[:, 0] == b).nonzero().squeeze(1)
+            order = mine[torch.argsort(all_tags[mine, 1])]
+            selected[b, : order.numel()] = all_tags[order, 1]
+            latent[b, : order.numel()] = all_rows[order]
+        gathered = fp8_to_float(latent) * mla.latent_scale                        # [B, k, C]
+        return sparse_mla_gathered(proj.q_absorbed[: len(owned)], gathered, selected, mla.softmax_scale,
+                                   cfg.kv_lora_rank)
 
-def _tp_attention(ctx: ParallelContext, model: KimiModel, mla: MLA, proj, positions: list[int],  # type: ignore[no-untyped-def]
-                  caches: list, idx: int) -> torch.Tensor:
-    cfg = model.cfg
-    if cfg.num_heads % ctx.world_size:
-        raise ValueError(f"{cfg.num_heads} MLA heads do not split over {ctx.world_size} ranks")
-    per = cfg.num_heads // ctx.world_size
-    heads = slice(ctx.rank * per, (ctx.rank + 1) * per)
-    outs = []
-    for b, (pos, cache) in enumerate(zip(positions, caches)):
-        cached = dequantize_context(cache.read_attention(idx, pos + 1), mla.latent_scale)
-        iq = type(proj.index_queries)(q=proj.index_queries.q[b:b + 1], weights=proj.index_queries.weights[b:b + 1])
-        outs.append(sparse_attention(proj.q_absorbed[b:b + 1, heads], iq, torch.tensor([pos]), cached,
-                                     cfg.index_topk, mla.softmax_scale, cfg.kv_lora_rank))
-    mine = torch.cat(outs)                                                    # [B, H/W, kv_lora]
-    gathered = all_gather_stack(ctx, mine)                                    # [W, B, H/W, kv_lora]
-    return gathered.permute(1, 0, 2, 3).reshape(len(positions), cfg.num_heads, cfg.kv_lora_rank)
+    def _partial(self, mla: MLA, proj, owned: list, merged: MergeResult) -> PartialAttention:  # type: ignore[no-untyped-def]
+        cfg = self.model.cfg
+        k = cfg.index_topk
+        keys = torch.zeros(len(self.positions), k, cfg.latent_dim)
+        mask = merged.local_ids >= 0
+        for b, rows in enumerate(owned):
+            ids = merged.local_ids[b][mask[b]]
+            keys[b, : ids.numel()] = fp8_to_float(rows.latent[ids]) * mla.latent_scale
+            self.stats.selections[-1].append(self.layout.global_ids(self.ctx.rank, rows.latent.shape[0])[ids])
+        q = proj.q_absorbed[: len(self.positions)]
+        return partial_attention(q, keys, keys[..., : cfg.kv_lora_rank], mask, mla.softmax_scale)
 
 
 def _kda(ctx: ParallelContext, model: KimiModel, kda, h: torch.Tensor, caches: list, idx: int) -> torch.Tensor:  # type: ignore[no-untyped-def]

@@ -61,13 +61,16 @@ class DCPModel(TPModel):
     """A full model replica whose decode splits the cache by token over the rank group (DCP = W): each rank
     keeps its owned tokens (`engine.cache.DCPRowCache`, whose ownership rule comes from the pool layout's
     `dcp_interleave` and is the one the decode step uses),
-    scores them, takes part in the exact compact top-k merge and the LSE merge (engine/parallel/dcp_decode.py).
+    scores them, takes part in the exact compact top-k merge and then in the exact attention over the gathered
+    selected latents (`attention="exact"`, logits bitwise as on one rank) or the LSE merge of partial outputs
+    (`attention="lse"`) (engine/parallel/dcp_decode.py).
     KDA heads are split as under TP. A local prefill (colocated requests, the `recompute` load-failure policy)
     runs the SPMD prefill into a temporary whole-sequence cache of the request, then keeps this rank's share."""
 
-    def __init__(self, model: Any, ctx: Any, token_threshold: int, merge: str = "compact") -> None:
+    def __init__(self, model: Any, ctx: Any, token_threshold: int, merge: str = "compact",
+                 attention: str = "exact") -> None:
         super().__init__(model, ctx, token_threshold)
-        self.merge = merge
+        self.merge, self.attention = merge, attention
         self.merge_bytes = 0
         self.merge_fallbacks = 0
 
@@ -89,7 +92,7 @@ class DCPModel(TPModel):
         from engine.parallel.dcp_decode import parallel_decode
 
         result = parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="dcp",
-                                 layout=caches[0].layout, merge=self.merge)
+                                 layout=caches[0].layout, merge=self.merge, attention=self.attention)
         self.merge_bytes += result.stats.merge_bytes
         self.merge_fallbacks += result.stats.merge_fallback_rows
         return result.logits

@@ -58,7 +58,7 @@ def prefill_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], prefix_
 
 
 def decode_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], steps: int, mode: str, interleave: int,
-                merge: str, expert_parallel: bool = False) -> dict:
+                merge: str, expert_parallel: bool = False, attention: str = "exact") -> dict:
     """Prefill each prompt on one rank's full cache, shard it (DCP or TP), decode `steps` greedy tokens."""
     from engine.model.state import LocalSequenceCache
     from engine.model.weights import build_model
@@ -86,7 +86,7 @@ def decode_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], steps: i
     merge_bytes, fallbacks = 0, 0
     for _ in range(steps):
         res = parallel_decode(ctx, model, torch.tensor([t[-1] for t in tokens]), positions, caches, mode, layout,
-                              merge)
+                              merge, attention)
         merge_bytes += res.stats.merge_bytes
         fallbacks += res.stats.merge_fallback_rows
         for b, tok in enumerate(res.logits.argmax(-1).tolist()):
