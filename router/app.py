@@ -91,6 +91,7 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
             try:
                 yield
             finally:
+                state.deadlines.close()
                 if isinstance(upstream, UpstreamPool):
                     upstream.close()
                 for task in tasks + list(state.background):

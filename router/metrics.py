@@ -28,6 +28,7 @@ TIMED_LEGS = ("prefill", "decode", "first_decode")
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = reg = CollectorRegistry()
+        self._children: dict[tuple, object] = {}
         pm = ["pool", "model"]
         self.ttft = Histogram("pdcluster_time_to_first_token_seconds", "Client-seen time to first token.", pm,
                               buckets=TTFT_BUCKETS, registry=reg)
@@ -53,6 +54,14 @@ class RouterMetrics:
                                   ["prefill", "decode"], registry=reg)
         self.pair_compatible = Gauge("pdcluster_pair_compatible", "1 if the pairing matrix allows the pair.",
                                      ["prefill", "decode"], registry=reg)
+
+    def child(self, metric, *labels: str):
+        """`metric.labels(*labels)`, looked up once (counters and histograms only: gauges are cleared)."""
+        key = (metric._name, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def prime(self, pools: list[str]) -> None:
         """Create every counter child whose labels are known in advance, at 0, so panels and ratios over

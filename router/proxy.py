@@ -125,7 +125,7 @@ class Orchestrator:
         state.num_inflight += 1
         started = time.monotonic()
         try:
-            async with asyncio.timeout(self.settings.prefill_timeout_s):
+            async with self.state.deadlines.within(self.settings.prefill_timeout_s):
                 resp, content = await self._post(url, ctx, orjson.dumps(prefill_body(ctx.valid.body)))
         except TimeoutError:
             self.state.metrics.leg_timeouts.labels("prefill").inc()
@@ -176,10 +176,10 @@ class Orchestrator:
         link = self.state.breakers.link(*pair)
         if ok:
             link.on_success()
-            self.state.warm_pairs.add(pair)
+            self.state.set_warm(pair, True)
         else:
             link.on_failure(now)
-            self.state.warm_pairs.discard(pair)
+            self.state.set_warm(pair, False)
 
     async def _post(self, url: str, ctx: RequestContext, body: bytes) -> tuple[UpstreamResponse, bytes]:
         """One whole leg: send, read the answer to its end (the connection goes back to the pool)."""
@@ -196,7 +196,7 @@ class Orchestrator:
         state.num_inflight += 1
         started = time.monotonic()
         try:
-            async with asyncio.timeout(self.settings.decode_timeout_s):
+            async with self.state.deadlines.within(self.settings.decode_timeout_s):
                 resp, content = await self._post(state.spec.url, ctx, body)
         except TimeoutError:
             self.state.metrics.leg_timeouts.labels("decode").inc()
@@ -239,7 +239,7 @@ class Orchestrator:
         state.num_inflight += 1
         resp: UpstreamResponse | None = None
         try:
-            async with asyncio.timeout(self.settings.first_token_timeout_s):
+            async with self.state.deadlines.within(self.settings.first_token_timeout_s):
                 resp = await self.state.upstream.send(state.spec.url, ctx.path, body, self._headers(ctx))
                 if resp.status_code != 200:
                     content = await resp.aread()

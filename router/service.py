@@ -69,7 +69,7 @@ def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint,
     instances = state.registry.snapshot()
     try:
         placement = place(shape, session, state.pool_views(instances), instances, state.usable_pairs(now),
-                          frozenset(state.warm_pairs), s.disagg_min_uncached_tokens,
+                          state.warm_pairs, s.disagg_min_uncached_tokens,
                           hash_sessions=state.is_multi_worker)
     except NoPlacement as exc:
         raise APIError(503, f"no decode instance available: {exc}") from None
@@ -95,30 +95,30 @@ def finish(state: RouterState, ctx: RequestContext, acct: StreamAccounting | Non
     """Metrics and session bookkeeping once a request ended (any outcome)."""
     m, pool, model = state.metrics, ctx.placement.pool, ctx.valid.model
     now = time.monotonic()
-    m.requests.labels(ctx.outcome, pool).inc()
+    m.child(m.requests, ctx.outcome, pool).inc()
     if ctx.outcome != "ok":
         prefill = ctx.handoff.prefill if ctx.handoff else "none"
         log.warning("request %s %s (pool %s, decode %s, prefill %s) after %.2f s%s", ctx.request_id, ctx.outcome,
                     pool, ctx.placement.decode, prefill, now - ctx.started, f": {ctx.error}" if ctx.error else "")
     if ctx.prefill_s is not None:
-        m.leg.labels("prefill", pool).observe(ctx.prefill_s)
+        m.child(m.leg, "prefill", pool).observe(ctx.prefill_s)
     if ctx.kv_transfer_s is not None:
-        m.leg.labels("kv_transfer", pool).observe(ctx.kv_transfer_s)
+        m.child(m.leg, "kv_transfer", pool).observe(ctx.kv_transfer_s)
     if ctx.first_decode_s is not None:
-        m.leg.labels("first_decode", pool).observe(ctx.first_decode_s)
+        m.child(m.leg, "first_decode", pool).observe(ctx.first_decode_s)
     if ctx.outcome != "ok":
         return
     e2e = now - ctx.started
-    m.e2e.labels(pool, model).observe(e2e)
-    m.overhead.labels(pool).observe(max(0.0, e2e - ctx.upstream_s))
+    m.child(m.e2e, pool, model).observe(e2e)
+    m.child(m.overhead, pool).observe(max(0.0, e2e - ctx.upstream_s))
     if acct is not None and acct.ttft_s is not None:
-        m.ttft.labels(pool, model).observe(acct.ttft_s)
-        itl = m.itl.labels(pool, model)
+        m.child(m.ttft, pool, model).observe(acct.ttft_s)
+        itl = m.child(m.itl, pool, model)
         for gap in acct.itls():
             itl.observe(gap)
         num_out = (usage or {}).get("completion_tokens") or acct.num_token_events
         if num_out > 1:
-            m.tpot.labels(pool, model).observe((e2e - acct.ttft_s) / (num_out - 1))
+            m.child(m.tpot, pool, model).observe((e2e - acct.ttft_s) / (num_out - 1))
     if ctx.shape.session_id and usage:
         total = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
         state.sessions.put(SessionRecord(ctx.shape.session_id, pool, ctx.placement.decode, total, now))

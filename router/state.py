@@ -1,6 +1,6 @@
 """RouterState: everything one router app owns (created in its lifespan, held on `app.state.router`).
 
-Registry, breakers, sessions, warm pairs, metrics, the upstream pool for the legs (`upstream`), the httpx
+Registry, breakers, sessions, warm pairs, metrics, leg deadlines, the upstream pool for the legs (`upstream`), the httpx
 client for health checks and aborts (`client`), the state shared with sibling worker processes
 (`shared`, None for a single worker) and background tasks. `pool_views` and `usable_pairs` turn the
 mutable parts into the frozen inputs the pure policies take; both are cached between registry changes
@@ -19,6 +19,7 @@ import httpx
 
 from router.breaker import Breakers
 from router.config import PoolSpec, RouterConfig
+from router.deadlines import Deadlines
 from router.metrics import RouterMetrics
 from router.placement import PoolView
 from router.registry import InstanceView, Registry
@@ -39,9 +40,11 @@ class RouterState:
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     breakers: Breakers | None = None
     sessions: SessionTable | None = None
-    warm_pairs: set[tuple[str, str]] = field(default_factory=set)
+    warm_pairs: frozenset[tuple[str, str]] = frozenset()
+    """P-D pairs that completed a handoff (replaced, never mutated: placement takes it as is)."""
     prefill_engine_ids: dict[str, str] = field(default_factory=dict)
     background: set[asyncio.Task] = field(default_factory=set)
+    deadlines: Deadlines = field(default_factory=Deadlines)
     _pool_views: tuple[int, list[PoolView]] = (-1, [])
     _id_prefix: str = field(default_factory=lambda: f"pdc-{os.urandom(6).hex()}-")
     _id_counter: itertools.count = field(default_factory=itertools.count)
@@ -100,12 +103,16 @@ class RouterState:
         return frozenset(key for key in compatible
                          if self.breakers.link(*key).allows(now) and self.breakers.instance(key[0]).allows(now))
 
+    def set_warm(self, pair: tuple[str, str], is_warm: bool) -> None:
+        if (pair in self.warm_pairs) != is_warm:
+            self.warm_pairs = self.warm_pairs | {pair} if is_warm else self.warm_pairs - {pair}
+
     def note_prefill_engine(self, prefill: str, engine_id: str | None) -> None:
         """A prefill whose engine id changed restarted: its handshakes with every decode are cold."""
         if engine_id is None:
             return
         if self.prefill_engine_ids.get(prefill) not in (None, engine_id):
-            self.warm_pairs = {pair for pair in self.warm_pairs if pair[0] != prefill}
+            self.warm_pairs = frozenset(pair for pair in self.warm_pairs if pair[0] != prefill)
         self.prefill_engine_ids[prefill] = engine_id
 
     def refresh_gauges(self) -> None:

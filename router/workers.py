@@ -1,6 +1,6 @@
 """Several router worker processes on one port, and the state they share.
 
-`serve(settings, log_level)` runs uvicorn (uvloop, httptools, no access log) in this process when
+`serve(settings, log_level)` runs the router's server (router/server.py, on uvloop) in this process when
 `settings.workers == 1`. With more, a supervisor checks the port is free, creates a shared state
 directory, and forks `workers` processes; each binds the port with SO_REUSEPORT (the kernel spreads new
 connections over them) and runs its own app. A worker that dies is started again.
@@ -132,35 +132,30 @@ def _check_port_free(host: str, port: int) -> None:
         probe.close()
 
 
-def _uvicorn_config(app, settings: Settings, log_level: str):
-    import uvicorn  # noqa: PLC0415
+def _serve_one(settings: Settings, log_level: str, sock: socket.socket | None = None) -> None:
+    import uvloop  # noqa: PLC0415
 
-    return uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop", http="httptools",
-                          access_log=False, log_level=log_level, lifespan="on", timeout_keep_alive=30,
-                          proxy_headers=False, server_header=False)
+    from router.app import create_app  # noqa: PLC0415
+    from router.server import run_server  # noqa: PLC0415
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvloop.run(run_server(create_app(settings), settings.host, settings.port, sock))
 
 
 def _worker_main(settings: Settings, log_level: str) -> None:
-    import uvicorn  # noqa: PLC0415
-
-    from router.app import create_app  # noqa: PLC0415
-
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((settings.host, settings.port))
-    sock.listen(2048)
-    uvicorn.Server(_uvicorn_config(create_app(settings), settings, log_level)).run(sockets=[sock])
+    _serve_one(settings, log_level, sock)
 
 
 def serve(settings: Settings, log_level: str = "info") -> None:
     """Serve the router on `settings.host:port` with `settings.workers` processes (blocks)."""
     if settings.workers <= 1:
-        import uvicorn  # noqa: PLC0415
-
-        from router.app import create_app  # noqa: PLC0415
-
-        uvicorn.Server(_uvicorn_config(create_app(settings), settings, log_level)).run()
+        _serve_one(settings, log_level)
         return
     _check_port_free(settings.host, settings.port)
     state_dir = tempfile.mkdtemp(prefix="pdcluster-router-")

@@ -1,7 +1,10 @@
-"""Real uvicorn servers on 127.0.0.1 in background threads (for streaming, timing and disconnect tests)."""
+"""Real servers on 127.0.0.1 in background threads (for streaming, timing and disconnect tests): any ASGI
+app under uvicorn, or a router app under the router's own server (router/server.py, what
+`pdcluster router` runs)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from contextlib import contextmanager
@@ -31,6 +34,38 @@ def uvicorn_server(app, ready_path: str | None = "/health", timeout_s: float = 2
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextmanager
+def router_server(app, timeout_s: float = 20.0):
+    """Serve a router app (create_app) with router/server.py on a free port; yields the base URL."""
+    from router.server import run_server  # noqa: PLC0415
+
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    ready, stop = asyncio.Event(), asyncio.Event()
+    errors: list[BaseException] = []
+
+    def main() -> None:
+        try:
+            loop.run_until_complete(run_server(app, "127.0.0.1", port, stop=stop, ready=ready))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test below
+            errors.append(exc)
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not ready.is_set():
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"router server did not start: {errors}")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=40)
 
 
 def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:

@@ -1,5 +1,6 @@
-"""Real uvicorn: the SSE relay streams without buffering, and a client that goes away at any stage
-makes the router abort both legs (connection closed, and `POST /abort_requests` on reference nodes)."""
+"""Real servers (the router under uvicorn, and under its own server, router/server.py): the SSE relay
+streams without buffering, and a client that goes away at any stage makes the router abort both legs
+(connection closed, and `POST /abort_requests` on reference nodes)."""
 
 from __future__ import annotations
 
@@ -14,23 +15,29 @@ from router.config import InstanceSpec, PoolSpec, RouterConfig
 from router.settings import Settings
 from tests.router.fakes import FakeNode
 from tests.router.harness import completion
-from tests.router.servers import get, uvicorn_server, wait_until
+from tests.router.servers import get, router_server, uvicorn_server, wait_until
 
 pytestmark = pytest.mark.process
 
 
-def start(stack: ExitStack, nodes: list[FakeNode], engine: str = "vllm", **overrides) -> str:
+@pytest.fixture(params=["uvicorn", "router_server"])
+def server(request):
+    """The HTTP server in front of the router app."""
+    return uvicorn_server if request.param == "uvicorn" else router_server
+
+
+def start(stack: ExitStack, nodes: list[FakeNode], server, engine: str = "vllm", **overrides) -> str:
     urls = {n.name: stack.enter_context(uvicorn_server(n.app())) for n in nodes}
     config = RouterConfig(pools=[PoolSpec(name="default")], instances=[
         InstanceSpec(name=n.name, role=n.role, url=urls[n.name], engine=engine) for n in nodes])
     settings = Settings(**{"health_interval_s": 3600.0, "disagg_min_uncached_tokens": 1, **overrides})
-    return stack.enter_context(uvicorn_server(create_app(settings, config=config)))
+    return stack.enter_context(server(create_app(settings, config=config)))
 
 
-def test_first_chunk_reaches_client_before_last_is_produced():
+def test_first_chunk_reaches_client_before_last_is_produced(server):
     p, d = FakeNode("p0", "prefill"), FakeNode("d0", "decode", num_tokens=6, token_delay_s=0.4)
     with ExitStack() as stack:
-        router = start(stack, [p, d])
+        router = start(stack, [p, d], server)
         arrivals = []
         with httpx.stream("POST", f"{router}/v1/completions", json=completion(stream=True), timeout=20) as resp:
             assert resp.status_code == 200 and resp.headers["x-pdcluster-prefill"] == "p0"
@@ -47,12 +54,12 @@ def test_first_chunk_reaches_client_before_last_is_produced():
 
 
 @pytest.mark.parametrize("stage", ["prefill", "before_first_token", "mid_stream"])
-def test_client_disconnect_aborts_both_legs(stage):
+def test_client_disconnect_aborts_both_legs(stage, server):
     p = FakeNode("p0", "prefill", engine_label="reference", delay_s=10.0 if stage == "prefill" else 0.0)
     d = FakeNode("d0", "decode", engine_label="reference", num_tokens=50, token_delay_s=0.2,
                  delay_s=10.0 if stage == "before_first_token" else 0.0)
     with ExitStack() as stack:
-        router = start(stack, [p, d], engine="reference")
+        router = start(stack, [p, d], server, engine="reference")
         client = httpx.Client(timeout=20)
         if stage == "mid_stream":
             with client.stream("POST", f"{router}/v1/completions", json=completion(stream=True)) as resp:
@@ -76,10 +83,10 @@ def test_client_disconnect_aborts_both_legs(stage):
         assert wait_until(lambda: 'outcome="cancelled"' in get(f"{router}/metrics").text, 5.0), metrics
 
 
-def test_idle_decode_stream_times_out_with_an_error_event():
+def test_idle_decode_stream_times_out_with_an_error_event(server):
     p, d = FakeNode("p0", "prefill"), FakeNode("d0", "decode", num_tokens=3, token_delay_s=2.0)
     with ExitStack() as stack:
-        router = start(stack, [p, d], stream_idle_timeout_s=0.5)
+        router = start(stack, [p, d], server, stream_idle_timeout_s=0.5)
         resp = httpx.post(f"{router}/v1/completions", json=completion(stream=True), timeout=20)
         assert resp.status_code == 200
         assert '"code": 504' in resp.text and resp.text.rstrip().endswith("data: [DONE]")
@@ -89,10 +96,10 @@ def test_idle_decode_stream_times_out_with_an_error_event():
         assert 'outcome="timeout"' in metrics
 
 
-def test_first_token_timeout_answers_504():
+def test_first_token_timeout_answers_504(server):
     p, d = FakeNode("p0", "prefill"), FakeNode("d0", "decode", delay_s=5.0)
     with ExitStack() as stack:
-        router = start(stack, [p, d], first_token_timeout_s=0.5)
+        router = start(stack, [p, d], server, first_token_timeout_s=0.5)
         resp = httpx.post(f"{router}/v1/completions", json=completion(stream=True), timeout=20)
         assert resp.status_code == 504 and resp.json()["error"]["code"] == 504
         assert wait_until(lambda: len(d.cancelled) == 1, 5.0)

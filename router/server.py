@@ -1,0 +1,324 @@
+"""The router's own HTTP/1.1 server (asyncio + httptools): what `pdcluster router` runs.
+
+Why not uvicorn in front of the hot path: per request it builds an ASGI scope, checks every response
+header against regexes, writes the head and the body in two syscalls, and a client that leaves is only
+seen by a task parked in `receive()`. Here:
+- POST /v1/completions and /v1/chat/completions go straight to `service.serve` (one task per request);
+  a reply is one `write` (head and body), a stream is its head, then each relayed chunk (chunked).
+- A client that disconnects cancels its request's task at once (`connection_lost`): before the reply
+  that aborts the legs in flight; during a stream it ends the relay (both legs aborted, `cancelled`).
+- Every other route (health, metrics, models, admin) goes to the FastAPI app through a small ASGI bridge.
+- Keep-alive with pipelined requests answered in order, `Expect: 100-continue`, bodies past
+  `max_body_bytes` refused (413) without buffering them, write back-pressure (a slow client pauses its
+  relay), keep-alive connections idle for `KEEP_ALIVE_S` closed; SIGTERM/SIGINT stop accepting and give
+  requests in flight up to `GRACEFUL_S` to finish.
+The app's lifespan (registry, health checks, upstream pool) runs around the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import http
+import logging
+import signal
+import socket
+import time
+from collections import deque
+from urllib.parse import unquote
+
+import httptools
+
+from router.fastpath import ENDPOINTS, READ_HEADERS
+from router.service import Reply, error_reply, serve
+
+log = logging.getLogger("router")
+KEEP_ALIVE_S = 75.0
+"""Idle keep-alive connections are closed after this long (above common client pool idle times)."""
+GRACEFUL_S = 30.0
+"""On SIGTERM, how long requests in flight may run before they are cancelled."""
+STATUS = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in http.HTTPStatus}
+
+
+def status_line(code: int) -> bytes:
+    return STATUS.get(code) or f"HTTP/1.1 {code} Status {code}\r\n".encode()
+
+
+class Request:
+    __slots__ = ("method", "url", "headers", "body", "is_keep_alive", "is_too_large", "started")
+
+    def __init__(self, method: bytes, url: bytes, headers: list, body: bytes, is_keep_alive: bool,
+                 is_too_large: bool, started: float) -> None:
+        self.method, self.url, self.headers, self.body = method, url, headers, body
+        self.is_keep_alive, self.is_too_large, self.started = is_keep_alive, is_too_large, started
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: parses requests, answers them in order on one task at a time."""
+
+    def __init__(self, server: RouterServer) -> None:
+        self.server = server
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.pending: deque[Request] = deque()
+        self.task: asyncio.Task | None = None
+        self.is_closed = False
+        self.is_write_paused = False
+        self.drain_waiter: asyncio.Future | None = None
+        self.last_active = time.monotonic()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.url, self.headers, self.body, self.size, self.is_too_large = b"", [], [], 0, False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc) -> None:
+        self.is_closed = True
+        self.server.connections.discard(self)
+        if self.task is not None:
+            self.task.cancel()
+        if self.drain_waiter is not None and not self.drain_waiter.done():
+            self.drain_waiter.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.is_write_paused = True
+
+    def resume_writing(self) -> None:
+        self.is_write_paused = False
+        if self.drain_waiter is not None and not self.drain_waiter.done():
+            self.drain_waiter.set_result(None)
+
+    async def drain(self) -> None:
+        while self.is_write_paused and not self.is_closed:
+            self.drain_waiter = asyncio.get_running_loop().create_future()
+            await self.drain_waiter
+
+    def write(self, data: bytes) -> None:
+        if not self.is_closed:
+            self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_active = time.monotonic()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            self._refuse(400, f"malformed HTTP request: {exc}")
+
+    def _refuse(self, status: int, message: str) -> None:
+        reply = error_reply(status, message)
+        self.write(self.server.head(reply, False, len(reply.body)) + reply.body)
+        self.transport.close()
+
+    # parser callbacks
+    def on_message_begin(self) -> None:
+        self._reset()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        for name, value in self.headers:
+            if name == b"content-length" and value.isdigit() and int(value) > self.server.max_body_bytes:
+                self.is_too_large = True
+            elif name == b"expect" and value.lower() == b"100-continue" and not self.is_too_large:
+                self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        if self.is_too_large:
+            return
+        self.size += len(body)
+        if self.size > self.server.max_body_bytes:
+            self.is_too_large, self.body = True, []
+        else:
+            self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.pending.append(Request(self.parser.get_method(), self.url, self.headers, b"".join(self.body),
+                                    self.parser.should_keep_alive(), self.is_too_large, time.monotonic()))
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self.run())
+
+    async def run(self) -> None:
+        try:
+            while self.pending and not self.is_closed:
+                request = self.pending.popleft()
+                await self.server.dispatch(self, request)
+                self.last_active = time.monotonic()
+                if not request.is_keep_alive:
+                    self.transport.close()
+                    return
+        except asyncio.CancelledError:
+            if not self.is_closed:
+                raise
+        finally:
+            self.task = None
+
+
+class RouterServer:
+    """Dispatches parsed requests: the completion routes to `service.serve`, the rest to the ASGI app."""
+
+    def __init__(self, app, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.connections: set[Connection] = set()
+        self._date = (0, b"")
+
+    def date_header(self) -> bytes:
+        now = int(time.time())
+        if self._date[0] != now:
+            self._date = (now, f"date: {email.utils.formatdate(now, usegmt=True)}\r\n".encode())
+        return self._date[1]
+
+    def head(self, reply: Reply, is_keep_alive: bool, content_length: int | None) -> bytes:
+        parts = [status_line(reply.status), b"content-type: ", reply.content_type.encode(), b"\r\n",
+                 self.date_header()]
+        for name, value in reply.headers.items():
+            parts += [name.encode(), b": ", value.encode("latin-1"), b"\r\n"]
+        if content_length is None:
+            parts.append(b"transfer-encoding: chunked\r\n")
+        else:
+            parts += [b"content-length: ", str(content_length).encode(), b"\r\n"]
+        if not is_keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+    async def dispatch(self, conn: Connection, request: Request) -> None:
+        path, _, query = request.url.partition(b"?")
+        endpoint = ENDPOINTS.get(path.decode("latin-1")) if request.method == b"POST" else None
+        if endpoint is not None:
+            await self.completion(conn, request, endpoint)
+        else:
+            await self.asgi(conn, request, path, query)
+
+    async def completion(self, conn: Connection, request: Request, endpoint: str) -> None:
+        state = self.app.state.router
+        reply: Reply | None = None
+        try:
+            if request.is_too_large:
+                state.metrics.requests.labels("client_error", "none").inc()
+                reply = error_reply(413, f"request body is more than the limit of {self.max_body_bytes} bytes")
+            else:
+                headers = {name.decode(): value.decode("latin-1") for name, value in request.headers
+                           if name in READ_HEADERS}
+                reply = await serve(state, endpoint, headers, request.body, request.started)
+            await self.write_reply(conn, reply, request.is_keep_alive)
+        except asyncio.CancelledError:
+            if not conn.is_closed:
+                raise
+            asyncio.current_task().uncancel()
+            if reply is not None and reply.on_abandon is not None:
+                await reply.on_abandon()
+        except Exception:  # noqa: BLE001 - the edge answers every failure as OpenAI JSON
+            log.exception("router: unexpected error on %s", request.url.decode("latin-1"))
+            if reply is None:
+                reply = error_reply(500, "internal router error")
+                conn.write(self.head(reply, False, len(reply.body)) + reply.body)
+            conn.transport.close()
+
+    async def write_reply(self, conn: Connection, reply: Reply, is_keep_alive: bool) -> None:
+        if reply.stream is None:
+            conn.write(self.head(reply, is_keep_alive, len(reply.body)) + reply.body)
+            return
+        conn.write(self.head(reply, is_keep_alive, None))
+        stream = reply.stream
+        try:
+            async for chunk in stream:
+                if chunk:
+                    conn.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                if conn.is_write_paused:
+                    await conn.drain()
+        finally:
+            await stream.aclose()
+        conn.write(b"0\r\n\r\n")
+
+    async def asgi(self, conn: Connection, request: Request, path: bytes, query: bytes) -> None:
+        """Hand a non-hot route to the FastAPI app (buffered: these answers are small)."""
+        if request.is_too_large:
+            reply = error_reply(413, f"request body is more than the limit of {self.max_body_bytes} bytes")
+            conn.write(self.head(reply, request.is_keep_alive, len(reply.body)) + reply.body)
+            return
+        sock = conn.transport.get_extra_info("sockname") or ("", 0)
+        peer = conn.transport.get_extra_info("peername") or ("", 0)
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                 "method": request.method.decode(), "scheme": "http", "path": unquote(path.decode("latin-1")),
+                 "raw_path": path, "query_string": query, "root_path": "", "headers": request.headers,
+                 "client": tuple(peer[:2]), "server": tuple(sock[:2])}
+        is_body_read = False
+        answer: dict = {"status": 500, "headers": [], "body": []}
+
+        async def receive() -> dict:
+            nonlocal is_body_read
+            if not is_body_read:
+                is_body_read = True
+                return {"type": "http.request", "body": request.body, "more_body": False}
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                answer["status"], answer["headers"] = message["status"], message.get("headers", [])
+            elif message["type"] == "http.response.body":
+                answer["body"].append(message.get("body", b""))
+
+        try:
+            await self.app(scope, receive, send)
+        except Exception:  # noqa: BLE001
+            log.exception("router: unexpected error on %s", path.decode("latin-1"))
+            answer = {"status": 500, "headers": [(b"content-type", b"application/json")],
+                      "body": [error_reply(500, "internal router error").body]}
+        body = b"".join(answer["body"])
+        parts = [status_line(answer["status"]), self.date_header()]
+        parts += [b"%s: %s\r\n" % (name, value) for name, value in answer["headers"]
+                  if name.lower() not in (b"content-length", b"transfer-encoding", b"connection")]
+        parts.append(b"content-length: %d\r\n" % len(body))
+        if not request.is_keep_alive:
+            parts.append(b"connection: close\r\n")
+        conn.write(b"".join(parts) + b"\r\n" + body)
+
+    async def sweep(self) -> None:
+        """Close keep-alive connections idle for longer than KEEP_ALIVE_S."""
+        while True:
+            await asyncio.sleep(KEEP_ALIVE_S / 5)
+            cutoff = time.monotonic() - KEEP_ALIVE_S
+            for conn in [c for c in self.connections if c.task is None and c.last_active < cutoff]:
+                conn.transport.close()
+
+
+async def run_server(app, host: str, port: int, sock: socket.socket | None = None, *,
+                     stop: asyncio.Event | None = None, ready: asyncio.Event | None = None) -> None:
+    """Serve `app` until SIGTERM/SIGINT (or, when given, until `stop` is set: then no signal handlers are
+    installed, as in a test thread): lifespan, listen, drain, shut down. `ready` is set once listening."""
+    handle_signals = stop is None
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    async with app.router.lifespan_context(app):
+        server = RouterServer(app, app.state.router.settings.max_body_bytes)
+        if sock is None:
+            listener = await loop.create_server(lambda: Connection(server), host, port, backlog=2048,
+                                                reuse_address=True)
+        else:
+            listener = await loop.create_server(lambda: Connection(server), sock=sock, backlog=2048)
+        sweeper = asyncio.create_task(server.sweep())
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+        listener.close()
+        sweeper.cancel()
+        for conn in [c for c in server.connections if c.task is None]:
+            conn.transport.close()
+        deadline = loop.time() + GRACEFUL_S
+        while any(c.task is not None for c in server.connections) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(server.connections):
+            conn.transport.close()
