@@ -106,7 +106,7 @@ async def serve_remote(runtime: NodeRuntime, prepared: PreparedRequest, request:
             await peers.release(params)
         raise
     cmd = ImportKV(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-                   sampling=prepared.sampling, first_token=int(params.first_token_id or 0), params=params,
+                   sampling=prepared.sampling, first=params.first_token(prepared.request_id, len(prepared.prompt_token_ids)), params=params,
                    peer=info)
     events = runtime.executor.events(cmd)
     outcome = await until_disconnect(request, events.__anext__())

@@ -32,22 +32,28 @@ from __future__ import annotations
 
 import math
 import time
-
-import torch
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from engine.cache import BlockTable, RowPool
 from engine.fast.backend import resolve_kernels
 from engine.layout import RowLayout, plan_layout
-from engine.outputs import PromptLogprobs, TokenEvent
 from engine.model.config import ModelConfig, get_preset
 from engine.model.model import KimiModel
 from engine.model.tokenizer import ByteTokenizer
 from engine.model.weights import DEFAULT_SEED, build_model
+from engine.outputs import PromptLogprobs, TokenEvent
 from engine.runner import ModelRunner
-from engine.sampling import SampledToken, SamplingParams, prompt_logprobs, request_seed, sample
+from engine.sampling import (
+    SampledToken,
+    SamplingParams,
+    prompt_logprobs,
+    request_seed,
+    sample,
+)
 from engine.scheduler import Request, RequestState, Scheduler
 
 
@@ -88,6 +94,8 @@ class PrefillResult:
     first_logprob: float
     generation: int = 0
     """Names this export for `release` (unique within the engine)."""
+    first_top_logprobs: tuple[tuple[int, float], ...] = ()
+    """Alternatives to the first token, as many as the request asked for."""
 
 
 @dataclass(frozen=True)
@@ -198,7 +206,7 @@ class Engine:
             req.output_token_ids.append(tok.token_id)
             req.output_logprobs.append(tok.logprob)
             self.scheduler.export(req)
-            out.exported.append(self._prefill_result(req))
+            out.exported.append(self._prefill_result(req, tok))
         else:
             self.scheduler.start_running(req)
             out.tokens.append(self._append(req, tok))
@@ -211,9 +219,9 @@ class Engine:
             return self.runner.prefill(req)
         logits = self.runner.prefill(req, all_logits=True)
         entries = [TokenEvent(request_id=req.request_id, token_id=req.prompt_token_ids[0], index=0)]
-        for i, (lp, top) in enumerate(prompt_logprobs(logits, req.prompt_token_ids, count), start=1):
-            entries.append(TokenEvent(request_id=req.request_id, token_id=req.prompt_token_ids[i], index=i,
-                                      logprob=lp, top_logprobs=top))
+        for i, scored in enumerate(prompt_logprobs(logits, req.prompt_token_ids, count), start=1):
+            entries.append(TokenEvent(request_id=req.request_id, token_id=scored.token_id, index=i,
+                                      logprob=scored.logprob, top_logprobs=scored.top_logprobs, rank=scored.rank))
         out.prompt_logprobs.append(PromptLogprobs(req.request_id, tuple(entries)))
         return logits[-1]
 
@@ -224,7 +232,7 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(req, reason)
         return TokenEvent(request_id=req.request_id, token_id=tok.token_id, index=len(req.output_token_ids) - 1,
-                          logprob=tok.logprob, top_logprobs=tok.top_logprobs, finish_reason=reason,
+                          logprob=tok.logprob, top_logprobs=tok.top_logprobs, rank=tok.rank, finish_reason=reason,
                           num_prompt_tokens=len(req.prompt_token_ids))
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
@@ -254,13 +262,13 @@ class Engine:
         req.output_token_ids.append(tok.token_id)
         req.output_logprobs.append(tok.logprob)
         self.scheduler.export(req)
-        return self._prefill_result(req)
+        return self._prefill_result(req, tok)
 
-    def _prefill_result(self, req: Request) -> PrefillResult:
+    def _prefill_result(self, req: Request, first: SampledToken) -> PrefillResult:
         assert req.table is not None
         return PrefillResult(req.request_id, tuple(req.table.attn_row_ids), tuple(req.table.kda_row_ids),
-                             len(req.prompt_token_ids), req.output_token_ids[0], req.output_logprobs[0],
-                             req.generation)
+                             len(req.prompt_token_ids), first.token_id, first.logprob, req.generation,
+                             first.top_logprobs)
 
     def release(self, request_id: str, generation: int, reads_done: bool = False) -> bool:
         """End export `generation` of `request_id`: its rows are freed when `reads_done` (every READ of them
@@ -285,7 +293,8 @@ class Engine:
         self.reclaim()
         return self.scheduler.add_imported(req, len(req.prompt_token_ids))
 
-    def start_decode(self, request_id: str, first_token: int, first_logprob: float = math.nan) -> list[TokenEvent]:
+    def start_decode(self, request_id: str, first_token: int, first_logprob: float = math.nan,
+                     first_top_logprobs: tuple[tuple[int, float], ...] = ()) -> list[TokenEvent]:
         """The imported rows are complete: emit the first token and put the request in the decode batch."""
         req = self.scheduler.requests.get(request_id)
         if req is None or req.state != RequestState.IMPORTING:
@@ -293,7 +302,7 @@ class Engine:
         if not 0 <= first_token < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token} is out of range")
         self.scheduler.start_running(req)
-        return [self._append(req, SampledToken(first_token, first_logprob))]
+        return [self._append(req, SampledToken(first_token, first_logprob, first_top_logprobs))]
 
     def generate(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
                  sampling: SamplingParams, max_steps: int = 1_000_000) -> GenerationResult:

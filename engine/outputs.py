@@ -26,6 +26,8 @@ class TokenEvent:
     """Natural-log probability of `token_id` under the distribution it was sampled from (NaN: not known)."""
     top_logprobs: tuple[tuple[int, float], ...] = ()
     """The most likely tokens at this position with their log-probs, most likely first (empty unless asked)."""
+    rank: int = 0
+    """1 + how many tokens are strictly more likely than `token_id` here (0: not known)."""
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

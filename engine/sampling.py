@@ -54,6 +54,8 @@ class SampledToken:
     """log p(token) under the model's unscaled distribution (temperature 1, no top-p)."""
     top_logprobs: tuple[tuple[int, float], ...] = ()
     """The most likely tokens with their log-probs (same distribution), most likely first, ties to the lower id."""
+    rank: int = 0
+    """1 + how many tokens are strictly more likely (0: not known)."""
 
 
 def top_logprobs(logprobs: torch.Tensor, count: int) -> tuple[tuple[int, float], ...]:
@@ -82,11 +84,18 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
         token = int(torch.multinomial(probs, 1, generator=gen))
-    return SampledToken(token, float(logprobs[token]), top_logprobs(logprobs, params.logprobs or 0))
+    chosen = logprobs[token]
+    return SampledToken(token, float(chosen), top_logprobs(logprobs, params.logprobs or 0),
+                        int((logprobs > chosen).sum()) + 1)
 
 
-def prompt_logprobs(logits: torch.Tensor, prompt: list[int], count: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+def prompt_logprobs(logits: torch.Tensor, prompt: list[int], count: int) -> list[SampledToken]:
     """logits [T, V] of a prompt's T positions -> for each prompt token after the first, its log-prob under the
-    logits of the position before it, with the `count` most likely alternatives (same rule as `sample`)."""
+    logits of the position before it, with its rank and the `count` most likely alternatives (as `sample`)."""
     logprobs = torch.log_softmax(logits[: len(prompt) - 1], dim=-1)
-    return [(float(logprobs[i, prompt[i + 1]]), top_logprobs(logprobs[i], count)) for i in range(len(prompt) - 1)]
+    out = []
+    for i, token in enumerate(prompt[1:]):
+        chosen = logprobs[i, token]
+        out.append(SampledToken(token, float(chosen), top_logprobs(logprobs[i], count),
+                                int((logprobs[i] > chosen).sum()) + 1))
+    return out

@@ -12,7 +12,9 @@ Packed-row fields (ours, absent from vLLM's JSON and therefore optional):
 - `block_size`: P's tokens per attention row; `subblock_tokens`; `layout_fingerprint` (engine.layout).
 - `remote_block_ids[0]` holds P's attention row ids in token order; `remote_kda_block_ids` one KDA row per
   KDA group (in group order).
-- `first_token_id`: the token P sampled, so D starts decoding without recomputing it.
+- `first_token_id`: the token P sampled, so D starts decoding without recomputing it; `first_token_logprob` and
+  `first_token_top_logprobs` ([[token id, log-prob], ...]): its log-prob and the alternatives the request asked for,
+  which D reports as its first entry.
 - `lease_id`, `lease_expiry` (unix seconds on P's clock): how long P keeps the rows for this reader.
 
 `check_readable(params, ...)` is the D-side gate run before any memory is touched: every problem with the
@@ -22,10 +24,13 @@ params (unknown engine id, fingerprint mismatch, row ids out of range, expired l
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from engine.outputs import TokenEvent
 
 
 class KVParamsError(ValueError):
@@ -58,6 +63,8 @@ class KVTransferParams(BaseModel):
     layout_fingerprint: str | None = None
     remote_kda_block_ids: list[int] | None = None
     first_token_id: int | None = None
+    first_token_logprob: float | None = None
+    first_token_top_logprobs: list[tuple[int, float]] | None = None
     lease_id: str | None = None
     lease_expiry: float | None = None
 
@@ -76,6 +83,23 @@ class KVTransferParams(BaseModel):
     def to_wire(self) -> dict[str, Any]:
         """The JSON object to send: fields that were set (or parsed), unknown keys kept."""
         return self.model_dump(exclude_unset=True, mode="json")
+
+    @classmethod
+    def first_token_fields(cls, first: TokenEvent) -> dict[str, Any]:
+        """The first-token fields for P's answer (a log-prob that is not known is left out)."""
+        fields: dict[str, Any] = {"first_token_id": first.token_id}
+        if not math.isnan(first.logprob):
+            fields["first_token_logprob"] = first.logprob
+        if first.top_logprobs:
+            fields["first_token_top_logprobs"] = [list(pair) for pair in first.top_logprobs]
+        return fields
+
+    def first_token(self, request_id: str, num_prompt_tokens: int) -> TokenEvent:
+        """The first-token event D streams for `request_id` (NaN log-prob when P sent none)."""
+        logprob = math.nan if self.first_token_logprob is None else self.first_token_logprob
+        top = tuple((int(i), float(lp)) for i, lp in self.first_token_top_logprobs or ())
+        return TokenEvent(request_id=request_id, token_id=self.first_token_id, logprob=logprob, top_logprobs=top,
+                          num_prompt_tokens=num_prompt_tokens)
 
     @property
     def attention_rows(self) -> list[int]:

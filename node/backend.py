@@ -97,7 +97,7 @@ class ReferenceBackend:
         self.engine = Engine(engine_config, model=model, make_cache=make_cache, clock=lambda: self._now)
         self.layout = self.engine.layout
         self.model_config = self.engine.model_config
-        self._first_tokens: dict[str, int] = {}
+        self._first_tokens: dict[str, TokenEvent] = {}
 
     def begin_round(self, now: float) -> None:
         self._now = now
@@ -114,7 +114,7 @@ class ReferenceBackend:
 
     def allocate_import(self, cmd: ImportKV) -> tuple[list[int], list[int]]:
         table = self.engine.allocate_for_import(cmd.request_id, list(cmd.prompt_token_ids), _sampling(cmd.sampling))
-        self._first_tokens[cmd.request_id] = cmd.first_token
+        self._first_tokens[cmd.request_id] = cmd.first
         return list(table.attn_row_ids), list(table.kda_row_ids)
 
     def start_decode(self, request_id: str) -> list[Event]:
@@ -124,7 +124,8 @@ class ReferenceBackend:
         first = self._first_tokens.pop(request_id, None)
         if first is None:
             return []
-        return list(self.engine.start_decode(request_id, first))
+        return list(self.engine.start_decode(request_id, int(first.token_id or 0), first.logprob,
+                                             first.top_logprobs))
 
     def abort(self, request_id: str) -> list[Event]:
         self._first_tokens.pop(request_id, None)
@@ -143,9 +144,12 @@ class ReferenceBackend:
         if not self.engine.has_work:
             return []
         outputs = self.engine.step()
-        events: list[Event] = list(outputs.tokens)
+        events: list[Event] = [*outputs.prompt_logprobs, *outputs.tokens]
         events += [ExportedRows(request_id=res.request_id, attn_row_ids=res.attn_row_ids, kda_row_ids=res.kda_row_ids,
-                                num_tokens=res.num_tokens, first_token=res.first_token, generation=res.generation)
+                                num_tokens=res.num_tokens, generation=res.generation,
+                                first=TokenEvent(request_id=res.request_id, token_id=res.first_token,
+                                                 logprob=res.first_logprob, top_logprobs=res.first_top_logprobs,
+                                                 finish_reason="length", num_prompt_tokens=res.num_tokens))
                    for res in outputs.exported]
         return events
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.outputs import TokenEvent
 from serving.protocol import ChatChoiceLogprobs, ChatLogprob, CompletionLogprobs
@@ -63,6 +63,25 @@ def completion_logprobs(tokenizer: Detokenizer, events: Sequence[TokenEvent], pr
         top = {token_name(tokenizer, i): lp for i, lp in event.top_logprobs}
         top.setdefault(out.tokens[-1], out.token_logprobs[-1])  # type: ignore[arg-type]
         out.top_logprobs.append(top)
+    return out
+
+
+def vllm_prompt_logprobs(tokenizer: Detokenizer, events: Sequence[TokenEvent]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the prompt token and the most likely alternatives."""
+    out: list[dict[str, Any] | None] = []
+    for event in events:
+        if event.token_id is None or (math.isnan(event.logprob) and not event.top_logprobs):
+            out.append(None)
+            continue
+        entry: dict[str, Any] = {}
+        values = [lp for _, lp in event.top_logprobs]
+        for i, (token_id, lp) in enumerate(event.top_logprobs):
+            rank = values.index(lp) + 1  # 1 + how many alternatives are strictly more likely (sorted list)
+            entry[str(token_id)] = {"logprob": lp, "rank": rank, "decoded_token": tokenizer.decode([token_id])}
+        entry[str(event.token_id)] = {"logprob": _finite(event.logprob), "rank": event.rank or None,
+                                      "decoded_token": tokenizer.decode([event.token_id])}
+        out.append(entry)
     return out
 
 

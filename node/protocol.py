@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.outputs import TokenEvent
+from engine.outputs import PromptLogprobs, TokenEvent
 
 # ---------------------------------------------------------------------- commands (driver -> ranks)
 
@@ -48,14 +48,15 @@ class ImportKV:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingSpec
-    first_token: int
+    first: TokenEvent
+    """The token the prefill node sampled (id, log-prob, alternatives), the first one this request streams."""
     params: Any
     peer: Any
 
 
 @dataclass(frozen=True)
 class StartDecode:
-    """Every rank imported its share: decode from the imported rows, starting after `first_token`."""
+    """Every rank imported its share: decode from the imported rows, starting after `ImportKV.first`."""
 
     request_id: str
 
@@ -100,7 +101,8 @@ class ExportedRows:
     attn_row_ids: tuple[int, ...]
     kda_row_ids: tuple[int, ...]
     num_tokens: int
-    first_token: int
+    first: TokenEvent
+    """The sampled first token (id, log-prob, alternatives)."""
     num_cached_tokens: int = 0
     generation: int = 0
     """Names this export in `Release` (the engine's per-export counter)."""
@@ -147,7 +149,7 @@ class TransportNotice:
     is_final: bool = False
 
 
-Event = TokenEvent | ExportedRows | ImportOutcome | EngineFailure | TransportNotice
+Event = TokenEvent | PromptLogprobs | ExportedRows | ImportOutcome | EngineFailure | TransportNotice
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,12 @@ from typing import Any
 from pydantic import BaseModel
 
 from engine.outputs import TokenEvent
-from node.logprobs import Detokenizer, chat_logprobs, completion_logprobs
+from node.logprobs import (
+    Detokenizer,
+    chat_logprobs,
+    completion_logprobs,
+    vllm_prompt_logprobs,
+)
 from node.textgen import GenerationResult, Piece, PreparedRequest
 from serving.protocol import (
     ChatCompletionChoice,
@@ -49,40 +54,73 @@ def _logprobs(prepared: PreparedRequest, tokenizer: Detokenizer, events: Sequenc
     return completion_logprobs(tokenizer, events, prefix_ids)
 
 
+def _prompt_logprobs(prepared: PreparedRequest, tokenizer: Detokenizer, result: GenerationResult) -> Any:
+    return vllm_prompt_logprobs(tokenizer, result.prompt_tokens) if prepared.prompt_logprobs else None
+
+
 def final_response(prepared: PreparedRequest, result: GenerationResult, tokenizer: Detokenizer,
                    kv_transfer_params: dict[str, Any] | None = None) -> BaseModel:
-    """The non-streaming body."""
+    """The non-streaming body. Completions with `echo` start with the prompt's text (and its tokens' log-probs;
+    the first prompt token has none)."""
     usage = usage_of(prepared, result)
-    logprobs = _logprobs(prepared, tokenizer, result.tokens)
+    prompt_logprobs = _prompt_logprobs(prepared, tokenizer, result)
     if prepared.kind == "chat":
-        choice = ChatCompletionChoice(message=ChatMessageOut(content=result.text), logprobs=logprobs,
-                                      finish_reason=result.finish_reason)
+        choice = ChatCompletionChoice(message=ChatMessageOut(content=result.text), finish_reason=result.finish_reason,
+                                      logprobs=_logprobs(prepared, tokenizer, result.tokens),
+                                      prompt_logprobs=prompt_logprobs)
         return ChatCompletionResponse(id=response_id(prepared), model=prepared.model, choices=[choice],
                                       usage=usage, kv_transfer_params=kv_transfer_params)
-    choice = CompletionChoice(text=result.text, logprobs=logprobs, finish_reason=result.finish_reason,
-                              token_ids=result.token_ids)
+    text, events, token_ids = result.text, list(result.tokens), result.token_ids
+    if prepared.echo:
+        text = tokenizer.decode(prepared.prompt_token_ids) + text
+        events = (result.prompt_tokens or [TokenEvent(request_id="", token_id=t) for t in prepared.prompt_token_ids]
+                  ) + events
+        token_ids = list(prepared.prompt_token_ids) + token_ids
+    choice = CompletionChoice(text=text, logprobs=_logprobs(prepared, tokenizer, events),
+                              finish_reason=result.finish_reason, token_ids=token_ids,
+                              prompt_logprobs=prompt_logprobs)
     return CompletionResponse(id=response_id(prepared), model=prepared.model, choices=[choice], usage=usage,
                               kv_transfer_params=kv_transfer_params)
 
 
 def _chunk(prepared: PreparedRequest, rid: str, text: str | None, finish: str | None,
-           role: bool = False, logprobs: Any = None) -> BaseModel:
+           role: bool = False, logprobs: Any = None, prompt_logprobs: Any = None) -> BaseModel:
     if prepared.kind == "chat":
         delta = DeltaMessage(role="assistant" if role else None, content=text)
-        choice = ChatStreamChoice(delta=delta, logprobs=logprobs, finish_reason=finish)
+        choice = ChatStreamChoice(delta=delta, logprobs=logprobs, finish_reason=finish, prompt_logprobs=prompt_logprobs)
         return ChatCompletionStreamResponse(id=rid, model=prepared.model, choices=[choice])
-    choice = CompletionStreamChoice(text=text or "", logprobs=logprobs, finish_reason=finish)
+    choice = CompletionStreamChoice(text=text or "", logprobs=logprobs, finish_reason=finish,
+                                    prompt_logprobs=prompt_logprobs)
     return CompletionStreamResponse(id=rid, model=prepared.model, choices=[choice])
+
+
+def _prompt_chunk(prepared: PreparedRequest, rid: str, piece: Piece, tokenizer: Detokenizer) -> BaseModel | None:
+    """The chunk for the prompt piece: the echoed prompt with its tokens' log-probs (completions with `echo`)
+    and vLLM's `prompt_logprobs` when asked; None when the client asked for neither."""
+    vllm_list = vllm_prompt_logprobs(tokenizer, piece.tokens) if prepared.prompt_logprobs else None
+    echoed = prepared.echo and prepared.kind == "completion"
+    if not echoed and vllm_list is None:
+        return None
+    logprobs = _logprobs(prepared, tokenizer, piece.tokens) if echoed else None
+    return _chunk(prepared, rid, piece.text if echoed else "", None, logprobs=logprobs, prompt_logprobs=vllm_list)
 
 
 async def stream_chunks(prepared: PreparedRequest, pieces: AsyncIterator[Piece], result: GenerationResult,
                         tokenizer: Detokenizer) -> AsyncIterator[BaseModel]:
-    """Chunks for one streamed request (without `[DONE]`); each carries the log-probs of the tokens it covers."""
+    """Chunks for one streamed request (without `[DONE]`); each carries the log-probs of the tokens it covers.
+    The prompt's chunk (echo, prompt log-probs) comes first; offsets of later tokens continue after it."""
     rid = response_id(prepared)
     if prepared.kind == "chat":
         yield _chunk(prepared, rid, "", None, role=True)
     streamed_ids: list[int] = []
     async for piece in pieces:
+        if piece.is_prompt:
+            chunk = _prompt_chunk(prepared, rid, piece, tokenizer)
+            if chunk is not None:
+                yield chunk
+            if prepared.echo:
+                streamed_ids += list(prepared.prompt_token_ids)
+            continue
         if piece.text or piece.finish_reason:
             logprobs = _logprobs(prepared, tokenizer, piece.tokens, streamed_ids)
             streamed_ids += [int(e.token_id) for e in piece.tokens if e.token_id is not None]

@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol
 
 from kv_transfer.params import KVParamsError, KVTransferParams
 from node.metrics import RequestTiming
-from node.protocol import EngineFailure, SamplingSpec, TokenEvent
+from node.protocol import EngineFailure, PromptLogprobs, SamplingSpec, TokenEvent
 from serving.errors import APIError
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -51,6 +51,10 @@ class PreparedRequest:
     stop_strings: tuple[str, ...]
     stream: bool
     include_usage: bool
+    echo: bool
+    """Completions: the answer's text (and log-probs) start with the prompt's."""
+    prompt_logprobs: bool
+    """Answer with vLLM's `prompt_logprobs` list."""
     kv_params: KVTransferParams | None
     """The request's parsed `kv_transfer_params` (None when absent)."""
 
@@ -81,12 +85,20 @@ def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: Token
 def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     """How many alternatives per sampled token the request asks for (None: no log-probs)."""
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise APIError(400, "echo is not supported by this engine yet", "echo")
         return req.logprobs
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Alternatives per prompt position the engine must compute (None: no prompt log-probs): vLLM's
+    `prompt_logprobs`, or an echo (the echoed prompt comes back with its tokens' log-probs when `logprobs` is
+    set; the engine's prompt event also carries the prompt's place in the stream)."""
+    counts = [req.prompt_logprobs] if req.prompt_logprobs is not None else []
+    if isinstance(req, CompletionRequest) and req.echo:
+        counts.append(req.logprobs or 0)
+    return max(counts) if counts else None
 
 
 def _kv_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
@@ -111,6 +123,9 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_
         raise APIError(400, f"This model's maximum context length is {limits.max_context} tokens. However, your "
                             f"prompt has {len(ids)} tokens, leaving no room for output.", param)
     max_tokens = req.max_tokens if req.max_tokens is not None else min(limits.default_max_tokens, room)
+    echo = isinstance(req, CompletionRequest) and req.echo
+    if max_tokens == 0 and not echo and req.prompt_logprobs is None:
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo or prompt_logprobs)", "max_tokens")
     if len(ids) + max_tokens > limits.max_context:
         raise APIError(400, f"This model's maximum context length is {limits.max_context} tokens. However, you "
                             f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {param}, {max_tokens} "
@@ -119,10 +134,12 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_
         max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=_logprobs(req),
+        prompt_logprobs=_prompt_logprobs(req),
     )
     return PreparedRequest(request_id=request_id, kind=kind, model=model, prompt_token_ids=tuple(ids),
                            sampling=sampling, stop_strings=tuple(req.stop_strings), stream=req.stream,
-                           include_usage=req.include_usage, kv_params=_kv_params(req.kv_transfer_params))
+                           include_usage=req.include_usage, echo=echo, prompt_logprobs=req.prompt_logprobs is not None,
+                           kv_params=_kv_params(req.kv_transfer_params))
 
 
 class TextAssembler:
@@ -169,6 +186,8 @@ class Piece:
     text: str
     tokens: tuple[TokenEvent, ...]
     finish_reason: str | None = None
+    is_prompt: bool = False
+    """The prompt's log-probs (`tokens`: one per prompt position), and with `echo` its text, before any token."""
 
 
 @dataclass
@@ -180,6 +199,8 @@ class GenerationResult:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     timing: RequestTiming | None = None
+    prompt_tokens: list[TokenEvent] = field(default_factory=list)
+    """One event per prompt position with its log-prob, when the request asked for prompt log-probs."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -197,6 +218,11 @@ async def generate_pieces(events: AsyncIterator[Any], prepared: PreparedRequest,
         async for event in events:
             if isinstance(event, EngineFailure):
                 raise APIError(event.status, event.error)
+            if isinstance(event, PromptLogprobs):
+                result.prompt_tokens = list(event.tokens)
+                echoed = tokenizer.decode(prepared.prompt_token_ids) if prepared.echo else ""
+                yield Piece(echoed, event.tokens, is_prompt=True)
+                continue
             if not isinstance(event, TokenEvent):
                 continue
             result.num_cached_tokens = max(result.num_cached_tokens, event.num_cached_tokens)

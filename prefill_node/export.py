@@ -11,6 +11,7 @@ lease expiry ends it; an abort that lands before the lease is granted makes the 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from fastapi import Request
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from node.app import NodeRuntime, until_disconnect
 from node.metrics import RequestTiming
-from node.protocol import EngineFailure, ExportedRows, Submit, TokenEvent
+from node.protocol import EngineFailure, ExportedRows, Submit
 from node.responses import final_response
 from node.textgen import GenerationResult, PreparedRequest
 from serving.errors import APIError
@@ -55,9 +56,8 @@ async def serve_export(runtime: NodeRuntime, prepared: PreparedRequest, request:
     finally:
         exports.forget(prepared.request_id)
     elapsed = time.monotonic() - started
-    first = TokenEvent(request_id=prepared.request_id, token_id=exported.first_token, finish_reason="length",
-                       num_prompt_tokens=len(prepared.prompt_token_ids))
-    result = GenerationResult(tokens=[first], text=runtime.tokenizer.decode([exported.first_token]),
+    first = dataclasses.replace(exported.first, request_id=prepared.request_id)
+    result = GenerationResult(tokens=[first], text=runtime.tokenizer.decode([int(exported.first.token_id or 0)]),
                               finish_reason="length", num_cached_tokens=exported.num_cached_tokens)
     runtime.metrics.observe_request(RequestTiming(num_prompt_tokens=len(prepared.prompt_token_ids),
                                                   num_output_tokens=1, finish_reason="length", e2e=elapsed,

@@ -96,7 +96,7 @@ class ExportTable:
             remote_num_tokens=exported.num_tokens, remote_blocks_expiry_time=lease.expiry, transfer_mode="pull",
             remote_prefill_cached_tokens=exported.num_cached_tokens, block_size=ident.block_size,
             subblock_tokens=ident.subblock_tokens, layout_fingerprint=ident.layout_fingerprint,
-            remote_kda_block_ids=list(exported.kda_row_ids), first_token_id=exported.first_token,
+            remote_kda_block_ids=list(exported.kda_row_ids), **KVTransferParams.first_token_fields(exported.first),
             lease_id=lease.lease_id, lease_expiry=lease.expiry,
         )
 

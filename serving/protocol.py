@@ -34,7 +34,8 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)
+    """0 only with echo or prompt_logprobs: the prompt is scored, nothing is generated."""
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None
@@ -45,6 +46,8 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """vLLM's extension: log-probs of the prompt tokens with this many alternatives."""
     kv_transfer_params: KVParamsField = None
 
     @field_validator("n")
@@ -164,10 +167,15 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+PromptLogprobEntry = dict[str, dict[str, Any]] | None
+"""vLLM's prompt_logprobs entry: token id (as a string) -> {logprob, rank, decoded_token}; None for the first."""
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[PromptLogprobEntry] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -187,6 +195,7 @@ class CompletionStreamChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[PromptLogprobEntry] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -222,6 +231,7 @@ class ChatCompletionChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     logprobs: ChatChoiceLogprobs | None = None
+    prompt_logprobs: list[PromptLogprobEntry] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -246,6 +256,7 @@ class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
+    prompt_logprobs: list[PromptLogprobEntry] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

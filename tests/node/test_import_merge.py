@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 
 def _import(request_id: str) -> ImportKV:
     return ImportKV(request_id=request_id, prompt_token_ids=(1, 2), sampling=SamplingSpec(max_tokens=1),
-                    first_token=3, params=None, peer=None)
+                    first=TokenEvent(request_id=request_id, token_id=3), params=None, peer=None)
 
 
 def test_outcome_waits_for_every_rank_and_uncancelled_reads_are_held():

@@ -103,3 +103,37 @@ def test_logprobs_not_asked_stay_null_and_bad_values_are_refused(node):
     orphan = httpx.post(f"{node}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "top_logprobs": 2})
     assert orphan.status_code == 400 and orphan.json()["error"]["param"] == "top_logprobs"
+
+
+def test_echo_scores_the_prompt_and_matches_served_logprobs(node, oracle):
+    """Teacher forcing over HTTP: prompt + the served answer, echoed with max_tokens=0, gives back the served
+    log-probs bit for bit; the first prompt token has none; vLLM's prompt_logprobs agree."""
+    want = oracle["sampled"]
+    ids = ByteTokenizer().encode(PROMPT)
+    body = {"prompt": ids + want.token_ids, "max_tokens": 0, "echo": True, "logprobs": 2, "prompt_logprobs": 1}
+    out = httpx.post(f"{node}/v1/completions", json=body, timeout=300).json()
+    choice = out["choices"][0]
+    logprobs = choice["logprobs"]
+    assert choice["token_ids"] == ids + want.token_ids and out["usage"]["completion_tokens"] == 0
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][len(ids):] == want.logprobs
+    vllm_style = choice["prompt_logprobs"]
+    assert vllm_style[0] is None
+    for position, token in enumerate(want.token_ids, start=len(ids)):
+        assert vllm_style[position][str(token)]["logprob"] == want.logprobs[position - len(ids)]
+        assert vllm_style[position][str(token)]["rank"] >= 1
+    streamed = _stream(node, "/v1/completions", body)
+    first = streamed[0]["choices"][0]
+    assert first["logprobs"]["token_logprobs"] == logprobs["token_logprobs"]
+    assert first["prompt_logprobs"] == vllm_style
+
+
+def test_echo_prefixes_the_prompt_text(node):
+    body = {"prompt": PROMPT, "max_tokens": 3, "echo": True, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(f"{node}/v1/completions", json={**body, "echo": False}, timeout=300).json()
+    echoed = httpx.post(f"{node}/v1/completions", json=body, timeout=300).json()
+    assert echoed["choices"][0]["text"] == PROMPT + plain["choices"][0]["text"]
+    streamed = "".join(c["text"] for chunk in _stream(node, "/v1/completions", body) for c in chunk["choices"])
+    assert streamed == echoed["choices"][0]["text"]
+    zero = httpx.post(f"{node}/v1/completions", json={"prompt": PROMPT, "max_tokens": 0}, timeout=60)
+    assert zero.status_code == 400 and zero.json()["error"]["param"] == "max_tokens"

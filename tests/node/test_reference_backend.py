@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.parallel.groups import ParallelContext
 from node.backend import build_backend
-from node.protocol import ImportKV, SamplingSpec
+from node.protocol import ImportKV, SamplingSpec, TokenEvent
 from node.runtime import WorkerConfig
 
 
@@ -15,7 +15,8 @@ def _backend():
 
 
 def _import(backend, request_id: str) -> None:
-    backend.allocate_import(ImportKV(request_id=request_id, prompt_token_ids=(1, 72, 105), first_token=33,
+    backend.allocate_import(ImportKV(request_id=request_id, prompt_token_ids=(1, 72, 105),
+                                     first=TokenEvent(request_id=request_id, token_id=33),
                                      sampling=SamplingSpec(max_tokens=4), params=None, peer=None))
 
 

@@ -129,7 +129,7 @@ class ToyBackend:
     def start_decode(self, request_id: str) -> list[Event]:
         req = self.reqs[request_id]
         req.state = "running"
-        return self._emit(req, req.cmd.first_token)
+        return self._emit(req, int(req.cmd.first.token_id))
 
     def _emit(self, req: _Req, token: int) -> list[Event]:
         req.out.append(token)
@@ -187,7 +187,8 @@ class ToyBackend:
                     req.generation = self.generations
                     events.append(ExportedRows(request_id=req.cmd.request_id, attn_row_ids=tuple(req.attn_rows),
                                                kda_row_ids=tuple(req.kda_rows),
-                                               num_tokens=len(req.cmd.prompt_token_ids), first_token=first,
+                                               num_tokens=len(req.cmd.prompt_token_ids),
+                                               first=TokenEvent(request_id=req.cmd.request_id, token_id=first),
                                                generation=req.generation))
                 else:
                     req.state = "running"
