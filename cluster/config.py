@@ -146,6 +146,9 @@ class RouterSpec(_Strict):
     """Bearer token for the router's admin endpoints (written into the router config)."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """Router `Settings` fields (router/settings.py), written to the `router:` section of its config."""
+    workers: int = Field(1, ge=1)
+    """Router worker processes (`ROUTER_WORKERS`): one by default here, where the engines share the cores
+    (`pdcluster router` alone defaults to the cores available; the chart to its CPU request)."""
 
 
 class VllmSpec(_Strict):

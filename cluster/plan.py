@@ -231,4 +231,4 @@ def plan_router(config: ClusterConfig, ports: Ports, config_path: Path, python: 
     argv = _pdcluster(python, "router", "--config", str(config_path), "--port", str(port), "--host", config.host,
                       *config.router.extra_args)
     return ProcessPlan(name="router", role="router", pool="", engine=config.engine, host=config.host, port=port,
-                       argv=argv, env=dict(config.router.env))
+                       argv=argv, env={"ROUTER_WORKERS": str(config.router.workers), **config.router.env})

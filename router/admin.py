@@ -66,7 +66,7 @@ async def get_pools(request: Request) -> dict:
     return pools_view(_state(request))
 
 
-def _set_draining(request: Request, name: str, value: bool) -> dict:
+async def _set_draining(request: Request, name: str, value: bool) -> dict:
     state = _state(request)
     inst = state.registry.get(name)
     if inst is None:
@@ -75,18 +75,18 @@ def _set_draining(request: Request, name: str, value: bool) -> dict:
     if value and inst.spec.role == "decode":
         state.sessions.drop_instance(name)
     if state.shared is not None:
-        state.shared.set_draining(name, value)  # the other workers follow within shared_sync_interval_s
+        await state.shared.set_draining(name, value)  # every sibling worker applies it before this answers
     return {"name": name, "draining": value, "inflight": inst.num_inflight}
 
 
 @router.post("/admin/instances/{name:path}/drain")
 async def drain(request: Request, name: str) -> dict:
-    return _set_draining(request, name, True)
+    return await _set_draining(request, name, True)
 
 
 @router.post("/admin/instances/{name:path}/undrain")
 async def undrain(request: Request, name: str) -> dict:
-    return _set_draining(request, name, False)
+    return await _set_draining(request, name, False)
 
 
 @router.get("/admin/sessions")

@@ -27,7 +27,7 @@ from router.metrics import CONTENT_TYPE
 from router.settings import Settings
 from router.state import RouterState
 from router.upstream import HttpxUpstream, UpstreamPool
-from router.workers import WorkerShared
+from router.shared import WorkerShared
 from serving.errors import APIError, install_error_handlers
 
 
@@ -77,10 +77,12 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
                                     healthy_threshold=settings.healthy_threshold,
                                     facts_interval_s=settings.facts_interval_s)
             app.state.health_checker = checker
+            if shared is not None:
+                checker.on_change = lambda: shared.tell_siblings(b"health")
             await checker.check_all()
             tasks = [asyncio.create_task(checker.run())]
             if state.shared is not None:
-                tasks.append(asyncio.create_task(state.shared.run(state)))
+                tasks.append(asyncio.create_task(state.shared.run(state, checker)))
             kube = config.kubernetes
             if kube is not None or settings.kube_namespace:
                 namespace = kube.namespace if kube else settings.kube_namespace
@@ -128,7 +130,7 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
         state.refresh_gauges()
         text = state.metrics.render()
         if state.shared is not None:
-            text = state.shared.merged_metrics(text)
+            text = await state.shared.merged_metrics(text)
         return Response(text, media_type=CONTENT_TYPE)
 
     return app

@@ -48,6 +48,8 @@ class HealthChecker:
         self.healthy_threshold = healthy_threshold
         self.facts_interval_s = facts_interval_s
         self._facts_at: dict[str, float] = {}
+        self.on_change = None
+        """Awaited after a round that changed health or facts (router/shared.py tells sibling workers)."""
 
     async def _refresh_facts(self, state: InstanceState) -> bool:
         """Scrape /metrics (every round) and /v1/models (when due); True if geometry facts changed."""
@@ -77,11 +79,13 @@ class HealthChecker:
         flipped = apply_probe(state, ok, self.unhealthy_threshold, self.healthy_threshold, None if ok else error)
         return flipped or changed
 
-    async def check_all(self) -> None:
+    async def check_all(self, notify: bool = True) -> None:
         states = self.registry.states()
         results = await asyncio.gather(*(self.probe(s) for s in states))
         if any(results):
             self.registry.recompute_matrix()
+            if notify and self.on_change is not None:
+                await self.on_change()
 
     async def run(self) -> None:
         while True:

@@ -69,14 +69,15 @@ class Settings(BaseSettings):
 
     workers: int = 1
     """Worker processes serving the port (`pdcluster router --workers N`; default there: the cores available).
-    Shared between them: drains and the metrics of every worker (router/workers.py); per worker: breakers,
-    warm pairs, health checks and session tables (sessions placed by a hash every worker agrees on)."""
+    Shared between them: drains, metrics and health news (router/shared.py); per worker: breakers, warm
+    pairs and session tables (sessions placed by a hash every worker agrees on)."""
     worker_id: int = 0
     """Set by the worker supervisor; 0 for a single worker."""
     state_dir: str | None = None
     """Directory the workers share (drain markers, metric snapshots); set by the supervisor when workers > 1."""
     shared_sync_interval_s: float = 1.0
-    """How often a worker applies other workers' drains and publishes its metrics for the others."""
+    """How often a worker re-reads the drain markers and publishes its metric snapshot (siblings are also
+    told at once; these are the fallback)."""
 
     kube_namespace: str | None = None
     kube_label_selector: str = "app.kubernetes.io/part-of=pdcluster"

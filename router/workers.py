@@ -5,22 +5,12 @@
 directory, and forks `workers` processes; each binds the port with SO_REUSEPORT (the kernel spreads new
 connections over them) and runs its own app. A worker that dies is started again.
 
-What the workers share, and what they do not (each is a full router with its own event loop):
-- drains: `POST /admin/instances/NAME/drain` on any worker writes a marker in the state directory; every
-  worker applies the markers within `shared_sync_interval_s` (the answering worker at once).
-- metrics: each worker publishes its counters and histograms there every `shared_sync_interval_s`;
-  `/metrics` on any worker sums them with its own live values (gauges are the answering worker's).
-- per worker: circuit breakers and warm pairs (a failing instance is learnt by each worker from its own
-  share of the traffic: up to `workers x breaker_failure_threshold` requests meet it before all stop),
-  health checks (each worker probes every instance), and session tables. Sessions stay sticky across
-  workers because a session's instance is chosen by rendezvous hashing of its id (placement.py,
-  `hash_sessions`); what a worker remembers of a session's context (the growth that moves it to a DCP
-  pool) is its own, so a worker that has not seen the session's long turns places it by its request alone.
+The workers share drains, metrics and health news through router/shared.py (which also says what stays
+per worker and why that is safe).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import multiprocessing
 import os
@@ -29,97 +19,10 @@ import signal
 import socket
 import tempfile
 import time
-from pathlib import Path
-from urllib.parse import quote, unquote
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.settings import Settings
 
 log = logging.getLogger("router")
-SUMMED_TYPES = ("counter", "histogram")
-
-
-class WorkerShared:
-    """One worker's view of the shared state directory."""
-
-    def __init__(self, state_dir: str, worker_id: int) -> None:
-        self.root = Path(state_dir)
-        self.worker_id = worker_id
-        self.drain_dir = self.root / "drain"
-        self.metrics_dir = self.root / "metrics"
-        for path in (self.drain_dir, self.metrics_dir):
-            path.mkdir(parents=True, exist_ok=True)
-
-    def set_draining(self, name: str, value: bool) -> None:
-        marker = self.drain_dir / quote(name, safe="")
-        if value:
-            marker.touch()
-        else:
-            marker.unlink(missing_ok=True)
-
-    def drained(self) -> set[str]:
-        return {unquote(path.name) for path in self.drain_dir.iterdir()}
-
-    def apply_drains(self, state) -> None:
-        drained = self.drained()
-        for inst in state.registry.states():
-            is_draining = inst.spec.name in drained
-            if is_draining and not inst.is_draining and inst.spec.role == "decode":
-                state.sessions.drop_instance(inst.spec.name)
-            inst.is_draining = is_draining
-
-    def publish_metrics(self, text: bytes) -> None:
-        target = self.metrics_dir / f"{self.worker_id}.prom"
-        tmp = target.with_suffix(".tmp")
-        tmp.write_bytes(text)
-        tmp.replace(target)
-
-    async def run(self, state) -> None:
-        while True:
-            try:
-                self.apply_drains(state)
-                self.publish_metrics(state.metrics.render())
-            except OSError as exc:
-                log.warning("worker %d: shared state sync failed: %s", self.worker_id, exc)
-            await asyncio.sleep(state.settings.shared_sync_interval_s)
-
-    def merged_metrics(self, own: bytes) -> bytes:
-        """`own` exposition with every other worker's counters and histograms added in."""
-        others = [path.read_text() for path in self.metrics_dir.glob("*.prom")
-                  if path.stem != str(self.worker_id)]
-        return merge_expositions(own.decode(), others).encode()
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(labels: tuple[tuple[str, str], ...]) -> str:
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels) + "}" if labels else ""
-
-
-def merge_expositions(own: str, others: list[str]) -> str:
-    """Text exposition: `own`'s families, counter and histogram samples summed with `others` (whose
-    gauges are ignored); `_created` samples are dropped (they do not add up)."""
-    families: dict[str, tuple[str, str, dict[tuple, float]]] = {}
-    for i, text in enumerate([own, *others]):
-        for family in text_string_to_metric_families(text):
-            if i and family.type not in SUMMED_TYPES:
-                continue
-            _, _, samples = families.setdefault(family.name, (family.type, family.documentation, {}))
-            for sample in family.samples:
-                if sample.name.endswith("_created"):
-                    continue
-                key = (sample.name, tuple(sample.labels.items()))
-                samples[key] = samples.get(key, 0.0) + sample.value if family.type in SUMMED_TYPES \
-                    else sample.value
-    lines = []
-    for name, (kind, doc, samples) in families.items():
-        exposed = f"{name}_total" if kind == "counter" else name
-        lines += [f"# HELP {exposed} {_escape(doc)}", f"# TYPE {exposed} {kind}"]
-        lines += [f"{sample}{_labels(labels)} {value!r}" for (sample, labels), value in samples.items()]
-    return "\n".join(lines) + "\n"
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -3,10 +3,10 @@ real `pdcluster router --workers 2` in front of the light fake engines."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -17,7 +17,7 @@ from router.config import InstanceSpec, PoolSpec, RouterConfig
 from router.placement import RequestShape, place
 from router.registry import Registry
 from router.sessions import SessionTable
-from router.workers import WorkerShared, merge_expositions
+from router.shared import WorkerShared, merge_expositions
 from tests.conftest import REPO_ROOT, free_port
 from tests.router.servers import wait_until
 from tests.router.test_placement import ALL_PAIRS, INSTANCES, POOLS
@@ -62,15 +62,19 @@ class FakeState:
         self.sessions = SessionTable(ttl_s=60, max_sessions=10)
 
 
-def test_drain_on_one_worker_reaches_the_others(tmp_path):
+def test_drain_markers_round_trip(tmp_path):
     first, second = WorkerShared(str(tmp_path), 0), WorkerShared(str(tmp_path), 1)
     state = FakeState()
-    first.set_draining("ns/pod-d0", True)
-    first.set_draining("d0", True)
-    second.apply_drains(state)
-    assert [s.is_draining for s in state.registry.states()] == [True, False]
-    first.set_draining("d0", False)
-    second.apply_drains(state)
+
+    async def main():
+        await first.set_draining("ns/pod-d0", True)  # no sibling listening: the marker still holds
+        await first.set_draining("d0", True)
+        second.apply_drains(state)
+        assert [s.is_draining for s in state.registry.states()] == [True, False]
+        await first.set_draining("d0", False)
+        second.apply_drains(state)
+
+    asyncio.run(main())
     assert not any(s.is_draining for s in state.registry.states())
     assert second.drained() == {"ns/pod-d0"}, "names with slashes survive the round trip"
 
@@ -107,9 +111,10 @@ def completion() -> dict:
 
 @pytest.mark.process
 def test_two_workers_share_drains_and_metrics():
+    """With the periodic sync out of the way (600 s), what the siblings are told is what makes this hold."""
     ports = [free_port() for _ in range(4)]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ROUTER_ADMIN_TOKEN": "t",
-           "ROUTER_SHARED_SYNC_INTERVAL_S": "0.2", "ROUTER_DISAGG_MIN_UNCACHED_TOKENS": "1"}
+           "ROUTER_SHARED_SYNC_INTERVAL_S": "600", "ROUTER_DISAGG_MIN_UNCACHED_TOKENS": "1"}
     fakes = subprocess.Popen([sys.executable, "-m", "tests.router.wire_fake", "--ports", *map(str, ports[1:])],
                              cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     router = None
@@ -129,7 +134,6 @@ def test_two_workers_share_drains_and_metrics():
                 return False
 
         assert wait_until(serves, 60.0, 0.2), "router with two workers did not come up"
-        time.sleep(1.0)  # both workers finished their first health round
         prefixes = set()
         for _ in range(40):  # a fresh connection per request: the kernel spreads them over both workers
             resp = httpx.post(f"{url}/v1/completions", json=completion(), timeout=10)
@@ -141,10 +145,9 @@ def test_two_workers_share_drains_and_metrics():
             text = httpx.get(f"{url}/metrics", timeout=5).text
             return samples(text).get(("pdcluster_requests_total", (("outcome", "ok"), ("pool", "default"))), 0.0)
 
-        assert wait_until(lambda: num_ok() == 41.0, 10.0, 0.1), f"/metrics sums the workers: {num_ok()}"
+        assert num_ok() == 41.0, "/metrics on any worker sums every worker's live counters"
         drained = httpx.post(f"{url}/admin/instances/decode-0/drain", headers={"Authorization": "Bearer t"})
         assert drained.status_code == 200
-        time.sleep(1.0)  # > shared_sync_interval_s: every worker applied the drain
         decodes = {httpx.post(f"{url}/v1/completions", json=completion(), timeout=10).headers["x-pdcluster-decode"]
                    for _ in range(30)}
         assert decodes == {"decode-1"}, "a drain on one worker holds on every worker"
