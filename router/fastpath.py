@@ -1,7 +1,9 @@
 """The hot path as a plain ASGI handler: POST /v1/completions and /v1/chat/completions.
 
-`RouterApp` (router/app.py) hands these two routes here before FastAPI's middleware, routing and
-dependency machinery (which stay for every other route: admin, health, metrics). Per request this does
+For the app under any ASGI server (uvicorn, in-process test clients): `RouterApp` (router/app.py) hands
+these two routes here before FastAPI's middleware, routing and dependency machinery (which stay for every
+other route: admin, health, metrics). `pdcluster router` runs router/server.py instead, which calls the
+same `service.serve` without ASGI. Per request this does
 only: read the body (413 past `max_body_bytes`), pick the three headers the router reads, run
 `service.serve`, write the reply (a body, or the relayed stream chunk by chunk).
 

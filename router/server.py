@@ -7,7 +7,7 @@ seen by a task parked in `receive()`. Here:
   a reply is one `write` (head and body), a stream is its head, then each relayed chunk (chunked).
 - A client that disconnects cancels its request's task at once (`connection_lost`): before the reply
   that aborts the legs in flight; during a stream it ends the relay (both legs aborted, `cancelled`).
-- Every other route (health, metrics, models, admin) goes to the FastAPI app through a small ASGI bridge.
+- Every other route (health, metrics, models, admin) goes to the FastAPI app (router/asgi_bridge.py).
 - Keep-alive with pipelined requests answered in order, `Expect: 100-continue`, bodies past
   `max_body_bytes` refused (413) without buffering them, write back-pressure (a slow client pauses its
   relay), keep-alive connections idle for `KEEP_ALIVE_S` closed; SIGTERM/SIGINT stop accepting and give
@@ -25,10 +25,10 @@ import signal
 import socket
 import time
 from collections import deque
-from urllib.parse import unquote
 
 import httptools
 
+from router.asgi_bridge import call_asgi
 from router.fastpath import ENDPOINTS, READ_HEADERS
 from router.service import Reply, error_reply, serve
 
@@ -241,42 +241,17 @@ class RouterServer:
         conn.write(b"0\r\n\r\n")
 
     async def asgi(self, conn: Connection, request: Request, path: bytes, query: bytes) -> None:
-        """Hand a non-hot route to the FastAPI app (buffered: these answers are small)."""
+        """Hand a non-hot route to the FastAPI app (router/asgi_bridge.py)."""
         if request.is_too_large:
             reply = error_reply(413, f"request body is more than the limit of {self.max_body_bytes} bytes")
             conn.write(self.head(reply, request.is_keep_alive, len(reply.body)) + reply.body)
             return
         sock = conn.transport.get_extra_info("sockname") or ("", 0)
         peer = conn.transport.get_extra_info("peername") or ("", 0)
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-                 "method": request.method.decode(), "scheme": "http", "path": unquote(path.decode("latin-1")),
-                 "raw_path": path, "query_string": query, "root_path": "", "headers": request.headers,
-                 "client": tuple(peer[:2]), "server": tuple(sock[:2])}
-        is_body_read = False
-        answer: dict = {"status": 500, "headers": [], "body": []}
-
-        async def receive() -> dict:
-            nonlocal is_body_read
-            if not is_body_read:
-                is_body_read = True
-                return {"type": "http.request", "body": request.body, "more_body": False}
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                answer["status"], answer["headers"] = message["status"], message.get("headers", [])
-            elif message["type"] == "http.response.body":
-                answer["body"].append(message.get("body", b""))
-
-        try:
-            await self.app(scope, receive, send)
-        except Exception:  # noqa: BLE001
-            log.exception("router: unexpected error on %s", path.decode("latin-1"))
-            answer = {"status": 500, "headers": [(b"content-type", b"application/json")],
-                      "body": [error_reply(500, "internal router error").body]}
-        body = b"".join(answer["body"])
-        parts = [status_line(answer["status"]), self.date_header()]
-        parts += [b"%s: %s\r\n" % (name, value) for name, value in answer["headers"]
+        status, headers, body = await call_asgi(self.app, request.method, path, query, request.headers,
+                                                request.body, tuple(peer[:2]), tuple(sock[:2]))
+        parts = [status_line(status), self.date_header()]
+        parts += [b"%s: %s\r\n" % (name, value) for name, value in headers
                   if name.lower() not in (b"content-length", b"transfer-encoding", b"connection")]
         parts.append(b"content-length: %d\r\n" % len(body))
         if not request.is_keep_alive:

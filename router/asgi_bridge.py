@@ -1,0 +1,49 @@
+"""A buffered ASGI call, for the router server's non-hot routes (health, metrics, models, admin).
+
+`call_asgi(app, ...)` runs the FastAPI app on one request whose body is already read and returns the
+whole answer (status, headers, body): these answers are small, so nothing is streamed. An exception
+becomes an OpenAI-style 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from urllib.parse import unquote
+
+import orjson
+
+from serving.errors import error_body
+
+log = logging.getLogger("router")
+JSON_500 = (500, [(b"content-type", b"application/json")])
+
+
+async def call_asgi(app, method: bytes, path: bytes, query: bytes, headers: list[tuple[bytes, bytes]],
+                    body: bytes, client: tuple, server: tuple) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": method.decode(), "scheme": "http", "path": unquote(path.decode("latin-1")),
+             "raw_path": path, "query_string": query, "root_path": "", "headers": headers,
+             "client": client, "server": server}
+    is_body_read = False
+    status, answer_headers, parts = 500, [], []
+
+    async def receive() -> dict:
+        nonlocal is_body_read
+        if not is_body_read:
+            is_body_read = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        nonlocal status, answer_headers
+        if message["type"] == "http.response.start":
+            status, answer_headers = message["status"], list(message.get("headers", []))
+        elif message["type"] == "http.response.body":
+            parts.append(message.get("body", b""))
+
+    try:
+        await app(scope, receive, send)
+    except Exception:  # noqa: BLE001 - answered as OpenAI JSON
+        log.exception("router: unexpected error on %s", path.decode("latin-1"))
+        return *JSON_500, orjson.dumps(error_body(500, "internal router error"))
+    return status, answer_headers, b"".join(parts)
