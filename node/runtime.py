@@ -28,7 +28,7 @@ class WorkerConfig:
     dcp_size: int
     max_num_seqs: int
     engine_id: str
-    token_shard_min_tokens: int = 1024
+    token_shard_min_tokens: int = 1
     backend: str = "reference"
     """"reference" (engine/) or a "module:function" backend factory."""
     transport: bool = True
@@ -55,7 +55,7 @@ class RankInfo:
     """UCX can only move this pool's bytes over TCP (kv_transfer.ucx_env.detect_tcp_fallback)."""
 
 
-def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_shard_min_tokens: int = 1024
+def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_shard_min_tokens: int = 1
                   ) -> WorkerConfig:
     return WorkerConfig(model=settings.model, role=role, seed=settings.seed, num_rows=settings.num_rows,
                         block_size=settings.block_size, tp_size=settings.tp, dcp_size=dcp_size,

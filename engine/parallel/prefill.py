@@ -234,7 +234,8 @@ def _kda_layer(step: _Step, kda, h: torch.Tensor, num_rows: int, kda_index: int)
     for r in range(ctx.world_size):
         lo, hi = head_range(cfg, ctx.world_size, r)
         sends.append(torch.cat([proj.qkv[:num_rows, qkv_channels(cfg, lo, hi)],
-                                proj.g[:num_rows, lo:hi].reshape(num_rows, -1), proj.beta[:num_rows, lo:hi]], dim=1))
+                                proj.g[:num_rows, lo:hi].reshape(num_rows, (hi - lo) * d), proj.beta[:num_rows, lo:hi]],
+                               dim=1))
     lo, hi = head_range(cfg, ctx.world_size, ctx.rank)
     per = hi - lo
     channels = qkv_channels(cfg, lo, hi)

@@ -64,6 +64,7 @@ def assert_same_cache(caches_by_rank, oracle_caches, lengths, prefix) -> None:
 
 CASES = {
     "uneven-batch": ((300, 37, 129), (0, 0, 0)),
+    "fewer-tokens-than-pieces": ((3, 1), (0, 0)),
     "cached-prefix-append": ((200, 90), (280, 17)),
 }
 
