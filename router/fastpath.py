@@ -105,15 +105,20 @@ async def handle(state: RouterState, endpoint: str, scope, receive, send) -> Non
         reply = await serve(state, endpoint, headers, raw, started)
         await _write(reply, send)
         is_replying = False
+        reply.sent()
     except asyncio.CancelledError:
         if not is_gone:
             raise
         task.uncancel()
-        if reply is not None and reply.on_abandon is not None:
-            await reply.on_abandon()
+        if reply is not None:
+            reply.sent()
+            if reply.on_abandon is not None:
+                await reply.on_abandon()
     except Exception:  # noqa: BLE001 - the edge answers every failure as OpenAI JSON
         log.exception("router: unexpected error on %s", scope["path"])
-        if reply is None:
+        if reply is not None:
+            reply.sent()
+        else:
             body = orjson.dumps(error_body(500, "internal router error"))
             await send({"type": "http.response.start", "status": 500,
                         "headers": [(b"content-type", b"application/json")]})

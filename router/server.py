@@ -211,17 +211,22 @@ class RouterServer:
                            if name in READ_HEADERS}
                 reply = await serve(state, endpoint, headers, request.body, request.started)
             await self.write_reply(conn, reply, request.is_keep_alive)
+            reply.sent()
         except asyncio.CancelledError:
             if not conn.is_closed:
                 raise
             asyncio.current_task().uncancel()
-            if reply is not None and reply.on_abandon is not None:
-                await reply.on_abandon()
+            if reply is not None:
+                reply.sent()
+                if reply.on_abandon is not None:
+                    await reply.on_abandon()
         except Exception:  # noqa: BLE001 - the edge answers every failure as OpenAI JSON
             log.exception("router: unexpected error on %s", request.url.decode("latin-1"))
-            if reply is None:
-                reply = error_reply(500, "internal router error")
-                conn.write(self.head(reply, False, len(reply.body)) + reply.body)
+            if reply is not None:
+                reply.sent()
+            else:
+                failed = error_reply(500, "internal router error")
+                conn.write(self.head(failed, False, len(failed.body)) + failed.body)
             conn.transport.close()
 
     async def write_reply(self, conn: Connection, reply: Reply, is_keep_alive: bool) -> None:

@@ -42,6 +42,15 @@ class Reply:
     stream: AsyncIterator[bytes] | None = None
     on_abandon: object = None
     """For streams: called when the client left before the stream was iterated (runs the bookkeeping)."""
+    on_sent: object = None
+    """For whole bodies: the bookkeeping, run once after the body was handed to the client (or the client
+    left), so metrics and session updates are not on the client's path."""
+
+    def sent(self) -> None:
+        """Run `on_sent` once."""
+        callback, self.on_sent = self.on_sent, None
+        if callback is not None:
+            callback()
 
 
 def error_reply(status: int, message: str, param: str | None = None, type_: str | None = None) -> Reply:
@@ -124,6 +133,18 @@ def finish(state: RouterState, ctx: RequestContext, acct: StreamAccounting | Non
         state.sessions.put(SessionRecord(ctx.shape.session_id, pool, ctx.placement.decode, total, now))
 
 
+def _usage(ctx: RequestContext, status: int, content: bytes) -> dict | None:
+    """The answer's usage, read only where it is used (the session's context size)."""
+    if status != 200 or not ctx.shape.session_id:
+        return None
+    try:
+        answer = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return None
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
 class _StreamEnd:
     """Runs the end-of-stream bookkeeping exactly once (relay's finally, or `abandon` when the client left
     before the relay started)."""
@@ -162,18 +183,11 @@ async def _run(state: RouterState, orch: Orchestrator, ctx: RequestContext) -> R
         ctx.handoff = await orch.prefill(ctx)
     if not ctx.valid.is_stream:
         resp, content = await orch.decode_json(ctx)
-        usage = None
-        if resp.status_code == 200:
-            try:
-                answer = orjson.loads(content)
-                usage = answer.get("usage") if isinstance(answer, dict) else None
-            except orjson.JSONDecodeError:
-                pass
-        else:
+        if resp.status_code != 200:
             ctx.outcome = "client_error" if resp.status_code < 500 else "upstream_error"
             ctx.error = f"decode answered {resp.status_code}{upstream_message(content)}"
-        finish(state, ctx, None, usage)
-        return Reply(resp.status_code, _route_headers(ctx), content, resp.headers.get("content-type", JSON))
+        return Reply(resp.status_code, _route_headers(ctx), content, resp.headers.get("content-type", JSON),
+                     on_sent=lambda: finish(state, ctx, None, _usage(ctx, resp.status_code, content)))
     resp, chunks, first = await orch.open_stream(ctx)
     acct = StreamAccounting(ctx.started, started_relay=time.monotonic())
     end = _StreamEnd(state, orch, ctx, acct, resp)
