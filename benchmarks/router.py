@@ -11,6 +11,7 @@ The `direct` row (client -> D engine, one leg) is the load generators' and fakes
 
     python benchmarks/router.py [--duration 5] [--rounds 2] [--workers 2] [--baseline-rev REV] [--json out.json]
 Headline: router_pd_throughput_ratio_c64 = ours / vllm-router req/s at 64 connections (worst round).
+    python benchmarks/router.py --clients    upstream HTTP clients (ours, aiohttp, httpx) against one fake P
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import httptools
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the repo's `router` package, not this file
 BIN = Path(sys.executable).parent
 CONNECTIONS = (1, 16, 64, 256)
 PROMPT = ("You are a careful assistant. Summarise the following notes about disaggregated serving, where a "
@@ -118,6 +120,46 @@ async def drive_streams(url: str, num_streams: int, duration_s: float, num_token
     return {"chunks_per_s": (stats["events"] - num_streams_done) / duration_s, "streams": num_streams_done,
             "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3, "ttft_p99_ms": ttft[int(0.99 * (len(ttft) - 1))] * 1e3,
             "errors": stats["errors"]}
+
+
+async def compare_clients(url: str, num_requests: int = 4000) -> None:
+    """Requests/s of one process sending P legs through each client, 1 and 64 at a time (why router/upstream.py)."""
+    import aiohttp  # noqa: PLC0415 - a dependency of the bench extra (vllm-router)
+
+    from router.upstream import UpstreamPool  # noqa: PLC0415
+
+    payload = json.dumps({"model": "fake-model", "prompt": PROMPT, "max_tokens": 1,
+                          "kv_transfer_params": {"do_remote_decode": True}}).encode()
+    headers = {"X-Request-Id": "bench", "Content-Type": "application/json"}
+    pool = UpstreamPool(connect_timeout_s=5)
+    hx = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+    aio = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def ours() -> None:
+        await (await pool.send(url, "/v1/completions", payload, headers)).aread()
+
+    async def via_httpx() -> None:
+        (await hx.post(f"{url}/v1/completions", content=payload, headers=headers)).content
+
+    async def via_aiohttp() -> None:
+        async with aio.post(f"{url}/v1/completions", data=payload, headers=headers) as resp:
+            await resp.read()
+
+    for concurrency in (1, 64):
+        for name, one in (("router/upstream.py", ours), ("aiohttp", via_aiohttp), ("httpx", via_httpx)):
+            count = num_requests if name != "httpx" or concurrency == 1 else num_requests // 4
+
+            async def loop(k: int, one=one) -> None:
+                for _ in range(k):
+                    await one()
+
+            await loop(50)
+            start = time.perf_counter()
+            await asyncio.gather(*(loop(count // concurrency) for _ in range(concurrency)))
+            print(f"{name:<20} {concurrency:>3} at a time: {count / (time.perf_counter() - start):>9,.0f} req/s")
+    await aio.close()
+    await hx.aclose()
+    pool.close()
 
 
 def contender_command(name: str, tree: Path, port: int, p_url: str, d_url: str, workers: int) -> list[str]:
@@ -214,7 +256,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only these contenders (ratios need vllm-router and pdcluster)")
     parser.add_argument("--port", type=int, default=18500)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--clients", action="store_true", help="compare upstream HTTP clients instead")
     args = parser.parse_args(argv)
+    if args.clients:
+        fakes = start_fakes([args.port + 1])
+        try:
+            import uvloop  # noqa: PLC0415
+
+            uvloop.run(compare_clients(f"http://127.0.0.1:{args.port + 1}"))
+        finally:
+            fakes.terminate()
+        return 0
     p_url, d_url = f"http://127.0.0.1:{args.port + 1}", f"http://127.0.0.1:{args.port + 2}"
     url = f"http://127.0.0.1:{args.port}"
     with tempfile.TemporaryDirectory() as tmp:
