@@ -2,15 +2,18 @@
 
 Fake vLLM-protocol engines (tests/router/wire_fake.py: `/v1/models`, `/metrics` with
 `vllm:cache_config_info`, a P leg answering `kv_transfer_params`, a D leg answering 16 tokens or streaming
-256) run in their own process. Each contender (vllm-router 0.1.17, our router, optionally our router at an
-older git revision) is started in turn on the same port, alternating the order per round, and driven by
+256) run in their own process. Each contender is started in turn on the same port, alternating the order
+per round: vllm-router 0.1.17 with `--policy round_robin` (the anchor: two legs per request, like ours),
+vllm-router with its default `cache_aware` policy (which also calls `/v1/completions/render` on P and D
+for every request: four upstream calls), our router, and optionally our router at an older git revision.
+Each is driven by
 - wrk (C; one thread) at 1, 16, 64 and 256 connections, non-streaming: req/s, mean and p99 latency;
 - 64 concurrent SSE streams x 256 tokens (an asyncio + httptools client): chunks/s, TTFT p50/p99.
 Every run checks that the engines saw as many P legs as D legs (both routers run both legs).
 The `direct` row (client -> D engine, one leg) is the load generators' and fakes' own ceiling.
 
     python benchmarks/router.py [--duration 5] [--rounds 2] [--workers 2] [--baseline-rev REV] [--json out.json]
-Headline: router_pd_throughput_ratio_c64 = ours / vllm-router req/s at 64 connections (worst round).
+Headline: router_pd_throughput_ratio_c64 = ours / vllm-router (round_robin) req/s at 64 connections, worst round.
     python benchmarks/router.py --clients    upstream HTTP clients (ours, aiohttp, httpx) against one fake P
 """
 
@@ -163,8 +166,9 @@ async def compare_clients(url: str, num_requests: int = 4000) -> None:
 
 
 def contender_command(name: str, tree: Path, port: int, p_url: str, d_url: str, workers: int) -> list[str]:
-    if name == "vllm-router":
-        return [str(BIN / "vllm-router"), "--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url,
+    if name.startswith("vllm-router"):
+        policy = ["--policy", "round_robin"] if name == "vllm-router" else []
+        return [str(BIN / "vllm-router"), "--vllm-pd-disaggregation", *policy, "--prefill", p_url, "--decode", d_url,
                 "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(port + 3), "--log-level", "warning"]
     args = ["--prefill", p_url, "--decode", d_url, "--engine", "vllm", "--port", str(port),
             "--log-level", "warning"]
@@ -189,19 +193,22 @@ def wait_ready(url: str, name: str, proc: subprocess.Popen, timeout_s: float = 6
     raise RuntimeError(f"{name} not ready at {url} within {timeout_s} s")
 
 
-def legs(engine_url: str) -> int:
-    return int(httpx.get(f"{engine_url}/stats", timeout=5).json()["requests"])
+def legs(engine_url: str) -> tuple[int, int]:
+    """(completion legs, render calls) the engine has served so far."""
+    stats = httpx.get(f"{engine_url}/stats", timeout=5).json()
+    return int(stats["requests"]), int(stats["render"])
 
 
 def measure(name: str, url: str, p_url: str, d_url: str, args, script: Path) -> dict:
     row: dict = {}
-    p0, d0 = legs(p_url), legs(d_url)
+    (p0, pr0), (d0, dr0) = legs(p_url), legs(d_url)
     subprocess.run(["wrk", "-t1", "-c16", "-d1s", "-s", str(script), f"{url}/v1/completions"], capture_output=True)
     for c in CONNECTIONS:
         row[f"c{c}"] = run_wrk(url, c, args.duration, script)
     row["stream"] = asyncio.run(drive_streams(url, 64, args.duration, 256))
-    num_p, num_d = legs(p_url) - p0, legs(d_url) - d0
-    row["legs"] = {"prefill": num_p, "decode": num_d}
+    (p1, pr1), (d1, dr1) = legs(p_url), legs(d_url)
+    num_p, num_d = p1 - p0, d1 - d0
+    row["legs"] = {"prefill": num_p, "decode": num_d, "render": pr1 - pr0 + dr1 - dr0}
     print(f"{name}: " + ", ".join(f"c={c} {row[f'c{c}']['req_per_s']:,.0f} req/s" for c in CONNECTIONS)
           + f", SSE {row['stream']['chunks_per_s']:,.0f} chunks/s", flush=True)
     in_flight = sum(CONNECTIONS) + 64  # requests cut off at the end of each load point
@@ -225,14 +232,14 @@ def baseline_tree(rev: str, tmp: Path) -> Path:
 
 
 def print_table(rounds: list[dict]) -> None:
-    head = f"{'round':<5} {'contender':<18}" + "".join(f"{f'c={c} req/s (mean ms)':>23}" for c in CONNECTIONS)
+    head = f"{'round':<5} {'contender':<24}" + "".join(f"{f'c={c} req/s (mean ms)':>23}" for c in CONNECTIONS)
     print(head + f"{'SSE chunks/s (TTFT p50/p99 ms)':>34}")
     for i, rnd in enumerate(rounds, 1):
         for name, row in rnd.items():
             cells = "".join(f"{row[f'c{c}']['req_per_s']:>12,.0f} ({row[f'c{c}']['mean_ms']:6.2f})   "
                             for c in CONNECTIONS)
             s = row["stream"]
-            print(f"{i:<5} {name:<18}{cells}{s['chunks_per_s']:>14,.0f} ({s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f})"
+            print(f"{i:<5} {name:<24}{cells}{s['chunks_per_s']:>14,.0f} ({s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f})"
                   + (f"  errors {sum(row[f'c{c}']['errors'] for c in CONNECTIONS) + s['errors']}"))
 
 
@@ -241,6 +248,8 @@ def ratios(rnd: dict, ours: str = "pdcluster", anchor: str = "vllm-router") -> d
     out = {f"throughput_c{c}": a[f"c{c}"]["req_per_s"] / b[f"c{c}"]["req_per_s"] for c in CONNECTIONS}
     out["mean_latency_c1"] = a["c1"]["mean_ms"] / b["c1"]["mean_ms"]
     out["stream_chunks"] = a["stream"]["chunks_per_s"] / b["stream"]["chunks_per_s"]
+    if "vllm-router+cache_aware" in rnd:
+        out["throughput_c64_vs_cache_aware"] = a["c64"]["req_per_s"] / rnd["vllm-router+cache_aware"]["c64"]["req_per_s"]
     out["ours_monotonic_1_to_256"] = all(a[f"c{x}"]["req_per_s"] <= a[f"c{y}"]["req_per_s"] * 1.02
                                          for x, y in zip(CONNECTIONS, CONNECTIONS[1:]))
     return out
@@ -252,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="our router's worker processes")
     parser.add_argument("--baseline-rev", help="also run our router as of this git revision")
-    parser.add_argument("--only", nargs="+", choices=["vllm-router", "pdcluster", "baseline"],
+    parser.add_argument("--only", nargs="+", choices=["vllm-router", "vllm-router+cache_aware", "pdcluster",
+                                                      "baseline"],
                         help="run only these contenders (ratios need vllm-router and pdcluster)")
     parser.add_argument("--port", type=int, default=18500)
     parser.add_argument("--json", type=Path)
@@ -273,11 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         script = tmp / "post.lua"
         script.write_text(WRK_LUA % body(16, False).decode())
-        trees = {"vllm-router": ROOT, "pdcluster": ROOT}
+        trees = {"vllm-router": ROOT, "vllm-router+cache_aware": ROOT, "pdcluster": ROOT}
         if args.baseline_rev:
             trees[f"pdcluster@{args.baseline_rev[:7]}"] = baseline_tree(args.baseline_rev, tmp)
         if args.only:
-            trees = {k: v for k, v in trees.items() if k.split("@")[0] in args.only
+            trees = {k: v for k, v in trees.items() if k in args.only
                      or ("baseline" in args.only and "@" in k)}
         fakes = start_fakes([args.port + 1, args.port + 2])
         rounds = []

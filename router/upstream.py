@@ -8,7 +8,8 @@ keep-alive pushes its connection back. Nothing scans the pool.
 
 A response exposes what the router reads (httpx's names, so an `httpx.Response` satisfies the same
 `UpstreamResponse` protocol in in-process tests): `status_code`, `headers` (lower-cased names), `aread()`,
-`aiter_raw()` (body bytes as they arrive, chunked encoding removed), `aclose()`, `is_closed`. A response
+`aiter_raw()` (body bytes as they arrive, chunked encoding removed; what arrived together comes as one
+piece, so a relay writes once per read, not once per SSE event), `aclose()`, `is_closed`. A response
 not read to its end, a cancelled request or a timeout closes its connection: vLLM aborts a request when
 its connection closes. A request that fails on a reused connection before any byte came back (the peer
 closed it while idle) is sent once more on a fresh connection.
@@ -194,8 +195,7 @@ class Response:
                     if self._is_paused:
                         self._is_paused = False
                         self.conn.transport.resume_reading()
-                    for chunk in chunks:
-                        yield chunk
+                    yield chunks[0] if len(chunks) == 1 else b"".join(chunks)  # one client write per read
                     continue
                 if self.is_complete:
                     return

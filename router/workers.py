@@ -11,6 +11,7 @@ per worker and why that is safe).
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -23,6 +24,7 @@ import time
 from router.settings import Settings
 
 log = logging.getLogger("router")
+GC_GEN0_THRESHOLD = 20_000
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -42,7 +44,13 @@ def _serve_one(settings: Settings, log_level: str, sock: socket.socket | None = 
     from router.server import run_server  # noqa: PLC0415
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvloop.run(run_server(create_app(settings), settings.host, settings.port, sock))
+    app = create_app(settings)
+    # The modules, FastAPI routes and pydantic models loaded by now live as long as the process: frozen, full
+    # collections stop walking them (those walks were the 20-30 ms pauses behind p99 latency), and young
+    # collections run every GC_GEN0_THRESHOLD allocations instead of 700.
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
+    uvloop.run(run_server(app, settings.host, settings.port, sock))
 
 
 def _worker_main(settings: Settings, log_level: str) -> None:

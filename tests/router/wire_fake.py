@@ -2,11 +2,12 @@
 
 One process serves any number of instances (one port each). Every instance answers `GET /health`,
 `GET /v1/models`, `GET /metrics` (with `vllm:cache_config_info`, so routers pair P with D), `GET /stats`
-(completion requests served) and `POST /v1/completions` / `/v1/chat/completions`:
+(completion legs and render calls served) and `POST /v1/completions` / `/v1/chat/completions`:
 - a P leg (`kv_transfer_params.do_remote_decode`): a JSON answer with handoff `kv_transfer_params`;
 - a D leg: `max_tokens` tokens (at most `--max-tokens`) as one JSON answer, or, when `stream` is set, as
   one SSE event per token (each written in its own event-loop turn) and `data: [DONE]`.
-Keep-alive HTTP/1.1; chunked encoding for streams. Used by benchmarks/router.py and tests/router.
+`POST .../render` (vllm-router's cache-aware policy renders every prompt on P and D before the legs) is
+counted apart and answered like a P leg. Keep-alive HTTP/1.1; chunked encoding for streams. Used by benchmarks/router.py and tests/router.
 
     python -m tests.router.wire_fake --ports 9001 9002 [--max-tokens 256]
 """
@@ -98,9 +99,9 @@ class FakeEngine(asyncio.Protocol):
                 write(response(200 if url == b"/health" else 404, b"{}"))
             return
         request = orjson.loads(body) if body else {}
-        self.stats["requests"] += 1
+        self.stats["render" if url.endswith(b"/render") else "requests"] += 1
         chat = url.endswith(b"chat/completions")
-        if (request.get("kv_transfer_params") or {}).get("do_remote_decode"):
+        if (request.get("kv_transfer_params") or {}).get("do_remote_decode") or url.endswith(b"/render"):
             handoff = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
                        "remote_engine_id": f"engine-{self.name}", "remote_request_id": self.request_id.decode(),
                        "remote_host": "localhost", "remote_port": 5600, "tp_size": 1}
@@ -130,7 +131,7 @@ class FakeEngine(asyncio.Protocol):
 
 async def serve(ports: list[int], max_tokens: int, host: str = "127.0.0.1") -> None:
     loop = asyncio.get_running_loop()
-    stats = [{"requests": 0} for _ in ports]
+    stats = [{"requests": 0, "render": 0} for _ in ports]
     servers = [await loop.create_server(lambda i=i: FakeEngine(f"fake{i}", max_tokens, stats[i]), host, port,
                                         backlog=1024) for i, port in enumerate(ports)]
     print("ready", flush=True)
