@@ -124,3 +124,38 @@ def test_client_leaving_a_dcp_stream_frees_rows_on_both_nodes(nodes):
     _idle(d_url, timeout_s=120)
     _idle(p_url, timeout_s=120)
     assert _metric(d_url, "vllm:request_success_total", 'finished_reason="abort"') >= 1
+
+
+def _score_on(url: str, token_ids: list[int]) -> list[float | None]:
+    """Teacher forcing: the prompt log-probs of `token_ids` (echo, max_tokens 0) from the node at `url`."""
+    resp = httpx.post(f"{url}/v1/completions", timeout=600, json={
+        "prompt": token_ids, "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 1234}], ids=["greedy", "seeded"])
+def test_served_logprobs_equal_teacher_forcing_on_every_pairing(nodes, sampling):
+    """Zero mismatch: on P TP=2 -> D TP=1 / TP=2 / DCP=2 and colocated on each D, every served log-prob (the first
+    one computed by the prefill leg) equals, bit for bit, the log-prob of that token when prompt + answer is scored
+    again through the prefill node's token-sharded prefill; every pairing serves the same tokens."""
+    prompt_ids = ByteTokenizer().encode(PROMPT)
+    body = {"prompt": prompt_ids, "max_tokens": MAX_TOKENS, "logprobs": 1, "ignore_eos": True, **sampling}
+    served = {}
+    for pool in ("tp1", "tp2", "dcp2"):
+        params = httpx.post(f"{nodes['prefill']}/v1/completions", timeout=600, json={
+            **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+        assert isinstance(params["first_token_logprob"], float)
+        for mode, extra in (("pd", {"kv_transfer_params": params}), ("colocated", {})):
+            resp = httpx.post(f"{nodes[pool]}/v1/completions", timeout=600, json={**body, **extra})
+            assert resp.status_code == 200, resp.text
+            choice = resp.json()["choices"][0]
+            served[(pool, mode)] = (choice["token_ids"], choice["logprobs"]["token_logprobs"])
+    answers = {tokens for tokens, _ in ((tuple(t), lp) for t, lp in served.values())}
+    assert len(answers) == 1, f"pairings served different tokens: {answers}"
+    answer = list(answers.pop())
+    scored = _score_on(nodes["prefill"], prompt_ids + answer)[len(prompt_ids):]
+    for key, (_, logprobs) in served.items():
+        assert logprobs == scored, f"{key}: served log-probs differ from teacher forcing"
+    for url in nodes.values():
+        _idle(url, timeout_s=120)
