@@ -1,4 +1,4 @@
-"""Log-probs over HTTP on a real decode node (reference engine, TP=1, colocated prefill + decode).
+"""Log-probs and sampling parameters over HTTP on a real decode node (reference engine, TP=1, colocated).
 
 The served log-prob of every generated token is the engine's own, bit for bit (JSON floats round-trip
 exactly), in both OpenAI formats, streaming and not; top alternatives are sorted, ties to the lower id, and
@@ -137,3 +137,34 @@ def test_echo_prefixes_the_prompt_text(node):
     assert streamed == echoed["choices"][0]["text"]
     zero = httpx.post(f"{node}/v1/completions", json={"prompt": PROMPT, "max_tokens": 0}, timeout=60)
     assert zero.status_code == 400 and zero.json()["error"]["param"] == "max_tokens"
+
+
+def test_stop_strings_and_stop_token_ids_end_the_answer(node):
+    base = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(f"{node}/v1/completions", json=base, timeout=300).json()["choices"][0]
+    ids = full["token_ids"]
+    stop_id = ids[3]
+    by_id = httpx.post(f"{node}/v1/completions", json={**base, "stop_token_ids": [stop_id]}, timeout=300).json()
+    choice = by_id["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["token_ids"] == ids[: ids.index(stop_id) + 1]
+    sampled = {**base, "temperature": 1.0, "seed": 0}  # the model answers noise: a seed whose text has characters
+    text = httpx.post(f"{node}/v1/completions", json=sampled, timeout=300).json()["choices"][0]["text"]
+    stop = next((c for c in reversed(text) if c != "\ufffd"), None)
+    if stop is None:
+        pytest.fail(f"the sampled answer {text!r} has no character to use as a stop string")
+    by_text = httpx.post(f"{node}/v1/completions", json={**sampled, "stop": [stop]}, timeout=300).json()["choices"][0]
+    assert by_text["finish_reason"] == "stop" and by_text["text"] == text[: text.index(stop)]
+
+
+def test_top_k_min_p_and_seed_are_honoured(node):
+    base = {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}
+    greedy = httpx.post(f"{node}/v1/completions", json={**base, "temperature": 0}, timeout=300).json()
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        hot = httpx.post(f"{node}/v1/completions", json={**base, "temperature": 1.5, "seed": 3, **extra},
+                         timeout=300).json()
+        assert hot["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"], extra
+    seeded = [httpx.post(f"{node}/v1/completions", json={**base, "temperature": 1.0, "seed": 42}, timeout=300).json()
+              for _ in range(2)]
+    assert seeded[0]["choices"][0]["token_ids"] == seeded[1]["choices"][0]["token_ids"]
+    bad = httpx.post(f"{node}/v1/completions", json={**base, "min_p": 2}, timeout=60)
+    assert bad.status_code == 400 and "min_p" in bad.text
