@@ -62,6 +62,7 @@ def build_parser(defaults) -> argparse.ArgumentParser:
     add("--connect-timeout", type=float, default=defaults.connect_timeout_s)
     add("--schedule-units", type=int, default=defaults.schedule_units, help="sessions the schedule hash covers")
     add("--no-ignore-eos", action="store_true", help="do not send ignore_eos (outputs may end early)")
+    add("--logprobs", action="store_true", help="record every output token's log-prob (compare counts mismatches)")
     add("--no-plots", action="store_true")
     add("--progress", choices=("auto", "on", "off"), default="auto", help="live bar (auto: only on a TTY)")
     add("--dry-run", action="store_true", help="print the schedule hash and first requests; send nothing")

@@ -108,7 +108,7 @@ def _options(args: argparse.Namespace) -> SweepOptions:
     except ValueError as exc:
         raise UsageError(f"--slo: {exc}") from None
     progress = Progress(enabled={"auto": None, "on": True, "off": False}[args.progress])
-    target = Target(base, args.model, args.endpoint, args.api_key, not args.no_ignore_eos)
+    target = Target(base, args.model, args.endpoint, args.api_key, not args.no_ignore_eos, logprobs=args.logprobs)
     return SweepOptions(target=target, concurrency_levels=args.concurrency, duration_s=args.duration,
                         out_dir=args.out, seed=args.seed, slo=slo, gpus=gpus, gpu_split=split, drain_s=args.drain,
                         max_requests=args.max_requests, connect_timeout_s=args.connect_timeout,

@@ -35,6 +35,8 @@ class Target:
     api_key: str | None = None
     ignore_eos: bool = True
     extra_headers: dict[str, str] = field(default_factory=dict)
+    logprobs: bool = False
+    """Ask for each output token's log-prob and record them (`loadgen compare` counts mismatches)."""
 
     def url(self) -> str:
         return self.base_url.rstrip("/") + _PATHS[self.endpoint]
@@ -44,6 +46,8 @@ class Target:
                       "max_tokens": spec.max_tokens, "temperature": 0.0}
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.logprobs:
+            body.update({"logprobs": True, "top_logprobs": 0} if self.endpoint == "chat" else {"logprobs": 0})
         if self.endpoint == "chat":
             body["messages"] = [{"role": m.role, "content": m.content} for m in spec.messages]
         else:
@@ -86,6 +90,8 @@ class _Stream:
     prompt_tokens: int | None = None
     done: bool = False
     num_events: int = 0
+    tokens: list[str] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
 
 
 def _error_message(body: bytes) -> str:
@@ -118,10 +124,24 @@ def _consume(data: str, endpoint: Endpoint, state: _Stream, now: float) -> None:
     choices = obj.get("choices") or []
     if choices and isinstance(choices[0], dict) and has_output(endpoint, choices[0]):
         state.chunk_s.append(now)
+    if choices and isinstance(choices[0], dict) and isinstance(choices[0].get("logprobs"), dict):
+        _take_logprobs(endpoint, choices[0]["logprobs"], state)
     usage = obj.get("usage")
     if isinstance(usage, dict):
         state.completion_tokens = usage.get("completion_tokens", state.completion_tokens)
         state.prompt_tokens = usage.get("prompt_tokens", state.prompt_tokens)
+
+
+def _take_logprobs(endpoint: Endpoint, logprobs: dict, state: _Stream) -> None:
+    """Append a chunk's per-token log-probs (completions: tokens / token_logprobs; chat: content entries)."""
+    if endpoint == "completions":
+        state.tokens += [str(t) for t in logprobs.get("tokens") or []]
+        state.logprobs += list(logprobs.get("token_logprobs") or [])
+        return
+    for entry in logprobs.get("content") or []:
+        if isinstance(entry, dict):
+            state.tokens.append(str(entry.get("token")))
+            state.logprobs.append(entry.get("logprob"))
 
 
 async def _read_stream(resp: httpx.Response, spec: RequestSpec, target: Target, state: _Stream, t0: float) -> bool:
@@ -192,4 +212,5 @@ def _record(spec: RequestSpec, concurrency: int, outcome: str, kind: str | None,
         completion_tokens=state.completion_tokens, output_tokens=num_out, tokens_from_usage=from_usage,
         ttft_s=timing.ttft_s if timing else None, e2e_s=timing.e2e_s if timing else None,
         tpot_s=timing.tpot_s if timing else None, itl_s=list(timing.itl_s) if timing else [],
+        tokens=state.tokens, logprobs=state.logprobs,
     )

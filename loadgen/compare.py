@@ -5,6 +5,8 @@ Levels are matched by concurrency; levels present in only one run are listed as 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from loadgen.metrics import LevelSummary
 from loadgen.summary import Summary
 
@@ -40,6 +42,42 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{b / a:.2f}x"
 
 
+@dataclass(frozen=True)
+class LogprobMismatch:
+    """Requests both runs completed with recorded log-probs, matched by request id (same schedule)."""
+
+    num_requests: int
+    num_tokens: int
+    num_token_mismatches: int
+    """Positions where the two runs served different tokens."""
+    num_logprob_mismatches: int
+    """Positions with the same token and a different log-prob (bit for bit: JSON floats compared exactly)."""
+
+
+def logprob_mismatches(a: Summary, b: Summary) -> LogprobMismatch:
+    ok_b = {r.request_id: r for lv in b.levels for r in lv.records if r.is_ok and r.logprobs}
+    requests = tokens = token_diff = logprob_diff = 0
+    for lv in a.levels:
+        for ra in lv.records:
+            rb = ok_b.get(ra.request_id)
+            if not ra.is_ok or not ra.logprobs or rb is None:
+                continue
+            requests += 1
+            tokens += min(len(ra.logprobs), len(rb.logprobs))
+            token_diff += abs(len(ra.tokens) - len(rb.tokens))
+            for ta, tb, la, lb in zip(ra.tokens, rb.tokens, ra.logprobs, rb.logprobs):
+                token_diff += ta != tb
+                logprob_diff += ta == tb and la != lb
+    return LogprobMismatch(requests, tokens, token_diff, logprob_diff)
+
+
+def logprob_line(m: LogprobMismatch) -> str:
+    if not m.num_requests:
+        return "log-probs: not recorded in both runs (run loadgen with --logprobs)"
+    return (f"log-probs: {m.num_requests} requests, {m.num_tokens} tokens compared: {m.num_token_mismatches} token "
+            f"mismatches, {m.num_logprob_mismatches} log-prob mismatches")
+
+
 def compare_table(a: Summary, b: Summary, name_a: str = "A", name_b: str = "B") -> str:
     by_conc_b = {lv.concurrency: lv for lv in b.levels}
     lines = [f"A = {name_a}: {a.run.scenario} @ {a.run.url} (schedule {a.run.schedule_hash[:12]})",
@@ -56,6 +94,7 @@ def compare_table(a: Summary, b: Summary, name_a: str = "A", name_b: str = "B") 
         for label, path in ROWS:
             va, vb = _get(lv_a, path), _get(lv_b, path)
             lines.append(f"{label:<{width}}  {_cell(va):>12}  {_cell(vb):>12}  {ratio(va, vb):>8}")
+    lines += ["", logprob_line(logprob_mismatches(a, b))]
     only_a = sorted({lv.concurrency for lv in a.levels} - set(by_conc_b))
     only_b = sorted(set(by_conc_b) - {lv.concurrency for lv in a.levels})
     if only_a or only_b:

@@ -53,6 +53,10 @@ class RequestRecord(BaseModel):
     e2e_s: float | None = None
     tpot_s: float | None = None
     itl_s: list[float] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    """Output tokens as the server named them, when the run asked for log-probs (`--logprobs`)."""
+    logprobs: list[float | None] = Field(default_factory=list)
+    """Each output token's log-prob as served (exact JSON floats), when asked."""
 
     @property
     def is_ok(self) -> bool:

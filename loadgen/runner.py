@@ -22,7 +22,6 @@ from loadgen.progress import Progress
 from loadgen.records import CONNECT, RequestRecord
 from loadgen.schedule import Fork, RequestSpec, Session, Step, Workload
 
-
 CONNECT_BACKOFF_S = 0.2
 
 

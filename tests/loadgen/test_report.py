@@ -87,3 +87,22 @@ def test_progress_only_on_tty_unless_forced():
     text = tty.getvalue()
     assert text.count("\r") == 1 and "c=4" in text and "ok 1" in text and "in-flight 2" in text
     assert "#" * 12 + "." * 12 in text and text.endswith("\n")
+
+
+def test_compare_counts_logprob_mismatches():
+    """Two runs of the same schedule with recorded log-probs: token and log-prob mismatches are counted exactly."""
+    from loadgen.compare import logprob_mismatches
+
+    a, b = _summary(0.02), _summary(0.02)
+    assert "not recorded" in compare_table(a, b)
+    for summary in (a, b):
+        for lv in summary.levels:
+            for rec in lv.records:
+                rec.tokens, rec.logprobs = ["x", "y", "z"], [-1.5, -0.25, -3.0]
+    assert logprob_mismatches(a, b).num_logprob_mismatches == 0
+    assert "0 token mismatches, 0 log-prob mismatches" in compare_table(a, b)
+    first = b.levels[0].records[0]
+    first.logprobs = [-1.5, -0.25000000000000006, -3.0]  # one ulp apart: a mismatch
+    b.levels[-1].records[-1].tokens = ["x", "q", "z"]
+    m = logprob_mismatches(a, b)
+    assert (m.num_requests, m.num_tokens, m.num_logprob_mismatches, m.num_token_mismatches) == (5, 15, 1, 1)
