@@ -142,7 +142,7 @@ async def compare_clients(url: str, num_requests: int = 4000) -> None:
         await (await pool.send(url, "/v1/completions", payload, headers)).aread()
 
     async def via_httpx() -> None:
-        (await hx.post(f"{url}/v1/completions", content=payload, headers=headers)).content
+        await (await hx.post(f"{url}/v1/completions", content=payload, headers=headers)).aread()
 
     async def via_aiohttp() -> None:
         async with aio.post(f"{url}/v1/completions", data=payload, headers=headers) as resp:

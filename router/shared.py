@@ -10,7 +10,8 @@ instance now). On top of that:
   (restarting) counts with the snapshot it last published (every `shared_sync_interval_s`).
 - health: each worker probes every instance; one that sees an instance change health or facts tells the
   siblings, which probe at once, so the workers agree within one probe instead of one interval.
-Per worker, by design: circuit breakers and warm pairs (each learns a failing instance from its own share
+Per worker, by design: Kubernetes discovery (each worker watches the pods: N watches on the API server),
+circuit breakers and warm pairs (each learns a failing instance from its own share
 of the traffic: up to `workers x breaker_failure_threshold` requests meet it before all stop), and session
 tables. Sessions stay sticky across workers because a session's instance is chosen by rendezvous hashing
 of its id (placement.py, `hash_sessions`); what a worker remembers of a session's context (the growth
@@ -79,7 +80,7 @@ class WorkerShared:
         siblings = self.siblings()
         answers = await asyncio.gather(*(self.ask(path, b"metrics") for path in siblings))
         others = []
-        for path, answer in zip(siblings, answers):
+        for path, answer in zip(siblings, answers, strict=True):
             if answer is None:
                 snapshot = self.metrics_dir / f"{path.stem[1:]}.prom"
                 answer = snapshot.read_bytes() if snapshot.exists() else b""

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.config import InstanceSpec, PoolSpec, RouterConfig
+from router.config import InstanceSpec
 from router.placement import RequestShape, place
 from router.registry import Registry
 from router.sessions import SessionTable
