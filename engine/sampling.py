@@ -1,4 +1,5 @@
-"""Sampling parameters and the per-request sampler: greedy, or seeded temperature / top-p, with log-probs.
+"""Sampling parameters and the per-request sampler: greedy, or seeded temperature / top-k / top-p / min-p, with
+log-probs.
 
 A request's token at output step n depends only on its logits and (seed, n): the generator is re-seeded from
 both at every step, so batching, scheduling order and the rank that samples never change the result. Without an
@@ -19,6 +20,10 @@ class SamplingParams:
     temperature: float = 0.0
     """0 = greedy (argmax, ties to the lower id)."""
     top_p: float = 1.0
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0: no limit)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one (0: keep all)."""
     seed: int | None = None
     stop: tuple[str, ...] = ()
     """Stop strings: generation ends once the output text contains one (the text is cut before it)."""
@@ -36,6 +41,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no limit), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -66,6 +75,22 @@ def top_logprobs(logprobs: torch.Tensor, count: int) -> tuple[tuple[int, float],
     return tuple((int(i), float(v)) for i, v in zip(ids[:count], values[:count]))
 
 
+def _filtered(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Zero the tokens top-k, top-p and min-p exclude (in that order; ties to the lower id), unnormalised."""
+    if params.top_k <= 0 and params.top_p >= 1 and params.min_p <= 0:
+        return probs
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if params.top_k > 0:
+        keep[params.top_k:] = False
+    if params.top_p < 1:
+        kept = torch.where(keep, sorted_probs, torch.zeros(()))
+        keep &= (torch.cumsum(kept, 0) - kept) < params.top_p
+    if params.min_p > 0:
+        keep &= sorted_probs >= params.min_p * sorted_probs[0]
+    return torch.zeros_like(probs).scatter(0, order, torch.where(keep, sorted_probs, torch.zeros(())))
+
+
 def request_seed(params: SamplingParams, request_id: str) -> int:
     return params.seed if params.seed is not None else zlib.crc32(request_id.encode())
 
@@ -76,12 +101,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -
     if params.temperature == 0:
         token = int(torch.argmax(logits))
     else:
-        probs = torch.softmax(logits / params.temperature, dim=-1)
-        if params.top_p < 1:
-            sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-            before = torch.cumsum(sorted_probs, 0) - sorted_probs
-            sorted_probs = torch.where(before < params.top_p, sorted_probs, torch.zeros(()))
-            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        probs = _filtered(torch.softmax(logits / params.temperature, dim=-1), params)
         gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
         token = int(torch.multinomial(probs, 1, generator=gen))
     chosen = logprobs[token]

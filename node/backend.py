@@ -62,7 +62,8 @@ def load_tokenizer(model_config: Any) -> ServerTokenizer:
 def _sampling(spec: SamplingSpec) -> Any:
     from engine.sampling import SamplingParams
 
-    return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed,
+    return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
+                          top_k=spec.top_k, min_p=spec.min_p, seed=spec.seed,
                           stop_token_ids=tuple(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
                           logprobs=spec.logprobs, prompt_logprobs=spec.prompt_logprobs).validate()
 

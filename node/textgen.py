@@ -132,7 +132,8 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_
                             f"in the completion).", "max_tokens")
     sampling = SamplingSpec(
         max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0,
+        seed=req.seed,
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=_logprobs(req),
         prompt_logprobs=_prompt_logprobs(req),
     )

@@ -38,6 +38,9 @@ class _SamplingFields(BaseModel):
     """0 only with echo or prompt_logprobs: the prompt is scored, nothing is generated."""
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    """vLLM's extension: sample among the k most likely tokens (0 or -1: no limit)."""
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

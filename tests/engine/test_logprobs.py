@@ -84,3 +84,18 @@ def test_top_alternatives_and_prompt_logprobs_leave_sampling_unchanged(engine: E
 def test_zero_max_tokens_needs_prompt_logprobs(engine: Engine) -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         engine.add_request("nothing", _prompt(10), SamplingParams(max_tokens=0))
+
+
+def test_top_k_and_min_p_restrict_what_is_sampled() -> None:
+    """top_k=1 and min_p=1 both leave only the most likely token: sampling at any temperature is greedy."""
+    engine = Engine(EngineConfig(model="kimi-k3.1-mini", num_rows=16))
+    prompt = _prompt(50)
+    greedy = engine.generate("greedy", prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    for name, extra in (("k", {"top_k": 1}), ("p", {"min_p": 1.0})):
+        hot = engine.generate(f"hot-{name}", prompt, SamplingParams(max_tokens=6, temperature=1.5, seed=9,
+                                                                    ignore_eos=True, **extra))
+        assert hot.token_ids == greedy.token_ids
+    free = engine.generate("free", prompt, SamplingParams(max_tokens=6, temperature=1.5, seed=9, ignore_eos=True))
+    assert free.token_ids != greedy.token_ids  # the restriction, not the seed, made them greedy
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5).validate()
