@@ -73,8 +73,7 @@ def final_response(prepared: PreparedRequest, result: GenerationResult, tokenize
     text, events, token_ids = result.text, list(result.tokens), result.token_ids
     if prepared.echo:
         text = tokenizer.decode(prepared.prompt_token_ids) + text
-        events = (result.prompt_tokens or [TokenEvent(request_id="", token_id=t) for t in prepared.prompt_token_ids]
-                  ) + events
+        events = result.prompt_tokens + events  # an echo always asks the engine for the prompt's events
         token_ids = list(prepared.prompt_token_ids) + token_ids
     choice = CompletionChoice(text=text, logprobs=_logprobs(prepared, tokenizer, events),
                               finish_reason=result.finish_reason, token_ids=token_ids,
