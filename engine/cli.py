@@ -2,11 +2,13 @@
 
     pdcluster generate --model kimi-k3.1-mini --prompt TEXT --max-tokens N [--seed S] [--temperature T]
                        [--top-p P] [--stop STR ...] [--weights FILE.safetensors] [--json]
+                       [--device cpu|cuda] [--kernels reference|fast]
 
 Weights are a random init from a fixed default seed (`--weights-seed`), so every process of a cluster and this
-oracle share identical weights without files; `--weights` loads a safetensors file over them. Greedy unless a
-temperature is given; `--seed` seeds sampling. Prints the text, token ids and timings (`--json`: one object with
-text, token_ids, prompt_token_ids, logprobs, finish_reason and timings). Bad input exits with status 2.
+oracle share identical weights without files (built on the CPU, then moved to `--device`); `--weights` loads a
+safetensors file over them. Greedy unless a temperature is given; `--seed` seeds sampling. Prints the text, token ids
+and timings (`--json`: one object with text, token_ids, prompt_token_ids, logprobs, finish_reason and timings).
+Bad input exits with status 2.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default=None, help="safetensors file to load over the random init")
     p.add_argument("--weights-seed", type=int, default=None, help="random-init seed (default: the engine's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: weights, row pool and every "
+                   "intermediate on that device (the oracle of nodes started with --device cuda)")
+    p.add_argument("--kernels", default="reference", choices=["reference", "fast"],
+                   help="reference (default: the kernels the nodes serve with) or fast (Triton decode, CUDA)")
     return p
 
 
@@ -51,6 +57,8 @@ def main(argv: list[str]) -> int:
         return _fail("--prompt is empty")
     if args.max_tokens <= 0:
         return _fail(f"--max-tokens must be positive, got {args.max_tokens}")
+    if args.device.split(":")[0] not in ("cpu", "cuda"):
+        return _fail(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if args.model != "kimi-k3.1-mini" and cfg.d_model > 1024:
         return _fail(f"preset {args.model!r} is for layout and capacity math only; it is never instantiated")
     prompt_ids = ByteTokenizer().encode(args.prompt)
@@ -71,7 +79,10 @@ def _generate(args: argparse.Namespace, prompt_ids: list[int]) -> int:
     started = time.perf_counter()
     seed = DEFAULT_SEED if args.weights_seed is None else args.weights_seed
     try:
-        engine = Engine(EngineConfig(model=args.model, seed=seed, weights=args.weights,
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            return _fail(f"--device {args.device}: no CUDA device is visible")
+        engine = Engine(EngineConfig(model=args.model, seed=seed, weights=args.weights, device=args.device,
+                                     kernels=args.kernels,
                                      num_rows=_rows_needed(args.model, len(prompt_ids) + args.max_tokens)))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos).validate()

@@ -24,7 +24,8 @@ pool is short of rows; bad input raises ValueError with a message naming the bad
 Oracle: `engine.generate(request_id, prompt_token_ids, sampling) -> GenerationResult`.
 Token events are `engine.outputs.TokenEvent(request_id, token_id, index, logprob, ..., finish_reason)`; finish_reason is "stop"
 (EOS, stop token or stop string), "length" (max_tokens) or "abort" on the last one.
-The pool buffer (`engine.pool.buffer`) is the one contiguous CPU tensor a transport registers.
+The pool buffer (`engine.pool.buffer`) is the one contiguous tensor a transport registers, on `config.device` (a CPU
+tensor, or VRAM of one GPU).
 Parallel wrappers (engine/parallel/) may pass their own `model` (any object with KimiModel's prefill/decode).
 """
 
@@ -77,6 +78,9 @@ class EngineConfig:
     block_size: int | None = None
     """Force a larger power-of-two block size (None: the smallest legal one)."""
     quarantine_s: float = 30.0
+    device: str = "cpu"
+    """Where the weights (when the engine builds them), the row pool and every intermediate live: "cpu" or
+    "cuda[:N]". A passed-in `model` must already be on this device."""
     kernels: str | None = None
     """Kernel set: "reference" (engine/model/) or "fast" (engine/fast/: Triton decode over the packed rows, single
     rank); None or "auto": fast on CUDA, reference on CPU. "fast" on CPU is refused unless TRITON_INTERPRET=1."""
@@ -124,11 +128,12 @@ class Engine:
         self.config = config
         self.clock = clock
         self.model_config: ModelConfig = get_preset(config.model)
-        self.model = model if model is not None else build_model(self.model_config, config.seed, config.weights)
+        self.model = model if model is not None else build_model(self.model_config, config.seed, config.weights,
+                                                                 device=config.device)
         self.tokenizer = ByteTokenizer()
         self.layout: RowLayout = plan_layout(self.model_config, tp_size=config.tp_size, dcp_size=config.dcp_size,
                                              subblock_tokens=config.subblock_tokens, block_size=config.block_size)
-        self.pool = RowPool(self.layout, self.model_config, config.num_rows)
+        self.pool = RowPool(self.layout, self.model_config, config.num_rows, device=config.device)
         self.kernels = resolve_kernels(config.kernels, getattr(self.model, "device", "cpu"))
         if self.kernels == "fast":
             self.model = self._fast_model(model is not None or make_cache is not None)

@@ -96,7 +96,9 @@ def request_seed(params: SamplingParams, request_id: str) -> int:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> SampledToken:
-    """logits [V] float32 -> the token for output step `step`."""
+    """logits [V] float32 -> the token for output step `step` (sampled on the CPU wherever the logits were made:
+    the CPU generator seeds it, and a GPU engine samples exactly as a CPU one given the same logits)."""
+    logits = logits.cpu()
     logprobs = torch.log_softmax(logits, dim=-1)
     if params.temperature == 0:
         token = int(torch.argmax(logits))

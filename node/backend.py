@@ -6,6 +6,7 @@ generation; aborted exports and imports are quarantined for `config.kv.timeout_s
 the round's time that every rank shares), import (`allocate_for_import`,
 external writes into `engine.pool.buffer`, then `start_decode` with the prefill node's first token). With W ranks
 the model is SPMD over the rank group: `TPModel` (heads split) or, on a DCP pool, `DCPModel` (cache split by token).
+`config.device` "cuda": weights, the row pool and every intermediate on the rank's own GPU (`ctx.device`).
 Also `load_tokenizer`, the server-side tokenizer matching the engine's (byte-level, BOS first, chat template).
 """
 
@@ -59,6 +60,20 @@ def load_tokenizer(model_config: Any) -> ServerTokenizer:
     return ServerTokenizer(ByteTokenizer(), model_config.vocab_size)
 
 
+def _rank_device(device: str, ctx: Any) -> Any:
+    """Where this rank computes: the CPU, or the GPU its context bound (rank r: the node's local GPU r)."""
+    import torch
+
+    if device == "cpu":
+        return torch.device("cpu")
+    if device != "cuda":
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    if ctx.device.type != "cuda":
+        raise ValueError("device cuda needs a rank context bound to a GPU (NCCL group); this rank got "
+                         f"{ctx.device}")
+    return ctx.device
+
+
 def _sampling(spec: SamplingSpec) -> Any:
     from engine.sampling import SamplingParams
 
@@ -81,12 +96,14 @@ class ReferenceBackend:
             raise ValueError(f"a DCP pool runs one rank per DCP rank: dcp_size {config.dcp_size}, "
                              f"{ctx.world_size} ranks")
         seed = DEFAULT_SEED if config.seed is None else config.seed
+        device = _rank_device(getattr(config, "device", "cpu"), ctx)
+        # kernels: the reference set on every device (the fast decode serves a single unwrapped rank only so far)
         engine_config = EngineConfig(model=config.model, seed=seed, num_rows=config.num_rows,
                                      max_batch=config.max_num_seqs, tp_size=config.tp_size,
                                      dcp_size=config.dcp_size, block_size=config.block_size,
-                                     quarantine_s=config.kv.timeout_s)
+                                     quarantine_s=config.kv.timeout_s, device=str(device), kernels="reference")
         make_cache = None
-        built = build_model(get_preset(config.model), seed)
+        built = build_model(get_preset(config.model), seed, device=device)
         if config.dcp_size > 1:
             model = DCPModel(built, ctx, config.token_shard_min_tokens)
             make_cache = model.make_cache
@@ -115,6 +132,11 @@ class ReferenceBackend:
 
     def allocate_import(self, cmd: ImportKV) -> tuple[list[int], list[int]]:
         table = self.engine.allocate_for_import(cmd.request_id, list(cmd.prompt_token_ids), _sampling(cmd.sampling))
+        buffer = self.engine.pool.buffer
+        if buffer.is_cuda:  # the KDA rows' zeroing is queued on the GPU: done before a READ may write them
+            import torch
+
+            torch.cuda.synchronize(buffer.device)
         self._first_tokens[cmd.request_id] = cmd.first
         return list(table.attn_row_ids), list(table.kda_row_ids)
 

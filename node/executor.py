@@ -67,6 +67,8 @@ class WorkerSpec:
     idle_poll_s: float = 0.02
     import_poll_s: float = 0.001
     """Round interval while imports are pending and no request runs (how often ranks poll their READs)."""
+    device: str = "cpu"
+    """What the ranks compute on: "cpu" (a gloo group) or "cuda" (rank r binds local GPU r, an NCCL group)."""
 
 
 class ExecutorDead(RuntimeError):
@@ -85,7 +87,7 @@ def _rank_main(spec: WorkerSpec, rank: int, init_method: str, conn: Any) -> None
         if spec.pin_cores and hasattr(os, "sched_setaffinity"):
             cores = sorted(os.sched_getaffinity(0))
             os.sched_setaffinity(0, {cores[rank % len(cores)]})
-        ctx = init_context(rank, spec.world_size, init_method, default_backend())
+        ctx = init_context(rank, spec.world_size, init_method, default_backend(spec.device))
         module_name, func_name = spec.factory.split(":")
         worker = getattr(importlib.import_module(module_name), func_name)(spec.config, ctx)
         conn.send(("ready", worker.startup_info()))

@@ -35,6 +35,8 @@ class WorkerConfig:
     """Register the pool with NIXL (needed for P -> D transfer)."""
     kv: KVTransferSettings = KVTransferSettings()
     """The node's KV transfer settings (the rank's NIXL agent, the import deadline)."""
+    device: str = "cpu"
+    """"cpu" or "cuda": each rank builds its weights, row pool and intermediates on its own GPU (NIXL: VRAM)."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_sh
                         block_size=settings.block_size, tp_size=settings.tp, dcp_size=dcp_size,
                         max_num_seqs=settings.max_num_seqs, engine_id=settings.engine_id,
                         token_shard_min_tokens=token_shard_min_tokens, backend=settings.backend,
-                        transport=settings.transport, kv=settings.kv)
+                        transport=settings.transport, kv=settings.kv, device=settings.device)
 
 
 def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int) -> NodeRuntime:
@@ -72,7 +74,7 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int)
     model_cfg = get_preset(settings.model)
     load_tokenizer = backend_module(config.backend).load_tokenizer
     spec = WorkerSpec(factory=WORKER_FACTORY, config=config, world_size=world_size, pin_cores=settings.pin_cores,
-                      step_timeout_s=settings.step_timeout_s)
+                      step_timeout_s=settings.step_timeout_s, device=config.device)
     executor = Executor(spec)
     executor.start(timeout_s=settings.start_timeout_s)
     head: RankInfo = executor.startup_info[0]

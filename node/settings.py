@@ -9,6 +9,7 @@ with the node's prefix (`PREFILL_NUM_ROWS`; a nested field joins its section wit
 from __future__ import annotations
 
 import uuid
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -45,6 +46,10 @@ class NodeSettings(BaseSettings):
     """A rank that does not answer a step within this long is declared dead."""
     seed: int | None = None
     """Weights seed of the reference model (default: the engine's; every node of a cluster must agree)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """What the ranks compute on: `cpu` (gloo group), or `cuda`: rank r binds the node's local GPU r
+    (CUDA_VISIBLE_DEVICES picks the node's GPUs), builds weights, row pool and intermediates there, NCCL group,
+    the pool registered with NIXL as VRAM."""
     pin_cores: bool = True
     backend: str = "reference"
     """Engine backend of the ranks: "reference" (engine/), or "module:function" of another backend factory."""

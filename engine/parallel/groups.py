@@ -56,15 +56,30 @@ class RankError(RuntimeError):
     """A rank raised, died, or did not answer in time."""
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+def default_backend(device: str | None = None) -> str:
+    """The group backend for ranks computing on `device`: gloo for "cpu", NCCL for "cuda" (a clear error when no
+    GPU is visible). None (benchmarks' RankPool): NCCL whenever a GPU is visible, else gloo."""
+    if device is None:
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return "gloo"
+    if kind != "cuda":
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise ValueError(f"device {device!r}: no CUDA device is visible to this process")
+    return "nccl"
 
 
 def init_context(rank: int, world_size: int, init_method: str, backend: str,
                  timeout_s: float = 120.0) -> ParallelContext:
     """Join the process group (or make the single-rank context when world_size == 1)."""
-    if backend == "nccl":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+    if backend == "nccl":  # rank r binds local GPU r (a node sees its own GPUs through CUDA_VISIBLE_DEVICES)
+        count = torch.cuda.device_count()
+        if world_size > count:
+            raise ValueError(f"{world_size} ranks on NCCL need {world_size} GPUs, {count} visible: NCCL refuses two "
+                             "ranks of one group on one GPU")
+        device = torch.device("cuda", rank % count)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
