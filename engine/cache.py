@@ -6,7 +6,9 @@ of a request (sub-block-major pages of every DSA layer, see engine/layout.py) or
 request (head-major). Rows of both kinds come from one free list.
 
 - `RowPool.allocate(n)` / `free(ids)` / `num_free`: lowest ids first, so ranks that see the same commands make the
-  same allocations (SPMD lockstep). `allocate_request(num_tokens)` returns a `BlockTable`.
+  same allocations (SPMD lockstep). `allocate_request(num_tokens)` returns a `BlockTable`. When free rows run
+  out, allocation first evicts unreferenced prefix-cache blocks (`spare`, engine/prefix_cache.py);
+  `num_available` counts those as available.
 - Quarantine: `quarantine(ids, until, key)` takes rows out of use without making them free: a remote READ may
   still target them (an export a lease gave up, an import that was abandoned). `reclaim(now)` frees the rows
   whose time is up; `hold(key)` keeps a key's rows out for good (a READ into them could not be cancelled).
@@ -85,6 +87,8 @@ class RowPool:
         heapq.heapify(self._free)
         self._used: set[int] = set()
         self._quarantine: list[_Quarantined] = []
+        self.spare = None
+        """The prefix cache (engine/prefix_cache.PrefixCache) whose unreferenced blocks make room on demand."""
 
     # ---- allocation ----
     @property
@@ -95,7 +99,22 @@ class RowPool:
     def num_quarantined(self) -> int:
         return sum(len(q.row_ids) for q in self._quarantine)
 
+    @property
+    def num_available(self) -> int:
+        """Free rows plus the rows the prefix cache would give up now (`spare`, engine/prefix_cache.py)."""
+        return len(self._free) + (self.spare.evictable_rows() if self.spare is not None else 0)
+
+    def make_room(self, count: int) -> None:
+        """Evict unreferenced cache blocks (least recently used first) until `count` rows are free, if possible."""
+        if count > len(self._free) and self.spare is not None:
+            self.spare.evict(count - len(self._free))
+
+    def copy_rows(self, dst: list[int], src: list[int] | tuple[int, ...]) -> None:
+        """Whole rows src[i] -> dst[i] (a KDA snapshot taken or resumed)."""
+        self.buffer[list(dst)] = self.buffer[list(src)]
+
     def allocate(self, count: int) -> list[int]:
+        self.make_room(count)
         if count > len(self._free):
             raise OutOfRows(f"need {count} rows, {len(self._free)} free of {self.num_rows}")
         ids = [heapq.heappop(self._free) for _ in range(count)]
@@ -143,6 +162,7 @@ class RowPool:
     def allocate_request(self, num_tokens: int, zero_kda: bool = True) -> BlockTable:
         """Rows for a request of up to num_tokens tokens; KDA rows zeroed (a fresh state) unless told not to."""
         num_attn, num_kda = self.rows_for(num_tokens)
+        self.make_room(num_attn + num_kda)
         if num_attn + num_kda > len(self._free):
             raise OutOfRows(f"a request of {num_tokens} tokens needs {num_attn + num_kda} rows, {self.num_free} free")
         table = BlockTable(self.allocate(num_attn), self.allocate(num_kda))

@@ -31,8 +31,10 @@ Parallel wrappers (engine/parallel/) may pass their own `model` (any object with
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 
 from engine.cache import BlockTable, RowPool
+from engine.prefix_cache import PrefixCache
 from engine.fast.backend import resolve_kernels
 from engine.layout import RowLayout, plan_layout
 from engine.model.config import ModelConfig, get_preset
@@ -81,11 +84,44 @@ class EngineConfig:
     device: str = "cpu"
     """Where the weights (when the engine builds them), the row pool and every intermediate live: "cpu" or
     "cuda[:N]". A passed-in `model` must already be on this device."""
+    prefix_cache: bool = True
+    """Keep finished blocks and reuse the longest cached prefix of a prompt (engine/prefix_cache.py)."""
+    max_step_tokens: int | None = None
+    """Chunked prefill: tokens one step computes, running decodes first, then a chunk of the prompt being
+    prefilled (at least scheduler.MIN_CHUNK). None: every prompt prefills in one step."""
     kernels: str | None = None
     """Kernel set: "reference" (engine/model/) or "fast" (engine/fast/: Triton decode over the packed rows, single
     rank); None or "auto": fast on CUDA, reference on CPU. "fast" on CPU is refused unless TRITON_INTERPRET=1."""
     """How long rows stay out of the pool after an export or import is given up (lease expired, aborted): a
     remote READ posted before may still target them until the reader's transfer timeout."""
+
+
+MAX_SESSIONS = 1024
+
+
+def weights_fingerprint(config: EngineConfig, layout_fingerprint: str) -> str:
+    """Model preset, weights (seed, file), tokenizer and row layout: KV is interchangeable only between equals."""
+    text = f"{config.model}|seed={config.seed}|weights={config.weights}|tokenizer=byte|layout={layout_fingerprint}"
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """What the node's /v1/cache answers (docs/SESSIONS.md)."""
+
+    block_tokens: int
+    fingerprint: str
+    sessions: tuple[tuple[str, int], ...]
+    """(session, leading tokens of its last turn held), most recently used first."""
+    resumable: tuple[tuple[str, int], ...]
+    """(session, leading tokens a local prefill could resume from: held and ending in a KDA snapshot)."""
+    blocks_cached: int
+    rows_free: int
+    hits_tokens: int
+    queried_tokens: int
+    evicted_blocks: int
+    blocks_read: int
+    blocks_reused: int
 
 
 @dataclass(frozen=True)
@@ -100,6 +136,8 @@ class PrefillResult:
     """Names this export for `release` (unique within the engine)."""
     first_top_logprobs: tuple[tuple[int, float], ...] = ()
     """Alternatives to the first token, as many as the request asked for."""
+    num_cached_tokens: int = 0
+    """Prompt tokens reused from this engine's prefix cache (not computed)."""
 
 
 @dataclass(frozen=True)
@@ -137,8 +175,16 @@ class Engine:
         self.kernels = resolve_kernels(config.kernels, getattr(self.model, "device", "cpu"))
         if self.kernels == "fast":
             self.model = self._fast_model(model is not None or make_cache is not None)
-        self.scheduler = Scheduler(self.pool, config.max_batch)
+        if config.max_step_tokens is not None and config.max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be positive, got {config.max_step_tokens}")
+        self.fingerprint = weights_fingerprint(config, self.layout.fingerprint)
+        self.cache = PrefixCache(self.pool, self.layout.block_size, self.fingerprint.encode(), config.prefix_cache)
+        self.pool.spare = self.cache
+        self.scheduler = Scheduler(self.pool, config.max_batch, self.cache, config.max_step_tokens,
+                                   resume=getattr(self.model, "supports_resume", True))
         self.runner = ModelRunner(self.model, self.pool, make_cache)
+        self.sessions: OrderedDict[str, list[bytes]] = OrderedDict()
+        """Session key -> block keys of its last finished turn (prompt + answer), most recent last."""
 
     def _fast_model(self, wrapped: bool) -> Any:
         from engine.fast.model import FastModel
@@ -150,7 +196,7 @@ class Engine:
 
     # ---- requests ----
     def _make_request(self, request_id: str, prompt: list[int] | tuple[int, ...], sampling: SamplingParams,
-                      export: bool = False) -> Request:
+                      export: bool = False, session: str = "") -> Request:
         sampling.validate()
         prompt = [int(t) for t in prompt]
         cfg = self.model_config
@@ -163,11 +209,12 @@ class Engine:
         if total > cfg.max_context:
             raise ValueError(f"the model's maximum context length is {cfg.max_context} tokens; the request needs "
                              f"{total} ({len(prompt)} prompt + {total - len(prompt)} completion)")
-        return Request(request_id, prompt, sampling, request_seed(sampling, request_id), export=export)
+        return Request(request_id, prompt, sampling, request_seed(sampling, request_id), export=export,
+                       session=session)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
-                    sampling: SamplingParams, export: bool = False) -> None:
-        self.scheduler.add(self._make_request(request_id, prompt_token_ids, sampling, export))
+                    sampling: SamplingParams, export: bool = False, session: str = "") -> None:
+        self.scheduler.add(self._make_request(request_id, prompt_token_ids, sampling, export, session))
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is; an exported or importing one's rows are quarantined, not freed."""
@@ -183,7 +230,9 @@ class Engine:
 
     def reclaim(self) -> list[int]:
         """Free the quarantined rows whose time is up (every step and admission does it first)."""
-        return self.pool.reclaim(self.clock())
+        now = self.clock()
+        self.cache.now = now
+        return self.pool.reclaim(now)
 
     # ---- stepping ----
     def step(self) -> StepOutputs:
@@ -192,16 +241,23 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.prefill is not None:
             req = plan.prefill
-            logits = self._prefill(req, out)
-            if req.sampling.max_tokens == 0:  # scoring only: the prompt's log-probs are the answer
+            logits = self._prefill(req, plan.prefill_end, out)
+            if logits is None:
+                pass  # more chunks to go
+            elif req.sampling.max_tokens == 0:  # scoring only: the prompt's log-probs are the answer
                 self.scheduler.finish(req, "length")
                 out.tokens.append(TokenEvent(request_id=req.request_id, token_id=None, finish_reason="length",
-                                             num_prompt_tokens=len(req.prompt_token_ids)))
+                                             num_prompt_tokens=len(req.prompt_token_ids),
+                                             num_cached_tokens=req.num_cached_tokens))
             else:
                 self._first_token(req, sample(logits, req.sampling, req.seed, 0), out)
         if plan.decode:
             logits = self.runner.decode(plan.decode)
+            bt = self.layout.block_size
             for i, req in enumerate(plan.decode):
+                written = req.num_tokens  # the step wrote the KV of position num_tokens - 1
+                if written % bt == 0:
+                    self.scheduler.publish(req, written, snapshot=True)
                 out.tokens.append(self._append(req, sample(logits[i], req.sampling, req.seed,
                                                            len(req.output_token_ids))))
         return out
@@ -210,19 +266,31 @@ class Engine:
         if req.export:
             req.output_token_ids.append(tok.token_id)
             req.output_logprobs.append(tok.logprob)
+            self._remember_session(req)
             self.scheduler.export(req)
             out.exported.append(self._prefill_result(req, tok))
         else:
             self.scheduler.start_running(req)
             out.tokens.append(self._append(req, tok))
 
-    def _prefill(self, req: Request, out: StepOutputs) -> torch.Tensor:
-        """Prefill `req` -> its last position's logits [V]; with `prompt_logprobs`, every position's logits are
-        computed and the prompt's log-probs go to `out`."""
+    def _prefill(self, req: Request, end: int, out: StepOutputs) -> torch.Tensor | None:
+        """Prefill prompt positions [req.num_computed, end) of `req` -> None while more chunks remain, else the
+        last position's logits [V]; with `prompt_logprobs`, every position's logits are computed and the
+        prompt's log-probs go to `out`."""
         count = req.sampling.prompt_logprobs
+        start, n = req.num_computed, len(req.prompt_token_ids)
+        chunk = self.runner.prefill(req, start, end, all_logits=count is not None)
+        req.num_computed = end
+        self.scheduler.publish(req, end, snapshot=end == self.scheduler.snapshot_boundary(req) > 0)
+        if end < n:
+            if count is not None:
+                req.prompt_logits.append(chunk)
+            return None
+        self.scheduler.prefill_done(req)
         if count is None:
-            return self.runner.prefill(req)
-        logits = self.runner.prefill(req, all_logits=True)
+            return chunk
+        logits = torch.cat([*req.prompt_logits, chunk]) if req.prompt_logits else chunk
+        req.prompt_logits = []
         entries = [TokenEvent(request_id=req.request_id, token_id=req.prompt_token_ids[0], index=0)]
         for i, scored in enumerate(prompt_logprobs(logits, req.prompt_token_ids, count), start=1):
             entries.append(TokenEvent(request_id=req.request_id, token_id=scored.token_id, index=i,
@@ -235,10 +303,11 @@ class Engine:
         req.output_logprobs.append(tok.logprob)
         reason = self._finish_reason(req, tok.token_id)
         if reason is not None:
+            self._remember_session(req)
             self.scheduler.finish(req, reason)
         return TokenEvent(request_id=req.request_id, token_id=tok.token_id, index=len(req.output_token_ids) - 1,
                           logprob=tok.logprob, top_logprobs=tok.top_logprobs, rank=tok.rank, finish_reason=reason,
-                          num_prompt_tokens=len(req.prompt_token_ids))
+                          num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=req.num_cached_tokens)
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         params = req.sampling
@@ -254,18 +323,23 @@ class Engine:
 
     # ---- disaggregation ----
     def prefill_and_keep(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
-                         sampling: SamplingParams) -> PrefillResult:
-        """Prefill now (outside the queue) and keep the rows until `release`."""
-        req = self._make_request(request_id, prompt_token_ids, sampling, export=True)
+                         sampling: SamplingParams, session: str = "") -> PrefillResult:
+        """Prefill now (outside the queue, from the longest cached prefix) and keep the rows until `release`."""
+        req = self._make_request(request_id, prompt_token_ids, sampling, export=True, session=session)
         self.reclaim()
-        self.scheduler.add_imported(req, req.capacity, zero_kda=True)
+        self.scheduler.admit_now(req)
         try:
-            tok = sample(self.runner.prefill(req), req.sampling, req.seed, 0)
+            n, logits = len(req.prompt_token_ids), None
+            while logits is None:
+                boundary = self.scheduler.snapshot_boundary(req)
+                logits = self._prefill(req, boundary if req.num_computed < boundary else n, StepOutputs())
+            tok = sample(logits, req.sampling, req.seed, 0)
         except BaseException:
             self.scheduler.finish(req, "abort")  # no rows leak when the prefill fails
             raise
         req.output_token_ids.append(tok.token_id)
         req.output_logprobs.append(tok.logprob)
+        self._remember_session(req)
         self.scheduler.export(req)
         return self._prefill_result(req, tok)
 
@@ -273,7 +347,7 @@ class Engine:
         assert req.table is not None
         return PrefillResult(req.request_id, tuple(req.table.attn_row_ids), tuple(req.table.kda_row_ids),
                              len(req.prompt_token_ids), first.token_id, first.logprob, req.generation,
-                             first.top_logprobs)
+                             first.top_logprobs, req.num_cached_tokens)
 
     def release(self, request_id: str, generation: int, reads_done: bool = False) -> bool:
         """End export `generation` of `request_id`: its rows are freed when `reads_done` (every READ of them
@@ -292,11 +366,18 @@ class Engine:
         return self.pool.hold(request_id)
 
     def allocate_for_import(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
-                            sampling: SamplingParams) -> BlockTable:
-        """Rows for a request whose prompt KV an external writer puts into the pool; decode waits for start."""
-        req = self._make_request(request_id, prompt_token_ids, sampling)
+                            sampling: SamplingParams, session: str = "") -> BlockTable:
+        """Rows for a request whose prompt KV an external writer puts into the pool; decode waits for start.
+        The first `num_reused_tokens(request_id)` tokens' attention rows are cached blocks this engine already
+        holds: the writer must fill only the rows past them (and every KDA row)."""
+        req = self._make_request(request_id, prompt_token_ids, sampling, session=session)
         self.reclaim()
         return self.scheduler.add_imported(req, len(req.prompt_token_ids))
+
+    def num_reused_tokens(self, request_id: str) -> int:
+        """Prompt tokens of an import (or a local prefill) that came from the prefix cache."""
+        req = self.scheduler.requests.get(request_id)
+        return 0 if req is None else req.num_cached_tokens
 
     def start_decode(self, request_id: str, first_token: int, first_logprob: float = math.nan,
                      first_top_logprobs: tuple[tuple[int, float], ...] = ()) -> list[TokenEvent]:
@@ -306,6 +387,9 @@ class Engine:
             raise ValueError(f"request {request_id!r} is not waiting for an import")
         if not 0 <= first_token < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token} is out of range")
+        n = len(req.prompt_token_ids)
+        req.num_computed = n
+        self.scheduler.publish(req, n, snapshot=n % self.layout.block_size == 0)
         self.scheduler.start_running(req)
         return [self._append(req, SampledToken(first_token, first_logprob, first_top_logprobs))]
 
@@ -320,6 +404,26 @@ class Engine:
             tokens += [t for t in self.step().tokens if t.request_id == request_id]
         return GenerationResult(request_id, [int(t) for t in prompt_token_ids], [t.token_id for t in tokens],
                                 [t.logprob for t in tokens], tokens[-1].finish_reason if tokens else None)
+
+    # ---- sessions and the cache report ----
+    def _remember_session(self, req: Request) -> None:
+        if not req.session or not self.cache.enabled:
+            return
+        self.sessions[req.session] = list(req.block_keys)
+        self.sessions.move_to_end(req.session)
+        while len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)
+
+    def cache_report(self) -> CacheReport:
+        cache, recent = self.cache, list(reversed(self.sessions.items()))
+        counters = cache.counters
+        return CacheReport(
+            block_tokens=self.layout.block_size, fingerprint=self.fingerprint,
+            sessions=tuple((s, cache.held_tokens(keys)) for s, keys in recent),
+            resumable=tuple((s, cache.held_tokens(keys, snapshot=True)) for s, keys in recent),
+            blocks_cached=cache.num_blocks, rows_free=self.pool.num_free, hits_tokens=counters.hit_tokens,
+            queried_tokens=counters.queried_tokens, evicted_blocks=counters.evicted_blocks,
+            blocks_read=counters.blocks_read, blocks_reused=counters.blocks_reused)
 
     # ---- introspection ----
     @property

@@ -30,11 +30,12 @@ class ModelRunner:
         return self.make_cache(self.pool, req.table)
 
     @torch.no_grad()
-    def prefill(self, req: Request, all_logits: bool = False) -> torch.Tensor:
-        """Run the whole prompt of `req` into its rows -> logits [V] of the last prompt token, or with
-        `all_logits` [T, V] of every prompt position."""
-        tokens = torch.tensor(req.prompt_token_ids, dtype=torch.int64)
-        logits = self.model.prefill(tokens, self._cache(req), all_logits=all_logits)
+    def prefill(self, req: Request, start: int = 0, end: int | None = None, all_logits: bool = False) -> torch.Tensor:
+        """Run prompt positions [start, end) of `req` (default: all) into its rows; positions before `start` are
+        already there -> logits [V] of the last one, or with `all_logits` [end - start, V] of each."""
+        end = len(req.prompt_token_ids) if end is None else end
+        tokens = torch.tensor(req.prompt_token_ids[start:end], dtype=torch.int64)
+        logits = self.model.prefill(tokens, self._cache(req), start, all_logits)
         return logits if all_logits else logits[0]
 
     @torch.no_grad()

@@ -1,17 +1,27 @@
-"""Continuous batching: request states, the prefill queue and the decode batch. No torch, no model.
+"""Continuous batching: request states, the prefill queue, chunked prefill and the decode batch. No torch, no model.
 
-States: WAITING (prefill queue) -> RUNNING (decode batch) -> FINISHED; with export: WAITING -> EXPORTED (prefill
-done, rows kept for a remote reader until released); with import: IMPORTING (rows allocated, an external writer
-fills them) -> RUNNING once `start_decode` gives the first token.
+States: WAITING (prefill queue) -> PREFILLING (rows allocated, prompt computed chunk by chunk) -> RUNNING (decode
+batch) -> FINISHED; with export: ... -> EXPORTED (prefill done, rows kept for a remote reader until released); with
+import: IMPORTING (rows allocated, an external writer fills them) -> RUNNING once `start_decode` gives the first
+token.
 An export is named by its request id AND its `generation` (a per-scheduler counter stamped when the prefill is
 done): `release(request_id, generation)` ends only that export, so a stale release of an earlier request with the
 same id, or of rows that have since been reused, frees nothing. Ending a request whose rows a remote READ may
-still target (EXPORTED or IMPORTING; `finish(..., quarantine_until=t)`) quarantines its rows instead of freeing
-them (engine.cache.RowPool.quarantine); a `held` request's rows stay quarantined for good.
-`Scheduler.schedule()` picks, per engine step, at most one waiting request to prefill (first in, first out; it
-waits while the pool lacks rows for its prompt + max_tokens) and every running request (up to max_batch) to
-decode. Rows are allocated when a request is admitted, for its prompt plus max_tokens, so a running request never
-runs out of rows; they return to the pool when it finishes, is aborted, or its export is released.
+still target (EXPORTED or IMPORTING; `finish(..., quarantine_until=t)`) quarantines its own rows instead of
+freeing them (engine.cache.RowPool.quarantine) and pins the shared cache blocks it used until t; a `held`
+request's rows stay quarantined for good.
+`Scheduler.schedule()` picks, per engine step, every running request (up to max_batch) to decode and one prefill
+chunk: the request being prefilled (first in, first out; the head of the queue is admitted when the pool, counting
+evictable cache blocks, has rows for its prompt + max_tokens) computes its next `max_step_tokens - decodes`
+tokens (at least MIN_CHUNK; all of them when the budget is None). A chunk also ends at the prompt's last block
+boundary, where the KDA state is snapshotted for the prefix cache.
+Prefix cache (engine/prefix_cache.py): admission reuses the longest resumable cached prefix (its attention rows
+shared, its KDA snapshot copied into the request's own KDA rows) and computes only the rest; an import reuses
+the longest held prefix of attention blocks and reads only the others. Finished blocks are published as they
+complete (prefill chunks, decode steps crossing a block boundary, an import's blocks at start_decode).
+Rows are allocated when a request is admitted, for its prompt plus max_tokens, so a running request never
+runs out of rows; its own rows return to the pool when it finishes, is aborted, or its export is released, and
+its references to cache blocks are dropped.
 The scheduler is deterministic: the same commands in the same order give the same batches and row ids.
 """
 
@@ -22,12 +32,17 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.cache import BlockTable, RowPool
+from engine.cache import BlockTable, OutOfRows, RowPool
+from engine.prefix_cache import ROOT, CachedBlock, PrefixCache, chain_keys
 from engine.sampling import SamplingParams
+
+MIN_CHUNK = 16
+"""Fewest prompt tokens a step prefills while a prompt waits (so a full decode batch cannot starve it)."""
 
 
 class RequestState(enum.Enum):
     WAITING = "waiting"
+    PREFILLING = "prefilling"
     RUNNING = "running"
     EXPORTED = "exported"
     IMPORTING = "importing"
@@ -41,6 +56,8 @@ class Request:
     sampling: SamplingParams
     seed: int
     export: bool = False
+    session: str = ""
+    """Opaque session key (the router's); the node reports what it holds per session."""
     state: RequestState = RequestState.WAITING
     generation: int = 0
     """Set when the request is exported (unique within the scheduler); releases must name it."""
@@ -50,6 +67,17 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    num_computed: int = 0
+    """Prompt tokens whose KV is in the rows (reused or prefilled)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens reused from the prefix cache (not computed, not read)."""
+    cached_blocks: list[CachedBlock] = field(default_factory=list)
+    """Cache blocks this request's table uses (reused or published by it); their rows belong to the cache."""
+    block_keys: list[bytes] = field(default_factory=list)
+    """Chained keys of this request's full blocks so far."""
+    decode_snapshot: CachedBlock | None = None
+    prompt_logits: list = field(default_factory=list)
+    """Chunk logits of a request that asked for prompt log-probs."""
 
     @property
     def num_tokens(self) -> int:
@@ -61,21 +89,43 @@ class Request:
         """Tokens the rows must hold: the prompt, plus max_tokens unless the rows go to a remote decoder."""
         return len(self.prompt_token_ids) + (0 if self.export else self.sampling.max_tokens)
 
+    def token_at(self, lo: int, hi: int) -> list[int]:
+        """Token ids of positions [lo, hi) (prompt, then outputs)."""
+        n = len(self.prompt_token_ids)
+        return (self.prompt_token_ids[lo:min(hi, n)] + self.output_token_ids[max(lo - n, 0):max(hi - n, 0)])
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:
     prefill: Request | None
     decode: tuple[Request, ...]
+    prefill_end: int = 0
+    """The chunk prefills prompt positions [prefill.num_computed, prefill_end)."""
 
 
 class Scheduler:
-    def __init__(self, pool: RowPool, max_batch: int = 64) -> None:
+    def __init__(self, pool: RowPool, max_batch: int = 64, cache: PrefixCache | None = None,
+                 max_step_tokens: int | None = None, resume: bool = True) -> None:
+        """`cache`: the prefix cache (None: none); `max_step_tokens`: tokens per step shared by decodes and a
+        prefill chunk (None: a prompt prefills in one step); `resume`: the model can prefill from a position
+        past 0 (chunks and cache hits of local prefills need it)."""
         self.pool = pool
         self.max_batch = max_batch
+        self.cache = cache
+        self.max_step_tokens = max_step_tokens if resume else None
+        self.resume = resume
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefilling: Request | None = None
         self._generations = 0
+
+    @property
+    def block_tokens(self) -> int:
+        return self.pool.layout.block_size
+
+    def _caching(self) -> bool:
+        return self.cache is not None and self.cache.enabled
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -87,30 +137,148 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
-    def add_imported(self, req: Request, num_tokens: int, zero_kda: bool = False) -> BlockTable:
-        """Admit a request outside the queue (its first num_tokens tokens arrive from elsewhere, or it prefills
-        right now); rows are allocated at once. Raises engine.cache.OutOfRows when the pool is short."""
+    # ---- admission ----
+    def _admit(self, req: Request, reuse: list[CachedBlock], keys: list[bytes], num_tokens: int) -> bool:
+        """Give `req` rows for num_tokens tokens, the first len(reuse) blocks shared from the cache; False (nothing
+        changed) when the pool lacks rows even after eviction."""
+        num_attn, num_kda = self.pool.rows_for(num_tokens)
+        if self.cache is not None:
+            self.cache.acquire(reuse)
+        if num_attn - len(reuse) + num_kda > self.pool.num_available:
+            if self.cache is not None:
+                self.cache.release(reuse)
+            return False
+        attn = [b.attn_row for b in reuse] + self.pool.allocate(num_attn - len(reuse))
+        kda = self.pool.allocate(num_kda)
+        req.table = BlockTable(attn, kda)
+        req.cached_blocks = list(reuse)
+        req.block_keys = list(keys[:len(reuse)])
+        req.num_cached_tokens = req.num_computed = len(reuse) * self.block_tokens
+        if self.cache is not None:
+            self.cache.counters.queried_tokens += len(req.prompt_token_ids)
+            self.cache.counters.hit_tokens += req.num_cached_tokens
+        return True
+
+    def _admit_local(self, req: Request) -> bool:
+        """Rows for a request this node prefills, resuming from the longest resumable cached prefix."""
+        reuse: list[CachedBlock] = []
+        keys: list[bytes] = []
+        if self._caching() and self.resume and req.sampling.prompt_logprobs is None:
+            keys = self.cache.keys(req.prompt_token_ids, (len(req.prompt_token_ids) - 1) // self.block_tokens)
+            reuse = self.cache.resumable(keys)
+        if not self._admit(req, reuse, keys, req.capacity):
+            return False
+        assert req.table is not None
+        if reuse:
+            self.pool.copy_rows(req.table.kda_row_ids, reuse[-1].kda_rows or ())
+        else:
+            self.pool.buffer[req.table.kda_row_ids] = 0
+        return True
+
+    def admit_now(self, req: Request) -> BlockTable:
+        """Admit a local prefill outside the queue (prefill_and_keep); raises OutOfRows when the pool is short."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        req.table = self.pool.allocate_request(max(req.capacity, num_tokens), zero_kda=zero_kda)
+        if not self._admit_local(req):
+            raise OutOfRows(f"a request of {req.capacity} tokens needs more rows than the pool has free")
+        req.state = RequestState.PREFILLING
+        self.requests[req.request_id] = req
+        assert req.table is not None
+        return req.table
+
+    def add_imported(self, req: Request, num_tokens: int, zero_kda: bool = False) -> BlockTable:
+        """Admit a request whose prompt KV arrives from elsewhere; rows are allocated at once, the longest held
+        prefix of whole prompt blocks shared from the cache (`req.num_cached_tokens`: the tokens not to read).
+        Raises engine.cache.OutOfRows when the pool is short."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        keys: list[bytes] = []
+        reuse: list[CachedBlock] = []
+        if self._caching():
+            keys = self.cache.keys(req.prompt_token_ids, len(req.prompt_token_ids) // self.block_tokens)
+            reuse = self.cache.lookup(keys)
+        total = max(req.capacity, num_tokens)
+        if not self._admit(req, reuse, keys, total):
+            num_attn, num_kda = self.pool.rows_for(total)
+            raise OutOfRows(f"a request of {total} tokens needs {num_attn - len(reuse) + num_kda} rows, "
+                            f"{self.pool.num_available} available")
+        assert req.table is not None
+        if zero_kda:
+            self.pool.buffer[req.table.kda_row_ids] = 0
+        if self.cache is not None:
+            num_blocks = -(-len(req.prompt_token_ids) // self.block_tokens)
+            self.cache.counters.blocks_reused += len(reuse)
+            self.cache.counters.blocks_read += num_blocks - len(reuse)
         req.state = RequestState.IMPORTING
         self.requests[req.request_id] = req
         return req.table
 
     def start_running(self, req: Request) -> None:
         req.state = RequestState.RUNNING
+        if self.prefilling is req:
+            self.prefilling = None
         self.running.append(req)
 
-    def schedule(self) -> SchedulerOutput:
-        prefill = None
-        if self.waiting:
-            head = self.waiting[0]
-            num_attn, num_kda = self.pool.rows_for(head.capacity)
-            if num_attn + num_kda <= self.pool.num_free:
-                prefill = self.waiting.popleft()
-                prefill.table = self.pool.allocate_request(prefill.capacity)
-        return SchedulerOutput(prefill, tuple(self.running[: self.max_batch]))
+    # ---- stepping ----
+    def snapshot_boundary(self, req: Request) -> int:
+        """The prompt's last block boundary before its last token: where a later request can resume."""
+        if not (self._caching() and self.resume):
+            return 0
+        return (len(req.prompt_token_ids) - 1) // self.block_tokens * self.block_tokens
 
+    def schedule(self) -> SchedulerOutput:
+        decode = tuple(self.running[: self.max_batch])
+        if self.prefilling is None and self.waiting and self._admit_local(self.waiting[0]):
+            self.prefilling = self.waiting.popleft()
+            self.prefilling.state = RequestState.PREFILLING
+        req = self.prefilling
+        if req is None:
+            return SchedulerOutput(None, decode)
+        n = len(req.prompt_token_ids)
+        end = n
+        if self.max_step_tokens is not None:
+            end = min(n, req.num_computed + max(self.max_step_tokens - len(decode), MIN_CHUNK))
+        boundary = self.snapshot_boundary(req)
+        if req.num_computed < boundary < end:
+            end = boundary
+        return SchedulerOutput(req, decode, end)
+
+    def prefill_done(self, req: Request) -> None:
+        if self.prefilling is req:
+            self.prefilling = None
+
+    def publish(self, req: Request, upto: int, snapshot: bool = False) -> None:
+        """Put req's full blocks below token `upto` (KV written) into the prefix cache; with `snapshot`, the block
+        ending at `upto` carries a copy of req's KDA state (upto must then be a block boundary)."""
+        if not self._caching() or req.table is None:
+            return
+        bt, cache = self.block_tokens, self.cache
+        for k in range(len(req.block_keys), upto // bt):
+            parent = req.block_keys[-1] if req.block_keys else ROOT
+            key = chain_keys(req.token_at(k * bt, (k + 1) * bt), bt, 1, cache.fingerprint, parent)[0]
+            req.block_keys.append(key)
+            kda = None
+            if snapshot and (k + 1) * bt == upto and self.resume:
+                kda = self._snapshot(req)
+            row = req.table.attn_row_ids[k]
+            block = cache.insert(key, k, row, kda)
+            if block is not None:
+                req.cached_blocks.append(block)
+                if kda is not None and req.state == RequestState.RUNNING:
+                    if req.decode_snapshot is not None:
+                        cache.drop_snapshot(req.decode_snapshot)
+                    req.decode_snapshot = block
+
+    def _snapshot(self, req: Request) -> tuple[int, ...] | None:
+        assert req.table is not None
+        count = len(req.table.kda_row_ids)
+        if self.pool.num_available < count:
+            return None
+        rows = self.pool.allocate(count)
+        self.pool.copy_rows(rows, req.table.kda_row_ids)
+        return tuple(rows)
+
+    # ---- ending ----
     def finish(self, req: Request, reason: str, quarantine_until: float | None = None) -> None:
         """End a request in any state; its rows are freed, or quarantined until `quarantine_until`."""
         req.finish_reason = reason
@@ -118,6 +286,8 @@ class Scheduler:
             self.running.remove(req)
         if req.state == RequestState.WAITING and req in self.waiting:
             self.waiting.remove(req)
+        if self.prefilling is req:
+            self.prefilling = None
         req.state = RequestState.FINISHED
         self._free(req, quarantine_until)
         self.requests.pop(req.request_id, None)
@@ -127,6 +297,7 @@ class Scheduler:
         req.state = RequestState.EXPORTED
         self._generations += 1
         req.generation = self._generations
+        self.prefill_done(req)
         if req in self.running:
             self.running.remove(req)
 
@@ -143,15 +314,21 @@ class Scheduler:
             return
         if req.held:
             quarantine_until = math.inf
+        shared = {b.attn_row for b in req.cached_blocks}
+        own = [row for row in req.table.row_ids if row not in shared]
         if quarantine_until is None:
-            self.pool.free(req.table.row_ids)
+            self.pool.free(own)
         else:
-            self.pool.quarantine(req.table.row_ids, quarantine_until, req.request_id)
+            self.pool.quarantine(own, quarantine_until, req.request_id)
+        if self.cache is not None:
+            self.cache.release(req.cached_blocks, pin_until=quarantine_until)
+        req.cached_blocks = []
+        req.decode_snapshot = None
         req.table = None
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + (self.prefilling is not None)
 
     @property
     def num_running(self) -> int:
@@ -159,4 +336,4 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling is not None)

@@ -67,6 +67,9 @@ class DCPModel(TPModel):
     KDA heads are split as under TP. A local prefill (colocated requests, the `recompute` load-failure policy)
     runs the SPMD prefill into a temporary whole-sequence cache of the request, then keeps this rank's share."""
 
+    supports_resume = False
+    """A local prefill starts at position 0 (the engine neither chunks it nor resumes it from the prefix cache)."""
+
     def __init__(self, model: Any, ctx: Any, token_threshold: int, merge: str = "compact",
                  attention: str = "exact") -> None:
         super().__init__(model, ctx, token_threshold)

@@ -1,0 +1,175 @@
+"""The prefix cache: full blocks of finished (or in-progress) requests' KV, shared read-only by later requests.
+
+A cache block is one attention row of the pool holding the KV of global tokens [k*B, (k+1)*B) of some token
+sequence (B = the layout's block size, a power of two; under DCP each rank's row holds its owned tokens of that
+block). It is keyed by a chained hash: key_k = H(key_{k-1} || fingerprint || tokens of block k), so a key names
+the whole prefix [0, (k+1)*B), and the fingerprint (model, weights seed/file, tokenizer, layout) keeps KV of
+another model or layout from matching. Every rank of a node makes the same decisions (the commands and steps are
+the same), so block k of a prefix has the same row id on every rank.
+
+KDA is recurrent: attention rows alone cannot resume a prefix. A block may carry a KDA snapshot (`kda_rows`, one
+row per KDA group, the state after its last token). A request computes locally from the longest cached prefix
+whose last block has a snapshot (`resumable`); an import (KV read from a prefill node, which sends the KDA state
+at the prompt's end) reuses the longest prefix of attention blocks (`lookup`) whatever the snapshots.
+
+Ownership: a cached block's rows belong to the cache. `refs` counts the requests whose block table uses it;
+a block with refs 0 is evictable, least recently used first, but only when the pool runs out of free rows
+(`RowPool.allocate` calls `evict`). `pinned_until` keeps a block out of eviction until a time (a remote READ
+of an export that was given up may still target it; math.inf when the READ could not be cancelled). Cached rows
+are never written: a request writes only positions past its reused prefix, into its own rows; an import writes
+only the blocks it did not reuse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ROOT = b"pdcluster-prefix-v1"
+
+
+@dataclass
+class CachedBlock:
+    key: bytes
+    index: int
+    """Block index k: the block holds tokens [k*B, (k+1)*B) of its prefix."""
+    attn_row: int
+    kda_rows: tuple[int, ...] | None = None
+    """KDA state after token (k+1)*B - 1, one row per KDA group (None: this block cannot be resumed from)."""
+    refs: int = 0
+    pinned_until: float = 0.0
+
+    @property
+    def rows(self) -> list[int]:
+        return [self.attn_row, *(self.kda_rows or ())]
+
+
+@dataclass
+class CacheCounters:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evicted_blocks: int = 0
+    blocks_read: int = 0
+    """Import blocks read from a prefill node."""
+    blocks_reused: int = 0
+    """Import blocks this node already held."""
+
+
+def chain_keys(tokens: Sequence[int], block_tokens: int, num_blocks: int, fingerprint: bytes,
+               parent: bytes = ROOT, first: int = 0) -> list[bytes]:
+    """Keys of blocks first..num_blocks-1 of `tokens`, chained from `parent` (the key of block first-1)."""
+    keys = []
+    for k in range(first, num_blocks):
+        h = hashlib.blake2b(digest_size=16)
+        h.update(parent)
+        h.update(fingerprint)
+        h.update(b"".join(int(t).to_bytes(4, "little") for t in tokens[k * block_tokens:(k + 1) * block_tokens]))
+        parent = h.digest()
+        keys.append(parent)
+    return keys
+
+
+class PrefixCache:
+    def __init__(self, pool, block_tokens: int, fingerprint: bytes, enabled: bool = True) -> None:  # noqa: ANN001
+        self.pool = pool
+        self.block_tokens = block_tokens
+        self.fingerprint = fingerprint
+        self.enabled = enabled
+        self.blocks: dict[bytes, CachedBlock] = {}
+        self._lru: OrderedDict[bytes, CachedBlock] = OrderedDict()
+        """Blocks with refs 0, least recently used first."""
+        self.counters = CacheCounters()
+        self.now = 0.0
+        """The engine's clock at the last `tick` (pins are compared with it)."""
+
+    def keys(self, tokens: Sequence[int], num_blocks: int) -> list[bytes]:
+        return chain_keys(tokens, self.block_tokens, num_blocks, self.fingerprint)
+
+    # ---- lookup ----
+    def lookup(self, keys: Sequence[bytes]) -> list[CachedBlock]:
+        """The cached blocks of the longest prefix of `keys` held (attention only)."""
+        out: list[CachedBlock] = []
+        if not self.enabled:
+            return out
+        for key in keys:
+            block = self.blocks.get(key)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def resumable(self, keys: Sequence[bytes]) -> list[CachedBlock]:
+        """The longest held prefix of `keys` whose last block has a KDA snapshot (a local prefill resumes there)."""
+        held = self.lookup(keys)
+        while held and held[-1].kda_rows is None:
+            held.pop()
+        return held
+
+    # ---- references ----
+    def acquire(self, blocks: Sequence[CachedBlock]) -> None:
+        for block in blocks:
+            block.refs += 1
+            self._lru.pop(block.key, None)
+
+    def release(self, blocks: Sequence[CachedBlock], pin_until: float | None = None) -> None:
+        """A request is done with `blocks` (its table order); the last blocks become the first to evict."""
+        for block in reversed(blocks):
+            block.refs -= 1
+            assert block.refs >= 0, "cache block released more often than acquired"
+            if pin_until is not None:
+                block.pinned_until = max(block.pinned_until, pin_until)
+            if block.refs == 0 and block.key in self.blocks:
+                self._lru[block.key] = block
+                self._lru.move_to_end(block.key)
+
+    def insert(self, key: bytes, index: int, attn_row: int, kda_rows: tuple[int, ...] | None) -> CachedBlock | None:
+        """Publish a finished block (refs 1: the caller's request uses it). None when the key is already cached
+        (the caller keeps its attention row). The caller gives up `kda_rows` either way: they become the block's
+        snapshot, or the held block's when it had none, or they are freed."""
+        block = self.blocks.get(key)
+        if block is not None:
+            if block.kda_rows is None and kda_rows is not None:
+                block.kda_rows = kda_rows
+            elif kda_rows is not None:
+                self.pool.free(list(kda_rows))
+            return None
+        block = CachedBlock(key, index, attn_row, kda_rows, refs=1)
+        self.blocks[key] = block
+        return block
+
+    def drop_snapshot(self, block: CachedBlock) -> None:
+        """Free a block's KDA snapshot (a later snapshot of the same request supersedes it)."""
+        if block.kda_rows is not None and block.key in self.blocks:
+            rows, block.kda_rows = block.kda_rows, None
+            self.pool.free(list(rows))
+
+    # ---- eviction ----
+    def evictable_rows(self) -> int:
+        return sum(len(b.rows) for b in self._lru.values() if b.pinned_until <= self.now)
+
+    def evict(self, num_rows: int) -> int:
+        """Evict least recently used unreferenced blocks until num_rows rows were freed (or none is left)."""
+        freed = 0
+        for key in list(self._lru):
+            if freed >= num_rows:
+                break
+            block = self._lru[key]
+            if block.pinned_until > self.now:
+                continue
+            del self._lru[key]
+            del self.blocks[key]
+            self.pool.free(block.rows)
+            freed += len(block.rows)
+            self.counters.evicted_blocks += 1
+        return freed
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def held_tokens(self, keys: Sequence[bytes], snapshot: bool = False) -> int:
+        """Leading tokens of the prefix `keys` names that are held (with `snapshot`: resumable)."""
+        blocks = self.resumable(keys) if snapshot else self.lookup(keys)
+        return len(blocks) * self.block_tokens
