@@ -43,6 +43,11 @@ class CircuitBreaker:
         if self.tripped is not None:
             self.tripped.discard(self.key)
 
+    def on_neutral(self) -> None:
+        """An attempt that says nothing about health (the node shed it with Retry-After): frees the
+        half-open trial, counts neither way."""
+        self.is_trial_inflight = False
+
     def on_failure(self, now: float) -> None:
         self.num_failures += 1
         self.is_trial_inflight = False

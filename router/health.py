@@ -5,17 +5,28 @@ unhealthy after `unhealthy_threshold` consecutive failures and healthy again aft
 consecutive successes. A healthy round also scrapes `/metrics` (load figures, cache facts) and, every
 `facts_interval_s` or while facts are missing, `/v1/models`. Instances that discovery reports not ready
 are unhealthy without a probe. The compat matrix is recomputed when facts change.
+
+A probe fails, per instance, on anything: a non-200 `/health`, a timeout, a refused connection, a
+`/v1/models` that is not a model list or lists no model (`[]`, garbage JSON), unparsable `/metrics`, or
+any other exception (logged). One bad node never stops the round, the loop or the router's start-up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import httpx
 
 from router.facts import parse_metrics, parse_models
 from router.registry import InstanceState, Registry
+
+log = logging.getLogger("router")
+
+
+class BadFacts(Exception):
+    """A node answered its fact endpoints with something the router cannot serve from."""
 
 
 def apply_probe(state: InstanceState, ok: bool, unhealthy_threshold: int, healthy_threshold: int,
@@ -61,9 +72,16 @@ class HealthChecker:
         due = time.monotonic() - self._facts_at.get(name, -1e9) >= self.facts_interval_s
         if due or not state.models.model_ids:
             models = await self.client.get(f"{url}/v1/models", timeout=self.timeout_s)
-            if models.status_code == 200:
-                state.models = parse_models(models.json())
-                self._facts_at[name] = time.monotonic()
+            if models.status_code != 200:
+                raise BadFacts(f"/v1/models answered {models.status_code}")
+            body = models.json()
+            if not isinstance(body, dict) or not isinstance(body.get("data"), list):
+                raise BadFacts("/v1/models is not a model list")
+            facts = parse_models(body)
+            if not facts.model_ids:
+                raise BadFacts("/v1/models lists no model")
+            state.models = facts
+            self._facts_at[name] = time.monotonic()
         return before != (state.cache, state.models.model_ids, state.models.max_model_len)
 
     async def probe(self, state: InstanceState) -> bool:
@@ -74,7 +92,10 @@ class HealthChecker:
             resp = await self.client.get(f"{state.spec.url}/health", timeout=self.timeout_s)
             ok, error = resp.status_code == 200, f"/health answered {resp.status_code}"
             changed = await self._refresh_facts(state) if ok else False
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, BadFacts) as exc:
+            ok, error, changed = False, f"{type(exc).__name__}: {exc}", False
+        except Exception as exc:  # noqa: BLE001 - one node's oddity must not stop the round
+            log.warning("health probe of %s failed unexpectedly: %r", state.spec.name, exc)
             ok, error, changed = False, f"{type(exc).__name__}: {exc}", False
         flipped = apply_probe(state, ok, self.unhealthy_threshold, self.healthy_threshold, None if ok else error)
         return flipped or changed
@@ -89,5 +110,8 @@ class HealthChecker:
 
     async def run(self) -> None:
         while True:
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception as exc:  # noqa: BLE001 - the loop outlives any one bad round
+                log.warning("health round failed: %r", exc)
             await asyncio.sleep(self.interval_s)

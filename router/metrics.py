@@ -21,7 +21,8 @@ OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.0025, 0.0
                     0.25, 0.5, 1.0)
 LEG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled")
+OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled", "shed")
+"""`shed`: answered 429/503 with Retry-After, by the router's admission cap or a node's own."""
 TIMED_LEGS = ("prefill", "decode", "first_decode")
 
 
@@ -52,6 +53,12 @@ class RouterMetrics:
                                       ["instance", "role", "pool"], registry=reg)
         self.pair_healthy = Gauge("pdcluster_pair_healthy", "1 usable pair, 0 broken or open breaker.",
                                   ["prefill", "decode"], registry=reg)
+        self.pool_inflight = Gauge("pdcluster_pool_inflight_requests",
+                                   "Requests admitted and not finished, per decode pool (router/admission.py).",
+                                   ["pool"], registry=reg)
+        self.pool_inflight_limit = Gauge("pdcluster_pool_inflight_limit",
+                                         "Admission cap on in-flight requests per decode pool (0: none).",
+                                         ["pool"], registry=reg)
         self.pair_compatible = Gauge("pdcluster_pair_compatible", "1 if the pairing matrix allows the pair.",
                                      ["prefill", "decode"], registry=reg)
 

@@ -8,6 +8,8 @@ output is a `Placement`. Rules:
   that fits), then DCP pools; when none fits, the largest pool.
 - sticky: a session stays on its decode instance (prefix reuse) while that instance is usable and its
   pool still fits; it migrates explicitly (`is_migration`) when it outgrows the pool.
+- a decode instance whose circuit breaker lets nothing through (`blocked`) is not usable; a P->D link
+  whose breaker is open is not in `compatible` (RouterState.usable_pairs).
 - least-loaded decode within the pool (router in-flight + node running/waiting + KV usage), preferring
   instances that have a usable compatible prefill. With `hash_sessions` (a router of several worker
   processes, each with its own session table) a session that needs an instance (new to this worker, or
@@ -168,8 +170,9 @@ def should_disaggregate(prompt_tokens: int, cached_tokens: int, min_uncached_tok
 
 def place(shape: RequestShape, session: SessionRecord | None, pools: list[PoolView],
           instances: list[InstanceView], compatible: frozenset[tuple[str, str]],
-          warm: frozenset[tuple[str, str]], min_uncached_tokens: int, hash_sessions: bool = False) -> Placement:
-    decodes = [v for v in instances if v.role == "decode" and v.is_usable]
+          warm: frozenset[tuple[str, str]], min_uncached_tokens: int, hash_sessions: bool = False,
+          blocked: frozenset[str] = frozenset()) -> Placement:
+    decodes = [v for v in instances if v.role == "decode" and v.is_usable and v.name not in blocked]
     prefills = [v for v in instances if v.role == "prefill"]
     live_pools = [p for p in pools if any(d.pool == p.name for d in decodes)]
     projected = projected_context(shape, session)

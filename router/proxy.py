@@ -7,25 +7,31 @@ D leg: `kvparams.decode_body` (P's handoff, never the client's kv_transfer_param
 for the whole answer; streaming returns once the first chunk arrived (within `first_token_timeout_s`),
 and relay.py streams the rest. Both legs go through `state.upstream` (router/upstream.py); bodies are
 serialised with orjson. `ctx.upstream_s` sums the wall time of every leg attempt (send to last byte), so
-the router's own share of a request (`pdcluster_router_overhead_seconds`) is what is left. Breakers: P failures count against P; D failures against D and, when a
-handoff was used, against the P-D link (a broken transfer path). A cancelled leg (client gone) closes its
-connection and calls the engine's aborter on both legs so neither node keeps rows for it.
+the router's own share of a request (`pdcluster_router_overhead_seconds`) is what is left.
+Breakers: P failures count against P; D failures (5xx, timeouts, broken connections) against D and, when
+a handoff was used, against the P-D link (a broken transfer path). A node's shedding (429, or 503 with
+Retry-After) counts neither way: P is skipped for the next candidate, D's answer goes to the client with
+its Retry-After. A decode instance that cannot be connected to (the request never reached it) is replaced
+once by the least-loaded other usable, compatible decode of the pool before any byte reached the client.
+A cancelled leg (client gone) closes its connection and calls the engine's aborter on both legs so
+neither node keeps rows for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import orjson
 
 from router.aborts import aborter_for
+from router.admission import is_node_shed
 from router.kvparams import KVHandoff, decode_body, handoff_from_answer, prefill_body
-from router.placement import Placement, RequestShape
+from router.placement import Placement, RequestShape, load_score
 from router.registry import InstanceState
 from router.state import RouterState
-from router.upstream import UPSTREAM_ERRORS, UpstreamResponse
+from router.upstream import CONNECT_ERRORS, UPSTREAM_ERRORS, UpstreamResponse
 from router.validation import ValidRequest
 from serving.errors import APIError
 
@@ -51,6 +57,8 @@ class RequestContext:
     error: str | None = None
     """Why the request did not end `ok` (logged by service.finish)."""
     notes: list[str] = field(default_factory=list)
+    is_admitted: bool = False
+    """Holds a slot of its pool's admission cap until `service.finish` releases it."""
 
 
 def upstream_message(content: bytes, limit: int = 300) -> str:
@@ -63,13 +71,18 @@ def upstream_message(content: bytes, limit: int = 300) -> str:
 
 
 class UpstreamReply(Exception):
-    """A node's own 4xx answer, relayed to the client unchanged."""
+    """A node's own 4xx answer (or its shedding 503 with Retry-After), relayed to the client unchanged."""
 
-    def __init__(self, status: int, content: bytes, content_type: str | None) -> None:
+    def __init__(self, status: int, content: bytes, content_type: str | None, headers=None) -> None:
         super().__init__(f"upstream answered {status}")
         self.status = status
         self.content = content
         self.content_type = content_type or "application/json"
+        self.headers = {k: v for k, v in (headers or {}).items() if k.lower() == "retry-after"}
+
+
+class DecodeUnreachable(Exception):
+    """No connection to the decode instance could be opened (the request never reached it)."""
 
 
 class Orchestrator:
@@ -143,6 +156,10 @@ class Orchestrator:
         finally:
             state.num_inflight -= 1
             ctx.upstream_s += time.monotonic() - started
+        if is_node_shed(resp.status_code, resp.headers):
+            ctx.notes.append(f"{name}: shed ({resp.status_code})")
+            breaker.on_neutral()
+            return None
         if resp.status_code >= 500:
             ctx.notes.append(f"{name}: HTTP {resp.status_code}")
             breaker.on_failure(time.monotonic())
@@ -163,17 +180,23 @@ class Orchestrator:
             self.state.note_prefill_engine(name, handoff.remote_engine_id)
         return handoff
 
-    def record_decode_status(self, ctx: RequestContext, status: int | None) -> None:
-        """Breaker and warm-pair bookkeeping after D answered (`status` None: connection failed)."""
+    def record_decode_status(self, ctx: RequestContext, status: int | None, headers=None) -> None:
+        """Breaker and warm-pair bookkeeping after D answered (`status` None: connection failed or timed
+        out). A node's shedding (429, 503 with Retry-After) counts neither way."""
         now = time.monotonic()
         decode = ctx.placement.decode
-        ok = status is not None and status < 500
         breaker = self.state.breakers.instance(decode)
+        link = self.state.breakers.link(ctx.handoff.prefill, decode) if ctx.handoff is not None else None
+        if status is not None and is_node_shed(status, headers or {}):
+            breaker.on_neutral()
+            if link is not None:
+                link.on_neutral()
+            return
+        ok = status is not None and status < 500
         breaker.on_success() if ok else breaker.on_failure(now)
-        if ctx.handoff is None:
+        if link is None:
             return
         pair = (ctx.handoff.prefill, decode)
-        link = self.state.breakers.link(*pair)
         if ok:
             link.on_success()
             self.state.set_warm(pair, True)
@@ -189,20 +212,57 @@ class Orchestrator:
         finally:
             await resp.aclose()
 
+    def move_decode(self, ctx: RequestContext) -> bool:
+        """After a connect error: switch the request to the least-loaded other usable decode instance of its
+        pool (compatible with its prefill's handoff); False when there is none."""
+        now = time.monotonic()
+        failed = ctx.placement.decode
+        pairs, blocked = self.state.usable_pairs(now), self.state.blocked_instances(now)
+        candidates = [v for v in self.state.registry.snapshot()
+                      if v.role == "decode" and v.pool == ctx.placement.pool and v.is_usable and v.name != failed
+                      and v.name not in blocked and (ctx.handoff is None or (ctx.handoff.prefill, v.name) in pairs)]
+        if not candidates:
+            return False
+        best = min(candidates, key=lambda v: (load_score(v), v.name))
+        ctx.placement = replace(ctx.placement, decode=best.name,
+                                reason=f"{ctx.placement.reason}; {failed} unreachable, retried on {best.name}")
+        self.state.metrics.retries.labels("decode").inc()
+        return True
+
+    async def with_decode_retry(self, ctx: RequestContext, leg):
+        """Run `leg(ctx)`; a connect error to the decode instance is retried once on another one."""
+        try:
+            return await leg(ctx)
+        except DecodeUnreachable as exc:
+            if not self.move_decode(ctx):
+                raise APIError(502, f"decode instance {ctx.placement.decode} failed: {exc}") from None
+        try:
+            return await leg(ctx)
+        except DecodeUnreachable as exc:
+            raise APIError(502, f"decode instance {ctx.placement.decode} failed: {exc}") from None
+
     async def decode_json(self, ctx: RequestContext) -> tuple[UpstreamResponse, bytes]:
         """The D leg of a non-streaming request: (response, body)."""
+        return await self.with_decode_retry(ctx, self._decode_json_once)
+
+    async def _decode_json_once(self, ctx: RequestContext) -> tuple[UpstreamResponse, bytes]:
         state = self._decode_state(ctx)
         body = orjson.dumps(decode_body(ctx.valid.body, ctx.handoff))
         state.num_inflight += 1
+        self.state.breakers.instance(state.spec.name).on_attempt(time.monotonic())
         started = time.monotonic()
         try:
             async with self.state.deadlines.within(self.settings.decode_timeout_s):
                 resp, content = await self._post(state.spec.url, ctx, body)
         except TimeoutError:
             self.state.metrics.leg_timeouts.labels("decode").inc()
+            self.record_decode_status(ctx, None)
             ctx.outcome = "timeout"
             self.abort_legs(ctx)
             raise APIError(504, f"decode timed out after {self.settings.decode_timeout_s} s") from None
+        except CONNECT_ERRORS as exc:
+            self.record_decode_status(ctx, None)
+            raise DecodeUnreachable(type(exc).__name__) from None
         except UPSTREAM_ERRORS as exc:
             self.record_decode_status(ctx, None)
             ctx.outcome = "upstream_error"
@@ -213,7 +273,9 @@ class Orchestrator:
         finally:
             state.num_inflight -= 1
             ctx.upstream_s += time.monotonic() - started
-        self.record_decode_status(ctx, resp.status_code)
+        self.record_decode_status(ctx, resp.status_code, resp.headers)
+        if is_node_shed(resp.status_code, resp.headers):
+            self.abort_legs(ctx)  # the prefill's rows go back now, not when its lease expires
         self._note_kv_time(ctx, resp)
         return resp, content
 
@@ -233,10 +295,14 @@ class Orchestrator:
 
     async def open_stream(self, ctx: RequestContext) -> tuple[UpstreamResponse, object, bytes]:
         """Send the D leg and wait for its first chunk; returns (response, raw iterator, first chunk)."""
+        return await self.with_decode_retry(ctx, self._open_stream_once)
+
+    async def _open_stream_once(self, ctx: RequestContext) -> tuple[UpstreamResponse, object, bytes]:
         state = self._decode_state(ctx)
         body = orjson.dumps(decode_body(ctx.valid.body, ctx.handoff))
         started = time.monotonic()
         state.num_inflight += 1
+        self.state.breakers.instance(state.spec.name).on_attempt(started)
         resp: UpstreamResponse | None = None
         try:
             async with self.state.deadlines.within(self.settings.first_token_timeout_s):
@@ -245,7 +311,11 @@ class Orchestrator:
                     content = await resp.aread()
                     await resp.aclose()
                     state.num_inflight -= 1
-                    self.record_decode_status(ctx, resp.status_code)
+                    self.record_decode_status(ctx, resp.status_code, resp.headers)
+                    if is_node_shed(resp.status_code, resp.headers):
+                        self.abort_legs(ctx)
+                        raise UpstreamReply(resp.status_code, content, resp.headers.get("content-type"),
+                                            resp.headers)
                     if resp.status_code >= 500:
                         ctx.outcome = "upstream_error"
                         raise APIError(502, f"decode instance {state.spec.name} answered {resp.status_code}"
@@ -255,9 +325,14 @@ class Orchestrator:
                 first = await anext(chunks)
         except TimeoutError:
             await self._close_failed(resp, state, ctx)
+            self.record_decode_status(ctx, None)
             self.state.metrics.leg_timeouts.labels("first_decode").inc()
             ctx.outcome = "timeout"
             raise APIError(504, f"no first token within {self.settings.first_token_timeout_s} s") from None
+        except CONNECT_ERRORS as exc:
+            state.num_inflight -= 1  # nothing reached the node: no abort, the handoff stays valid for a retry
+            self.record_decode_status(ctx, None)
+            raise DecodeUnreachable(type(exc).__name__) from None
         except (*UPSTREAM_ERRORS, StopAsyncIteration) as exc:
             await self._close_failed(resp, state, ctx)
             self.record_decode_status(ctx, None)

@@ -10,8 +10,13 @@ seen by a task parked in `receive()`. Here:
 - Every other route (health, metrics, models, admin) goes to the FastAPI app (router/asgi_bridge.py).
 - Keep-alive with pipelined requests answered in order, `Expect: 100-continue`, bodies past
   `max_body_bytes` refused (413) without buffering them, write back-pressure (a slow client pauses its
-  relay), keep-alive connections idle for `KEEP_ALIVE_S` closed; SIGTERM/SIGINT stop accepting and give
-  requests in flight up to `GRACEFUL_S` to finish.
+  relay); SIGTERM/SIGINT stop accepting and give requests in flight up to `GRACEFUL_S` to finish.
+- Limits (router/settings.py): request line + headers past `max_header_bytes` get 431; a request not
+  received completely within `body_read_timeout_s` of its first byte gets 408 (slow senders); a client
+  that takes nothing of its reply for `write_timeout_s` (a stalled SSE reader) is disconnected, which
+  cancels its request like any disconnect; keep-alive connections idle for `keep_alive_s` are closed;
+  past `max_connections` per worker a new connection gets 503 and is closed. One sweep per
+  `SWEEP_S` enforces the three timeouts (nothing per request or per chunk).
 The app's lifespan (registry, health checks, upstream pool) runs around the server.
 """
 
@@ -33,8 +38,8 @@ from router.fastpath import ENDPOINTS, READ_HEADERS
 from router.service import Reply, error_reply, serve
 
 log = logging.getLogger("router")
-KEEP_ALIVE_S = 75.0
-"""Idle keep-alive connections are closed after this long (above common client pool idle times)."""
+SWEEP_S = 1.0
+"""How often idle, slow-sending and stalled-reading connections are looked for."""
 GRACEFUL_S = 30.0
 """On SIGTERM, how long requests in flight may run before they are cancelled."""
 STATUS = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in http.HTTPStatus}
@@ -66,13 +71,21 @@ class Connection(asyncio.Protocol):
         self.is_write_paused = False
         self.drain_waiter: asyncio.Future | None = None
         self.last_active = time.monotonic()
+        self.receiving_since: float | None = None
+        """When the request being received sent its first byte (None between requests)."""
+        self.paused_since: float | None = None
+        """When the transport's write buffer filled (None while the client keeps reading)."""
         self._reset()
 
     def _reset(self) -> None:
         self.url, self.headers, self.body, self.size, self.is_too_large = b"", [], [], 0, False
+        self.header_bytes = 0
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if len(self.server.connections) >= self.server.limits.max_connections:
+            self._refuse(503, "too many connections; retry later")
+            return
         self.server.connections.add(self)
 
     def connection_lost(self, exc) -> None:
@@ -85,9 +98,11 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.is_write_paused = True
+        self.paused_since = time.monotonic()
 
     def resume_writing(self) -> None:
         self.is_write_paused = False
+        self.paused_since = None
         if self.drain_waiter is not None and not self.drain_waiter.done():
             self.drain_waiter.set_result(None)
 
@@ -106,6 +121,11 @@ class Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not supported")
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, _HeadersTooLarge):
+                self._refuse(431, f"request headers are more than {self.server.limits.max_header_bytes} bytes")
+            else:
+                self._refuse(400, "malformed HTTP request")
         except httptools.HttpParserError as exc:
             self._refuse(400, f"malformed HTTP request: {exc}")
 
@@ -117,12 +137,21 @@ class Connection(asyncio.Protocol):
     # parser callbacks
     def on_message_begin(self) -> None:
         self._reset()
+        self.receiving_since = time.monotonic()
 
     def on_url(self, url: bytes) -> None:
         self.url += url
+        self._count_header_bytes(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
+        self._count_header_bytes(len(name) + len(value) + 4)
+
+    def _count_header_bytes(self, num: int) -> None:
+        self.header_bytes += num
+        if self.header_bytes > self.server.limits.max_header_bytes:
+            self.headers, self.url = [], b""
+            raise _HeadersTooLarge
 
     def on_headers_complete(self) -> None:
         for name, value in self.headers:
@@ -141,6 +170,7 @@ class Connection(asyncio.Protocol):
             self.body.append(body)
 
     def on_message_complete(self) -> None:
+        self.receiving_since = None
         self.pending.append(Request(self.parser.get_method(), self.url, self.headers, b"".join(self.body),
                                     self.parser.should_keep_alive(), self.is_too_large, time.monotonic()))
         if self.task is None:
@@ -162,12 +192,17 @@ class Connection(asyncio.Protocol):
             self.task = None
 
 
+class _HeadersTooLarge(Exception):
+    """Raised from a parser callback once a request's headers pass `max_header_bytes`."""
+
+
 class RouterServer:
     """Dispatches parsed requests: the completion routes to `service.serve`, the rest to the ASGI app."""
 
-    def __init__(self, app, max_body_bytes: int) -> None:
+    def __init__(self, app, max_body_bytes: int, limits=None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.limits = limits or app.state.router.settings
         self.connections: set[Connection] = set()
         self._date = (0, b"")
 
@@ -224,6 +259,8 @@ class RouterServer:
             log.exception("router: unexpected error on %s", request.url.decode("latin-1"))
             if reply is not None:
                 reply.sent()
+                if reply.on_abandon is not None:
+                    await reply.on_abandon()  # a stream that never started: its bookkeeping still runs
             else:
                 failed = error_reply(500, "internal router error")
                 conn.write(self.head(failed, False, len(failed.body)) + failed.body)
@@ -263,13 +300,23 @@ class RouterServer:
             parts.append(b"connection: close\r\n")
         conn.write(b"".join(parts) + b"\r\n" + body)
 
-    async def sweep(self) -> None:
-        """Close keep-alive connections idle for longer than KEEP_ALIVE_S."""
-        while True:
-            await asyncio.sleep(KEEP_ALIVE_S / 5)
-            cutoff = time.monotonic() - KEEP_ALIVE_S
-            for conn in [c for c in self.connections if c.task is None and c.last_active < cutoff]:
+    def sweep_once(self, now: float) -> None:
+        """Close idle keep-alive connections, answer 408 to slow senders, drop stalled readers."""
+        limits = self.limits
+        for conn in list(self.connections):
+            if conn.paused_since is not None and now - conn.paused_since > limits.write_timeout_s:
+                log.info("router: client read nothing for %.0f s; disconnecting it", limits.write_timeout_s)
+                conn.transport.abort()  # close() would wait for the buffer to drain, which never happens
+            elif conn.receiving_since is not None and now - conn.receiving_since > limits.body_read_timeout_s:
+                conn.receiving_since = None
+                conn._refuse(408, f"request not received within {limits.body_read_timeout_s} s")
+            elif conn.task is None and conn.receiving_since is None and now - conn.last_active > limits.keep_alive_s:
                 conn.transport.close()
+
+    async def sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            self.sweep_once(time.monotonic())
 
 
 async def run_server(app, host: str, port: int, sock: socket.socket | None = None, *,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from router.admission import PoolFull, is_node_shed
 from router.placement import NoPlacement, RequestShape, SessionRecord, estimate_prompt_tokens, place, \
     session_id_of
 from router.proxy import Orchestrator, RequestContext, UpstreamReply, upstream_message
@@ -79,16 +80,17 @@ def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint,
     try:
         placement = place(shape, session, state.pool_views(instances), instances, state.usable_pairs(now),
                           state.warm_pairs, s.disagg_min_uncached_tokens,
-                          hash_sessions=state.is_multi_worker)
+                          hash_sessions=state.is_multi_worker, blocked=state.blocked_instances(now))
     except NoPlacement as exc:
         raise APIError(503, f"no decode instance available: {exc}") from None
+    state.admission.enter(placement.pool)  # PoolFull: shed before any node or session is touched
     if shape.session_id:
         known_tokens = max(shape.prompt_tokens, session.context_tokens if session else 0)
         state.sessions.put(SessionRecord(shape.session_id, placement.pool, placement.decode, known_tokens, now))
     # Always the router's own id: a client-chosen one could collide with (and abort) another request.
     request_id = state.next_request_id()
     return RequestContext(request_id=request_id, path=PATHS[endpoint], valid=valid, shape=shape,
-                          placement=placement, started=started)
+                          placement=placement, started=started, is_admitted=True)
 
 
 def _route_headers(ctx: RequestContext) -> dict[str, str]:
@@ -104,6 +106,9 @@ def finish(state: RouterState, ctx: RequestContext, acct: StreamAccounting | Non
     """Metrics and session bookkeeping once a request ended (any outcome)."""
     m, pool, model = state.metrics, ctx.placement.pool, ctx.valid.model
     now = time.monotonic()
+    if ctx.is_admitted:
+        ctx.is_admitted = False
+        state.admission.leave(pool)
     m.child(m.requests, ctx.outcome, pool).inc()
     if ctx.outcome != "ok":
         prefill = ctx.handoff.prefill if ctx.handoff else "none"
@@ -131,6 +136,14 @@ def finish(state: RouterState, ctx: RequestContext, acct: StreamAccounting | Non
     if ctx.shape.session_id and usage:
         total = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
         state.sessions.put(SessionRecord(ctx.shape.session_id, pool, ctx.placement.decode, total, now))
+
+
+def _shed_headers(ctx: RequestContext, headers) -> dict[str, str]:
+    """Route headers plus the node's Retry-After (a shed answer keeps it)."""
+    out = _route_headers(ctx)
+    if "retry-after" in headers:
+        out["retry-after"] = headers["retry-after"]
+    return out
 
 
 def _usage(ctx: RequestContext, status: int, content: bytes) -> dict | None:
@@ -170,6 +183,7 @@ class _StreamEnd:
             self.orch.record_decode_status(self.ctx, None)
         if status == "timeout":
             self.state.metrics.leg_timeouts.labels("decode").inc()
+            self.orch.record_decode_status(self.ctx, None)
         finish(self.state, self.ctx, self.acct, self.acct.usage)
 
     async def abandon(self) -> None:
@@ -183,10 +197,13 @@ async def _run(state: RouterState, orch: Orchestrator, ctx: RequestContext) -> R
         ctx.handoff = await orch.prefill(ctx)
     if not ctx.valid.is_stream:
         resp, content = await orch.decode_json(ctx)
-        if resp.status_code != 200:
+        headers = _route_headers(ctx)
+        if is_node_shed(resp.status_code, resp.headers):
+            ctx.outcome, headers = "shed", _shed_headers(ctx, resp.headers)
+        elif resp.status_code != 200:
             ctx.outcome = "client_error" if resp.status_code < 500 else "upstream_error"
             ctx.error = f"decode answered {resp.status_code}{upstream_message(content)}"
-        return Reply(resp.status_code, _route_headers(ctx), content, resp.headers.get("content-type", JSON),
+        return Reply(resp.status_code, headers, content, resp.headers.get("content-type", JSON),
                      on_sent=lambda: finish(state, ctx, None, _usage(ctx, resp.status_code, content)))
     resp, chunks, first = await orch.open_stream(ctx)
     acct = StreamAccounting(ctx.started, started_relay=time.monotonic())
@@ -201,6 +218,12 @@ async def serve(state: RouterState, endpoint: Endpoint, headers: Mapping[str, st
     """Handle one /v1/completions or /v1/chat/completions request (`headers`: lower-cased names)."""
     try:
         ctx = _context(state, headers, endpoint, raw, started)
+    except PoolFull as exc:
+        state.metrics.child(state.metrics.requests, "shed", exc.pool).inc()
+        reply = error_reply(429, f"too many requests in flight for pool {exc.pool}; retry later",
+                            type_="rate_limit_error")
+        reply.headers["retry-after"] = str(state.admission.retry_after_s)
+        return reply
     except APIError as exc:
         state.metrics.requests.labels("client_error" if exc.status < 500 else "upstream_error", "none").inc()
         return error_reply(exc.status, exc.message, exc.param, exc.type)
@@ -212,12 +235,18 @@ async def serve(state: RouterState, endpoint: Endpoint, headers: Mapping[str, st
         finish(state, ctx, None, None)
         raise
     except UpstreamReply as reply:
-        ctx.outcome = "client_error"
+        is_shed = is_node_shed(reply.status, reply.headers)
+        ctx.outcome = "shed" if is_shed else "client_error"
         finish(state, ctx, None, None)
-        return Reply(reply.status, _route_headers(ctx), reply.content, reply.content_type)
+        headers = _shed_headers(ctx, reply.headers) if is_shed else _route_headers(ctx)
+        return Reply(reply.status, headers, reply.content, reply.content_type)
     except APIError as exc:
         if ctx.outcome == "ok":
             ctx.outcome = "timeout" if exc.status == 504 else "upstream_error"
         ctx.error = exc.message
         finish(state, ctx, None, None)
         return error_reply(exc.status, exc.message, exc.param, exc.type)
+    except Exception:
+        ctx.outcome = "upstream_error"
+        finish(state, ctx, None, None)
+        raise

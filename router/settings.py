@@ -56,6 +56,34 @@ class Settings(BaseSettings):
     breaker_failure_threshold: int = 3
     breaker_recovery_s: float = 15.0
 
+    max_inflight_per_pool: int = Field(default=1024, ge=0)
+    """Admission cap: requests in flight per decode pool in this router replica (0: no cap). Beyond it the
+    router answers 429 with Retry-After at once. With several worker processes each worker admits its share,
+    ceil(cap / workers) (router/admission.py)."""
+    pool_max_inflight: dict[str, int] = Field(default_factory=dict)
+    """Per-pool caps that override `max_inflight_per_pool` (pool name -> cap, 0: no cap)."""
+    shed_retry_after_s: int = Field(default=1, ge=1)
+    """Retry-After (seconds) on the router's own 429s."""
+
+    keep_alive_s: float = Field(default=75.0, gt=0)
+    """Idle keep-alive client connections are closed after this long."""
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    """Request line plus headers of one request; beyond it 431 and the connection is closed."""
+    body_read_timeout_s: float = Field(default=30.0, gt=0)
+    """A request whose headers or body do not arrive completely within this long gets 408 (slow senders)."""
+    write_timeout_s: float = Field(default=60.0, gt=0)
+    """A client that reads nothing of its reply (a stalled SSE reader) for this long is disconnected (the
+    request ends `cancelled`, both legs are aborted)."""
+
+    max_connections: int = Field(default=20_000, ge=1)
+    """Open client connections per worker process; a connection beyond it gets 503 and is closed."""
+
+    peer_urls: list[str] = Field(default_factory=list)
+    """Other router replicas (base URLs) that admin drains are broadcast to (router/peers.py)."""
+    peer_dns: str | None = None
+    """`host:port` of a headless Service whose addresses are every router replica (the chart's `-peers`
+    Service): resolved at each broadcast; this replica's own address is skipped."""
+
     disagg_min_uncached_tokens: int = 32
     """Conditional disaggregation: skip the P leg when fewer uncached prompt tokens are expected."""
     session_ttl_s: float = 1800.0

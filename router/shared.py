@@ -6,8 +6,9 @@ instance now). On top of that:
 - drains: `POST /admin/instances/NAME/drain` on any worker writes a marker file (the record a restarted
   worker reads) and tells every sibling before it answers, so the drain holds on every worker at once.
 - metrics: `/metrics` on any worker asks every sibling for its counters and histograms and sums them with
-  its own (gauges are the answering worker's own view). A sibling that does not answer within a second
-  (restarting) counts with the snapshot it last published (every `shared_sync_interval_s`).
+  its own (gauges are the answering worker's own view, except the per-pool in-flight gauges, which add
+  up). A sibling that does not answer within a second (restarting) counts with the snapshot it last
+  published (every `shared_sync_interval_s`).
 - health: each worker probes every instance; one that sees an instance change health or facts tells the
   siblings, which probe at once, so the workers agree within one probe instead of one interval.
 Per worker, by design: Kubernetes discovery (each worker watches the pods: N watches on the API server),
@@ -31,6 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger("router")
 SUMMED_TYPES = ("counter", "histogram")
+SUMMED_GAUGES = ("pdcluster_pool_inflight_requests", "pdcluster_pool_inflight_limit")
+"""Gauges whose worker values add up to the replica's (each worker admits its own share)."""
 ASK_TIMEOUT_S = 1.0
 
 
@@ -148,19 +151,19 @@ def _labels(labels: tuple[tuple[str, str], ...]) -> str:
 
 def merge_expositions(own: str, others: list[str]) -> str:
     """Text exposition: `own`'s families, counter and histogram samples summed with `others` (whose
-    gauges are ignored); `_created` samples are dropped (they do not add up)."""
+    gauges are ignored, except SUMMED_GAUGES); `_created` samples are dropped (they do not add up)."""
     families: dict[str, tuple[str, str, dict[tuple, float]]] = {}
     for i, text in enumerate([own, *others]):
         for family in text_string_to_metric_families(text):
-            if i and family.type not in SUMMED_TYPES:
+            summed = family.type in SUMMED_TYPES or family.name in SUMMED_GAUGES
+            if i and not summed:
                 continue
             _, _, samples = families.setdefault(family.name, (family.type, family.documentation, {}))
             for sample in family.samples:
                 if sample.name.endswith("_created"):
                     continue
                 key = (sample.name, tuple(sample.labels.items()))
-                samples[key] = samples.get(key, 0.0) + sample.value if family.type in SUMMED_TYPES \
-                    else sample.value
+                samples[key] = samples.get(key, 0.0) + sample.value if summed else sample.value
     lines = []
     for name, (kind, doc, samples) in families.items():
         exposed = f"{name}_total" if kind == "counter" else name

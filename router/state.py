@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from router.admission import Admission
 from router.breaker import Breakers
 from router.config import PoolSpec, RouterConfig
 from router.deadlines import Deadlines
@@ -45,6 +46,7 @@ class RouterState:
     prefill_engine_ids: dict[str, str] = field(default_factory=dict)
     background: set[asyncio.Task] = field(default_factory=set)
     deadlines: Deadlines = field(default_factory=Deadlines)
+    admission: Admission | None = None
     _pool_views: tuple[int, list[PoolView]] = (-1, [])
     _id_prefix: str = field(default_factory=lambda: f"pdc-{os.urandom(6).hex()}-")
     _id_counter: itertools.count = field(default_factory=itertools.count)
@@ -53,6 +55,7 @@ class RouterState:
         s = self.settings
         self.breakers = self.breakers or Breakers(s.breaker_failure_threshold, s.breaker_recovery_s)
         self.sessions = self.sessions or SessionTable(s.session_ttl_s, s.max_sessions)
+        self.admission = self.admission or Admission(s, self.metrics)
         for spec in self.config.instances:
             self.registry.upsert(spec)
 
@@ -102,6 +105,13 @@ class RouterState:
             return compatible
         return frozenset(key for key in compatible
                          if self.breakers.link(*key).allows(now) and self.breakers.instance(key[0]).allows(now))
+
+    def blocked_instances(self, now: float) -> frozenset[str]:
+        """Instances whose own breaker lets no request through now (placement skips them as decodes)."""
+        assert self.breakers is not None
+        if not self.breakers.tripped:
+            return frozenset()
+        return frozenset(name for name, breaker in self.breakers.instances.items() if not breaker.allows(now))
 
     def set_warm(self, pair: tuple[str, str], is_warm: bool) -> None:
         if (pair in self.warm_pairs) != is_warm:

@@ -33,8 +33,14 @@ class UpstreamError(Exception):
     """Connecting, sending or reading failed (the node is gone, closed the connection, or spoke garbage)."""
 
 
+class UpstreamConnectError(UpstreamError):
+    """No connection could be opened: the request never reached the node (safe to send elsewhere)."""
+
+
 UPSTREAM_ERRORS = (UpstreamError, httpx.HTTPError)
 """What a leg catches: this client's errors, and httpx's where tests run the legs over httpx."""
+CONNECT_ERRORS = (UpstreamConnectError, httpx.ConnectError)
+"""The subset that proves the node never saw the request."""
 
 
 class UpstreamResponse(Protocol):
@@ -247,7 +253,8 @@ class UpstreamPool:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(lambda: Connection(self, origin), *origin)
         except (OSError, TimeoutError) as exc:
-            raise UpstreamError(f"cannot connect to {origin[0]}:{origin[1]}: {type(exc).__name__} {exc}") from None
+            raise UpstreamConnectError(f"cannot connect to {origin[0]}:{origin[1]}: {type(exc).__name__} {exc}") \
+                from None
         return conn
 
     def _acquire_idle(self, origin: tuple[str, int]) -> Connection | None:
