@@ -1,0 +1,192 @@
+"""Prefix cache and chunked prefill on one rank: hits are bit-exact, rows are accounted, leases stay sole owners.
+
+kimi-k3.1-mini at TP1 has 1024-token blocks, so the sessions here run past 1024 tokens. Every equality is exact
+(token ids and float log-probs), against an engine with the cache off computing the same request from scratch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.engine import Engine, EngineConfig
+from engine.sampling import SamplingParams
+from engine.scheduler import RequestState
+
+BLOCK = 1024
+
+
+def _prompt(n: int, salt: int = 0) -> list[int]:
+    return [256] + [(i * 37 + salt) % 251 for i in range(n - 1)]
+
+
+def _sampling(max_tokens: int = 6, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=1, temperature=0.7, seed=5, **kw)
+
+
+def _run(engine: Engine, request_id: str, prompt: list[int], sampling: SamplingParams, session: str = ""):
+    engine.add_request(request_id, prompt, sampling, session=session)
+    events = []
+    while not events or events[-1].finish_reason is None:
+        events += [e for e in engine.step().tokens if e.request_id == request_id]
+    return events
+
+
+def _same(a, b) -> None:
+    assert [e.token_id for e in a] == [e.token_id for e in b]
+    assert [e.logprob for e in a] == [e.logprob for e in b]  # exact
+    assert [e.top_logprobs for e in a] == [e.top_logprobs for e in b]
+
+
+@pytest.fixture(scope="module")
+def scratch() -> Engine:
+    return Engine(EngineConfig(num_rows=48, prefix_cache=False))
+
+
+def _accounted(engine: Engine) -> None:
+    """Every row is free, quarantined, a cache block's, or a live request's own - exactly once."""
+    pool, cache = engine.pool, engine.cache
+    cached = [r for b in cache.blocks.values() for r in b.rows]
+    live = [r for req in engine.scheduler.requests.values() if req.table is not None for r in req.table.row_ids
+            if r not in {b.attn_row for b in req.cached_blocks}]
+    quarantined = [r for q in pool._quarantine for r in q.row_ids]
+    everything = cached + live + quarantined + list(pool._free)
+    assert sorted(everything) == list(range(pool.num_rows))
+
+
+def test_session_turns_hit_and_equal_scratch(scratch: Engine) -> None:
+    engine = Engine(EngineConfig(num_rows=48))
+    prompt = _prompt(1100)
+    turn1 = _run(engine, "t1", prompt, _sampling(), session="ab")
+    assert turn1[-1].num_cached_tokens == 0
+    _same(turn1, _run(scratch, "s1", prompt, _sampling()))
+    # turn 2 extends turn 1 (prompt + answer + new text): the prompt's first block is resumed
+    prompt2 = prompt + [e.token_id for e in turn1] + _prompt(40, salt=3)
+    turn2 = _run(engine, "t2", prompt2, _sampling(), session="ab")
+    assert {e.num_cached_tokens for e in turn2} == {BLOCK}
+    _same(turn2, _run(scratch, "s2", prompt2, _sampling()))
+    report = engine.cache_report()
+    assert dict(report.sessions)["ab"] == BLOCK and report.hits_tokens == BLOCK
+    assert report.queried_tokens == len(prompt) + len(prompt2)
+    _accounted(engine)
+
+
+def test_decode_boundary_snapshot_resumes_the_answer(scratch: Engine) -> None:
+    """A turn whose answer crosses a block boundary leaves a snapshot there: the next turn resumes from it."""
+    engine = Engine(EngineConfig(num_rows=48))
+    prompt = _prompt(1000, salt=1)
+    turn1 = _run(engine, "a1", prompt, _sampling(max_tokens=40), session="cd")
+    assert dict(engine.cache_report().resumable)["cd"] == BLOCK
+    prompt2 = prompt + [e.token_id for e in turn1] + _prompt(30, salt=4)
+    turn2 = _run(engine, "a2", prompt2, _sampling())
+    assert turn2[0].num_cached_tokens == BLOCK
+    _same(turn2, _run(scratch, "b2", prompt2, _sampling()))
+
+
+def test_chunked_prefill_interleaves_decodes_and_equals_one_shot(scratch: Engine) -> None:
+    engine = Engine(EngineConfig(num_rows=48, max_step_tokens=128, prefix_cache=False))
+    engine.add_request("short", _prompt(20), _sampling(max_tokens=30))
+    while engine.request_state("short") != RequestState.RUNNING:
+        engine.step()
+    long_prompt = _prompt(1200, salt=2)
+    engine.add_request("long", long_prompt, _sampling())
+    req = engine.scheduler.requests["long"]
+    progress, events = [], {"short": [], "long": []}
+    while engine.has_work:
+        before = req.num_computed
+        out = engine.step()
+        for e in out.tokens:
+            events[e.request_id].append(e)
+        progress.append((req.num_computed - before, any(e.request_id == "short" for e in out.tokens)))
+    chunks = [(n, decoded) for n, decoded in progress if n > 0]
+    assert len(chunks) >= 1200 // 128  # the long prompt took many steps...
+    assert all(n <= 128 - 1 for n, _ in chunks)  # ...each within the budget left by the one running decode...
+    assert sum(decoded for _, decoded in chunks) >= len(chunks) - 1  # ...and the short stream decoded meanwhile
+    _same(events["long"], _run(scratch, "one-shot", long_prompt, _sampling()))
+
+
+def test_chunked_prompt_logprobs_equal_one_shot(scratch: Engine) -> None:
+    engine = Engine(EngineConfig(num_rows=48, max_step_tokens=100))
+    prompt = _prompt(300, salt=6)
+    sampling = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    chunked, whole = [], []
+    for eng, sink, rid in ((engine, chunked, "c"), (scratch, whole, "w")):
+        eng.add_request(rid, prompt, sampling)
+        while eng.has_work:
+            sink += [p for p in eng.step().prompt_logprobs if p.request_id == rid]
+    assert [(t.token_id, t.logprob, t.top_logprobs) for t in chunked[0].tokens] == \
+        [(t.token_id, t.logprob, t.top_logprobs) for t in whole[0].tokens][:len(chunked[0].tokens)]
+    assert len(chunked[0].tokens) == len(prompt)
+
+
+def test_eviction_under_row_pressure_keeps_results_and_never_frees_used_blocks(scratch: Engine) -> None:
+    # 8 rows: one request of ~1100 tokens + 6 new uses 2 attention + 2 KDA rows; a snapshot 2 more
+    engine = Engine(EngineConfig(num_rows=8))
+    shared = _prompt(1100, salt=7)
+    first = _run(engine, "p0", shared, _sampling())
+    assert engine.cache.num_blocks == 1
+    # two requests share the cached block at once; finishing one must leave the other's rows intact
+    engine.add_request("x", shared + [1, 2, 3], _sampling(max_tokens=12))
+    engine.add_request("y", shared + [4, 5], _sampling(max_tokens=4))
+    got = {"x": [], "y": []}
+    while engine.has_work:
+        for e in engine.step().tokens:
+            got[e.request_id].append(e)
+        _accounted(engine)
+    _same(got["x"], _run(scratch, "sx", shared + [1, 2, 3], _sampling(max_tokens=12)))
+    _same(got["y"], _run(scratch, "sy", shared + [4, 5], _sampling(max_tokens=4)))
+    assert got["x"][0].num_cached_tokens == BLOCK
+    # other long prompts push the cached block out (LRU, only when free rows run out)
+    for i in range(3):
+        _run(engine, f"o{i}", _prompt(1100, salt=20 + i), _sampling())
+        _accounted(engine)
+    assert engine.cache.counters.evicted_blocks > 0
+    again = _run(engine, "p1", shared, _sampling())
+    _same(again, first)
+
+
+def test_exports_share_blocks_and_releases_free_only_their_own_rows() -> None:
+    engine = Engine(EngineConfig(num_rows=16, quarantine_s=10.0))
+    now = [0.0]
+    engine.clock = lambda: now[0]
+    prompt = _prompt(1100, salt=9)
+    a = engine.prefill_and_keep("e", prompt, SamplingParams(max_tokens=1))
+    b = engine.prefill_and_keep("f", prompt + [7, 7], SamplingParams(max_tokens=1))
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == BLOCK
+    assert a.attn_row_ids[0] == b.attn_row_ids[0]  # the shared, cached block
+    block = engine.cache.blocks[engine.scheduler.requests["f"].block_keys[0]]
+    assert block.refs == 2
+    assert not engine.release("e", b.generation)  # a stale / foreign generation frees nothing
+    assert engine.release("e", a.generation)  # given up: its own rows quarantined, the shared block pinned
+    assert block.refs == 1 and block.pinned_until == 10.0
+    assert a.attn_row_ids[1] not in engine.pool._free
+    _accounted(engine)
+    assert engine.release("f", b.generation, reads_done=True)
+    assert block.refs == 0 and engine.cache.evictable_rows() == 0  # pinned: no READ target is reused early
+    now[0] = 11.0
+    engine.reclaim()
+    assert engine.cache.evictable_rows() == len(block.rows)
+    _accounted(engine)
+
+
+def test_import_reuses_held_blocks_and_is_told_what_to_read() -> None:
+    engine = Engine(EngineConfig(num_rows=16))
+    prompt = _prompt(2100, salt=11)
+    _run(engine, "warm", prompt[:1500], _sampling())
+    table = engine.allocate_for_import("imp", prompt, _sampling())
+    assert engine.num_reused_tokens("imp") == BLOCK
+    held = engine.cache.lookup(engine.cache.keys(prompt, 1))
+    assert table.attn_row_ids[0] == held[0].attn_row
+    report = engine.cache_report()
+    assert (report.blocks_reused, report.blocks_read) == (1, 2)
+    engine.abort("imp")
+    _accounted(engine)
+
+
+def test_cache_off_reuses_nothing() -> None:
+    engine = Engine(EngineConfig(num_rows=48, prefix_cache=False))
+    prompt = _prompt(1100, salt=12)
+    _run(engine, "o1", prompt, _sampling(), session="ef")
+    second = _run(engine, "o2", prompt + [3], _sampling(), session="ef")
+    assert second[0].num_cached_tokens == 0
+    report = engine.cache_report()
+    assert report.blocks_cached == 0 and report.sessions == ()
