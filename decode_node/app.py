@@ -12,7 +12,10 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from decode_node.remote import PeerDirectory, serve_remote
+from decode_node.admission import ImportQueue
+from decode_node.handoff import HandoffGate
+from decode_node.peers import PeerDirectory
+from decode_node.remote import serve_remote
 from decode_node.settings import Settings
 from kv_transfer.geometry import Geometry
 from node.app import NodeRuntime, build_app
@@ -37,6 +40,7 @@ def _handler(settings: Settings):  # noqa: ANN202 - returns the node's Handler
 def create_app(settings: Settings) -> FastAPI:
     if settings.tp > 1 and settings.dcp > 1:
         raise ValueError("choose --tp B or --dcp W, not both")
+    gate = HandoffGate(settings.handoff_secret())  # no secret and not insecure: refuse to start
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -46,7 +50,9 @@ def create_app(settings: Settings) -> FastAPI:
         runtime = await asyncio.to_thread(start_runtime, settings, config, world)
         head: RankInfo = runtime.executor.startup_info[0]
         runtime.extras["geometry"] = Geometry(world, settings.dcp, head.block_size, head.layout_fingerprint)
-        runtime.extras["peers"] = PeerDirectory(timeout_s=settings.kv.timeout_s)
+        runtime.extras["peers"] = PeerDirectory(settings.prefill_peers, timeout_s=settings.kv.timeout_s)
+        runtime.extras["handoffs"] = gate
+        runtime.extras["import_queue"] = ImportQueue(settings.import_queue_depth, settings.import_queue_wait_s)
         app.state.runtime = runtime
         try:
             yield
@@ -55,4 +61,4 @@ def create_app(settings: Settings) -> FastAPI:
             await runtime.extras["peers"].close()
             await asyncio.to_thread(runtime.executor.stop)
 
-    return build_app(f"pdcluster decode node ({settings.pool})", _handler(settings), lifespan)
+    return build_app(f"pdcluster decode node ({settings.pool})", _handler(settings), lifespan, settings)

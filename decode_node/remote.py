@@ -2,8 +2,12 @@
 transport (every rank reads its own share, one READ per source rank, remapped), notify the prefill node,
 then decode from the imported rows and answer as a normal (streaming or JSON) completion.
 
-Failures before admission (malformed params, unknown engine, expired lease, geometry mismatch) are 4xx
-answers that touch no memory; the prefill node is told to release its rows where the lease is ours to end.
+Failures before admission are 4xx answers that touch no memory: first the hand-off gate (decode_node/handoff.py:
+signature, ids, prompt, replay; 403 before any connection), then the peer directory (decode_node/peers.py: the
+address comes from the node's configured peers, 403 for an engine that is not one of them), then malformed
+params, unknown engine, expired lease, geometry mismatch; the prefill node is told to release its rows where the
+lease is ours to end. An import short of rows waits in the bounded queue of decode_node/admission.py (503 with
+Retry-After when it cannot get them in time), never a 502.
 `check_readable` runs here, once per import (the ranks plan and post without checking again).
 The import itself is asynchronous on the ranks (node/worker.py): this handler awaits the merged outcome while
 other streams keep decoding. A failed read follows `kv_load_failure_policy`: `fail` answers 502 and frees the rows
@@ -13,7 +17,6 @@ was cancelled (an uncancelled one leaves both sides' rows quarantined: P's lease
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import httpx
@@ -23,46 +26,20 @@ from fastapi.responses import Response
 from kv_transfer.geometry import Geometry
 from kv_transfer.params import KVParamsError, KVTransferParams, check_readable
 from kv_transfer.remap import pair_problems
-from kv_transfer.side_channel import InstanceMetadata, fetch_metadata
-from node.app import NodeRuntime, until_disconnect
+from kv_transfer.side_channel import InstanceMetadata
+from decode_node.admission import ImportQueue
+from decode_node.handoff import HandoffGate
+from decode_node.peers import Address, PeerDirectory
+from node.app import NodeBusy, NodeRuntime, until_disconnect
 from node.local import respond, serve_local
 from node.protocol import Abort, ImportKV, ImportOutcome, StartDecode
 from node.textgen import PreparedRequest
 from serving.errors import APIError
 
 
-class PeerDirectory:
-    """Side-channel metadata of prefill instances, fetched once per (host, port) and engine id."""
-
-    def __init__(self, timeout_s: float = 10.0) -> None:
-        self.timeout_s = timeout_s
-        self._cache: dict[tuple[str, int], InstanceMetadata] = {}
-        self._client = httpx.AsyncClient(timeout=timeout_s)
-
-    async def get(self, host: str, port: int, engine_id: str | None) -> InstanceMetadata:
-        """Cached metadata; refetched when the engine id differs (the prefill node restarted)."""
-        key = (host, port)
-        info = self._cache.get(key)
-        if info is None or info.engine_id != engine_id:
-            info = await asyncio.to_thread(fetch_metadata, host, port, self.timeout_s)
-            self._cache[key] = info
-        return info
-
-    async def release(self, params: KVTransferParams) -> None:
-        """Best effort: tell the prefill node we will not read (its lease would expire anyway)."""
-        try:
-            await self._client.post(f"http://{params.remote_host}:{params.remote_port}/kv/leases/{params.lease_id}/abort")
-        except httpx.HTTPError:
-            pass
-
-    async def close(self) -> None:
-        await self._client.aclose()
-
-
-async def _admit(runtime: NodeRuntime, prepared: PreparedRequest, params: KVTransferParams) -> InstanceMetadata:
+async def _admit(runtime: NodeRuntime, prepared: PreparedRequest, params: KVTransferParams,
+                 address: Address) -> InstanceMetadata:
     """Every check before memory is touched; raises APIError (4xx) naming the problem."""
-    if params.remote_host is None or params.remote_port is None:
-        raise APIError(400, "kv_transfer_params: remote_host and remote_port are required", "kv_transfer_params")
     if params.first_token_id is None:
         raise APIError(400, "kv_transfer_params: first_token_id is missing", "kv_transfer_params")
     if params.remote_num_tokens != len(prepared.prompt_token_ids):
@@ -70,10 +47,10 @@ async def _admit(runtime: NodeRuntime, prepared: PreparedRequest, params: KVTran
                             f"prompt's {len(prepared.prompt_token_ids)} tokens", "kv_transfer_params")
     peers: PeerDirectory = runtime.extras["peers"]
     try:
-        info = await peers.get(params.remote_host, params.remote_port, params.remote_engine_id)
+        info = await peers.get(address, params.remote_engine_id)
     except (httpx.HTTPError, ValueError) as exc:
-        raise APIError(502, f"cannot reach the prefill node's side channel at {params.remote_host}:"
-                            f"{params.remote_port}: {exc}") from exc
+        raise APIError(502, f"cannot reach the prefill node's side channel at {address[0]}:{address[1]}: "
+                            f"{exc}") from exc
     try:
         check_readable(params, engine_id=info.engine_id, fingerprint=info.layout_fingerprint, num_rows=info.num_rows,
                        kda_groups=info.kda_groups, block_size=info.block_size)
@@ -96,26 +73,39 @@ async def serve_remote(runtime: NodeRuntime, prepared: PreparedRequest, request:
     """Import the prefill node's rows and decode."""
     started = time.monotonic()
     peers: PeerDirectory = runtime.extras["peers"]
+    gate: HandoffGate = runtime.extras["handoffs"]
+    gate.check(params, prepared.prompt_token_ids)  # 403 before any connection or memory access
+    address = await peers.resolve(params)  # 403 for an engine that is not a peer of this node
     try:
-        info = await _admit(runtime, prepared, params)
+        info = await _admit(runtime, prepared, params, address)
     except APIError as exc:
         if exc.status == 502 and policy == "recompute":  # the prefill node is unreachable: a KV load failure
             runtime.metrics.failed_transfers.inc()
             return await serve_local(runtime, prepared, request)
         if exc.status != 502 and "remote_engine_id" not in exc.message and "expired" not in exc.message:
-            await peers.release(params)
+            await peers.release(address, params.lease_id)
         raise
     cmd = ImportKV(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
                    sampling=prepared.sampling, first=params.first_token(prepared.request_id, len(prepared.prompt_token_ids)), params=params,
                    peer=info)
-    events = runtime.executor.events(cmd)
-    outcome = await until_disconnect(request, events.__anext__())
+
+    async def attempt() -> tuple[object, object]:
+        events = runtime.executor.events(cmd)
+        return await events.__anext__(), events  # a disconnect cancels this inside the generator: it aborts
+
+    queue: ImportQueue = runtime.extras["import_queue"]
+    gate.consume(params)
+    try:
+        outcome, events = await until_disconnect(request, queue.admit(runtime, attempt, params.lease_expiry))
+    except NodeBusy:
+        await peers.release(address, params.lease_id)  # nothing was read: the prefill rows go back at once
+        raise
     if not isinstance(outcome, ImportOutcome) or outcome.error:
         await events.aclose()
         runtime.executor.abort(prepared.request_id)
         runtime.metrics.failed_transfers.inc()
         if not (isinstance(outcome, ImportOutcome) and outcome.uncancelled):  # a READ may still run: let it expire
-            await peers.release(params)
+            await peers.release(address, params.lease_id)
         reason = outcome.error if isinstance(outcome, ImportOutcome) else getattr(outcome, "error", "import failed")
         if policy == "recompute":
             return await serve_local(runtime, prepared, request)
@@ -132,4 +122,4 @@ async def serve_remote(runtime: NodeRuntime, prepared: PreparedRequest, request:
     return out if prepared.stream else await out
 
 
-__all__ = ["serve_remote", "PeerDirectory", "Abort"]
+__all__ = ["serve_remote", "Abort"]

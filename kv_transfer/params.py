@@ -16,6 +16,8 @@ Packed-row fields (ours, absent from vLLM's JSON and therefore optional):
   `first_token_top_logprobs` ([[token id, log-prob], ...]): its log-prob and the alternatives the request asked for,
   which D reports as its first entry.
 - `lease_id`, `lease_expiry` (unix seconds on P's clock): how long P keeps the rows for this reader.
+- `prompt_digest`, `signature`: the prompt the rows belong to and P's HMAC over every field naming memory, peer
+  or lease (kv_transfer/signing.py); D verifies it before anything else.
 
 `check_readable(params, ...)` is the D-side gate run before any memory is touched: every problem with the
 params (unknown engine id, fingerprint mismatch, row ids out of range, expired lease, missing fields) raises
@@ -67,6 +69,11 @@ class KVTransferParams(BaseModel):
     first_token_top_logprobs: list[tuple[int, float]] | None = None
     lease_id: str | None = None
     lease_expiry: float | None = None
+    prompt_digest: str | None = None
+    """SHA-256 of the prompt's token ids (kv_transfer.signing.prompt_digest): the hand-off serves only that prompt."""
+    signature: str | None = None
+    """HMAC of the signed fields under the cluster secret (kv_transfer.signing); the decode node refuses params
+    without a valid one."""
 
     @classmethod
     def from_wire(cls, raw: dict[str, Any] | None) -> "KVTransferParams | None":

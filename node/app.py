@@ -4,11 +4,16 @@ A node supplies a `NodeRuntime` (executor, tokenizer, limits, metrics) and a `ha
 serves one prepared request; this module parses, validates, assigns request ids, watches for client
 disconnects and answers errors as OpenAI JSON. Request ids: the `X-Request-Id` header when given (the
 router sends the same id to both legs), else a fresh one; `/abort_requests` takes those ids.
+Admission: a node holds at most `max_num_seqs + max_queued_requests` requests; beyond that, while it drains
+(node/serving.py), or when a handler raises `NodeBusy`, the answer is 503 with Retry-After (the router's "shed",
+never a link failure) and `pdcluster_node_requests_total{outcome="shed"}` counts it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,6 +25,8 @@ from pydantic import BaseModel
 
 from node.executor import Executor
 from node.metrics import NodeMetrics
+from node.serving import Drain, GuardMiddleware, MetricsServer
+from node.settings import NodeSettings
 from node.textgen import Kind, Limits, PreparedRequest, Tokenizer, prepare, render_chat
 from serving import sse
 from serving.errors import APIError, error_body
@@ -46,7 +53,11 @@ class NodeRuntime:
     role: str
     extras: dict[str, Any] = field(default_factory=dict)
     request_ids: dict[str, str] = field(default_factory=dict)
-    """external id -> internal id of requests in flight here."""
+    """internal id -> external id of requests in flight here."""
+    num_finished: int = 0
+    """Requests that left this node (their rows went back): admission queues retry when it moves."""
+    metrics_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Serialises `refresh_load` (the API port and the metrics port both render /metrics)."""
 
     def new_request_id(self, header: str | None) -> str:
         external = header or uuid.uuid4().hex
@@ -57,7 +68,14 @@ class NodeRuntime:
         return internal
 
     def done(self, internal: str) -> None:
-        self.request_ids.pop(internal, None)
+        if self.request_ids.pop(internal, None) is not None:
+            self.num_finished += 1
+
+    def render_metrics(self) -> bytes:
+        with self.metrics_lock:
+            self.refresh_load()
+            self.metrics.requests_in_flight.set(len(self.request_ids))
+            return self.metrics.render()
 
     def internal_ids(self, external: str) -> list[str]:
         return [i for i, e in self.request_ids.items() if e == external or i == external]
@@ -85,6 +103,15 @@ class NodeRuntime:
 
 
 Handler = Callable[[NodeRuntime, PreparedRequest, Request], Awaitable[Response]]
+
+
+class NodeBusy(Exception):
+    """The node cannot take this request now (no rows, full queue, draining): 503 with Retry-After."""
+
+
+def shed_response(message: str, retry_after_s: int) -> JSONResponse:
+    return JSONResponse(status_code=503, content=error_body(503, message),
+                        headers={"Retry-After": str(retry_after_s)})
 
 
 def runtime_of(request: Request) -> NodeRuntime:
@@ -126,19 +153,32 @@ def _models(runtime: NodeRuntime) -> ModelList:
     return ModelList(data=[ModelCard(id=runtime.model, root=runtime.model, max_model_len=runtime.limits.max_context)])
 
 
-def node_router(handle: Handler) -> APIRouter:
+def node_router(handle: Handler, settings: NodeSettings) -> APIRouter:
     """Routes shared by the prefill and decode nodes; `handle` serves one prepared request."""
     router = APIRouter()
+    max_in_flight = settings.max_num_seqs + settings.max_queued_requests
+
+    def _shed(runtime: NodeRuntime, message: str) -> Response:
+        runtime.metrics.requests.labels(outcome="shed").inc()
+        return shed_response(message, settings.retry_after_s)
 
     async def _serve(request: Request, body: CompletionRequest | ChatCompletionRequest, kind: Kind) -> Response:
         runtime = runtime_of(request)
         if not runtime.executor.healthy:
             raise APIError(503, f"the engine is down: {runtime.executor.state.error or 'not running'}")
+        if request.app.state.drain.active:
+            return _shed(runtime, "the node is shutting down; retry on another instance")
+        if len(runtime.request_ids) >= max_in_flight:
+            return _shed(runtime, f"the node holds {max_in_flight} requests (running + queued); retry later")
+        runtime.metrics.requests.labels(outcome="admitted").inc()
         request_id = runtime.new_request_id(request.headers.get("x-request-id"))
         streaming_out = False
         try:
             prepared = prepare(body, kind, request_id, runtime.model, runtime.tokenizer, runtime.limits)
-            response = await handle(runtime, prepared, request)
+            try:
+                response = await handle(runtime, prepared, request)
+            except NodeBusy as exc:
+                return _shed(runtime, str(exc))
             if isinstance(response, StreamingResponse):  # the id stays abortable until the stream ends
                 response.body_iterator = _release_after(response.body_iterator, runtime, request_id)
                 streaming_out = True
@@ -161,6 +201,8 @@ def node_router(handle: Handler) -> APIRouter:
         if runtime is None or not runtime.executor.healthy:
             reason = runtime.executor.state.error if runtime else "starting"
             return JSONResponse(status_code=503, content=error_body(503, f"unhealthy: {reason}"))
+        if request.app.state.drain.active:
+            return shed_response("draining: the node is shutting down", settings.retry_after_s)
         return Response(status_code=200)
 
     @router.get("/v1/models")
@@ -170,8 +212,7 @@ def node_router(handle: Handler) -> APIRouter:
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:
         runtime = runtime_of(request)
-        runtime.refresh_load()
-        return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(runtime.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @router.post("/tokenize")
     async def tokenize(request: Request, body: TokenizeRequest) -> TokenizeResponse:
@@ -199,10 +240,39 @@ def node_router(handle: Handler) -> APIRouter:
     return router
 
 
-def build_app(title: str, handle: Handler, lifespan: Any) -> FastAPI:
+def _with_metrics_port(lifespan: Any, settings: NodeSettings) -> Any:
+    """The node's lifespan plus, with `metrics_port` set, the metrics server for its whole life."""
+    @contextlib.asynccontextmanager
+    async def wrapped(app: FastAPI) -> Any:
+        async with lifespan(app):
+            server = None
+            if settings.metrics_port is not None:
+                def render() -> bytes:
+                    runtime = getattr(app.state, "runtime", None)
+                    return runtime.render_metrics() if runtime is not None else b""
+                server = MetricsServer(settings.host, settings.metrics_port, render)
+                await asyncio.to_thread(server.start)
+            try:
+                yield
+            finally:
+                if server is not None:
+                    await asyncio.to_thread(server.stop)
+    return wrapped
+
+
+def build_app(title: str, handle: Handler, lifespan: Any, settings: NodeSettings) -> FastAPI:
     from serving.errors import install_error_handlers
 
-    app = FastAPI(title=title, lifespan=lifespan)
+    app = FastAPI(title=title, lifespan=_with_metrics_port(lifespan, settings))
     install_error_handlers(app)
-    app.include_router(node_router(handle))
+    app.include_router(node_router(handle, settings))
+    app.add_middleware(GuardMiddleware, max_body_bytes=settings.max_body_bytes,
+                       body_read_timeout_s=settings.body_read_timeout_s,
+                       write_timeout_s=settings.stream_write_timeout_s)
+    app.state.drain = Drain(settings.drain_s)
+
+    def num_in_flight() -> int:
+        runtime = getattr(app.state, "runtime", None)
+        return len(runtime.request_ids) if runtime is not None else 0
+    app.state.num_in_flight = num_in_flight
     return app

@@ -40,6 +40,12 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="reference weights seed (all nodes must agree)")
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         help="cpu (default) or cuda: rank r on the node's GPU r, row pool in VRAM, NCCL group")
+    parser.add_argument("--metrics-port", type=int, help="serve GET /metrics on this port too (for monitoring)")
+    parser.add_argument("--cluster-secret-file", help="file holding the cluster secret that signs hand-offs "
+                        "(the secret itself only by environment, never a flag: it would show in ps)")
+    parser.add_argument("--insecure-handoffs", action="store_true", default=None,
+                        help="no cluster secret: answer / accept unsigned hand-offs (tests only)")
+    parser.add_argument("--drain-s", type=float, help="on SIGTERM, how long in-flight requests may finish")
     parser.add_argument("--log-level", default="warning")
     add_kv_flags(parser)
 
@@ -63,8 +69,11 @@ def run(argv: list[str], parser: argparse.ArgumentParser, settings_cls: type, cr
     args = vars(parser.parse_args(argv))
     log_level = args.pop("log_level")
     settings = settings_cls(**settings_fields(args, renames))
-    import uvicorn
+    from node.serving import serve
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level,
-                timeout_graceful_shutdown=5)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # a setting the node cannot start with (no cluster secret, ...)
+        parser.exit(2, f"{parser.prog}: {exc}\n")
+    serve(app, settings, log_level)
     return 0

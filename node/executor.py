@@ -343,7 +343,8 @@ class Executor:
                                     num_bytes=sum(p.num_bytes for p in parts), seconds=max(p.seconds for p in parts),
                                     num_descriptors=sum(p.num_descriptors for p in parts),
                                     post_s=tuple(t for p in parts for t in p.post_s),
-                                    uncancelled=any(p.uncancelled for p in parts)))
+                                    uncancelled=any(p.uncancelled for p in parts),
+                                    short_of_rows=all(p.short_of_rows for p in parts)))
 
     def _deliver(self, event: Event) -> None:
         with self._lock:

@@ -101,6 +101,15 @@ class NodeMetrics:
                                            registry=reg)
         self.ucx_tcp_fallback = Gauge("pdcluster_node_ucx_tcp_fallback", "1 if UCX fell back to TCP.",
                                       registry=reg)
+        self.requests = Counter("pdcluster_node_requests", "Requests by admission outcome.", ["outcome"],
+                                registry=reg)
+        for outcome in ("admitted", "shed"):
+            self.requests.labels(outcome=outcome)
+        self.requests_in_flight = Gauge("pdcluster_node_requests_in_flight",
+                                        "Requests admitted here and not finished (running, queued, importing).",
+                                        registry=reg)
+        self.import_queue_depth = Gauge("pdcluster_node_import_queue_depth",
+                                        "Imports waiting for free rows (decode nodes).", registry=reg)
 
     # ------------------------------------------------------------------ updates
 

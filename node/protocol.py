@@ -124,6 +124,9 @@ class ImportOutcome:
     """Posting time of each READ (one per source rank per destination rank)."""
     uncancelled: bool = False
     """A READ of this import could not be cancelled (its rows must never be reused; the driver sends HoldRows)."""
+    short_of_rows: bool = False
+    """The rank had too few free rows: it allocated and posted nothing (merged: every rank said so), so the node
+    may queue the import and send it again (decode_node/admission.py)."""
 
     @property
     def is_final(self) -> bool:

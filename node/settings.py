@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import uuid
 from typing import Literal
+from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kv_transfer.signing import ClusterSecret
 from kv_transfer.ucx_env import KVTransferSettings
 
 
@@ -57,7 +59,53 @@ class NodeSettings(BaseSettings):
     """Register the row pool with NIXL (P -> D transfer); off only for a node that never transfers."""
     kv: KVTransferSettings = Field(default_factory=KVTransferSettings)
     """KV transfer (NIXL over UCX): transports, timeouts, the NIXL wheel (kv_transfer/ucx_env.py)."""
+    # --- hand-off authentication (kv_transfer/signing.py)
+    cluster_secret: SecretStr | None = None
+    """Key of the HMAC that prefill nodes put on their kv_transfer_params and decode nodes verify (every node of a
+    cluster shares it; `pdcluster up` generates one per cluster, the chart reads it from a Secret). Prefer
+    `cluster_secret_file`: an environment value is visible to the process owner only, a flag would be in `ps`."""
+    cluster_secret_file: Path | None = None
+    """A file holding the cluster secret (mode 0600)."""
+    insecure_handoffs: bool = False
+    """Run without a cluster secret: a prefill node answers unsigned params and a decode node imports unsigned
+    ones (tests and single-user experiments only). Without it, a node with no secret refuses to start."""
+    # --- serving surface (node/serving.py)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """A second port that serves only GET /metrics (so a NetworkPolicy can open metrics without the API). The
+    API port keeps /metrics too: the router reads load figures there."""
+    max_queued_requests: int = Field(default=256, ge=0)
+    """Requests that may wait here beyond the `max_num_seqs` the engine runs; past it a new one gets 503 with
+    Retry-After."""
+    retry_after_s: int = Field(default=1, ge=1)
+    """Retry-After (seconds) on every 503 this node sheds."""
+    drain_s: float = Field(default=55.0, ge=0)
+    """On SIGTERM: stop admitting (503 + Retry-After, /health 503) and let in-flight requests finish for at most this
+    long, then exit. Default: the pool pods' terminationGracePeriodSeconds (60) minus 5 s."""
+    http_limit_concurrency: int = Field(default=1024, ge=1)
+    """uvicorn's limit on open connections + tasks (a plain 503 beyond it: the last guard behind the queues)."""
+    http_keep_alive_s: float = Field(default=15.0, gt=0)
+    """An idle keep-alive connection is closed after this long."""
+    http_max_header_bytes: int = Field(default=65536, ge=1024)
+    """Largest request head (line + headers) the HTTP parser buffers (h11's max incomplete event size)."""
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    """Largest request body; 413 beyond it."""
+    body_read_timeout_s: float = Field(default=30.0, gt=0)
+    """A request body must arrive completely within this long (a slow body gets 408)."""
+    stream_write_timeout_s: float = Field(default=30.0, gt=0)
+    """A response chunk the client does not take within this long ends the response (a stalled SSE reader
+    releases its request)."""
 
     @property
     def public_host(self) -> str:
         return self.advertise_host or self.host
+
+    def handoff_secret(self) -> ClusterSecret | None:
+        """The cluster secret (from `cluster_secret` or `cluster_secret_file`); None only with `insecure_handoffs`.
+        Raises ValueError naming the settings when there is none: a node without it refuses to start."""
+        value = self.cluster_secret.get_secret_value() if self.cluster_secret is not None else None
+        secret = ClusterSecret.load(value, self.cluster_secret_file)
+        if secret is None and not self.insecure_handoffs:
+            prefix = self.model_config.get("env_prefix", "")
+            raise ValueError(f"no cluster secret: set {prefix}CLUSTER_SECRET_FILE (a 0600 file) or {prefix}CLUSTER_SECRET "
+                             "(`pdcluster up` and the chart do), or --insecure-handoffs to trust unsigned hand-offs")
+        return secret

@@ -20,6 +20,7 @@ Backends implement `Backend` (below); `config.backend` names the factory ("refer
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import time
 from dataclasses import dataclass
@@ -147,6 +148,7 @@ class RankWorker:
     def _post_import(self, cmd: ImportKV) -> list[Event]:
         """Allocate, plan and post the READs (`cmd.params` were checked by the decode node; `cmd.peer` is the
         prefill node's side-channel InstanceMetadata); the outcome comes from a later `step`."""
+        from engine.cache import OutOfRows
         from kv_transfer.importer import post_import
 
         started = time.perf_counter()
@@ -156,6 +158,8 @@ class RankWorker:
             attn_rows, kda_rows = self.backend.allocate_import(cmd)
             reads = post_import(self.transport, self.backend.model_config, self.backend.layout, self.ctx.rank,
                                 cmd.params, cmd.peer, attn_rows, kda_rows, timeout_s=self.config.kv.timeout_s)
+        except OutOfRows as exc:  # allocate_import raises before allocating: nothing to undo, the node may retry
+            return [dataclasses.replace(self._error(cmd.request_id, exc), short_of_rows=True)]
         except Exception as exc:  # noqa: BLE001 - any failure becomes this rank's import error
             return [self._error(cmd.request_id, exc)]
         self._imports[cmd.request_id] = _Import(cmd.request_id, reads, started)

@@ -34,7 +34,8 @@ def _attach_exports(runtime: NodeRuntime, settings: Settings) -> ExportTable:
     identity = ExportIdentity(engine_id=settings.engine_id, host=settings.public_host, port=settings.port,
                               tp_size=settings.tp, block_size=head.block_size, subblock_tokens=head.subblock_tokens,
                               layout_fingerprint=head.layout_fingerprint)
-    table = ExportTable(identity, runtime.executor, runtime.metrics, settings.lease_seconds)
+    table = ExportTable(identity, runtime.executor, runtime.metrics, settings.lease_seconds,
+                        secret=settings.handoff_secret())
     runtime.executor.on_notice(table.on_notice)
     runtime.extras["exports"] = table
     runtime.extras["abort_hook"] = lambda external: table.abort(external, runtime.internal_ids(external))
@@ -48,6 +49,8 @@ async def _sweep(table: ExportTable, every_s: float) -> None:
 
 
 def create_app(settings: Settings) -> FastAPI:
+    settings.handoff_secret()  # no secret and not insecure: refuse to start (the message names the settings)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         config = worker_config(settings, "prefill", token_shard_min_tokens=settings.token_shard_min_tokens)
@@ -74,7 +77,7 @@ def create_app(settings: Settings) -> FastAPI:
             row_bytes=head.row_bytes, num_rows=head.num_rows, kda_groups=head.kda_groups,
             ranks=[RankMetadata.from_endpoint(info.endpoint) for info in ranks if info.endpoint is not None])
 
-    app = build_app("pdcluster prefill node", handle, lifespan)
+    app = build_app("pdcluster prefill node", handle, lifespan, settings)
     app.include_router(side_channel_router(metadata, _LazyExports(app)))
     return app
 

@@ -52,7 +52,7 @@ async def serve_export(runtime: NodeRuntime, prepared: PreparedRequest, request:
     exports.begin(prepared.request_id)
     try:
         exported: ExportedRows = await until_disconnect(request, _run_export(runtime, prepared))
-        params = exports.grant(prepared.request_id, exported)  # refused if an abort came first
+        params = exports.grant(prepared.request_id, exported, prepared.prompt_token_ids)  # refused if aborted first
     finally:
         exports.forget(prepared.request_id)
     elapsed = time.monotonic() - started

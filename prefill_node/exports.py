@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kv_transfer.lease import OUTCOMES, ExportKey, Lease, LeaseManager
 from kv_transfer.params import KVTransferParams
+from kv_transfer.signing import ClusterSecret, prompt_digest, sign
 from node.executor import Executor
 from node.metrics import NodeMetrics
 from node.protocol import ExportedRows, Release, TransportNotice
@@ -44,8 +45,10 @@ class ExportTable:
     """Leases on exported rows, keyed by request id for aborts."""
 
     def __init__(self, identity: ExportIdentity, executor: Executor, metrics: NodeMetrics,
-                 lease_seconds: float) -> None:
+                 lease_seconds: float, secret: ClusterSecret | None = None) -> None:
         self.identity = identity
+        self.secret = secret
+        """Signs every granted hand-off (kv_transfer/signing.py); None only on an insecure node."""
         self.executor = executor
         self.metrics = metrics
         self.leases = LeaseManager(self._lease_ended, ttl_s=lease_seconds)
@@ -75,8 +78,9 @@ class ExportTable:
                     self._counted[outcome] += delta
             self.metrics.leases_outstanding.set(self.leases.outstanding)
 
-    def grant(self, request_id: str, exported: ExportedRows) -> KVTransferParams:
-        """Lease the export and answer its params; APIError 499 if the request was aborted before this."""
+    def grant(self, request_id: str, exported: ExportedRows, prompt_token_ids: list[int]) -> KVTransferParams:
+        """Lease the export and answer its params, bound to the prompt and signed with the cluster secret;
+        APIError 499 if the request was aborted before this."""
         with self._lock:
             aborted = self._exporting.get(request_id, False)
         if aborted:
@@ -89,7 +93,7 @@ class ExportTable:
         self.metrics.rows_exported.inc(len(exported.attn_row_ids) + len(exported.kda_row_ids))
         self._sync_metrics()
         ident = self.identity
-        return KVTransferParams(
+        params = KVTransferParams(
             do_remote_prefill=True, do_remote_decode=False, remote_engine_id=ident.engine_id,
             remote_request_id=request_id, remote_block_ids=[list(exported.attn_row_ids)],
             remote_host=ident.host, remote_port=ident.port, tp_size=ident.tp_size, dcp_size=1, pp_size=1,
@@ -97,8 +101,9 @@ class ExportTable:
             remote_prefill_cached_tokens=exported.num_cached_tokens, block_size=ident.block_size,
             subblock_tokens=ident.subblock_tokens, layout_fingerprint=ident.layout_fingerprint,
             remote_kda_block_ids=list(exported.kda_row_ids), **KVTransferParams.first_token_fields(exported.first),
-            lease_id=lease.lease_id, lease_expiry=lease.expiry,
+            lease_id=lease.lease_id, lease_expiry=lease.expiry, prompt_digest=prompt_digest(prompt_token_ids),
         )
+        return params if self.secret is None else sign(params, self.secret)
 
     def on_notice(self, notice: TransportNotice) -> None:
         """A reader's DONE / ABORT message (called on the driver thread)."""

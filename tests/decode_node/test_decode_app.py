@@ -9,7 +9,8 @@ from fastapi.testclient import TestClient
 from decode_node.app import create_app
 from decode_node.settings import Settings
 from tests.conftest import free_port
-from tests.node.nodes import TOY
+from kv_transfer.signing import prompt_digest
+from tests.node.nodes import TEST_CLUSTER_SECRET, TOY, signed
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 PROMPT = "recompute me"
@@ -18,18 +19,23 @@ PROMPT = "recompute me"
 @pytest.fixture(scope="module")
 def client():
     settings = Settings(backend=TOY, num_rows=16, max_context=4096, kv_load_failure_policy="recompute",
-                        kv={"timeout_s": 5})
+                        kv={"timeout_s": 5}, cluster_secret=TEST_CLUSTER_SECRET)
     with TestClient(create_app(settings)) as c:
         yield c
 
 
+def _digest() -> str:
+    return prompt_digest(list(PROMPT.encode()))  # the toy backend's tokenizer: one token per byte
+
+
 def _params(**extra) -> dict:
+    """Params a prefill node of the cluster could have signed (checks past the signature are under test)."""
     base = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p-gone",
             "remote_request_id": "r", "remote_block_ids": [[0]], "remote_host": "127.0.0.1",
             "remote_port": free_port(), "tp_size": 1, "remote_num_tokens": len(PROMPT), "block_size": 1024,
             "layout_fingerprint": "dac97fc18e73148c", "remote_kda_block_ids": [1, 2], "first_token_id": 7,
-            "lease_id": "l1", "lease_expiry": 4e9}
-    return {**base, **extra}
+            "lease_id": "0123456789abcdef0123456789abcdef", "lease_expiry": 4e9, "prompt_digest": _digest()}
+    return signed({**base, **extra})
 
 
 @pytest.mark.parametrize("params,needle", [

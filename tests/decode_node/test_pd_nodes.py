@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.node.nodes import TOY, running_nodes
+from tests.node.nodes import TOY, running_nodes, signed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 PROMPT = "Disaggregated serving splits prefill and decode. " * 30  # 1,470 tokens: 2 P rows of 1,024
@@ -116,7 +116,10 @@ def test_bad_params_are_clean_4xx(nodes, tamper, needle):
     p_url, d_url, _ = nodes
     request_id = f"bad-{next(iter(tamper))}"
     params = _prefill(p_url, request_id)
-    resp = httpx.post(f"{d_url}/v1/completions", timeout=60, json=_decode_body({**params, **tamper}))
+    altered = {**params, **tamper}
+    if isinstance(altered["remote_block_ids"], list):  # signed again: the checks past the signature are under test
+        altered = signed(altered)
+    resp = httpx.post(f"{d_url}/v1/completions", timeout=60, json=_decode_body(altered))
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert needle in error["message"] and error["param"] == "kv_transfer_params"
@@ -151,7 +154,7 @@ def test_unreachable_prefill_fails_cleanly(nodes):
     p_url, d_url, _ = nodes
     params = _prefill(p_url, "pd-gone")
     resp = httpx.post(f"{d_url}/v1/completions", timeout=60,
-                      json=_decode_body({**params, "remote_port": free_port()}))
+                      json=_decode_body(signed({**params, "remote_port": free_port()})))
     assert resp.status_code == 502 and "side channel" in resp.json()["error"]["message"]
     _idle(d_url)
     httpx.post(f"{p_url}/abort_requests", json={"request_ids": ["pd-gone"]})

@@ -17,6 +17,9 @@ from tests.conftest import REPO_ROOT, free_port
 
 TOY = "tests.node.toy_backend:build_backend"
 START_TIMEOUT_S = 900.0  # rank processes import torch and start NIXL; slow when the machine is busy
+TEST_CLUSTER_SECRET = "pdcluster-test-cluster-secret-0123456789"
+"""Every node these helpers start shares it (a node without a cluster secret refuses to start)."""
+SECRET_ENV = {"PREFILL_CLUSTER_SECRET": TEST_CLUSTER_SECRET, "DECODE_CLUSTER_SECRET": TEST_CLUSTER_SECRET}
 
 
 @dataclass
@@ -28,6 +31,16 @@ class Node:
     def log(self) -> str:
         with open(self.log_path, errors="replace") as fh:
             return fh.read()[-4000:]
+
+
+def signed(params: dict, secret: str = TEST_CLUSTER_SECRET) -> dict:
+    """`params` (a prefill node's kv_transfer_params, altered by a test) signed again with the test cluster secret:
+    what a genuine prefill node would have sent, so the decode node's later checks are what a test exercises."""
+    from kv_transfer.params import KVTransferParams
+    from kv_transfer.signing import ClusterSecret, sign
+
+    fields = {k: v for k, v in params.items() if k != "signature"}
+    return sign(KVTransferParams.model_validate(fields), ClusterSecret(secret.encode())).to_wire()
 
 
 def wait_healthy(node: Node, timeout_s: float = START_TIMEOUT_S) -> None:
@@ -46,7 +59,7 @@ def wait_healthy(node: Node, timeout_s: float = START_TIMEOUT_S) -> None:
 
 def start_node(kind: str, args: list[str], env: dict[str, str] | None = None) -> Node:
     port = free_port()
-    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", **SECRET_ENV, **(env or {})}
     cmd = [sys.executable, "-m", "pdcluster.cli", kind, "--host", "127.0.0.1", "--port", str(port), *args]
     log = tempfile.NamedTemporaryFile(prefix=f"pdcluster-{kind}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, env=full_env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)

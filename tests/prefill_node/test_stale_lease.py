@@ -70,7 +70,7 @@ async def _abort_before_grant(executor: Executor, table: ExportTable, request_id
     executor.abort(request_id)
     table.abort(request_id, in_flight=[request_id])
     with pytest.raises(APIError) as refused:
-        table.grant(request_id, exported)
+        table.grant(request_id, exported, [256, 1, 2])
     assert refused.value.status == 499 and table.num_outstanding == 0
     table.forget(request_id)
     return exported
@@ -89,7 +89,7 @@ def test_stale_lease_node_abort_before_grant_cannot_free_reused_rows():
             assert _rows_used(executor) == 0
             table.begin("B")
             b = await _export(executor, "B", (256, 7, 7))
-            params = table.grant("B", b)
+            params = table.grant("B", b, [256, 7, 7])
             table.forget("B")
             assert _rows(b) == _rows(a)  # the allocator handed B exactly A's rows: what a stale lease would free
             for generation in (a.generation, b.generation + 1):  # what anything still naming A could send
@@ -117,7 +117,7 @@ def test_stale_lease_node_quarantine_keeps_aborted_rows_from_the_next_export():
             await _rounds(executor)
             table.begin("B")
             b = await _export(executor, "B", (256, 7, 7))
-            table.grant("B", b)
+            table.grant("B", b, [256, 7, 7])
             table.forget("B")
             assert not _rows(a) & _rows(b)
             await asyncio.sleep(0.3)

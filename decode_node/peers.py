@@ -1,0 +1,96 @@
+"""The decode node's peer directory: where each prefill engine it may read from lives, and its side-channel metadata.
+
+A hand-off names its prefill engine (`remote_engine_id`); the address the node connects to comes from here:
+- with `prefill_peers` configured (`pdcluster up` passes the cluster's prefill instances), only from that list:
+  the directory asks each configured peer's side channel for its engine id (again when an unknown id shows up,
+  at most once per `rescan_s`), and an engine id none of them serves is refused (403) without any connection to
+  the address the params name;
+- without it (the chart, where prefill pods come and go), from the params' `remote_host`/`remote_port`, which the
+  node only reads once their signature verified (kv_transfer/signing.py): a prefill node of this cluster wrote
+  them.
+Metadata is cached per address and refetched when the engine id differs (the prefill node restarted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from kv_transfer.params import KVTransferParams
+from kv_transfer.side_channel import InstanceMetadata, fetch_metadata
+from serving.errors import APIError
+
+Address = tuple[str, int]
+
+
+def parse_peer(text: str) -> Address:
+    """"host:port" (an IPv6 host in brackets) -> (host, port); ValueError naming the entry otherwise."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"prefill peer {text!r} is not host:port")
+    return host, int(port)
+
+
+class PeerDirectory:
+    """Prefill instances this decode node reads from (see the module docstring)."""
+
+    def __init__(self, peers: list[str] | None = None, timeout_s: float = 10.0, rescan_s: float = 1.0) -> None:
+        self.timeout_s = timeout_s
+        self.rescan_s = rescan_s
+        self.configured: list[Address] = [parse_peer(p) for p in peers or []]
+        self._by_engine: dict[str, Address] = {}
+        self._cache: dict[Address, InstanceMetadata] = {}
+        self._last_scan = -float("inf")
+        self._client = httpx.AsyncClient(timeout=timeout_s)
+
+    async def _fetch(self, address: Address) -> InstanceMetadata:
+        info = await asyncio.to_thread(fetch_metadata, address[0], address[1], self.timeout_s)
+        self._cache[address] = info
+        self._by_engine[info.engine_id] = address
+        return info
+
+    async def _scan(self) -> None:
+        self._last_scan = time.monotonic()
+        results = await asyncio.gather(*(self._fetch(a) for a in self.configured), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, (httpx.HTTPError, ValueError)):
+                raise result
+
+    async def resolve(self, params: KVTransferParams) -> Address:
+        """The address of the prefill engine the (verified) params name; APIError 403 if not a peer of ours."""
+        if not self.configured:
+            if params.remote_host is None or params.remote_port is None:
+                raise APIError(400, "kv_transfer_params: remote_host and remote_port are required",
+                               "kv_transfer_params")
+            return params.remote_host, params.remote_port
+        engine_id = params.remote_engine_id or ""
+        if engine_id not in self._by_engine and time.monotonic() - self._last_scan >= self.rescan_s:
+            await self._scan()
+        address = self._by_engine.get(engine_id)
+        if address is None:
+            raise APIError(403, "kv_transfer_params name a prefill engine that is not one of this node's peers",
+                           "kv_transfer_params")
+        return address
+
+    async def get(self, address: Address, engine_id: str | None) -> InstanceMetadata:
+        """Cached metadata of `address`; refetched when the engine id differs (the prefill node restarted)."""
+        info = self._cache.get(address)
+        if info is None or info.engine_id != engine_id:
+            info = await self._fetch(address)
+        return info
+
+    async def release(self, address: Address, lease_id: str | None) -> None:
+        """Best effort: tell the prefill node we will not read (its lease would expire anyway). `lease_id` was
+        validated as a lease id (kv_transfer.signing.check_ids) before it reaches this URL."""
+        if lease_id is None:
+            return
+        try:
+            await self._client.post(f"http://{address[0]}:{address[1]}/kv/leases/{lease_id}/abort")
+        except httpx.HTTPError:
+            pass
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,214 @@
+"""How a node's HTTP server runs: uvicorn limits, bounded request bodies, a write timeout, the drain on SIGTERM
+and the separate metrics port.
+
+- `GuardMiddleware` (pure ASGI) reads a request body completely before the app sees it, refusing one larger than
+  `max_body_bytes` (413) or slower than `body_read_timeout_s` (408), as OpenAI error JSON; a response chunk the
+  client does not take within `stream_write_timeout_s` ends the response as a client disconnect would (the
+  request is aborted and its rows freed), so a stalled SSE reader cannot hold a stream forever.
+- `Drain`: on SIGTERM the node stops admitting (new requests get 503 + Retry-After, /health 503 so readiness
+  fails and the router stops placing here), lets in-flight requests finish for at most `drain_s`, then exits.
+  `DrainingServer` is uvicorn's server with that first SIGTERM turned into a drain (a second SIGTERM or a
+  SIGINT during the drain exits at once).
+- `MetricsServer`: GET /metrics (only) on `metrics_port`, a second uvicorn server on its own thread, so a
+  NetworkPolicy can open metrics to monitoring without opening the API.
+- `serve(app, settings)`: all of the above with the settings' uvicorn limits (h11, so the header bound applies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from node.settings import NodeSettings
+from serving.errors import error_body
+
+log = logging.getLogger("pdcluster.node")
+
+
+class Drain:
+    """The node's shutdown state: `begin()` once, then `is_over(num_in_flight)` says when to exit."""
+
+    def __init__(self, drain_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.drain_s = drain_s
+        self._clock = clock
+        self.started_at: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.started_at is not None
+
+    def begin(self) -> None:
+        if self.started_at is None:
+            self.started_at = self._clock()
+            log.warning("draining: new requests get 503, in-flight ones have %.0f s to finish", self.drain_s)
+
+    def remaining_s(self) -> float:
+        if self.started_at is None:
+            return self.drain_s
+        return max(0.0, self.started_at + self.drain_s - self._clock())
+
+    def is_over(self, num_in_flight: int) -> bool:
+        return self.active and (num_in_flight == 0 or self.remaining_s() <= 0)
+
+
+async def _json(send: Any, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    import json
+
+    body = json.dumps(error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"), *headers]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class GuardMiddleware:
+    """Bounded body (size, time) and a per-chunk write timeout (see the module docstring)."""
+
+    def __init__(self, app: Any, max_body_bytes: int, body_read_timeout_s: float, write_timeout_s: float) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_s = body_read_timeout_s
+        self.write_timeout_s = write_timeout_s
+
+    async def _read_body(self, receive: Any, send: Any) -> list[dict] | None:
+        """The request's body messages, or None after answering 413 / 408 / nothing (client gone)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_read_timeout_s
+        messages, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                await _json(send, 408, f"the request body did not arrive within {self.body_read_timeout_s:g} s")
+                return None
+            if message["type"] != "http.request":
+                return None  # disconnected before the body ended
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                await _json(send, 413, f"the request body exceeds {self.max_body_bytes} bytes")
+                return None
+            messages.append(message)
+            if not message.get("more_body", False):
+                return messages
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
+                return await _json(send, 413, f"the request body exceeds {self.max_body_bytes} bytes")
+        body = await self._read_body(receive, send)
+        if body is None:
+            return
+        gone = asyncio.Event()
+        pending: list[asyncio.Future] = []
+
+        async def replay() -> dict:
+            if body:
+                return body.pop(0)
+            if gone.is_set():
+                return {"type": "http.disconnect"}
+            if not pending:
+                pending.append(asyncio.ensure_future(receive()))
+            waiter = asyncio.ensure_future(gone.wait())
+            try:
+                await asyncio.wait({pending[0], waiter}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+            if pending[0].done():
+                return pending.pop().result()
+            return {"type": "http.disconnect"}
+
+        async def guarded_send(message: dict) -> None:
+            if gone.is_set():
+                return
+            if message["type"] != "http.response.body":
+                return await send(message)
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("a client took no bytes for %.0f s: ending its response", self.write_timeout_s)
+                gone.set()  # the app sees a disconnect: the request is aborted
+
+        try:
+            await self.app(scope, replay, guarded_send)
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server; the first SIGTERM drains (`Drain`) instead of exiting at once."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, in_flight: Callable[[], int]) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self.in_flight = in_flight
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.drain.active:
+            self.drain.begin()
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain.is_over(self.in_flight()):
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+class MetricsServer:
+    """GET /metrics on its own port, served from a daemon thread (see the module docstring)."""
+
+    def __init__(self, host: str, port: int, render: Callable[[], bytes]) -> None:
+        from fastapi import FastAPI
+        from fastapi.responses import Response
+
+        app = FastAPI(title="pdcluster node metrics", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.get("/metrics")
+        def metrics() -> Response:
+            return Response(render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", http="h11",
+                                limit_concurrency=16, timeout_keep_alive=15)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name="pdcluster-metrics", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the metrics server did not start on port {self.server.config.port}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the metrics server did not start in time")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+def uvicorn_config(app: Any, settings: NodeSettings, log_level: str = "warning") -> uvicorn.Config:
+    """The node's uvicorn limits (docstrings of the settings fields)."""
+    return uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=log_level, http="h11",
+        limit_concurrency=settings.http_limit_concurrency, timeout_keep_alive=settings.http_keep_alive_s,
+        h11_max_incomplete_event_size=settings.http_max_header_bytes,
+        timeout_graceful_shutdown=5,
+    )
+
+
+def serve(app: Any, settings: NodeSettings, log_level: str = "warning") -> None:
+    """Run the node app until SIGTERM's drain (or SIGINT) ends it."""
+    server = DrainingServer(uvicorn_config(app, settings, log_level), app.state.drain, app.state.num_in_flight)
+    server.run()
