@@ -83,7 +83,8 @@ def rank_run(ctx, preset: str, context: int, batch: int, steps: int, interleave:
             tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=gen, device="cpu").to(ctx.device)
             positions = [context + step] * batch
             for mode in (MODES if step % 2 == 0 else MODES[::-1]):
-                dist.barrier(group=ctx.group)
+                if not ctx.is_single:  # one rank has no process group to wait on
+                    dist.barrier(group=ctx.group)
                 if cuda:
                     torch.cuda.synchronize(ctx.device)
                 start = time.perf_counter()

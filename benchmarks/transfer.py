@@ -13,8 +13,10 @@ Headline: packed / per-layer bandwidth on the Pro-shaped (64-token block) reques
 >= 0.5x the single descriptor.
 
     python benchmarks/transfer.py [--rounds 7] [--pro-tokens 8192] [--json PATH] [--kv-error-handling peer ...]
+    python benchmarks/transfer.py --device cuda [--env UCX_X=Y ...]   # VRAM -> VRAM on GPU 0 (transfer_cuda.py)
 
-The `--kv-*` flags are the nodes' KV transfer settings (node/cli.py), applied to both rank processes.
+The `--kv-*` flags are the nodes' KV transfer settings (node/cli.py), applied to both rank processes; `--env`
+sets variables in both (UCX_*, PYTORCH_NO_CUDA_MEMORY_CACHING) before torch and UCX start.
 """
 
 from __future__ import annotations
@@ -157,9 +159,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--pro-tokens", type=int, default=8192)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cpu: numpy pools, DRAM (default); cuda: torch pools on GPU 0, VRAM")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment of both processes (repeatable)")
     add_kv_flags(ap)
     args = ap.parse_args(argv)
-    rows = run(args.rounds, args.pro_tokens, settings_fields(vars(args)).get("kv"))
+    kv = settings_fields({k: v for k, v in vars(args).items() if k not in ("device", "env")}).get("kv")
+    if args.device == "cuda":
+        from benchmarks.transfer_cuda import print_table as print_cuda
+        from benchmarks.transfer_cuda import run as run_cuda
+
+        env = dict(item.split("=", 1) for item in args.env)
+        result = run_cuda(scenarios(args.pro_tokens), args.rounds, dict(KVTransferSettings(**(kv or {})).model_dump(
+            exclude_defaults=True)), env)
+        print_cuda(result)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rounds": args.rounds, **result}, indent=2, default=str))
+        return 0
+    rows = run(args.rounds, args.pro_tokens, kv)
     print_table(rows)
     pro = next(r for r in rows if "Pro" in r["scenario"])
     if args.json:

@@ -200,7 +200,8 @@ class ClusterHandle:
         """Greedy continuation of `prompt` by `pdcluster generate --json` on one rank."""
         key = (prompt, max_tokens)
         if key not in self._oracle_cache:
-            self._oracle_cache[key] = run_oracle(self.python, self.cluster.config.model, prompt, max_tokens)
+            self._oracle_cache[key] = run_oracle(self.python, self.cluster.config.model, prompt, max_tokens,
+                                                 device=self.cluster.config.device)
         return self._oracle_cache[key]
 
     def oracle_chat(self, messages: list[dict], max_tokens: int) -> OracleResult:
@@ -211,7 +212,8 @@ class ClusterHandle:
         ids = ByteTokenizer().apply_chat_template([ChatMessage(m["role"], m["content"]) for m in messages])
         key = (json.dumps(ids), max_tokens)
         if key not in self._oracle_cache:
-            self._oracle_cache[key] = run_oracle_ids(self.python, self.cluster.config.model, ids, max_tokens)
+            self._oracle_cache[key] = run_oracle_ids(self.python, self.cluster.config.model, ids, max_tokens,
+                                                     device=self.cluster.config.device)
         return self._oracle_cache[key]
 
 
@@ -225,23 +227,25 @@ def choice_token_ids(choice: object) -> list[int] | None:
 _GENERATE_IDS = """
 import json, sys
 from engine.cli import _generate, _parser
-args = _parser().parse_args(["--model", sys.argv[1], "--prompt", "ids", "--max-tokens", sys.argv[2], "--json"])
+args = _parser().parse_args(["--model", sys.argv[1], "--prompt", "ids", "--max-tokens", sys.argv[2], "--json",
+                             "--device", sys.argv[4]])
 sys.exit(_generate(args, json.loads(sys.argv[3])))
 """
 
 
-def run_oracle(python: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 600.0) -> OracleResult:
-    """One `pdcluster generate --json` run; raises with its stderr when it fails."""
+def run_oracle(python: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 600.0,
+               device: str = "cpu") -> OracleResult:
+    """One `pdcluster generate --json` run (on the cluster's device); raises with its stderr when it fails."""
     argv = [python, "-m", "pdcluster.cli", "generate", "--model", model, "--prompt", prompt,
-            "--max-tokens", str(max_tokens), "--json"]
+            "--max-tokens", str(max_tokens), "--json", "--device", device]
     return _run_generate(argv, timeout_s)
 
 
 def run_oracle_ids(python: str, model: str, prompt_ids: list[int], max_tokens: int,
-                   timeout_s: float = 600.0) -> OracleResult:
+                   timeout_s: float = 600.0, device: str = "cpu") -> OracleResult:
     """`pdcluster generate --json`'s own generation code on token ids (chat prompts hold special ids that
     `--prompt TEXT` cannot express)."""
-    argv = [python, "-c", _GENERATE_IDS, model, str(max_tokens), json.dumps(prompt_ids)]
+    argv = [python, "-c", _GENERATE_IDS, model, str(max_tokens), json.dumps(prompt_ids), device]
     return _run_generate(argv, timeout_s)
 
 
