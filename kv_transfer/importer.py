@@ -5,7 +5,8 @@ Once the router handed a decode node P's kv_transfer_params and the node fetched
    import, by whoever admits it: the decode node at its HTTP edge (decode_node/remote.py, a 400), or
    `import_request` for a caller with no edge of its own;
 2. P's layout is rebuilt from the metadata and must carry the same fingerprint as D's;
-3. `remap.plan_reads` (IncompatiblePair if the pair cannot be remapped);
+3. `remap.plan_reads` (IncompatiblePair if the pair cannot be remapped), skipping the leading blocks the decode
+   engine's prefix cache already holds (`skip_tokens`);
 4. the READs: one per source P rank with a DONE notification, posted by `post_import` (kv_transfer.reads.
    PendingReads, polled by the caller between its own steps) or read to completion by `import_request`.
 Steps 1-3 touch no memory; a failure there leaves both pools and P's lease untouched.
@@ -35,22 +36,22 @@ def prefill_layout(cfg: ModelConfig, meta, d_layout: RowLayout) -> RowLayout:
 
 
 def plan_import(cfg: ModelConfig, d_layout: RowLayout, params: KVTransferParams, meta,
-                d_attn_rows: list[int], d_kda_rows: list[int]) -> ReadPlan:
+                d_attn_rows: list[int], d_kda_rows: list[int], skip_tokens: int = 0) -> ReadPlan:
     """Steps 2-3 of the module docstring (the params were checked, step 1): the read plan, or an error before
-    any memory is touched."""
+    any memory is touched. `skip_tokens`: leading tokens D's prefix cache holds (not read)."""
     if params.layout_fingerprint != d_layout.fingerprint:
         raise KVParamsError(f"layout_fingerprint {params.layout_fingerprint} does not match D's {d_layout.fingerprint}")
     p_layout = prefill_layout(cfg, meta, d_layout)
     return plan_reads(p_layout, d_layout, int(params.remote_num_tokens or 0), params.attention_rows,
-                      params.kda_rows, d_attn_rows, d_kda_rows)
+                      params.kda_rows, d_attn_rows, d_kda_rows, skip_tokens)
 
 
 def post_import(transport, cfg: ModelConfig, d_layout: RowLayout, d_rank: int, params: KVTransferParams, meta,
                 d_attn_rows: list[int], d_kda_rows: list[int], timeout_s: float | None = None,
-                endpoints: dict[int, RankEndpoint] | None = None) -> PendingReads:
+                endpoints: dict[int, RankEndpoint] | None = None, skip_tokens: int = 0) -> PendingReads:
     """Steps 2-4 for one D rank (the params were checked): the posted READs, to poll. `endpoints` defaults to
-    `meta.endpoints()` (side_channel.InstanceMetadata)."""
-    plan = plan_import(cfg, d_layout, params, meta, d_attn_rows, d_kda_rows)
+    `meta.endpoints()` (side_channel.InstanceMetadata); `skip_tokens`: leading tokens D already holds."""
+    plan = plan_import(cfg, d_layout, params, meta, d_attn_rows, d_kda_rows, skip_tokens)
     eps = endpoints if endpoints is not None else meta.endpoints()
     return PendingReads(transport, d_rank, plan, eps, str(params.lease_id), timeout_s)
 

@@ -22,6 +22,8 @@ Attention bytes: rows are sub-block-major, so any aligned power-of-two token run
   per DSA layer (K3.1 Pro: 576 + 132 bytes, 48 descriptors per token); sub-block units keep each piece
   `unit * a` bytes: 1.09 MB for Pro at 64 tokens, 75.8-151.6 KB for mini at 256-512 tokens.
 Tokens past the request's end are rounded up to whole sub-blocks (padding bytes move with them).
+Incremental reads: `skip_tokens` (whole D blocks D's prefix cache already holds) are not read; the KDA rows
+always are (they hold the state at the prompt's end).
 
 Pairing: `pair_problems(p, d) -> list[str]` is the pure check the router's pairing matrix calls with any
 objects carrying `tp`, `dcp`, `block_size`, `layout_fingerprint` (kv_transfer.geometry.Geometry);
@@ -150,12 +152,12 @@ def _owned_units(d: RowLayout, d_rank: int, padded_tokens: int) -> list[tuple[in
     return [(g * u, min((g + 1) * u, padded_tokens)) for g in range(r, -(-padded_tokens // u), w)]
 
 
-def _attention_ops(p, d, d_rank, src, num_tokens, p_rows, d_rows) -> list[ReadOp]:
+def _attention_ops(p, d, d_rank, src, num_tokens, p_rows, d_rows, skip_tokens: int = 0) -> list[ReadOp]:
     a, b0 = p.attn_bytes_per_token, p.subblock_tokens
     padded = -(-num_tokens // b0) * b0
     ops: list[ReadOp] = []
     for t0, t1 in _owned_units(d, d_rank, padded):
-        t = t0
+        t = max(t0, skip_tokens)
         while t < t1:
             local = d.dcp_local_token(t) if d.dcp_size > 1 else t
             p_left = p.tokens_per_row - t % p.tokens_per_row
@@ -187,14 +189,19 @@ def plan_reads(
     p_kda_rows: list[int],
     d_attn_rows: list[int],
     d_kda_rows: list[int],
+    skip_tokens: int = 0,
 ) -> ReadPlan:
     """The read plan of one request (see the module docstring). Raises IncompatiblePair or ValueError
-    before producing anything if the pair or the row lists do not fit."""
+    before producing anything if the pair or the row lists do not fit. `skip_tokens` (whole D blocks): D already
+    holds the attention KV of the first skip_tokens tokens (prefix cache), so only the later tokens and the KDA
+    state are read; the D rows of the skipped blocks are not touched."""
     problems = layout_pair_problems(p, d)
     if problems:
         raise IncompatiblePair("; ".join(problems))
     if num_tokens <= 0:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+    if skip_tokens < 0 or skip_tokens % d.block_size or skip_tokens > num_tokens:
+        raise ValueError(f"skip_tokens {skip_tokens} must be whole D blocks of {d.block_size} within {num_tokens}")
     for label, rows, need in (
         ("P attention rows", p_attn_rows, -(-num_tokens // p.block_size)),
         ("P KDA rows", p_kda_rows, p.kda_groups),
@@ -212,7 +219,7 @@ def plan_reads(
     for d_rank in range(d.tp_size):
         src = attention_source(p, d, d_rank)
         ops = _kda_ops(p, d, d_rank, p_kda_rows, d_kda_rows)
-        ops += _attention_ops(p, d, d_rank, src, num_tokens, p_attn_rows, d_attn_rows)
+        ops += _attention_ops(p, d, d_rank, src, num_tokens, p_attn_rows, d_attn_rows, skip_tokens)
         ops.sort(key=lambda o: (o.p_rank, o.kind != "kda"))
         plan.reads[d_rank] = _merge(ops, p.row_bytes, d.row_bytes)
     return plan
