@@ -57,6 +57,21 @@ class PreparedRequest:
     """Answer with vLLM's `prompt_logprobs` list."""
     kv_params: KVTransferParams | None
     """The request's parsed `kv_transfer_params` (None when absent)."""
+    session: str = ""
+    """The router's opaque session key (`x-pdcluster-session`), "" when the request belongs to none."""
+
+
+SESSION_HEADER = "x-pdcluster-session"
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def parse_session(value: str | None) -> str:
+    """The `x-pdcluster-session` header: absent -> "", 1..64 hex characters -> itself, anything else a 400."""
+    if value is None:
+        return ""
+    if not 0 < len(value) <= 64 or not set(value) <= _HEX:
+        raise APIError(400, f"{SESSION_HEADER} must be 1 to 64 hex characters", SESSION_HEADER)
+    return value
 
 
 def render_chat(messages: list[Any]) -> str:
@@ -108,12 +123,29 @@ def _kv_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
         raise APIError(400, str(exc), "kv_transfer_params") from exc
 
 
+def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest, kv_params: KVTransferParams | None) -> None:
+    """400 naming the first parameter this engine does not implement (every other one is honoured)."""
+    name = req.refused_parameter()
+    if name is not None:
+        raise APIError(400, f"parameter {name!r} is not supported by this server (the reference engine does not "
+                            f"implement it); send the request without it", name)
+    if isinstance(req, ChatCompletionRequest) and not req.add_generation_prompt:
+        raise APIError(400, "add_generation_prompt=false is not supported: the reference chat template always "
+                            "opens the assistant's turn", "add_generation_prompt")
+    asks_prompt = req.prompt_logprobs is not None or (isinstance(req, CompletionRequest) and req.echo)
+    if asks_prompt and kv_params is not None and kv_params.do_remote_prefill:
+        raise APIError(400, "prompt log-probs (echo or prompt_logprobs) are computed by a local prefill: send the "
+                            "request without a remote prefill", "kv_transfer_params")
+
+
 def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_id: str, model: str,
             tokenizer: Tokenizer, limits: Limits) -> PreparedRequest:
     """Validate and convert one request; raises APIError(400) on bad input."""
     if req.model is not None and req.model != model:
         raise APIError(404, f"The model `{req.model}` does not exist; this node serves `{model}`", "model",
                        "NotFoundError")
+    kv_params = _kv_params(req.kv_transfer_params)
+    _refuse_unsupported(req, kv_params)
     ids = _prompt_ids(req, tokenizer)
     param = "messages" if kind == "chat" else "prompt"
     if not ids:
@@ -140,7 +172,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_
     return PreparedRequest(request_id=request_id, kind=kind, model=model, prompt_token_ids=tuple(ids),
                            sampling=sampling, stop_strings=tuple(req.stop_strings), stream=req.stream,
                            include_usage=req.include_usage, echo=echo, prompt_logprobs=req.prompt_logprobs is not None,
-                           kv_params=_kv_params(req.kv_transfer_params))
+                           kv_params=kv_params)
 
 
 class TextAssembler:

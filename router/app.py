@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from router import admin, fastpath
+from router.cache_view import CachePoller
 from router.config import RouterConfig, load_config, quick_start_config
 from router.discovery import KubeDiscovery, make_core_api
 from router.health import HealthChecker
@@ -81,6 +82,9 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
                 checker.on_change = lambda: shared.tell_siblings(b"health")
             await checker.check_all()
             tasks = [asyncio.create_task(checker.run())]
+            poller = CachePoller(state.registry, state.cache_view, client, settings.cache_poll_interval_s,
+                                 settings.cache_poll_timeout_s)
+            tasks.append(asyncio.create_task(poller.run()))  # what nodes hold per session (docs/SESSIONS.md)
             if state.shared is not None:
                 tasks.append(asyncio.create_task(state.shared.run(state, checker)))
             kube = config.kubernetes
@@ -108,6 +112,7 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
+        request.app.state.router.api_keys.tenant(request.headers.get("authorization"))  # 401 when keys are set
         return {"object": "list", "data": request.app.state.router.registry.served_models()}
 
     @app.get("/health")

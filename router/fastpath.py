@@ -4,7 +4,7 @@ For the app under any ASGI server (uvicorn, in-process test clients): `RouterApp
 these two routes here before FastAPI's middleware, routing and dependency machinery (which stay for every
 other route: admin, health, metrics). `pdcluster router` runs router/server.py instead, which calls the
 same `service.serve` without ASGI. Per request this does
-only: read the body (413 past `max_body_bytes`), pick the three headers the router reads, run
+only: read the body (413 past `max_body_bytes`), pick the headers the router reads (READ_HEADERS), run
 `service.serve`, write the reply (a body, or the relayed stream chunk by chunk).
 
 A client that disconnects is noticed by one watcher (`receive()` answers `http.disconnect`), which cancels
@@ -27,7 +27,7 @@ from serving.errors import APIError, error_body
 log = logging.getLogger("router")
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-READ_HEADERS = (b"x-session-id", b"x-expected-context-tokens", b"content-length")
+READ_HEADERS = (b"x-session-id", b"x-expected-context-tokens", b"content-length", b"authorization")
 
 
 async def read_body(receive, max_bytes: int) -> bytes:

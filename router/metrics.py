@@ -47,6 +47,17 @@ class RouterMetrics:
         self.requests = Counter("pdcluster_requests", "Requests by outcome.", ["outcome", "pool"], registry=reg)
         self.leg_timeouts = Counter("pdcluster_leg_timeouts", "Per-leg timeouts.", ["leg"], registry=reg)
         self.retries = Counter("pdcluster_retries", "Retried legs.", ["leg"], registry=reg)
+        # --- sessions and prefix cache (router/session_routing.py): from the usage each client saw ---
+        self.prompt_tokens = Counter("pdcluster_prompt_tokens", "Prompt tokens of ok requests (usage).", ["pool"],
+                                     registry=reg)
+        self.cached_prompt_tokens = Counter(
+            "pdcluster_cached_prompt_tokens",
+            "Prompt tokens of ok requests a node's prefix cache supplied (the client's usage cached_tokens).",
+            ["pool"], registry=reg)
+        self.prefill_skipped = Counter("pdcluster_prefill_skipped",
+                                       "Ok requests whose P leg was skipped because the decode instance held the "
+                                       "session's prefix.", ["pool"], registry=reg)
+        # --- end sessions ---
         self.active_sessions = Gauge("pdcluster_active_sessions", "Sessions with a placement.", ["pool"],
                                      registry=reg)
         self.instance_healthy = Gauge("pdcluster_instance_healthy", "1 healthy, 0 not.",
@@ -79,6 +90,8 @@ class RouterMetrics:
         for pool in pools:
             for outcome in OUTCOMES:
                 self.requests.labels(outcome, pool)
+            for counter in (self.prompt_tokens, self.cached_prompt_tokens, self.prefill_skipped):
+                counter.labels(pool)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,7 +17,14 @@ output is a `Placement`. Rules:
   decodes, same preference), so every worker picks the same instance for it.
 - prefill ranking: compatible and usable only, least-loaded, warm (already handshaken) pairs preferred.
 - conditional disaggregation: skip the P leg when the uncached part of the prompt (prompt minus what the
-  sticky decode instance already holds) is below `min_uncached_tokens`, or when no prefill is compatible.
+  chosen decode instance already holds) is below `min_uncached_tokens`, or when no prefill is compatible.
+- routing by cache (`held`: instance -> tokens of this session its prefix cache holds, from the nodes'
+  `/v1/cache` reports and finished turns, router/cache_view.py): within the session's pool the decode
+  instance holding the most of it wins over stickiness and load; a session this router has no record of
+  goes back to the pool of the instance holding it; "cached" for the P-leg decision is only what the chosen
+  decode instance really holds (never the router's own guess). A session that outgrows its pool migrates
+  (the new pool's instance then receives the whole KV once). Prefills holding more of the session rank
+  first, then by load.
 """
 
 from __future__ import annotations
@@ -102,6 +109,33 @@ def estimate_prompt_tokens(body: Mapping, chars_per_token: float) -> int:
     return sum(text_tokens(p) for p in prompt if isinstance(p, str))
 
 
+def estimate_prompt_tokens_bytes(body: Mapping) -> int:
+    """Prompt tokens under the reference engine's byte-level tokenizer (node/backend.py ServerTokenizer):
+    chat = BOS + per message (ROLE id, UTF-8 of "role\\ncontent", END id) + ROLE id + "assistant\\n";
+    text = BOS + its UTF-8 bytes; token ids count as they are. Exact for that tokenizer."""
+    def utf8(text: str) -> int:
+        return len(text.encode("utf-8", "surrogatepass"))
+
+    if "messages" in body:
+        total = 2 + len("assistant\n")
+        for message in body["messages"]:
+            if not isinstance(message, Mapping):
+                continue
+            content = message.get("content")
+            if isinstance(content, list):
+                content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+            total += 3 + utf8(str(message.get("role", ""))) + (utf8(content) if isinstance(content, str) else 0)
+        return total
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, str):
+        return 1 + utf8(prompt) if prompt else 0
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        return max(len(p) for p in prompt)
+    return max((1 + utf8(p) for p in prompt if isinstance(p, str)), default=0)
+
+
 def projected_context(shape: RequestShape, session: SessionRecord | None) -> int:
     known = session.context_tokens if session else 0
     return max(shape.prompt_tokens, known) + shape.max_tokens + shape.expected_growth_tokens
@@ -131,10 +165,13 @@ def load_score(view: InstanceView) -> float:
 
 
 def rank_prefills(prefills: list[InstanceView], decode: str, compatible: frozenset[tuple[str, str]],
-                  warm: frozenset[tuple[str, str]]) -> tuple[str, ...]:
-    """Usable prefills compatible with `decode`, best first (least loaded, warm pairs favoured)."""
+                  warm: frozenset[tuple[str, str]], held: Mapping[str, int] | None = None) -> tuple[str, ...]:
+    """Usable prefills compatible with `decode`, best first: the most of the session cached (`held`), then
+    least loaded, warm pairs favoured."""
     ok = [p for p in prefills if p.is_usable and (p.name, decode) in compatible]
-    key = lambda p: (load_score(p) - (WARM_PAIR_BONUS if (p.name, decode) in warm else 0.0), p.name)  # noqa: E731
+    held = held or {}
+    key = lambda p: (-held.get(p.name, 0), load_score(p) - (WARM_PAIR_BONUS if (p.name, decode) in warm else 0.0),  # noqa: E731
+                     p.name)
     return tuple(p.name for p in sorted(ok, key=key))
 
 
@@ -168,10 +205,17 @@ def should_disaggregate(prompt_tokens: int, cached_tokens: int, min_uncached_tok
     return prompt_tokens - cached_tokens >= min_uncached_tokens
 
 
+def best_holder(held: Mapping[str, int], candidates: list[InstanceView]) -> InstanceView | None:
+    """The candidate holding the most of the session (None when none holds any)."""
+    holding = [d for d in candidates if held.get(d.name, 0) > 0]
+    return max(holding, key=lambda d: (held[d.name], -load_score(d), d.name)) if holding else None
+
+
 def place(shape: RequestShape, session: SessionRecord | None, pools: list[PoolView],
           instances: list[InstanceView], compatible: frozenset[tuple[str, str]],
           warm: frozenset[tuple[str, str]], min_uncached_tokens: int, hash_sessions: bool = False,
-          blocked: frozenset[str] = frozenset()) -> Placement:
+          blocked: frozenset[str] = frozenset(), held: Mapping[str, int] | None = None) -> Placement:
+    held = held or {}
     decodes = [v for v in instances if v.role == "decode" and v.is_usable and v.name not in blocked]
     prefills = [v for v in instances if v.role == "prefill"]
     live_pools = [p for p in pools if any(d.pool == p.name for d in decodes)]
@@ -183,25 +227,30 @@ def place(shape: RequestShape, session: SessionRecord | None, pools: list[PoolVi
             return choose_decode_by_hash(shape.session_id, candidates, prefills, compatible)
         return choose_decode(candidates, prefills, compatible)
 
-    current_pool = next((p for p in live_pools if session and p.name == session.pool), None)
+    holder = best_holder(held, decodes)
+    previous_pool = session.pool if session else (holder.pool if holder else None)
+    current_pool = next((p for p in live_pools if p.name == previous_pool), None)
     is_migration = False
     if current_pool is not None and _fits(current_pool, projected):
         pool = current_pool
-        if session.decode in by_name and by_name[session.decode].pool == pool.name:
+        holder = best_holder(held, [d for d in decodes if d.pool == pool.name])
+        if holder is not None:
+            decode, reason = holder, f"holds {held[holder.name]} tokens of the session"
+        elif session and session.decode in by_name and by_name[session.decode].pool == pool.name:
             decode, reason = by_name[session.decode], "sticky"
         else:
             decode = pick([d for d in decodes if d.pool == pool.name])
-            reason = f"session's instance {session.decode} unusable; least-loaded in pool {pool.name}"
+            reason = f"session's instance unusable or unknown; least-loaded in pool {pool.name}"
     else:
         pool = choose_pool(live_pools, projected)
         decode = pick([d for d in decodes if d.pool == pool.name])
-        if session is not None and session.pool != pool.name:
+        if previous_pool is not None and previous_pool != pool.name:
             is_migration = True
-            reason = f"session moved from pool {session.pool} to {pool.name} (projected {projected} tokens)"
+            reason = f"session moved from pool {previous_pool} to {pool.name} (projected {projected} tokens)"
         else:
             reason = f"least-loaded in pool {pool.name} (projected {projected} tokens)"
-    cached = min(session.context_tokens, shape.prompt_tokens) if session and session.decode == decode.name else 0
-    ranked = rank_prefills(prefills, decode.name, compatible, warm)
+    cached = min(held.get(decode.name, 0), shape.prompt_tokens)
+    ranked = rank_prefills(prefills, decode.name, compatible, warm, held)
     disaggregate = bool(ranked) and should_disaggregate(shape.prompt_tokens, cached, min_uncached_tokens)
     return Placement(pool=pool.name, decode=decode.name, prefills=ranked, disaggregate=disaggregate,
                      is_migration=is_migration, reason=reason, projected_tokens=projected,

@@ -30,6 +30,7 @@ from router.admission import is_node_shed
 from router.kvparams import KVHandoff, decode_body, handoff_from_answer, prefill_body
 from router.placement import Placement, RequestShape, load_score
 from router.registry import InstanceState
+from router.session_routing import cached_tokens_of
 from router.state import RouterState
 from router.upstream import CONNECT_ERRORS, UPSTREAM_ERRORS, UpstreamResponse
 from router.validation import ValidRequest
@@ -59,6 +60,8 @@ class RequestContext:
     notes: list[str] = field(default_factory=list)
     is_admitted: bool = False
     """Holds a slot of its pool's admission cap until `service.finish` releases it."""
+    prefill_cached_tokens: int | None = None
+    """The P leg's usage cached_tokens (what the client sees when a P leg ran; router/session_routing.py)."""
 
 
 def upstream_message(content: bytes, limit: int = 300) -> str:
@@ -91,6 +94,8 @@ class Orchestrator:
         self.settings = state.settings
 
     def _headers(self, ctx: RequestContext) -> dict[str, str]:
+        if ctx.shape.session_id:  # the hashed, tenant-scoped key (router/identity.py), never the client's id
+            return {"X-Request-Id": ctx.request_id, "x-pdcluster-session": ctx.shape.session_id}
         return {"X-Request-Id": ctx.request_id}
 
     def abort(self, state: InstanceState | None, request_id: str) -> None:
@@ -173,6 +178,8 @@ class Orchestrator:
             answer = orjson.loads(content)
         except orjson.JSONDecodeError:
             answer = None
+        if isinstance(answer, dict):
+            ctx.prefill_cached_tokens = cached_tokens_of(answer.get("usage"))
         handoff = handoff_from_answer(name, self.state.registry.view(state).host, answer)
         if handoff is None:
             ctx.fallback_reason = "no handoff"

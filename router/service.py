@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import orjson
 
@@ -24,7 +24,7 @@ from router.proxy import Orchestrator, RequestContext, UpstreamReply, upstream_m
 from router.relay import StreamAccounting, relay
 from router.state import RouterState
 from router.validation import Endpoint, parse_body, validate
-from serving.errors import APIError, error_body
+from serving.errors import APIError, error_body, scrub_error_content, scrub_sse_stream
 
 log = logging.getLogger("router")
 
@@ -83,6 +83,8 @@ def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint,
                           hash_sessions=state.is_multi_worker, blocked=state.blocked_instances(now))
     except NoPlacement as exc:
         raise APIError(503, f"no decode instance available: {exc}") from None
+    if valid.scores_prompt and placement.disaggregate:  # prompt log-probs come from the prompt's own prefill
+        placement = replace(placement, disaggregate=False, reason=f"{placement.reason}; colocated: scores the prompt")
     state.admission.enter(placement.pool)  # PoolFull: shed before any node or session is touched
     if shape.session_id:
         known_tokens = max(shape.prompt_tokens, session.context_tokens if session else 0)
@@ -215,7 +217,18 @@ async def _run(state: RouterState, orch: Orchestrator, ctx: RequestContext) -> R
 
 async def serve(state: RouterState, endpoint: Endpoint, headers: Mapping[str, str], raw: bytes,
                 started: float) -> Reply:
-    """Handle one /v1/completions or /v1/chat/completions request (`headers`: lower-cased names)."""
+    """Handle one /v1/completions or /v1/chat/completions request (`headers`: lower-cased names). Error answers
+    relayed from a node (a body, or an error event in a stream) reach the client scrubbed of internal names."""
+    reply = await _serve(state, endpoint, headers, raw, started)
+    if reply.stream is not None:
+        reply.stream = scrub_sse_stream(reply.stream)
+    else:
+        reply.body = scrub_error_content(reply.status, reply.body)
+    return reply
+
+
+async def _serve(state: RouterState, endpoint: Endpoint, headers: Mapping[str, str], raw: bytes,
+                 started: float) -> Reply:
     try:
         ctx = _context(state, headers, endpoint, raw, started)
     except PoolFull as exc:

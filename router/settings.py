@@ -93,7 +93,20 @@ class Settings(BaseSettings):
     default_max_tokens: int = 256
     """Output length assumed for placement when the request names none."""
     chars_per_token: float = 4.0
-    """Tokenize-free prompt length estimate."""
+    """Tokenize-free prompt length estimate (`prompt_estimate` chars)."""
+    # --- sessions, API keys and cache-aware routing (router/identity.py, router/cache_view.py) ---
+    prompt_estimate: Literal["auto", "bytes", "chars"] = "auto"
+    """How the router counts a prompt's tokens without tokenizing: `bytes` renders the reference engine's
+    byte-level chat template (exact for its ByteTokenizer), `chars` divides characters by `chars_per_token`;
+    `auto`: bytes when every decode instance runs the reference engine, else chars."""
+    api_keys: str | None = None
+    """Comma-separated client API keys (e.g. env ROUTER_API_KEYS from a Secret); unset with no file: no auth."""
+    api_keys_file: str | None = None
+    """File of client API keys, one per line (`#` comments), e.g. a Secret mounted as a file."""
+    cache_poll_interval_s: float = Field(default=1.0, gt=0)
+    """How often every healthy node's `GET /v1/cache` is read (what each holds per session)."""
+    cache_poll_timeout_s: float = Field(default=2.0, gt=0)
+    # --- end sessions ---
 
     workers: int = 1
     """Worker processes serving the port (`pdcluster router --workers N`; default there: the cores available).

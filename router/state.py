@@ -19,6 +19,8 @@ import httpx
 
 from router.admission import Admission
 from router.breaker import Breakers
+from router.cache_view import CacheView
+from router.identity import APIKeys
 from router.config import PoolSpec, RouterConfig
 from router.deadlines import Deadlines
 from router.metrics import RouterMetrics
@@ -47,6 +49,9 @@ class RouterState:
     background: set[asyncio.Task] = field(default_factory=set)
     deadlines: Deadlines = field(default_factory=Deadlines)
     admission: Admission | None = None
+    api_keys: APIKeys | None = None
+    cache_view: CacheView = field(default_factory=CacheView)
+    """What each node's prefix cache holds per session (router/cache_view.py)."""
     _pool_views: tuple[int, list[PoolView]] = (-1, [])
     _id_prefix: str = field(default_factory=lambda: f"pdc-{os.urandom(6).hex()}-")
     _id_counter: itertools.count = field(default_factory=itertools.count)
@@ -56,6 +61,7 @@ class RouterState:
         self.breakers = self.breakers or Breakers(s.breaker_failure_threshold, s.breaker_recovery_s)
         self.sessions = self.sessions or SessionTable(s.session_ttl_s, s.max_sessions)
         self.admission = self.admission or Admission(s, self.metrics)
+        self.api_keys = self.api_keys or APIKeys.from_settings(s.api_keys, s.api_keys_file)
         for spec in self.config.instances:
             self.registry.upsert(spec)
 

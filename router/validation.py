@@ -1,8 +1,12 @@
 """Light request validation at the router edge; everything else passes through to the node unchanged.
 
 Checked: the body is a JSON object within `max_body_bytes`; `model` names a served model; `messages`
-(chat) or `prompt` (completions) is present and well typed; `max_tokens` / `max_completion_tokens` are
-integers in [1, limit]; `n` is 1; `stream` is a bool and `stream_options` an object. Client-supplied
+(chat) or `prompt` (completions) is present and well typed, and a user/system/developer message has content;
+`max_tokens` / `max_completion_tokens` are integers in [1, limit], or 0 for a request that only scores its
+prompt (`echo` or `prompt_logprobs`, as the nodes and vLLM allow); `n` is 1; `stream` is a bool and
+`stream_options` an object. Parameters the reference engine does not implement (`tools`, penalties, ...) are
+not checked here: vLLM pools honour them, and our nodes refuse them with a 400 naming the parameter, which the
+router relays unchanged. Client-supplied
 `kv_transfer_params` are removed here (security: only the router speaks that protocol to nodes).
 Errors are `APIError(400|404|413)` with the offending param named.
 """
@@ -18,6 +22,7 @@ from serving.errors import APIError
 
 Endpoint = Literal["chat", "completions"]
 ROUTER_ONLY_FIELDS = ("kv_transfer_params",)
+NEEDS_CONTENT = ("user", "system", "developer")
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,16 @@ class ValidRequest:
     body: dict[str, Any]
     """The client's body minus router-only fields, otherwise unchanged."""
     is_stream: bool
+
+    @property
+    def scores_prompt(self) -> bool:
+        return scores_prompt(self.body)
+
+
+def scores_prompt(body: dict[str, Any]) -> bool:
+    """The answer carries prompt log-probs (`echo` or `prompt_logprobs`): they are computed where the prompt is
+    prefilled, so such a request is served colocated (a remote prefill hands over KV, not prompt log-probs)."""
+    return body.get("echo") is True or body.get("prompt_logprobs") is not None
 
 
 def parse_body(raw: bytes, max_body_bytes: int) -> dict[str, Any]:
@@ -51,6 +66,9 @@ def _check_messages(messages: Any) -> None:
         if content is not None and not isinstance(content, (str, list)):
             raise APIError(400, f"messages[{i}].content must be a string or a list of parts",
                            f"messages.{i}.content")
+        if message["role"] in NEEDS_CONTENT and (content is None or content == []):
+            raise APIError(400, f"messages[{i}] ({message['role']}) needs content: a string or a non-empty list of "
+                                f"parts", f"messages.{i}.content")
 
 
 def _is_int_list(value: Any) -> bool:
@@ -71,8 +89,11 @@ def _check_sampling(body: dict[str, Any], max_tokens_limit: int) -> None:
         value = body.get(key)
         if value is None:
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= max_tokens_limit:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= max_tokens_limit:
             raise APIError(400, f"{key} must be an integer in [1, {max_tokens_limit}], got {value!r}", key)
+        if value == 0 and not scores_prompt(body):
+            raise APIError(400, f"{key} must be at least 1 (0 only with echo or prompt_logprobs: the prompt is "
+                                f"scored, nothing is generated)", key)
     n = body.get("n", 1)
     if n is not None and n != 1:
         raise APIError(400, f"only n=1 is supported, got n={n!r}", "n")

@@ -13,6 +13,7 @@ goes through `serving.scrub.scrub_message` (no peer addresses, engine or lease i
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import orjson
@@ -135,6 +136,15 @@ def scrub_sse_chunk(chunk: bytes) -> bytes:
             lines[i] = b"data: " + orjson.dumps(payload)
             changed = True
     return b"\n".join(lines) if changed else chunk
+
+
+async def scrub_sse_stream(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`chunks` with `scrub_sse_chunk` applied; closing it closes `chunks`."""
+    try:
+        async for chunk in chunks:
+            yield scrub_sse_chunk(chunk)
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
 
 
 class CatchAllMiddleware:

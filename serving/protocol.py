@@ -2,8 +2,13 @@
 
 Shapes follow vLLM's OpenAI server (vllm/entrypoints/openai/protocol.py) so a router speaks to our
 nodes and to vLLM the same way:
-- requests: `/v1/completions` (prompt as text or token ids) and `/v1/chat/completions` (messages);
-  unknown fields are accepted and ignored, as vLLM does; `n` must be 1.
+- requests: `/v1/completions` (prompt as text or token ids) and `/v1/chat/completions` (messages); `n` must
+  be 1. Every parameter is honoured or refused: fields this server does not implement (`tools`,
+  `response_format`, penalties, `logit_bias`, ...) are kept in `model_extra` and `refused_parameter()` names
+  the first one whose value is not the inert default (the node answers 400 naming it); unknown fields are
+  refused the same way (vLLM would ignore them silently).
+- a user, system or developer message needs `content` (a string or a non-empty list of parts); message
+  fields the reference chat template does not render (`name`, `tool_calls`, ...) are refused.
 - `kv_transfer_params` rides in the request body (router -> node) and in the response body
   (prefill -> router, and on the final streamed chunk) exactly as vLLM's NixlConnector uses it.
 - usage carries `prompt_tokens_details.cached_tokens`.
@@ -17,6 +22,7 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 KVParamsField = dict[str, Any] | None
 """Request/response `kv_transfer_params`: parsed into kv_transfer's typed params by the node."""
@@ -28,10 +34,45 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+INERT_VALUES: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "length_penalty": (None, 1), "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
+    "min_tokens": (None, 0), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,), "structured_outputs": (None,), "logits_processors": (None,),
+    "prompt_embeds": (None,), "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "documents": (None,), "reasoning_effort": (None,),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
+    "return_tokens_as_token_ids": (None, False), "priority": (None, 0), "cache_salt": (None,),
+    "vllm_xargs": (None,), "mm_processor_kwargs": (None,), "store": (None, False), "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"), "top_logprobs": (None,), "max_completion_tokens": (None,),
+    "echo": (None, False), "request_id": (None,),
+}
+"""Parameters of OpenAI's or vLLM's API this server does not implement, with the values that ask for nothing
+(a request may carry those). Fields a request model declares are honoured and never looked up here."""
+
+
+def _is_inert(value: Any, inert: tuple[Any, ...]) -> bool:
+    """`value` is one of `inert` (booleans compared by identity: 0 is not False)."""
+    for candidate in inert:
+        if isinstance(value, bool) or isinstance(candidate, bool):
+            if value is candidate:
+                return True
+        elif value == candidate:
+            return True
+    return False
+
+
 class _SamplingFields(BaseModel):
     """Fields common to both endpoints."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
@@ -41,7 +82,7 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     """vLLM's extension: sample among the k most likely tokens (0 or -1: no limit)."""
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -66,6 +107,14 @@ class _SamplingFields(BaseModel):
         if value is None:
             return None
         return [value] if isinstance(value, str) else value
+
+    def refused_parameter(self) -> str | None:
+        """The first parameter this server does not implement whose value asks for something (None: none)."""
+        for name, value in (self.model_extra or {}).items():
+            inert = INERT_VALUES.get(name)
+            if inert is None or not _is_inert(value, inert):
+                return name
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -95,11 +144,27 @@ class CompletionRequest(_SamplingFields):
         return value
 
 
+MESSAGE_INERT_VALUES: dict[str, tuple[Any, ...]] = {"name": (None,), "tool_calls": (None, []),
+                                                    "function_call": (None,), "tool_call_id": (None,),
+                                                    "refusal": (None,), "reasoning_content": (None,)}
+"""Message fields the reference chat template does not render, with the values that carry nothing."""
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_and_fields(self) -> "ChatMessage":
+        if self.role in ("user", "system", "developer") and (self.content is None or self.content == []):
+            raise PydanticCustomError("missing_content", "a {role} message needs content (a string or a non-empty "
+                                      "list of parts)", {"role": self.role})
+        for name, value in (self.model_extra or {}).items():
+            if not _is_inert(value, MESSAGE_INERT_VALUES.get(name, ())):
+                raise PydanticCustomError("unsupported_field", "message field {name!r} is not supported by this "
+                                          "server's chat template", {"name": name})
+        return self
 
     def text(self) -> str:
         """The message's text: a string, or the concatenated text parts of a content list."""
@@ -119,7 +184,7 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True

@@ -45,13 +45,14 @@ INSTANCES = [view("p0", "prefill", pool="any"), view("p1", "prefill", pool="any"
              view("d-l0", pool="dcp"), view("d-l1", pool="dcp", running=5)]
 ALL_PAIRS = frozenset((p, d.name) for p in ("p0", "p1") for d in INSTANCES if d.role == "decode")
 
-# (id, shape, session, expected pool, decode, migration, disaggregate)
+# (id, shape, session, expected pool, decode, migration, disaggregate); no node reports a cached prefix here,
+# so every request with a compatible prefill disaggregates (cache-driven skips: tests/router/test_cache_routing.py)
 PLACE_CASES = [
     ("new-short-least-loaded", shape(), None, "tp-small", "d-s1", False, True),
     ("new-long-to-dcp-least-loaded", shape(prompt=50_000), None, "dcp", "d-l0", False, True),
     ("growth-hint-counts", shape(prompt=1_000, growth=40_000), None, "dcp", "d-l0", False, True),
     ("sticky-even-if-busier", shape(), SessionRecord("s", "tp-small", "d-s0", 500, 0.0), "tp-small", "d-s0",
-     False, False),
+     False, True),
     ("outgrows-small-pool", shape(prompt=20_000), SessionRecord("s", "tp-small", "d-s0", 7_000, 0.0), "tp-big",
      "d-b0", True, True),
     ("known-context-drives-migration", shape(prompt=100), SessionRecord("s", "tp-small", "d-s0", 40_000, 0.0),
@@ -104,11 +105,14 @@ def test_rank_prefills(loads, warm, expected):
 
 
 def test_mostly_cached_session_skips_prefill():
+    """The P leg is skipped on what the decode instance reports it holds, not on the router's own record."""
     instances = [view("p0", "prefill"), view("d0")]
     session = SessionRecord("s", "tp-small", "d0", context_tokens=990, last_seen=0.0)
     pairs = frozenset({("p0", "d0")})
-    assert not place(shape(prompt=1000), session, POOLS, instances, pairs, frozenset(), 32).disaggregate
-    assert place(shape(prompt=1100), session, POOLS, instances, pairs, frozenset(), 32).disaggregate
+    held = {"d0": 990}
+    assert not place(shape(prompt=1000), session, POOLS, instances, pairs, frozenset(), 32, held=held).disaggregate
+    assert place(shape(prompt=1100), session, POOLS, instances, pairs, frozenset(), 32, held=held).disaggregate
+    assert place(shape(prompt=1000), session, POOLS, instances, pairs, frozenset(), 32).disaggregate
 
 
 @pytest.mark.parametrize("headers,body,expected", [

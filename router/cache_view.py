@@ -1,0 +1,187 @@
+"""What each node's prefix cache holds per session, as the router knows it (docs/SESSIONS.md).
+
+Two sources, both bounded:
+- polls: `CachePoller` reads every healthy instance's `GET /v1/cache` each `cache_poll_interval_s` (one
+  request per instance per round, a timeout, a body cap); `parse_report` keeps at most `MAX_SESSIONS`
+  entries whose keys are hex strings of at most 64 characters (anything else is dropped: a node answer
+  never grows a table without bound). A node without the endpoint (vLLM) just has no report.
+- responses: when a turn ends, the decode instance that served it holds its prompt + answer and the prefill
+  instance of its P leg holds its prompt (`note_served`). These optimistic entries bridge the time until
+  the next poll, and are only made on instances whose last report shows a working cache (a node with the
+  cache switched off reports an empty `sessions` map and never counts a lookup).
+
+A poll replaces an instance's entries, except those noted after the poll was sent (newer than what the
+node could report). `held(session)` is what placement reads: instance name -> tokens held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+
+log = logging.getLogger("router")
+MAX_SESSIONS = 1024
+MAX_KEY_CHARS = 64
+MAX_REPORT_BYTES = 1 << 20
+HEX = frozenset("0123456789abcdefABCDEF")
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """One node's `/v1/cache` answer (counters since the node started)."""
+
+    block_tokens: int = 0
+    fingerprint: str = ""
+    sessions: dict[str, int] = field(default_factory=dict, compare=False)
+    blocks_cached: int = 0
+    rows_free: int = 0
+    hits_tokens: int = 0
+    queried_tokens: int = 0
+    evicted_blocks: int = 0
+
+    @property
+    def is_caching(self) -> bool:
+        """The node's cache is on (it looked something up, or holds a session)."""
+        return self.queried_tokens > 0 or bool(self.sessions)
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def is_session_key(key: object) -> bool:
+    return isinstance(key, str) and 0 < len(key) <= MAX_KEY_CHARS and HEX.issuperset(key)
+
+
+def parse_report(body: object) -> CacheReport | None:
+    """A `/v1/cache` JSON answer, validated and bounded; None when it is not one."""
+    if not isinstance(body, dict) or not isinstance(body.get("sessions"), dict):
+        return None
+    sessions: dict[str, int] = {}
+    for key, tokens in body["sessions"].items():
+        if len(sessions) >= MAX_SESSIONS:
+            break
+        if is_session_key(key) and _count(tokens):
+            sessions[key.lower()] = tokens
+    fingerprint = body.get("fingerprint")
+    return CacheReport(block_tokens=_count(body.get("block_tokens")),
+                       fingerprint=fingerprint[:256] if isinstance(fingerprint, str) else "",
+                       sessions=sessions, blocks_cached=_count(body.get("blocks_cached")),
+                       rows_free=_count(body.get("rows_free")), hits_tokens=_count(body.get("hits_tokens")),
+                       queried_tokens=_count(body.get("queried_tokens")),
+                       evicted_blocks=_count(body.get("evicted_blocks")))
+
+
+@dataclass
+class _Instance:
+    report: CacheReport
+    held: dict[str, tuple[int, float]]
+    """session -> (tokens, when it was set)."""
+
+
+class CacheView:
+    """Per instance: its last report and what it holds per session (polls plus optimistic notes)."""
+
+    def __init__(self) -> None:
+        self._instances: dict[str, _Instance] = {}
+
+    def apply_report(self, instance: str, report: CacheReport, sent_at: float) -> None:
+        """A poll sent at `sent_at` answered `report`: it replaces the entries older than the poll."""
+        current = self._instances.get(instance)
+        held = {s: (t, sent_at) for s, t in report.sessions.items()}
+        if current is not None:
+            for session, (tokens, at) in current.held.items():
+                if at > sent_at and len(held) < MAX_SESSIONS:
+                    held[session] = (tokens, at)
+        self._instances[instance] = _Instance(report, held)
+
+    def forget(self, instance: str) -> None:
+        self._instances.pop(instance, None)
+
+    def note_served(self, instance: str, session: str, tokens: int, now: float) -> None:
+        """`instance` just finished a turn of `session` and keeps `tokens` of it (when its cache is on)."""
+        current = self._instances.get(instance)
+        if current is None or not current.report.is_caching or tokens <= 0:
+            return
+        if session not in current.held and len(current.held) >= MAX_SESSIONS:
+            oldest = min(current.held, key=lambda s: current.held[s][1])
+            del current.held[oldest]
+        current.held[session] = (tokens, now)
+
+    def held(self, session: str | None) -> dict[str, int]:
+        """Instance name -> tokens of `session` it holds (instances holding nothing left out)."""
+        if not session:
+            return {}
+        found = {}
+        for name, inst in self._instances.items():
+            entry = inst.held.get(session)
+            if entry is not None and entry[0] > 0:
+                found[name] = entry[0]
+        return found
+
+    def report(self, instance: str) -> CacheReport | None:
+        current = self._instances.get(instance)
+        return current.report if current else None
+
+    def reports(self) -> dict[str, CacheReport]:
+        return {name: inst.report for name, inst in self._instances.items()}
+
+
+async def read_report(client: httpx.AsyncClient, url: str, timeout_s: float) -> CacheReport | None:
+    """One `GET {url}/v1/cache`; None when the node has no cache endpoint or answers garbage."""
+    async with client.stream("GET", f"{url}/v1/cache", timeout=timeout_s) as resp:
+        if resp.status_code != 200:
+            return None
+        chunks, size = [], 0
+        async for chunk in resp.aiter_bytes():
+            size += len(chunk)
+            if size > MAX_REPORT_BYTES:
+                return None
+            chunks.append(chunk)
+    try:
+        return parse_report(orjson.loads(b"".join(chunks)))
+    except orjson.JSONDecodeError:
+        return None
+
+
+class CachePoller:
+    """Polls `/v1/cache` of every healthy instance into a `CacheView`, forever (cancel to stop)."""
+
+    def __init__(self, registry, view: CacheView, client: httpx.AsyncClient, interval_s: float,
+                 timeout_s: float) -> None:
+        self.registry, self.view, self.client = registry, view, client
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+
+    async def poll_one(self, state) -> None:
+        name = state.spec.name
+        sent_at = time.monotonic()
+        try:
+            report = await read_report(self.client, state.spec.url, self.timeout_s)
+        except (httpx.HTTPError, OSError, ValueError) as exc:
+            log.debug("cache poll of %s failed: %s", name, exc)
+            return
+        if report is None:
+            self.view.forget(name)
+        else:
+            self.view.apply_report(name, report, sent_at)
+
+    async def poll_all(self) -> None:
+        states = self.registry.states()
+        known = {s.spec.name for s in states}
+        for name in list(self.view.reports()):
+            if name not in known:
+                self.view.forget(name)
+        await asyncio.gather(*(self.poll_one(s) for s in states if s.is_healthy))
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.poll_all()
+            except Exception:  # noqa: BLE001 - one bad round must not end the loop
+                log.exception("cache poll round failed")
+            await asyncio.sleep(self.interval_s)
