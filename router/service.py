@@ -18,8 +18,9 @@ from dataclasses import dataclass, field, replace
 import orjson
 
 from router.admission import PoolFull, is_node_shed
-from router.placement import NoPlacement, RequestShape, SessionRecord, estimate_prompt_tokens, place, \
-    session_id_of
+from router.placement import NoPlacement, RequestShape, SessionRecord, place
+from router.session_routing import after_turn, expected_growth, identify, prompt_estimate, rewrite_usage, \
+    with_cached_tokens
 from router.proxy import Orchestrator, RequestContext, UpstreamReply, upstream_message
 from router.relay import StreamAccounting, relay
 from router.state import RouterState
@@ -58,29 +59,30 @@ def error_reply(status: int, message: str, param: str | None = None, type_: str 
     return Reply(status, body=orjson.dumps(error_body(status, message, param, type_)))
 
 
-def _shape(state: RouterState, headers: Mapping[str, str], body: dict) -> RequestShape:
+def _shape(state: RouterState, headers: Mapping[str, str], body: dict, session_key: str | None) -> RequestShape:
     s = state.settings
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or s.default_max_tokens
-    hint = headers.get("x-expected-context-tokens")
-    growth = int(hint) if hint and hint.isdigit() else s.session_growth_tokens
-    return RequestShape(session_id=session_id_of(headers, body),
-                        prompt_tokens=estimate_prompt_tokens(body, s.chars_per_token),
-                        max_tokens=int(max_tokens), expected_growth_tokens=growth)
+    return RequestShape(session_id=session_key, prompt_tokens=prompt_estimate(state, body),
+                        max_tokens=int(max_tokens),
+                        expected_growth_tokens=expected_growth(headers, s.session_growth_tokens))
 
 
 def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint, raw: bytes,
              started: float) -> RequestContext:
     s = state.settings
+    state.api_keys.tenant(headers.get("authorization"))  # 401 before the body is parsed
     body = parse_body(raw, s.max_body_bytes)
+    session_key = identify(state, headers, body)  # 400 for an oversized session id, whatever else is wrong
     valid = validate(body, endpoint, state.registry.served_model_ids(), s.max_tokens_limit)
-    shape = _shape(state, headers, valid.body)
+    shape = _shape(state, headers, valid.body, session_key)
     now = time.monotonic()
     session = state.sessions.get(shape.session_id, now) if shape.session_id else None
     instances = state.registry.snapshot()
     try:
         placement = place(shape, session, state.pool_views(instances), instances, state.usable_pairs(now),
                           state.warm_pairs, s.disagg_min_uncached_tokens,
-                          hash_sessions=state.is_multi_worker, blocked=state.blocked_instances(now))
+                          hash_sessions=state.is_multi_worker, blocked=state.blocked_instances(now),
+                          held=state.cache_view.held(shape.session_id))
     except NoPlacement as exc:
         raise APIError(503, f"no decode instance available: {exc}") from None
     if valid.scores_prompt and placement.disaggregate:  # prompt log-probs come from the prompt's own prefill
@@ -138,6 +140,7 @@ def finish(state: RouterState, ctx: RequestContext, acct: StreamAccounting | Non
     if ctx.shape.session_id and usage:
         total = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
         state.sessions.put(SessionRecord(ctx.shape.session_id, pool, ctx.placement.decode, total, now))
+    after_turn(state, ctx, usage, now)
 
 
 def _shed_headers(ctx: RequestContext, headers) -> dict[str, str]:
@@ -149,8 +152,8 @@ def _shed_headers(ctx: RequestContext, headers) -> dict[str, str]:
 
 
 def _usage(ctx: RequestContext, status: int, content: bytes) -> dict | None:
-    """The answer's usage, read only where it is used (the session's context size)."""
-    if status != 200 or not ctx.shape.session_id:
+    """The answer's usage (the session's context size, the prompt and cached-token counters)."""
+    if status != 200:
         return None
     try:
         answer = orjson.loads(content)
@@ -205,13 +208,17 @@ async def _run(state: RouterState, orch: Orchestrator, ctx: RequestContext) -> R
         elif resp.status_code != 200:
             ctx.outcome = "client_error" if resp.status_code < 500 else "upstream_error"
             ctx.error = f"decode answered {resp.status_code}{upstream_message(content)}"
+        elif ctx.handoff is not None:  # the client sees the P leg's cached_tokens (router/session_routing.py)
+            content = rewrite_usage(content, ctx.prefill_cached_tokens)
         return Reply(resp.status_code, headers, content, resp.headers.get("content-type", JSON),
                      on_sent=lambda: finish(state, ctx, None, _usage(ctx, resp.status_code, content)))
     resp, chunks, first = await orch.open_stream(ctx)
     acct = StreamAccounting(ctx.started, started_relay=time.monotonic())
     end = _StreamEnd(state, orch, ctx, acct, resp)
-    return Reply(200, _route_headers(ctx), content_type="text/event-stream",
-                 stream=relay(resp, chunks, first, acct, state.settings.stream_idle_timeout_s, end),
+    stream = relay(resp, chunks, first, acct, state.settings.stream_idle_timeout_s, end)
+    if ctx.handoff is not None and ctx.prefill_cached_tokens is not None:
+        stream = with_cached_tokens(stream, ctx.prefill_cached_tokens)
+    return Reply(200, _route_headers(ctx), content_type="text/event-stream", stream=stream,
                  on_abandon=end.abandon)
 
 
