@@ -4,13 +4,25 @@
 `startup_timeout_s`) until each answers `GET /health` with 200, then writes the router's registry file and
 starts the router and waits for it too. If any process exits during startup, or the bound passes, every
 process already started is stopped and `ClusterStartError` says which one failed with its log tail.
-`stop()` stops the router first, then the nodes, each as a process tree (cluster/process.py).
+`stop()` stops the router first, then drains the nodes: SIGTERM to each node process alone (it stops admitting
+and finishes what it serves, node/serving.py), and once it exited, whatever is left of its process tree
+(cluster/process.py).
+
+Per cluster, the launcher also provides what reference nodes need beyond their command line, as environment:
+- a cluster secret, generated at start into `<log dir>/cluster.secret` (mode 0600), named by
+  `PREFILL_/DECODE_CLUSTER_SECRET_FILE` (never the secret itself on a command line); hand-offs are signed with it;
+- `DECODE_PREFILL_PEERS`: the reference prefill instances, the only ones a decode node reads from;
+- `PREFILL_/DECODE_METRICS_PORT`: a separate /metrics port per node (`metrics_urls` points there).
+A pool's own `env` / `settings` naming any of these wins.
 
 The same object serves `pdcluster up` and the e2e `cluster` fixture (kill / restart of one node).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,12 +34,17 @@ import yaml
 
 from cluster.config import ClusterConfig
 from cluster.plan import ProcessPlan, assign_ports, plan_nodes, plan_router, router_config, served_model_name
-from cluster.process import Child, kill_tree, spawn, stop_tree
-from engine.ports import is_port_free
+from cluster.process import Child, drain_tree, kill_tree, spawn, stop_tree
+from engine.ports import free_port, is_port_free
 
 
 ROUTER_MIN_STARTUP_S = 90.0
 """Least time the router gets to answer /health after the nodes are up, whatever is left of the bound."""
+
+
+NODE_DRAIN_WAIT_S = 65.0
+"""How long `stop()` waits for a draining node (its default drain_s, 55 s, plus its shutdown)."""
+ENV_PREFIX = {"prefill": "PREFILL_", "decode": "DECODE_"}
 
 
 class ClusterStartError(RuntimeError):
@@ -69,6 +86,11 @@ class Cluster:
         self.router_plan = plan_router(config, ports, self.router_config_path, python)
         self.plans: dict[str, ProcessPlan] = {plan.name: plan for plan in [*self.node_plans, self.router_plan]}
         self.children: dict[str, Child] = {}
+        self.secret_path = self.log_dir / "cluster.secret"
+        taken = {plan.port for plan in self.plans.values()}
+        self.metrics_ports = {plan.name: free_port(plan.host, taken) for plan in self.node_plans
+                              if plan.engine == "reference"}
+        """Each reference node's separate /metrics port."""
 
     @property
     def router_url(self) -> str:
@@ -80,8 +102,9 @@ class Cluster:
 
     @property
     def metrics_urls(self) -> dict[str, str]:
-        """`/metrics` of the router and every node, by process name."""
-        return {name: plan.metrics_url for name, plan in self.plans.items()}
+        """`/metrics` of the router and every node, by process name (a reference node's metrics port)."""
+        return {name: (f"http://{plan.host}:{self.metrics_ports[name]}/metrics" if name in self.metrics_ports
+                       else plan.metrics_url) for name, plan in self.plans.items()}
 
     @property
     def nodes(self) -> list[NodeInfo]:
@@ -100,10 +123,13 @@ class Cluster:
         # is about to fail to bind: refuse before starting anything.
         busy = [f"{name} ({plan.host}:{plan.port})" for name, plan in self.plans.items()
                 if not is_port_free(plan.host, plan.port)]
+        busy += [f"{name} metrics ({self.plans[name].host}:{port})" for name, port in self.metrics_ports.items()
+                 if not is_port_free(self.plans[name].host, port)]
         if busy:
             raise ClusterStartError(f"ports already in use: {', '.join(busy)}; stop what holds them or choose "
                                     "other ports (router.port, pools[].ports)")
         deadline = time.monotonic() + self.config.startup_timeout_s
+        self._write_secret()
         try:
             for plan in self.node_plans:
                 self._spawn(plan)
@@ -118,8 +144,31 @@ class Cluster:
             raise
         return self
 
+    def _write_secret(self) -> None:
+        """A fresh cluster secret, readable by this user only (created 0600, never world-readable)."""
+        self.secret_path.unlink(missing_ok=True)
+        fd = os.open(self.secret_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(48))
+
+    def node_env(self, plan: ProcessPlan) -> dict[str, str]:
+        """What the launcher adds to a reference node's environment (see the module docstring)."""
+        prefix = ENV_PREFIX.get(plan.role)
+        if plan.engine != "reference" or prefix is None:
+            return {}
+        given = {**os.environ, **plan.env}
+        env = {}
+        if f"{prefix}CLUSTER_SECRET" not in given and f"{prefix}CLUSTER_SECRET_FILE" not in given:
+            env[f"{prefix}CLUSTER_SECRET_FILE"] = str(self.secret_path)
+        if f"{prefix}METRICS_PORT" not in given and plan.name in self.metrics_ports:
+            env[f"{prefix}METRICS_PORT"] = str(self.metrics_ports[plan.name])
+        if plan.role == "decode" and "DECODE_PREFILL_PEERS" not in given:
+            peers = [f"{p.host}:{p.port}" for p in self.node_plans if p.role == "prefill" and p.engine == "reference"]
+            env["DECODE_PREFILL_PEERS"] = json.dumps(peers)
+        return env
+
     def _spawn(self, plan: ProcessPlan) -> Child:
-        child = spawn(plan.name, plan.argv, plan.env, self.log_dir / f"{plan.name}.log")
+        child = spawn(plan.name, plan.argv, {**self.node_env(plan), **plan.env}, self.log_dir / f"{plan.name}.log")
         self.children[plan.name] = child
         return child
 
@@ -163,13 +212,16 @@ class Cluster:
         self.wait_healthy([name], time.monotonic() + (timeout_s or self.config.startup_timeout_s))
         return self.info(name)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Stop the router, then every node; safe to call twice."""
+    def stop(self, grace_s: float = 10.0, drain_s: float = NODE_DRAIN_WAIT_S) -> None:
+        """Stop the router, then drain every node (at most `drain_s` each, in parallel); safe to call twice."""
         if "router" in self.children:
             self._stop_one("router", grace_s)
         nodes = [plan.name for plan in self.node_plans if plan.name in self.children]
         with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
-            list(pool.map(lambda name: self._stop_one(name, grace_s), nodes))
+            list(pool.map(lambda name: self._drain_one(name, drain_s, grace_s), nodes))
+
+    def _drain_one(self, name: str, drain_s: float, grace_s: float) -> None:
+        drain_tree(self.children[name], drain_s, grace_s)
 
     def _stop_one(self, name: str, grace_s: float) -> None:
         child = self.children[name]

@@ -6,7 +6,9 @@ Ctrl-C reaches only the launcher, which then stops children in order) and with a
 
 `stop_tree` sends SIGTERM to the child's process group and to every descendant found under /proc (rank
 processes that started their own group included), waits up to a grace period, then SIGKILLs whatever
-is left. Logs go to one file per process.
+is left. `drain_tree` first sends SIGTERM to the child alone (a node then drains: it stops admitting and lets
+its in-flight requests finish while its rank processes keep running), waits for it to exit, and only then
+stops what is left of the tree. Logs go to one file per process.
 """
 
 from __future__ import annotations
@@ -116,9 +118,11 @@ def _alive(pid: int) -> bool:
     return state[state.rfind(")") + 2:].split()[0] != "Z"
 
 
-def stop_tree(child: Child, grace_s: float = 10.0, sig: signal.Signals = signal.SIGTERM) -> int | None:
-    """Stop `child` and everything it started: `sig`, then SIGKILL after `grace_s`. Returns its exit code."""
-    tree = [child.pid, *descendants(child.pid)]
+def stop_tree(child: Child, grace_s: float = 10.0, sig: signal.Signals = signal.SIGTERM,
+              extra: list[int] | tuple[int, ...] = ()) -> int | None:
+    """Stop `child` and everything it started (and `extra` pids, found earlier): `sig`, then SIGKILL after
+    `grace_s`. Returns its exit code."""
+    tree = [child.pid, *descendants(child.pid), *(pid for pid in extra if _alive(pid))]
     pgid = child.pid  # start_new_session makes the child its own group leader
     _signal_all(tree, pgid, sig)
     deadline = time.monotonic() + grace_s
@@ -138,6 +142,22 @@ def stop_tree(child: Child, grace_s: float = 10.0, sig: signal.Signals = signal.
         return child.popen.wait(timeout=5.0)
     except subprocess.TimeoutExpired:
         return None
+
+
+def drain_tree(child: Child, drain_s: float, grace_s: float = 10.0) -> int | None:
+    """SIGTERM to `child` only; wait up to `drain_s` for it to exit (a node drains meanwhile), then `stop_tree`
+    whatever is left (its rank processes, or the child itself if it overran). Returns its exit code."""
+    known = descendants(child.pid)  # a descendant in its own session is found through the child only
+    if child.is_alive():
+        try:
+            os.kill(child.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            child.popen.wait(timeout=drain_s)
+        except subprocess.TimeoutExpired:
+            pass
+    return stop_tree(child, grace_s if child.is_alive() else min(grace_s, 5.0), extra=known)
 
 
 def kill_tree(child: Child) -> None:

@@ -3,7 +3,8 @@
 Invoked as `fake_node.py [-m module] ... --port P ...` (the launcher's command lines with the interpreter
 replaced). One rank child stays in the node's process group, the other starts its own session, as rank
 processes of a real node may. `FAKE_EXIT_CODE=N` exits at once with N (a node that dies at startup);
-`FAKE_IGNORE_TERM=1` ignores SIGTERM (a node that hangs on shutdown).
+`FAKE_IGNORE_TERM=1` ignores SIGTERM (a node that hangs on shutdown). `PREFILL_/DECODE_METRICS_PORT` (from the
+launcher) serves the same answers on that port too.
 """
 
 import http.server
@@ -11,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 RANK = [sys.executable, "-c", "import time\nwhile True: time.sleep(1)"]
@@ -38,6 +40,10 @@ def main() -> None:
     own_session = subprocess.Popen(RANK, start_new_session=True)
     print(f"PIDS {os.getpid()} {same_group.pid} {own_session.pid}", flush=True)
     time.sleep(float(os.environ.get("FAKE_HEALTH_DELAY_S", "0")))
+    metrics_port = os.environ.get("PREFILL_METRICS_PORT") or os.environ.get("DECODE_METRICS_PORT")
+    if metrics_port:
+        metrics = http.server.HTTPServer(("127.0.0.1", int(metrics_port)), Handler)
+        threading.Thread(target=metrics.serve_forever, daemon=True).start()
     server = http.server.HTTPServer(("127.0.0.1", port), Handler)
     server.serve_forever()
 

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from prefill_node.app import create_app
 from prefill_node.settings import Settings
-from tests.node.nodes import TOY
+from tests.node.nodes import TEST_CLUSTER_SECRET, TOY
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def client():
     settings = Settings(backend=TOY, num_rows=16, max_context=4096, lease_seconds=1.5, lease_sweep_s=0.1,
-                        engine_id="prefill-test", port=8123)
+                        engine_id="prefill-test", port=8123, cluster_secret=TEST_CLUSTER_SECRET)
     with TestClient(create_app(settings)) as c:
         yield c
 
