@@ -87,7 +87,7 @@ async def serve_remote(runtime: NodeRuntime, prepared: PreparedRequest, request:
         raise
     cmd = ImportKV(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
                    sampling=prepared.sampling, first=params.first_token(prepared.request_id, len(prepared.prompt_token_ids)), params=params,
-                   peer=info)
+                   peer=info, session=prepared.session)
 
     async def attempt() -> tuple[object, object]:
         events = runtime.executor.events(cmd)
@@ -117,8 +117,8 @@ async def serve_remote(runtime: NodeRuntime, prepared: PreparedRequest, request:
     for post_s in outcome.post_s:
         runtime.metrics.post_time.observe(post_s)
     runtime.executor.submit(StartDecode(request_id=prepared.request_id))
-    cached = int(params.remote_prefill_cached_tokens or 0)
-    out = respond(runtime, prepared, request, events, started, cached_tokens=cached)
+    # usage.cached_tokens: the prompt tokens this node already held and did not read (the engine's events carry them)
+    out = respond(runtime, prepared, request, events, started)
     return out if prepared.stream else await out
 
 

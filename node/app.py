@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,7 +28,7 @@ from node.executor import Executor
 from node.metrics import NodeMetrics
 from node.serving import Drain, GuardMiddleware, MetricsServer
 from node.settings import NodeSettings
-from node.textgen import Kind, Limits, PreparedRequest, Tokenizer, prepare, render_chat
+from node.textgen import SESSION_HEADER, Kind, Limits, PreparedRequest, Tokenizer, parse_session, prepare, render_chat
 from serving import sse
 from serving.errors import APIError, error_body
 from serving.protocol import (
@@ -88,6 +89,8 @@ class NodeRuntime:
             return
         head = stats[0]
         self.metrics.set_load(head.num_running, head.num_waiting, head.num_rows_used, head.num_rows_total)
+        if self.executor.state.cache is not None:
+            self.metrics.prefix_blocks.labels(role=self.role).set(self.executor.state.cache.blocks_cached)
         totals: dict[str, float] = {}
         for rank_stats in stats:
             for name, value in rank_stats.counters:
@@ -174,7 +177,10 @@ def node_router(handle: Handler, settings: NodeSettings) -> APIRouter:
         request_id = runtime.new_request_id(request.headers.get("x-request-id"))
         streaming_out = False
         try:
+            session = parse_session(request.headers.get(SESSION_HEADER))
             prepared = prepare(body, kind, request_id, runtime.model, runtime.tokenizer, runtime.limits)
+            if session:
+                prepared = dataclasses.replace(prepared, session=session)
             try:
                 response = await handle(runtime, prepared, request)
             except NodeBusy as exc:
@@ -204,6 +210,18 @@ def node_router(handle: Handler, settings: NodeSettings) -> APIRouter:
         if request.app.state.drain.active:
             return shed_response("draining: the node is shutting down", settings.retry_after_s)
         return Response(status_code=200)
+
+    @router.get("/v1/cache")
+    async def cache(request: Request) -> Response:
+        """What this node's prefix cache holds (docs/SESSIONS.md)."""
+        report = runtime_of(request).executor.state.cache
+        if report is None:
+            raise APIError(503, "the engine has not reported its cache yet")
+        return JSONResponse({"block_tokens": report.block_tokens, "fingerprint": report.fingerprint,
+                             "sessions": dict(report.sessions), "resumable": dict(report.resumable),
+                             "blocks_cached": report.blocks_cached, "rows_free": report.rows_free,
+                             "hits_tokens": report.hits_tokens, "queried_tokens": report.queried_tokens,
+                             "evicted_blocks": report.evicted_blocks})
 
     @router.get("/v1/models")
     async def models(request: Request) -> ModelList:

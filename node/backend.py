@@ -101,7 +101,9 @@ class ReferenceBackend:
         engine_config = EngineConfig(model=config.model, seed=seed, num_rows=config.num_rows,
                                      max_batch=config.max_num_seqs, tp_size=config.tp_size,
                                      dcp_size=config.dcp_size, block_size=config.block_size,
-                                     quarantine_s=config.kv.timeout_s, device=str(device), kernels="reference")
+                                     quarantine_s=config.kv.timeout_s, device=str(device), kernels="reference",
+                                     prefix_cache=getattr(config, "prefix_cache", True),
+                                     max_step_tokens=getattr(config, "max_step_tokens", None))
         make_cache = None
         built = build_model(get_preset(config.model), seed, device=device)
         if config.dcp_size > 1:
@@ -116,6 +118,8 @@ class ReferenceBackend:
         self.layout = self.engine.layout
         self.model_config = self.engine.model_config
         self._first_tokens: dict[str, TokenEvent] = {}
+        self._rank = ctx.rank
+        self._cache_sig: tuple | None = None
 
     def begin_round(self, now: float) -> None:
         self._now = now
@@ -127,11 +131,13 @@ class ReferenceBackend:
         return self.engine.config.num_rows
 
     def submit(self, cmd: Submit) -> list[Event]:
-        self.engine.add_request(cmd.request_id, list(cmd.prompt_token_ids), _sampling(cmd.sampling), export=cmd.export)
+        self.engine.add_request(cmd.request_id, list(cmd.prompt_token_ids), _sampling(cmd.sampling), export=cmd.export,
+                                session=cmd.session)
         return []
 
     def allocate_import(self, cmd: ImportKV) -> tuple[list[int], list[int]]:
-        table = self.engine.allocate_for_import(cmd.request_id, list(cmd.prompt_token_ids), _sampling(cmd.sampling))
+        table = self.engine.allocate_for_import(cmd.request_id, list(cmd.prompt_token_ids), _sampling(cmd.sampling),
+                                                session=cmd.session)
         buffer = self.engine.pool.buffer
         if buffer.is_cuda:  # the KDA rows' zeroing is queued on the GPU: done before a READ may write them
             import torch
@@ -139,6 +145,10 @@ class ReferenceBackend:
             torch.cuda.synchronize(buffer.device)
         self._first_tokens[cmd.request_id] = cmd.first
         return list(table.attn_row_ids), list(table.kda_row_ids)
+
+    def reused_tokens(self, request_id: str) -> int:
+        """Leading prompt tokens of an import this rank's prefix cache already holds (not to be read)."""
+        return self.engine.num_reused_tokens(request_id)
 
     def start_decode(self, request_id: str) -> list[Event]:
         """Decode from the imported rows. A request aborted after its import and before this command (the
@@ -170,9 +180,11 @@ class ReferenceBackend:
         events: list[Event] = [*outputs.prompt_logprobs, *outputs.tokens]
         events += [ExportedRows(request_id=res.request_id, attn_row_ids=res.attn_row_ids, kda_row_ids=res.kda_row_ids,
                                 num_tokens=res.num_tokens, generation=res.generation,
+                                num_cached_tokens=res.num_cached_tokens,
                                 first=TokenEvent(request_id=res.request_id, token_id=res.first_token,
                                                  logprob=res.first_logprob, top_logprobs=res.first_top_logprobs,
-                                                 finish_reason="length", num_prompt_tokens=res.num_tokens))
+                                                 finish_reason="length", num_prompt_tokens=res.num_tokens,
+                                                 num_cached_tokens=res.num_cached_tokens))
                    for res in outputs.exported]
         return events
 
@@ -189,10 +201,30 @@ class ReferenceBackend:
         timings: tuple[tuple[str, str, float], ...] = ()
         if model.timings:
             timings, model.timings = tuple(model.timings), []
+        cache = None
+        if self._rank == 0:  # every rank's cache makes the same decisions: rank 0 speaks for the node
+            cache_counters = self.engine.cache.counters
+            counters += (("prefix_cache_queried_tokens", float(cache_counters.queried_tokens)),
+                         ("prefix_cache_hit_tokens", float(cache_counters.hit_tokens)),
+                         ("prefix_cache_evicted_blocks", float(cache_counters.evicted_blocks)),
+                         ("kv_transfer_blocks_read", float(cache_counters.blocks_read)),
+                         ("kv_transfer_blocks_reused", float(cache_counters.blocks_reused)))
+            cache = self._cache_report()
         return RankStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
                          num_rows_used=total - self.engine.num_free_rows - self.engine.num_quarantined_rows,
                          num_rows_total=total,
-                         has_work=self.engine.has_work, counters=counters, timings=timings)
+                         has_work=self.engine.has_work, counters=counters, timings=timings, cache=cache)
+
+    def _cache_report(self) -> Any:
+        """The engine's CacheReport when anything it depends on moved since the last one sent, else None."""
+        engine = self.engine
+        last_session = next(reversed(engine.sessions), None) if engine.sessions else None
+        sig = (engine.cache.num_blocks, engine.pool.num_free, tuple(vars(engine.cache.counters).values()),
+               len(engine.sessions), last_session, engine.cache.counters.evicted_blocks)
+        if sig == self._cache_sig:
+            return None
+        self._cache_sig = sig
+        return engine.cache_report()
 
     def close(self) -> None:
         self._first_tokens.clear()

@@ -38,6 +38,10 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, help="longest prompt + output")
     parser.add_argument("--max-num-seqs", type=int, help="most requests in one batch")
     parser.add_argument("--seed", type=int, help="reference weights seed (all nodes must agree)")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse cached KV blocks of earlier prompts and turns (default on; docs/SESSIONS.md)")
+    parser.add_argument("--max-step-tokens", type=int,
+                        help="chunked prefill: tokens per engine step, decodes first (default: whole prompts)")
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         help="cpu (default) or cuda: rank r on the node's GPU r, row pool in VRAM, NCCL group")
     parser.add_argument("--metrics-port", type=int, help="serve GET /metrics on this port too (for monitoring)")

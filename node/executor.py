@@ -126,6 +126,8 @@ class ExecutorState:
     stats: list[RankStats] = field(default_factory=list)
     rounds: int = 0
     timings: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_PENDING_TIMINGS))
+    cache: Any = None
+    """Rank 0's latest prefix-cache report (engine.engine.CacheReport; None until the first)."""
     """Rank 0's durations not yet taken by the metrics (`take_timings`); the oldest drop past the bound."""
 
     def take_timings(self) -> list[tuple[str, str, float]]:
@@ -319,6 +321,8 @@ class Executor:
         self.state.rounds += 1
         if replies:
             self.state.timings.extend(replies[0].stats.timings)
+            if replies[0].stats.cache is not None:
+                self.state.cache = replies[0].stats.cache
         for reply in replies:
             for event in reply.events:
                 if isinstance(event, ImportOutcome):

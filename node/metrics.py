@@ -101,6 +101,26 @@ class NodeMetrics:
                                            registry=reg)
         self.ucx_tcp_fallback = Gauge("pdcluster_node_ucx_tcp_fallback", "1 if UCX fell back to TCP.",
                                       registry=reg)
+        self._prefix_cache_metrics(reg)
+
+    def _prefix_cache_metrics(self, reg: CollectorRegistry) -> None:
+        """docs/SESSIONS.md: the prefix cache's hits, evictions and what imports read vs reused."""
+        role = ["role"]
+        self.prefix_queried = Counter("pdcluster_prefix_cache_queried_tokens", "Prompt tokens looked up in the "
+                                      "prefix cache.", role, registry=reg)
+        self.prefix_hits = Counter("pdcluster_prefix_cache_hit_tokens", "Prompt tokens served from the prefix "
+                                   "cache (not computed, not read).", role, registry=reg)
+        self.prefix_evicted = Counter("pdcluster_prefix_cache_evicted_blocks", "Cache blocks evicted for rows.",
+                                      role, registry=reg)
+        self.prefix_blocks = Gauge("pdcluster_prefix_cache_blocks", "Blocks held by the prefix cache.", role,
+                                   registry=reg)
+        self.transfer_blocks = Counter("pdcluster_kv_transfer_blocks", "Prompt blocks of imports: read over the "
+                                       "transport, or reused from this node's cache.", ["role", "kind"],
+                                       registry=reg)
+        for child in (self.prefix_queried, self.prefix_hits, self.prefix_evicted, self.prefix_blocks):
+            child.labels(role=self.role)
+        for kind in ("read", "reused"):
+            self.transfer_blocks.labels(role=self.role, kind=kind)
         self.requests = Counter("pdcluster_node_requests", "Requests by admission outcome.", ["outcome"],
                                 registry=reg)
         for outcome in ("admitted", "shed"):
@@ -153,6 +173,10 @@ class NodeMetrics:
             self.dcp_merge_bytes.labels(method=name.removeprefix("dcp_merge_bytes_")).inc(delta)
         elif name == "dcp_merge_fallbacks":
             self.dcp_merge_fallbacks.inc(delta)
+        elif name in _PREFIX_COUNTERS:
+            getattr(self, _PREFIX_COUNTERS[name]).labels(role=self.role).inc(delta)
+        elif name.startswith("kv_transfer_blocks_"):
+            self.transfer_blocks.labels(role=self.role, kind=name.removeprefix("kv_transfer_blocks_")).inc(delta)
 
     def observe_timing(self, name: str, label: str, seconds: float) -> None:
         """A rank-reported duration (names as the backends report them)."""
@@ -161,6 +185,10 @@ class NodeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_PREFIX_COUNTERS = {"prefix_cache_queried_tokens": "prefix_queried", "prefix_cache_hit_tokens": "prefix_hits",
+                    "prefix_cache_evicted_blocks": "prefix_evicted"}
 
 
 @dataclass

@@ -38,6 +38,8 @@ class Submit:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingSpec
     export: bool = False
+    session: str = ""
+    """Opaque session key (x-pdcluster-session); the node reports per session what its prefix cache holds."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class ImportKV:
     """The token the prefill node sampled (id, log-prob, alternatives), the first one this request streams."""
     params: Any
     peer: Any
+    session: str = ""
+    """Opaque session key, as in `Submit`."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,8 @@ class RankStats:
     """Cumulative counters (name, total) since the rank started."""
     timings: tuple[tuple[str, str, float], ...] = ()
     """Durations measured since the last round (name, label, seconds), e.g. ("prefill", "token", 1.2)."""
+    cache: Any = None
+    """Rank 0's prefix-cache report (engine.engine.CacheReport) when it changed since the last round, else None."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,10 @@ class WorkerConfig:
     """The node's KV transfer settings (the rank's NIXL agent, the import deadline)."""
     device: str = "cpu"
     """"cpu" or "cuda": each rank builds its weights, row pool and intermediates on its own GPU (NIXL: VRAM)."""
+    prefix_cache: bool = True
+    """The engine's prefix cache (engine/prefix_cache.py) on or off."""
+    max_step_tokens: int | None = None
+    """Chunked prefill's per-step token budget (None: whole prompts)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,8 @@ def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_sh
                         block_size=settings.block_size, tp_size=settings.tp, dcp_size=dcp_size,
                         max_num_seqs=settings.max_num_seqs, engine_id=settings.engine_id,
                         token_shard_min_tokens=token_shard_min_tokens, backend=settings.backend,
-                        transport=settings.transport, kv=settings.kv, device=settings.device)
+                        transport=settings.transport, kv=settings.kv, device=settings.device,
+                        prefix_cache=settings.prefix_cache, max_step_tokens=settings.max_step_tokens)
 
 
 def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int) -> NodeRuntime:

@@ -57,6 +57,12 @@ class NodeSettings(BaseSettings):
     """Engine backend of the ranks: "reference" (engine/), or "module:function" of another backend factory."""
     transport: bool = True
     """Register the row pool with NIXL (P -> D transfer); off only for a node that never transfers."""
+    prefix_cache: bool = True
+    """Keep finished KV blocks and reuse the longest cached prefix of a prompt (docs/SESSIONS.md); off: every
+    prompt is computed (or read) whole, `cached_tokens` is 0."""
+    max_step_tokens: int | None = Field(default=None, ge=1)
+    """Chunked prefill: tokens one engine step computes, running decodes first, the rest a chunk of the prompt
+    being prefilled (so a long prompt does not stall running streams). None: a prompt prefills in one step."""
     kv: KVTransferSettings = Field(default_factory=KVTransferSettings)
     """KV transfer (NIXL over UCX): transports, timeouts, the NIXL wheel (kv_transfer/ucx_env.py)."""
     # --- hand-off authentication (kv_transfer/signing.py)

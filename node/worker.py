@@ -5,7 +5,8 @@ commands into backend calls, and owns the transfer side of the rank:
 - prefill ranks register their row pool with NIXL once and report the endpoint (served on the side
   channel); every step they drain the readers' notifications into `TransportNotice`s (the node's lease
   table frees rows on DONE);
-- decode ranks, on `ImportKV`, allocate rows through the backend, plan the reads with kv_transfer.remap
+- decode ranks, on `ImportKV`, allocate rows through the backend (which may reuse the prompt's leading blocks
+  from its prefix cache: `reused_tokens`, those are not read), plan the reads with kv_transfer.remap
   (P layout rebuilt from the params and checked against its fingerprint), and post ONE READ per source P
   rank carrying one descriptor per merged row range, with the lease's DONE notification. The READs are then
   polled without blocking at the end of every round (kv_transfer.reads.PendingReads), so decode steps of
@@ -156,8 +157,10 @@ class RankWorker:
             if self.transport is None:
                 raise ValueError("this node runs without a KV transport")
             attn_rows, kda_rows = self.backend.allocate_import(cmd)
+            reused = getattr(self.backend, "reused_tokens", None)
             reads = post_import(self.transport, self.backend.model_config, self.backend.layout, self.ctx.rank,
-                                cmd.params, cmd.peer, attn_rows, kda_rows, timeout_s=self.config.kv.timeout_s)
+                                cmd.params, cmd.peer, attn_rows, kda_rows, timeout_s=self.config.kv.timeout_s,
+                                skip_tokens=reused(cmd.request_id) if reused is not None else 0)
         except OutOfRows as exc:  # allocate_import raises before allocating: nothing to undo, the node may retry
             return [dataclasses.replace(self._error(cmd.request_id, exc), short_of_rows=True)]
         except Exception as exc:  # noqa: BLE001 - any failure becomes this rank's import error

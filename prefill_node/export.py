@@ -35,7 +35,7 @@ def check_export_request(prepared: PreparedRequest) -> None:
 
 async def _run_export(runtime: NodeRuntime, prepared: PreparedRequest) -> ExportedRows:
     cmd = Submit(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-                 sampling=prepared.sampling, export=True)
+                 sampling=prepared.sampling, export=True, session=prepared.session)
     async for event in runtime.executor.events(cmd):
         if isinstance(event, EngineFailure):
             raise APIError(event.status, event.error)
