@@ -1,12 +1,14 @@
 """`pdcluster generate`: run the reference engine on one prompt (the numerical oracle of the cluster).
 
-    pdcluster generate --model kimi-k3.1-mini --prompt TEXT --max-tokens N [--seed S] [--temperature T]
+    pdcluster generate --model kimi-k3.1-mini (--prompt TEXT | --prompt-ids JSON) --max-tokens N [--seed S] [--temperature T]
                        [--top-p P] [--stop STR ...] [--weights FILE.safetensors] [--json]
                        [--device cpu|cuda] [--kernels reference|fast]
 
 Weights are a random init from a fixed default seed (`--weights-seed`), so every process of a cluster and this
 oracle share identical weights without files (built on the CPU, then moved to `--device`); `--weights` loads a
-safetensors file over them. Greedy unless a temperature is given; `--seed` seeds sampling. Prints the text, token ids
+safetensors file over them. `--prompt-ids '[256, 72, 105]'` gives the prompt as token ids, used as they are (no
+BOS added): any request a node served (a session turn included, whose ids the node's /tokenize or the
+response's prompt_token_ids show) can be checked against this oracle. Greedy unless a temperature is given; `--seed` seeds sampling. Prints the text, token ids
 and timings (`--json`: one object with text, token_ids, prompt_token_ids, logprobs, finish_reason and timings).
 Bad input exits with status 2.
 """
@@ -22,7 +24,9 @@ import time
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdcluster generate", description="Generate with the reference engine.")
     p.add_argument("--model", default="kimi-k3.1-mini", help="model preset (default kimi-k3.1-mini)")
-    p.add_argument("--prompt", required=True, help="prompt text (byte-level tokens, BOS first)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text (byte-level tokens, BOS first)")
+    source.add_argument("--prompt-ids", help="the prompt as a JSON list of token ids, used as they are")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -53,19 +57,39 @@ def main(argv: list[str]) -> int:
         cfg = get_preset(args.model)
     except ValueError as exc:
         return _fail(str(exc))
-    if not args.prompt:
+    if args.prompt_ids is not None:
+        try:
+            prompt_ids = _parse_ids(args.prompt_ids, cfg.vocab_size)
+        except ValueError as exc:
+            return _fail(str(exc))
+    elif not args.prompt:
         return _fail("--prompt is empty")
+    else:
+        prompt_ids = ByteTokenizer().encode(args.prompt)
     if args.max_tokens <= 0:
         return _fail(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.device.split(":")[0] not in ("cpu", "cuda"):
         return _fail(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if args.model != "kimi-k3.1-mini" and cfg.d_model > 1024:
         return _fail(f"preset {args.model!r} is for layout and capacity math only; it is never instantiated")
-    prompt_ids = ByteTokenizer().encode(args.prompt)
     if len(prompt_ids) + args.max_tokens > cfg.max_context:
         return _fail(f"the model's maximum context length is {cfg.max_context} tokens; the request needs "
                      f"{len(prompt_ids) + args.max_tokens} ({len(prompt_ids)} prompt + {args.max_tokens} completion)")
     return _generate(args, prompt_ids)
+
+
+def _parse_ids(text: str, vocab_size: int) -> list[int]:
+    """--prompt-ids: a non-empty JSON list of integer token ids in 0..vocab_size-1."""
+    try:
+        ids = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--prompt-ids is not JSON: {exc}") from exc
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("--prompt-ids must be a non-empty JSON list of integers")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"--prompt-ids: token ids out of range 0..{vocab_size - 1}: {bad[:5]}")
+    return ids
 
 
 def _generate(args: argparse.Namespace, prompt_ids: list[int]) -> int:

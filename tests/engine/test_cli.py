@@ -43,3 +43,29 @@ def test_generate_is_deterministic_and_seeded_sampling_repeats(capsys: pytest.Ca
 def test_bad_input_exits_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_prompt_ids_equal_the_text_prompt(capsys: pytest.CaptureFixture[str]) -> None:
+    """--prompt-ids takes the ids as they are: BOS + the bytes of "abc" answer as --prompt abc does."""
+    assert main(["--prompt", "abc", "--max-tokens", "3", "--json"]) == 0
+    text = json.loads(capsys.readouterr().out)
+    assert main(["--prompt-ids", json.dumps([256, 97, 98, 99]), "--max-tokens", "3", "--json"]) == 0
+    ids = json.loads(capsys.readouterr().out)
+    assert ids["prompt_token_ids"] == text["prompt_token_ids"] == [256, 97, 98, 99]
+    assert ids["token_ids"] == text["token_ids"] and ids["logprobs"] == text["logprobs"]
+    assert main(["--prompt-ids", "[97, 98]", "--max-tokens", "2", "--json"]) == 0  # no BOS added
+    assert json.loads(capsys.readouterr().out)["prompt_token_ids"] == [97, 98]
+
+
+@pytest.mark.parametrize("ids,message", [
+    ("[1, 2", "not JSON"), ("[]", "non-empty JSON list"), ('["a"]', "non-empty JSON list"),
+    ("[true]", "non-empty JSON list"), ("[1, 999999]", "out of range"),
+])
+def test_bad_prompt_ids_exit_2(ids: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--prompt-ids", ids, "--max-tokens", "2"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_prompt_and_prompt_ids_are_exclusive() -> None:
+    with pytest.raises(SystemExit):
+        main(["--prompt", "x", "--prompt-ids", "[1]"])
