@@ -88,6 +88,7 @@ class _Stream:
     chunk_s: list[float] = field(default_factory=list)
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     done: bool = False
     num_events: int = 0
     tokens: list[str] = field(default_factory=list)
@@ -130,6 +131,9 @@ def _consume(data: str, endpoint: Endpoint, state: _Stream, now: float) -> None:
     if isinstance(usage, dict):
         state.completion_tokens = usage.get("completion_tokens", state.completion_tokens)
         state.prompt_tokens = usage.get("prompt_tokens", state.prompt_tokens)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            state.cached_tokens = details["cached_tokens"]
 
 
 def _take_logprobs(endpoint: Endpoint, logprobs: dict, state: _Stream) -> None:
@@ -210,6 +214,7 @@ def _record(spec: RequestSpec, concurrency: int, outcome: str, kind: str | None,
         start_s=start, end_s=time.perf_counter() - t0, chunk_s=state.chunk_s,
         num_input_tokens=spec.num_input_tokens, max_tokens=spec.max_tokens, prompt_tokens=state.prompt_tokens,
         completion_tokens=state.completion_tokens, output_tokens=num_out, tokens_from_usage=from_usage,
+        cached_tokens=state.cached_tokens,
         ttft_s=timing.ttft_s if timing else None, e2e_s=timing.e2e_s if timing else None,
         tpot_s=timing.tpot_s if timing else None, itl_s=list(timing.itl_s) if timing else [],
         tokens=state.tokens, logprobs=state.logprobs,

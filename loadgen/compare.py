@@ -18,6 +18,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("TTFT p50 ms", "ttft_ms.p50"), ("TTFT p99 ms", "ttft_ms.p99"), ("TPOT p50 ms", "tpot_ms.p50"),
     ("TPOT p99 ms", "tpot_ms.p99"), ("ITL p50 ms", "itl_ms.p50"), ("ITL p99 ms", "itl_ms.p99"),
     ("E2E p50 ms", "e2e_ms.p50"), ("E2E p99 ms", "e2e_ms.p99"), ("per-user tok/s p50", "per_user_tok_s.p50"),
+    ("cached prompt tokens", "cached_tokens"), ("prompt cache hit ratio", "prompt_cache_hit_ratio"),
 )
 
 

@@ -114,6 +114,10 @@ class LevelSummary(BaseModel):
     itl_ms: Stats
     e2e_ms: Stats
     per_user_tok_s: Stats
+    cached_tokens: int | None = None
+    """Prompt tokens of ok requests a prefix cache supplied (usage cached_tokens; None: never reported)."""
+    prompt_cache_hit_ratio: float | None = None
+    """cached_tokens / prompt tokens over the ok requests that reported cached_tokens."""
     records: list[RequestRecord]
 
 
@@ -134,6 +138,8 @@ def summarize_level(concurrency: int, records: list[RequestRecord], duration_s: 
     tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
     total_tok_s = (input_tokens + output_tokens) / dur
     good = None if slo.is_empty else count_good(records, slo)
+    reporting = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    cached = sum(r.cached_tokens for r in reporting) if reporting else None
     return LevelSummary(
         concurrency=concurrency,
         started_unix=started_unix,
@@ -164,6 +170,8 @@ def summarize_level(concurrency: int, records: list[RequestRecord], duration_s: 
         itl_ms=stats([g for r in ok for g in r.itl_s], 1000.0),
         e2e_ms=stats([r.e2e_s for r in ok], 1000.0),
         per_user_tok_s=stats([1.0 / t for t in tpots if t > 0]),
+        cached_tokens=cached,
+        prompt_cache_hit_ratio=cached / sum(r.prompt_tokens for r in reporting) if reporting else None,
         records=records,
     )
 

@@ -47,6 +47,8 @@ class RequestRecord(BaseModel):
     max_tokens: int = 0
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    """The usage's `prompt_tokens_details.cached_tokens` (prompt tokens a prefix cache supplied), if reported."""
     output_tokens: int = 0
     tokens_from_usage: bool = False
     ttft_s: float | None = None
