@@ -3,8 +3,9 @@
 - P leg: the client body with max_tokens=1 (and max_completion_tokens=1 when present), stream=false,
   no stream_options / min_tokens, and `kv_transfer_params` asking for a remote decode.
 - P answer: `kv_transfer_params` with do_remote_prefill, remote_engine_id, remote_request_id,
-  remote_block_ids, remote_host, remote_port, tp_size, ... (`KVHandoff`); forwarded to D verbatim except
-  remote_host, rewritten to P's URL host when the node reports localhost or nothing.
+  remote_block_ids, remote_host, remote_port, tp_size, ... (`KVHandoff`); forwarded to D verbatim. A signed
+  hand-off (a `signature` field, kv_transfer/signing.py: our prefill nodes) is never altered, else D refuses it;
+  an unsigned one (vLLM) gets remote_host rewritten to P's URL host when the node reports localhost or nothing.
 - D leg: the client body (never the client's own kv_transfer_params) plus the handoff params.
 """
 
@@ -52,7 +53,7 @@ def handoff_from_answer(prefill: str, prefill_host: str, answer: Any) -> KVHando
     if any(key not in params for key in REQUIRED_KEYS if key != "remote_host"):
         return None
     params = dict(params)
-    if params.get("remote_host") in LOCAL_HOSTS:
+    if "signature" not in params and params.get("remote_host") in LOCAL_HOSTS:
         params["remote_host"] = prefill_host
     return KVHandoff(prefill=prefill, params=params)
 

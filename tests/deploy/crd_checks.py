@@ -50,6 +50,9 @@ def _check_endpoint(endpoint: dict, where: str) -> None:
     for relabel in endpoint.get("relabelings", []) + endpoint.get("metricRelabelings", []):
         _keys_within(relabel, {"sourceLabels", "targetLabel", "regex", "replacement", "action", "separator"},
                      f"{where}.relabelings")
+        if relabel.get("action", "replace") in ("keep", "drop"):  # filters name no target label
+            assert relabel.get("sourceLabels") and "targetLabel" not in relabel, relabel
+            continue
         assert re.match(r"^[a-zA-Z_][a-zA-Z0-9_]*$", relabel["targetLabel"]), relabel
 
 
@@ -73,11 +76,14 @@ def check_pod_monitor(doc: dict, serving_pods: list) -> None:
     selector = spec["selector"]["matchLabels"]
     selected = [pod for pod in serving_pods if selector.items() <= pod.labels.items()]
     assert selected, "PodMonitor selects no serving pod template"
-    for i, endpoint in enumerate(spec["podMetricsEndpoints"]):
+    # Prometheus Operator scrapes an endpoint on the pods that have a port of its name (others yield no target):
+    # every selected pod must be scraped by some endpoint, and every endpoint must match some pod.
+    endpoints = spec["podMetricsEndpoints"]
+    for i, endpoint in enumerate(endpoints):
         _check_endpoint(endpoint, f"PodMonitor.podMetricsEndpoints[{i}]")
-        for pod in selected:
-            names = {port["name"] for port in pod.container.get("ports", [])}
-            assert endpoint["port"] in names, f"{pod.owner_name}: no container port {endpoint['port']}"
+    for pod in selected:
+        names = {port["name"] for port in pod.container.get("ports", [])}
+        assert any(e["port"] in names for e in endpoints), f"{pod.owner_name}: no port of {[e['port'] for e in endpoints]}"
 
 
 def check_prometheus_rule(doc: dict) -> None:

@@ -259,7 +259,8 @@ def test_pool_settings_render_as_the_role_env_and_read_back(tmp_path, monkeypatc
         {"name": "prefill", "role": "prefill", "tp": 2, "engine": "reference"},
         {"name": "tp", "role": "decode", "engine": "reference", "settings": settings}]}, tmp_dir=tmp_path)
     env = {item["name"]: item["value"] for item in out.pool_pods("tp")[0].container["env"] if "value" in item}
-    assert {k: v for k, v in env.items() if k.startswith("DECODE_")} == settings_env("DECODE_", settings)
+    chart_env = {"DECODE_ADVERTISE_HOST": "$(POD_IP)", "DECODE_METRICS_PORT": "9100"}  # every reference pod's
+    assert {k: v for k, v in env.items() if k.startswith("DECODE_")} == settings_env("DECODE_", settings) | chart_env
     assert not any(k.startswith("PREFILL_") for k in env)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -146,3 +146,8 @@ pdcluster.io/engine: {{ .p.engine }}
 {{- define "pdcluster.discoverySelector" -}}
 app.kubernetes.io/instance={{ .Release.Name }},app.kubernetes.io/component=node,pdcluster.io/serving=true
 {{- end -}}
+
+{{/* The Secret holding the cluster secret (cluster-secret.yaml, or the operator's). */}}
+{{- define "pdcluster.clusterSecretName" -}}
+{{- .Values.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "pdcluster.fullname" .) | trunc 63 | trimSuffix "-") -}}
+{{- end -}}

@@ -174,6 +174,15 @@ containers:
       {{- with $p.settings }}
       {{- include "pdcluster.settingsEnv" (dict "prefix" (printf "%s_" (upper $p.role)) "settings" .) | trim | nindent 6 }}
       {{- end }}
+      - name: {{ upper $p.role }}_CLUSTER_SECRET
+        valueFrom:
+          secretKeyRef:
+            name: {{ include "pdcluster.clusterSecretName" $root }}
+            key: {{ $root.Values.clusterSecret.key }}
+      - name: {{ upper $p.role }}_ADVERTISE_HOST
+        value: "$(POD_IP)"
+      - name: {{ upper $p.role }}_METRICS_PORT
+        value: {{ $root.Values.nodeMetricsPort | quote }}
       {{- end }}
       {{- with $p.env }}
       {{- toYaml . | nindent 6 }}
@@ -182,6 +191,10 @@ containers:
       {{- if not $worker }}
       - name: http
         containerPort: {{ $p.port }}
+      {{- end }}
+      {{- if and (ne $p.engine "vllm") (not $worker) }}
+      - name: metrics
+        containerPort: {{ $root.Values.nodeMetricsPort }}
       {{- end }}
       {{- if eq $p.engine "vllm" }}
       - name: nixl-side
@@ -193,6 +206,12 @@ containers:
       capabilities:
         add: ["IPC_LOCK"]
     {{- end }}
+    # SIGTERM drains a reference node for up to 55 s (its drain_s: the 60 s grace period minus 5 s); the pause
+    # first lets the router and the Service stop sending here before the node answers 503.
+    lifecycle:
+      preStop:
+        exec:
+          command: ["sleep", "3"]
     {{- if not $worker }}
     startupProbe:
       httpGet: {path: /health, port: http}
