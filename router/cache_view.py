@@ -8,10 +8,15 @@ Two sources, both bounded:
 - responses: when a turn ends, the decode instance that served it holds its prompt + answer and the prefill
   instance of its P leg holds its prompt (`note_served`). These optimistic entries bridge the time until
   the next poll, and are only made on instances whose last report shows a working cache (a node with the
-  cache switched off reports an empty `sessions` map and never counts a lookup).
+  cache switched off reports an empty `sessions` map and holds no blocks).
 
-A poll replaces an instance's entries, except those noted after the poll was sent (newer than what the
-node could report). `held(session)` is what placement reads: instance name -> tokens held.
+Two figures per (instance, session): `held` (the report's `sessions`: leading tokens whose attention blocks
+the node holds, what an import reuses: where to send the turn) and `resumable` (the report's `resumable`:
+leading tokens a local prefill can resume from, held and ending in a KDA snapshot; what decides whether the
+decode node may compute the rest itself, i.e. skip the P leg). Resumable comes from polls only, never from a
+guess; a node that reports no `resumable` map has it equal to `sessions`.
+A poll replaces an instance's entries, except held entries noted after the poll was sent (newer than what
+the node could report).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class CacheReport:
     block_tokens: int = 0
     fingerprint: str = ""
     sessions: dict[str, int] = field(default_factory=dict, compare=False)
+    resumable: dict[str, int] = field(default_factory=dict, compare=False)
     blocks_cached: int = 0
     rows_free: int = 0
     hits_tokens: int = 0
@@ -46,8 +52,8 @@ class CacheReport:
 
     @property
     def is_caching(self) -> bool:
-        """The node's cache is on (it looked something up, or holds a session)."""
-        return self.queried_tokens > 0 or bool(self.sessions)
+        """The node's cache is on (it holds blocks or a session, or served a hit)."""
+        return self.blocks_cached > 0 or self.hits_tokens > 0 or bool(self.sessions)
 
 
 def _count(value: object) -> int:
@@ -58,20 +64,26 @@ def is_session_key(key: object) -> bool:
     return isinstance(key, str) and 0 < len(key) <= MAX_KEY_CHARS and HEX.issuperset(key)
 
 
-def parse_report(body: object) -> CacheReport | None:
-    """A `/v1/cache` JSON answer, validated and bounded; None when it is not one."""
-    if not isinstance(body, dict) or not isinstance(body.get("sessions"), dict):
-        return None
+def _sessions(raw: dict) -> dict[str, int]:
     sessions: dict[str, int] = {}
-    for key, tokens in body["sessions"].items():
+    for key, tokens in raw.items():
         if len(sessions) >= MAX_SESSIONS:
             break
         if is_session_key(key) and _count(tokens):
             sessions[key.lower()] = tokens
+    return sessions
+
+
+def parse_report(body: object) -> CacheReport | None:
+    """A `/v1/cache` JSON answer, validated and bounded; None when it is not one."""
+    if not isinstance(body, dict) or not isinstance(body.get("sessions"), dict):
+        return None
+    sessions = _sessions(body["sessions"])
+    resumable = _sessions(body["resumable"]) if isinstance(body.get("resumable"), dict) else dict(sessions)
     fingerprint = body.get("fingerprint")
     return CacheReport(block_tokens=_count(body.get("block_tokens")),
                        fingerprint=fingerprint[:256] if isinstance(fingerprint, str) else "",
-                       sessions=sessions, blocks_cached=_count(body.get("blocks_cached")),
+                       sessions=sessions, resumable=resumable, blocks_cached=_count(body.get("blocks_cached")),
                        rows_free=_count(body.get("rows_free")), hits_tokens=_count(body.get("hits_tokens")),
                        queried_tokens=_count(body.get("queried_tokens")),
                        evicted_blocks=_count(body.get("evicted_blocks")))
@@ -112,6 +124,17 @@ class CacheView:
             oldest = min(current.held, key=lambda s: current.held[s][1])
             del current.held[oldest]
         current.held[session] = (tokens, now)
+
+    def resumable(self, session: str | None) -> dict[str, int]:
+        """Instance name -> leading tokens of `session` it reported it can resume a local prefill from."""
+        if not session:
+            return {}
+        found = {}
+        for name, inst in self._instances.items():
+            tokens = inst.report.resumable.get(session, 0)
+            if tokens > 0:
+                found[name] = tokens
+        return found
 
     def held(self, session: str | None) -> dict[str, int]:
         """Instance name -> tokens of `session` it holds (instances holding nothing left out)."""

@@ -22,8 +22,8 @@ output is a `Placement`. Rules:
   `/v1/cache` reports and finished turns, router/cache_view.py): within the session's pool the decode
   instance holding the most of it wins over stickiness and load; a session this router has no record of
   goes back to the pool of the instance holding it; "cached" for the P-leg decision is only what the chosen
-  decode instance really holds (never the router's own guess). A session that outgrows its pool migrates
-  (the new pool's instance then receives the whole KV once). Prefills holding more of the session rank
+  decode instance reported it can resume a local prefill from (`resumable`; never the router's own guess).
+  A session that outgrows its pool migrates (the new pool's instance then receives the whole KV once). Prefills holding more of the session rank
   first, then by load.
 """
 
@@ -214,8 +214,10 @@ def best_holder(held: Mapping[str, int], candidates: list[InstanceView]) -> Inst
 def place(shape: RequestShape, session: SessionRecord | None, pools: list[PoolView],
           instances: list[InstanceView], compatible: frozenset[tuple[str, str]],
           warm: frozenset[tuple[str, str]], min_uncached_tokens: int, hash_sessions: bool = False,
-          blocked: frozenset[str] = frozenset(), held: Mapping[str, int] | None = None) -> Placement:
+          blocked: frozenset[str] = frozenset(), held: Mapping[str, int] | None = None,
+          resumable: Mapping[str, int] | None = None) -> Placement:
     held = held or {}
+    resumable = held if resumable is None else resumable
     decodes = [v for v in instances if v.role == "decode" and v.is_usable and v.name not in blocked]
     prefills = [v for v in instances if v.role == "prefill"]
     live_pools = [p for p in pools if any(d.pool == p.name for d in decodes)]
@@ -249,7 +251,7 @@ def place(shape: RequestShape, session: SessionRecord | None, pools: list[PoolVi
             reason = f"session moved from pool {previous_pool} to {pool.name} (projected {projected} tokens)"
         else:
             reason = f"least-loaded in pool {pool.name} (projected {projected} tokens)"
-    cached = min(held.get(decode.name, 0), shape.prompt_tokens)
+    cached = min(resumable.get(decode.name, 0), shape.prompt_tokens)
     ranked = rank_prefills(prefills, decode.name, compatible, warm, held)
     disaggregate = bool(ranked) and should_disaggregate(shape.prompt_tokens, cached, min_uncached_tokens)
     return Placement(pool=pool.name, decode=decode.name, prefills=ranked, disaggregate=disaggregate,

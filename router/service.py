@@ -82,7 +82,8 @@ def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint,
         placement = place(shape, session, state.pool_views(instances), instances, state.usable_pairs(now),
                           state.warm_pairs, s.disagg_min_uncached_tokens,
                           hash_sessions=state.is_multi_worker, blocked=state.blocked_instances(now),
-                          held=state.cache_view.held(shape.session_id))
+                          held=state.cache_view.held(shape.session_id),
+                          resumable=state.cache_view.resumable(shape.session_id))
     except NoPlacement as exc:
         raise APIError(503, f"no decode instance available: {exc}") from None
     if valid.scores_prompt and placement.disaggregate:  # prompt log-probs come from the prompt's own prefill

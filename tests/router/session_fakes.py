@@ -63,7 +63,8 @@ class CacheNode:
         async def cache() -> dict:
             return {"block_tokens": 16, "fingerprint": "fp", "sessions": dict(node.held) if node.cache_on else {},
                     "blocks_cached": sum(node.held.values()) // 16, "rows_free": 1000,
-                    "hits_tokens": node.hits_tokens, "queried_tokens": node.queried_tokens, "evicted_blocks": 0}
+                    "hits_tokens": node.hits_tokens, "queried_tokens": node.queried_tokens, "evicted_blocks": 0,
+                    "resumable": {s: t - t % 16 for s, t in node.held.items()} if node.cache_on else {}}
 
         @app.post("/abort_requests")
         async def abort(request: Request) -> dict:

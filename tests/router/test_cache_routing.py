@@ -64,6 +64,15 @@ def test_prefill_leg_skipped_only_when_the_decode_really_holds_enough(prompt, he
     assert result.cached_tokens_estimate == min(held, prompt)
 
 
+def test_only_a_reported_resumable_prefix_skips_the_prefill_leg():
+    """Held attention blocks route the turn; only a prefix the node can resume a local prefill from skips P."""
+    result = place(shape(1_000), None, POOLS, INSTANCES, PAIRS, frozenset(), 32, held={"d0": 990}, resumable={})
+    assert (result.decode, result.disaggregate, result.cached_tokens_estimate) == ("d0", True, 0)
+    result = place(shape(1_000), None, POOLS, INSTANCES, PAIRS, frozenset(), 32, held={"d0": 990},
+                   resumable={"d0": 980})
+    assert (result.decode, result.disaggregate, result.cached_tokens_estimate) == ("d0", False, 980)
+
+
 def test_what_another_decode_holds_does_not_skip_the_prefill_leg():
     """The chosen decode must hold it: a holder in the session's old pool does not count after a move."""
     result = put(5_000, {"d0": 4_500}, SessionRecord("s", "tp", "d0", 4_500, 0.0))
@@ -111,18 +120,24 @@ def test_parse_report_bounds_what_a_node_answers():
 
 def test_poll_replaces_old_entries_but_keeps_notes_newer_than_the_poll():
     view_ = CacheView()
-    view_.apply_report("d0", CacheReport(queried_tokens=1, sessions={"aa": 100, "bb": 50}), sent_at=10.0)
+    view_.apply_report("d0", CacheReport(blocks_cached=1, sessions={"aa": 100, "bb": 50}), sent_at=10.0)
     assert view_.held("aa") == {"d0": 100}
     view_.note_served("d0", "cc", 300, now=11.0)       # after the next poll was sent
-    view_.apply_report("d0", CacheReport(queried_tokens=1, sessions={"aa": 120}), sent_at=10.5)
+    view_.apply_report("d0", CacheReport(blocks_cached=1, sessions={"aa": 120}), sent_at=10.5)
     assert view_.held("aa") == {"d0": 120} and view_.held("bb") == {} and view_.held("cc") == {"d0": 300}
-    view_.apply_report("d0", CacheReport(queried_tokens=1, sessions={}), sent_at=12.0)  # evicted on the node
-    assert view_.held("cc") == {}
+    view_.apply_report("d0", CacheReport(blocks_cached=1, sessions={}), sent_at=12.0)  # evicted on the node
+    assert view_.held("cc") == {} and view_.resumable("cc") == {}, "resumable never comes from a guess"
+
+
+def test_resumable_defaults_to_sessions_when_a_node_reports_none():
+    report = parse_report({"sessions": {"aa": 64}, "resumable": {"aa": 32}, "blocks_cached": 2})
+    assert (report.sessions, report.resumable) == ({"aa": 64}, {"aa": 32})
+    assert parse_report({"sessions": {"aa": 64}}).resumable == {"aa": 64}
 
 
 def test_no_optimistic_entry_on_a_node_whose_cache_is_off():
     view_ = CacheView()
-    view_.apply_report("d0", CacheReport(), sent_at=1.0)
+    view_.apply_report("d0", CacheReport(queried_tokens=500), sent_at=1.0)  # looks up, holds nothing: off
     view_.note_served("d0", "aa", 100, now=2.0)
     assert view_.held("aa") == {}
     view_.note_served("d9", "aa", 100, now=2.0)  # never reported: nothing assumed
@@ -177,7 +192,7 @@ SETTINGS = {"prompt_estimate": "bytes", "disagg_min_uncached_tokens": 32, "cache
 @sync
 async def test_session_turns_follow_the_cache_and_report_the_prefill_legs_cached_tokens():
     fakes = nodes()
-    async with router_harness(fakes, **SETTINGS) as (client, app):
+    async with router_harness(fakes, **{**SETTINGS, "disagg_min_uncached_tokens": 64}) as (client, app):
         await poll(app)
         messages = [{"role": "system", "content": "S" * 400}, {"role": "user", "content": "task " * 40}]
         first = await client.post("/v1/chat/completions", json=chat_body(messages),
@@ -194,7 +209,8 @@ async def test_session_turns_follow_the_cache_and_report_the_prefill_legs_cached
         d_cached = by_name[decode].requests[-1]["cached"]
         assert 0 < p_cached < d_cached, "prefill holds the last prompt, decode the prompt and the answer"
         assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == p_cached
-        # a short follow-up the decode instance holds almost all of: no P leg, the decode's own figure
+        # a short follow-up the decode instance reports it can resume almost all of: no P leg, the decode's figure
+        await poll(app)
         messages += [{"role": "assistant", "content": "t0 t1 t2 t3 "}, {"role": "user", "content": "ok"}]
         third = await client.post("/v1/chat/completions", json=chat_body(messages, stream=True,
                                   stream_options={"include_usage": True}), headers={"X-Session-ID": "agent-1"})
