@@ -23,8 +23,8 @@ output is a `Placement`. Rules:
   instance holding the most of it wins over stickiness and load; a session this router has no record of
   goes back to the pool of the instance holding it; "cached" for the P-leg decision is only what the chosen
   decode instance reported it can resume a local prefill from (`resumable`; never the router's own guess).
-  A session that outgrows its pool migrates (the new pool's instance then receives the whole KV once). Prefills holding more of the session rank
-  first, then by load.
+  A session that outgrows its pool migrates (the new pool's instance then receives the whole KV once).
+  Prefills holding more of the session rank first, then by load.
 """
 
 from __future__ import annotations
