@@ -74,7 +74,10 @@ class HealthChecker:
             models = await self.client.get(f"{url}/v1/models", timeout=self.timeout_s)
             if models.status_code != 200:
                 raise BadFacts(f"/v1/models answered {models.status_code}")
-            body = models.json()
+            try:
+                body = models.json()
+            except ValueError:
+                raise BadFacts("/v1/models is not JSON") from None
             if not isinstance(body, dict) or not isinstance(body.get("data"), list):
                 raise BadFacts("/v1/models is not a model list")
             facts = parse_models(body)

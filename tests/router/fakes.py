@@ -2,8 +2,10 @@
 
 `FakeNode` records every body and header it receives, answers a prefill request (kv_transfer_params
 with do_remote_decode) with handoff params, and a decode request with deterministic tokens (stream or
-not). Failure modes: `fail_status`, `delay_s` before answering, `token_delay_s` between streamed tokens,
-`drop_handoff`. `MultiHostTransport` routes httpx requests to in-process apps by host:port.
+not). Failure modes: `fail_status` (with `fail_headers`), `delay_s` before answering, `token_delay_s`
+between streamed tokens, `drop_handoff`, `models_body` (a broken `/v1/models`). `MultiHostTransport`
+routes httpx requests to in-process apps by host:port; hosts in its `refused` set fail to connect for
+POSTs (a node whose health port answers while its serving path is unreachable).
 """
 
 from __future__ import annotations
@@ -29,13 +31,23 @@ class FakeNode:
     tp_size: int | None = None
     model: str = MODEL
     fail_status: int | None = None
+    fail_headers: dict[str, str] = field(default_factory=dict)
+    """Headers of the `fail_status` answer (e.g. Retry-After for a shedding 503)."""
     delay_s: float = 0.0
     token_delay_s: float = 0.0
     num_tokens: int = 4
+    token_pad: int = 0
+    """Bytes of padding in every streamed token's text (a big stream to fill a client's buffers)."""
     stream_error_after: int | None = None
     """Streams end with an OpenAI error event and [DONE] after this many tokens (a node failing mid-stream)."""
     drop_handoff: bool = False
     healthy: bool = True
+    models_body: object = None
+    """When set, what GET /v1/models answers instead of the model list (`[]`, garbage)."""
+    weights: str | None = None
+    """`weights_fingerprint` of the model card (reference nodes report one)."""
+    root: str | None = None
+    """`root` of the model card (vLLM: the model path)."""
     bodies: list[dict] = field(default_factory=list)
     request_ids: list[str | None] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -69,8 +81,17 @@ class FakeNode:
             return Response(node.metrics_text(), media_type="text/plain")
 
         @app.get("/v1/models")
-        async def models() -> dict:
-            return {"object": "list", "data": [{"id": node.model, "object": "model", "max_model_len": 4096}]}
+        async def models() -> Response:
+            if isinstance(node.models_body, bytes):
+                return Response(node.models_body, media_type="application/json")
+            if node.models_body is not None:
+                return JSONResponse(node.models_body)
+            card = {"id": node.model, "object": "model", "max_model_len": 4096}
+            if node.weights:
+                card["weights_fingerprint"] = node.weights
+            if node.root:
+                card["root"] = node.root
+            return JSONResponse({"object": "list", "data": [card]})
 
         @app.post("/abort_requests")
         async def abort(request: Request) -> dict:
@@ -86,7 +107,7 @@ class FakeNode:
                 return Response(status_code=499)
             if node.fail_status:
                 return JSONResponse({"error": {"message": "injected", "code": node.fail_status}},
-                                    status_code=node.fail_status)
+                                    status_code=node.fail_status, headers=node.fail_headers)
             params = body.get("kv_transfer_params") or {}
             if params.get("do_remote_decode"):
                 handoff = None if node.drop_handoff else {
@@ -130,7 +151,8 @@ class FakeNode:
                     error = {"message": "rank 1 died", "type": "server_error", "param": None, "code": 500}
                     yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n"
                     return
-                choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
+                text = f"t{i} " + "x" * self.token_pad
+                choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
                 self.produced_at.append(time.monotonic())
                 yield f"data: {json.dumps({'id': 'd', 'choices': [choice]})}\n\n"
             if (body.get("stream_options") or {}).get("include_usage"):
@@ -148,10 +170,11 @@ class MultiHostTransport(httpx.AsyncBaseTransport):
 
     def __init__(self, apps: dict[str, FastAPI]) -> None:
         self.transports = {host: httpx.ASGITransport(app=app) for host, app in apps.items()}
+        self.refused: set[str] = set()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         key = f"{request.url.host}:{request.url.port or 80}"
         transport = self.transports.get(key)
-        if transport is None:
+        if transport is None or (request.method == "POST" and key in self.refused):
             raise httpx.ConnectError(f"no fake node at {key}", request=request)
         return await transport.handle_async_request(request)

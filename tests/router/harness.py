@@ -30,6 +30,7 @@ async def router_harness(nodes: list[FakeNode], pools: list[PoolSpec] | None = N
                            "breaker_recovery_s": 3600.0, **overrides})
     transport = MultiHostTransport({f"{n.name}.test:80": n.app() for n in nodes})
     app = create_app(settings, config=config, transport=transport)
+    app.state.transport = transport  # tests refuse connections to a node through it
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
             yield client, app

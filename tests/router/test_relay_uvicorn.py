@@ -86,7 +86,8 @@ def test_client_disconnect_aborts_both_legs(stage, server):
 def test_idle_decode_stream_times_out_with_an_error_event(server):
     p, d = FakeNode("p0", "prefill"), FakeNode("d0", "decode", num_tokens=3, token_delay_s=2.0)
     with ExitStack() as stack:
-        router = start(stack, [p, d], server, stream_idle_timeout_s=0.5)
+        router = start(stack, [p, d], server, stream_idle_timeout_s=0.5, breaker_failure_threshold=1,
+                       breaker_recovery_s=3600.0, admin_token="t")
         resp = httpx.post(f"{router}/v1/completions", json=completion(stream=True), timeout=20)
         assert resp.status_code == 200
         assert '"code": 504' in resp.text and resp.text.rstrip().endswith("data: [DONE]")
@@ -94,6 +95,10 @@ def test_idle_decode_stream_times_out_with_an_error_event(server):
         metrics = get(f"{router}/metrics").text
         assert 'pdcluster_leg_timeouts_total{leg="decode"} 1.0' in metrics
         assert 'outcome="timeout"' in metrics
+        pools = httpx.get(f"{router}/v1/pools", headers={"Authorization": "Bearer t"}, timeout=5).json()
+        (link,) = pools["pairs"]
+        assert link["link_breaker"] == "open", "a stalled decode stream is a failure of the P->D path"
+        assert {i["name"]: i["breaker"] for i in pools["instances"]}["d0"] == "open"
 
 
 def test_first_token_timeout_answers_504(server):

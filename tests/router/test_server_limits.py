@@ -1,0 +1,108 @@
+"""The router's own server (router/server.py) under hostile clients, on real sockets: oversized headers
+(431), slow senders (408), a stalled SSE reader (disconnected, both legs aborted), too many connections
+(503); and a node whose `/v1/models` answers `[]` is marked unhealthy while the router keeps serving."""
+
+from __future__ import annotations
+
+import socket
+import time
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from router.app import create_app
+from router.config import InstanceSpec, PoolSpec, RouterConfig
+from router.settings import Settings
+from tests.router.fakes import FakeNode
+from tests.router.harness import completion
+from tests.router.servers import router_server, uvicorn_server, wait_until
+
+pytestmark = pytest.mark.process
+ADMIN = {"Authorization": "Bearer t"}
+
+
+def start(stack: ExitStack, nodes: list[FakeNode], **overrides) -> str:
+    urls = {n.name: stack.enter_context(uvicorn_server(n.app())) for n in nodes}
+    config = RouterConfig(pools=[PoolSpec(name="default")], instances=[
+        InstanceSpec(name=n.name, role=n.role, url=urls[n.name], engine="vllm") for n in nodes])
+    settings = Settings(**{"health_interval_s": 3600.0, "disagg_min_uncached_tokens": 1, "admin_token": "t",
+                           **overrides})
+    return stack.enter_context(router_server(create_app(settings, config=config)))
+
+
+def connect(url: str, timeout_s: float = 30.0) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=timeout_s)
+
+
+def read_all(sock: socket.socket) -> bytes:
+    out = b""
+    while part := sock.recv(65536):
+        out += part
+    return out
+
+
+def test_oversized_headers_get_431():
+    with ExitStack() as stack:
+        router = start(stack, [FakeNode("d0", "decode")], max_header_bytes=4096)
+        with connect(router) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nX-Big: " + b"a" * 8192 + b"\r\n\r\n")
+            answer = read_all(sock)
+        assert answer.startswith(b"HTTP/1.1 431 ") and b'"error"' in answer
+        assert httpx.post(f"{router}/v1/completions", json=completion(), timeout=30).status_code == 200
+
+
+def test_slow_sender_gets_408():
+    with ExitStack() as stack:
+        router = start(stack, [FakeNode("d0", "decode")], body_read_timeout_s=1.0)
+        with connect(router) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 100\r\n\r\n{\"model\"")
+            answer = read_all(sock)  # the server answers and closes; the test's own timeout is 30 s
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"not received within" in answer
+
+
+def test_stalled_stream_reader_is_disconnected_and_legs_aborted():
+    d0 = FakeNode("d0", "decode", num_tokens=2000, token_pad=8192)
+    with ExitStack() as stack:
+        router = start(stack, [d0], write_timeout_s=1.0)
+        sock = connect(router)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        body = b'{"model": "fake-model", "prompt": "hi", "max_tokens": 2000, "stream": true}'
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        try:
+            metrics = lambda: httpx.get(f"{router}/metrics", timeout=10).text  # noqa: E731
+            assert wait_until(lambda: 'pdcluster_requests_total{outcome="cancelled",pool="default"} 1.0'
+                              in metrics(), 60.0)
+
+        finally:
+            sock.close()
+
+
+def test_connections_past_the_limit_get_503():
+    with ExitStack() as stack:
+        router = start(stack, [FakeNode("d0", "decode")], max_connections=2)
+        held = [connect(router), connect(router)]
+        try:
+            time.sleep(0.2)  # both accepted before the third arrives
+            with connect(router) as extra:
+                assert read_all(extra).startswith(b"HTTP/1.1 503 ")
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def test_node_with_empty_model_list_is_unhealthy_while_the_router_serves():
+    good, empty = FakeNode("d0", "decode"), FakeNode("d1", "decode", models_body=[])
+    with ExitStack() as stack:
+        router = start(stack, [good, empty])
+        pools = httpx.get(f"{router}/v1/pools", headers=ADMIN, timeout=10).json()
+        health = {i["name"]: (i["healthy"], i["last_error"]) for i in pools["instances"]}
+        assert health["d0"] == (True, None)
+        assert health["d1"][0] is False and "/v1/models" in health["d1"][1]
+        assert httpx.get(f"{router}/health", timeout=10).json()["decode_instances"] == ["d0"]
+        for _ in range(4):
+            resp = httpx.post(f"{router}/v1/completions", json=completion(), timeout=30)
+            assert resp.status_code == 200 and resp.headers["x-pdcluster-decode"] == "d0"
+        assert empty.bodies == []
