@@ -140,7 +140,8 @@ def _send(sock: socket.socket, request: bytes) -> tuple[int, bytes]:
 @pytest.mark.process
 def test_8mb_session_ids_get_400_and_router_memory_stays_flat():
     """1,000 requests with an 8 MB X-Session-ID against `pdcluster router --workers 2` (its own HTTP server).
-    Each is refused with OpenAI JSON; the resident memory of the router's processes, measured after 20
+    Each is refused with OpenAI JSON (431 when the header block passes the server's `max_header_bytes`, 400
+    from the session-id bound below it); the resident memory of the router's processes, measured after 20
     warm-up requests (allocator arenas), grows by less than 50 MB over the 1,000."""
     ports = [free_port() for _ in range(3)]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ROUTER_DISAGG_MIN_UNCACHED_TOKENS": "1"}
@@ -190,6 +191,11 @@ def test_8mb_session_ids_get_400_and_router_memory_stays_flat():
         print(f"router RSS growth over 1,000 8 MB session ids: {grown_mib:.1f} MiB; statuses {statuses}")
         assert grown_mib < 50, f"router RSS grew by {grown_mib:.1f} MiB over 1,000 8 MB session ids ({statuses})"
         assert serves(), "the router still serves"
+        # under the server's header limit the router's own bound answers: 400 naming the field
+        sock and sock.close()
+        with socket.create_connection(("127.0.0.1", ports[0]), timeout=60) as conn:
+            status, answer = _send(conn, request.replace(b"s" * (8 << 20), b"s" * (32 << 10)))
+        assert status == 400 and orjson.loads(answer)["error"]["param"] == "X-Session-ID", answer[:300]
     finally:
         for proc in (router, fakes):
             if proc is not None:

@@ -1,0 +1,171 @@
+"""Agent sessions with and without the prefix cache: `pdcluster loadgen --scenario agentx` on the reference
+cluster (`pdcluster up`'s cluster/default.yaml), run twice in one invocation with the same seed: first with the
+node cache switched off (`prefix_cache: false` on every pool), then on (the default). Each side starts its own
+cluster on free ports, runs the same agentx schedule, and stops it.
+
+Measured per side (all from what the run itself produced, nothing assumed):
+- mean client TTFT of turns >= 2 (every request of a session but its first, `.t0`; sub-agent turns included:
+  they extend the session's context), from loadgen's summary.json records;
+- P->D bytes per turn: the decode nodes' `vllm:nixl_bytes_transferred_sum` (bytes READ from prefill nodes)
+  over the run / ok requests, and the P->D blocks read vs reused (`pdcluster_kv_transfer_blocks_total`);
+- prompt cache hit ratio: the router's `pdcluster_cached_prompt_tokens_total / pdcluster_prompt_tokens_total`
+  over the run (the cached_tokens clients saw), and the nodes' hit/queried tokens;
+then `loadgen compare` of the two summaries. `--json FILE` writes everything with a headline:
+ttft_turn2plus_ratio (on / off, goal <= 0.3), pd_bytes_per_turn_reduction (off / on, goal >= 5).
+
+    .venv/bin/python benchmarks/agent_sessions.py --out /tmp/agent-sessions --json /tmp/agent-sessions.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cluster.config import DEFAULT_CONFIG_PATH, load_config  # noqa: E402
+from cluster.launcher import Cluster  # noqa: E402
+
+NODE_SERIES = {"pd_bytes": ("vllm:nixl_bytes_transferred_sum", {}),
+               "blocks_read": ("pdcluster_kv_transfer_blocks_total", {"kind": "read"}),
+               "blocks_reused": ("pdcluster_kv_transfer_blocks_total", {"kind": "reused"}),
+               "node_hit_tokens": ("pdcluster_prefix_cache_hit_tokens_total", {}),
+               "node_queried_tokens": ("pdcluster_prefix_cache_queried_tokens_total", {}),
+               "evicted_blocks": ("pdcluster_prefix_cache_evicted_blocks_total", {})}
+ROUTER_SERIES = {"prompt_tokens": ("pdcluster_prompt_tokens_total", {}),
+                 "cached_tokens": ("pdcluster_cached_prompt_tokens_total", {}),
+                 "prefill_skipped": ("pdcluster_prefill_skipped_total", {})}
+
+
+def scrape(url: str, series: dict[str, tuple[str, dict]]) -> dict[str, float]:
+    text = httpx.get(url, timeout=30).text
+    out = dict.fromkeys(series, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for key, (name, labels) in series.items():
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    out[key] += sample.value
+    return out
+
+
+def totals(cluster: Cluster) -> dict[str, float]:
+    found = dict.fromkeys([*NODE_SERIES, *ROUTER_SERIES], 0.0)
+    for name, url in cluster.metrics_urls.items():
+        for key, value in scrape(url, ROUTER_SERIES if name == "router" else NODE_SERIES).items():
+            found[key] += value
+    return found
+
+
+def config_for(cache_on: bool, base: Path):
+    config = load_config(base)
+    data = config.model_dump(by_alias=False)
+    data["router"]["port"] = None
+    for pool in data["pools"]:
+        pool["settings"] = {**pool.get("settings", {}), "prefix_cache": cache_on}
+    return type(config).model_validate(data)
+
+
+def loadgen(url: str, out: Path, args: argparse.Namespace) -> None:
+    argv = [sys.executable, "-m", "pdcluster.cli", "loadgen", "--url", url, "--scenario", "agentx",
+            "--seed", str(args.seed), "--concurrency", str(args.concurrency), "--duration", str(args.duration),
+            "--max-requests", str(args.max_requests), "--out", str(out), "--no-plots", "--progress", "off",
+            "--system-len", args.system_len, "--task-len", args.task_len, "--tool-len", args.tool_len,
+            "--output-len", args.output_len, "--turns", args.turns, "--think-time", args.think_time,
+            "--max-context", str(args.max_context), "--request-timeout", "900", "--drain", "900"]
+    subprocess.run(argv, cwd=ROOT, check=True)
+
+
+def side(cache_on: bool, args: argparse.Namespace) -> dict:
+    name = "cache_on" if cache_on else "cache_off"
+    out = args.out / name
+    cluster = Cluster(config_for(cache_on, args.config), out / "logs").start()
+    try:
+        before = totals(cluster)
+        started = time.monotonic()
+        loadgen(cluster.router_url, out, args)
+        wall_s = time.monotonic() - started
+        time.sleep(2.0)  # the last cache reports and metric updates
+        after = totals(cluster)
+    finally:
+        cluster.stop()
+    delta = {k: after[k] - before[k] for k in after}
+    summary = json.loads((out / "summary.json").read_text())
+    records = [r for level in summary["levels"] for r in level["records"]]
+    ok = [r for r in records if r["outcome"] == "ok"]
+    later = [r["ttft_s"] for r in ok if not r["request_id"].endswith(".t0") and r["ttft_s"] is not None]
+    first = [r["ttft_s"] for r in ok if r["request_id"].endswith(".t0") and r["ttft_s"] is not None]
+    return {"side": name, "summary": str(out / "summary.json"), "wall_s": round(wall_s, 1),
+            "requests": len(records), "ok": len(ok), "turns_2plus": len(later),
+            "mean_ttft_turn1_s": sum(first) / len(first) if first else None,
+            "mean_ttft_turn2plus_s": sum(later) / len(later) if later else None,
+            "pd_bytes_per_turn": delta["pd_bytes"] / len(ok) if ok else None,
+            "router_hit_ratio": delta["cached_tokens"] / delta["prompt_tokens"] if delta["prompt_tokens"] else None,
+            "node_hit_ratio": delta["node_hit_tokens"] / delta["node_queried_tokens"]
+            if delta["node_queried_tokens"] else None, **{k: delta[k] for k in delta}}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def table(off: dict, on: dict) -> str:
+    rows = ["requests", "ok", "turns_2plus", "mean_ttft_turn1_s", "mean_ttft_turn2plus_s", "pd_bytes_per_turn",
+            "blocks_read", "blocks_reused", "router_hit_ratio", "node_hit_ratio", "prefill_skipped",
+            "evicted_blocks", "wall_s"]
+
+    def cell(value) -> str:
+        return "-" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))
+
+    lines = [f"{'':<24}{'cache off':>14}{'cache on':>14}", "-" * 52]
+    lines += [f"{row:<24}{cell(off.get(row)):>14}{cell(on.get(row)):>14}" for row in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH, help="cluster config (the reference topology)")
+    p.add_argument("--out", type=Path, default=Path("agent-sessions-out"))
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--duration", type=float, default=240.0)
+    p.add_argument("--max-requests", type=int, default=40)
+    p.add_argument("--system-len", default="512")
+    p.add_argument("--task-len", default="lognormal:256,0.5")
+    p.add_argument("--tool-len", default="lognormal:96,0.5")
+    p.add_argument("--output-len", default="16")
+    p.add_argument("--turns", default="uniform:4,8")
+    p.add_argument("--think-time", default="exp:0.5")
+    p.add_argument("--max-context", type=int, default=4096)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    off = side(False, args)
+    on = side(True, args)
+    compare = subprocess.run([sys.executable, "-m", "pdcluster.cli", "loadgen", "compare", off["summary"],
+                              on["summary"]], cwd=ROOT, capture_output=True, text=True).stdout
+    headline = {"ttft_turn2plus_ratio": _ratio(on["mean_ttft_turn2plus_s"], off["mean_ttft_turn2plus_s"]),
+                "pd_bytes_per_turn_reduction": _ratio(off["pd_bytes_per_turn"], on["pd_bytes_per_turn"]),
+                "hit_ratio": on["router_hit_ratio"]}
+    headline["meets_ttft_goal"] = headline["ttft_turn2plus_ratio"] is not None and headline["ttft_turn2plus_ratio"] <= 0.3
+    headline["meets_bytes_goal"] = headline["pd_bytes_per_turn_reduction"] is not None and \
+        headline["pd_bytes_per_turn_reduction"] >= 5
+    print(table(off, on))
+    print("\nheadline:", json.dumps(headline))
+    print("\nloadgen compare (A = cache off, B = cache on):\n" + compare)
+    if args.json:
+        args.json.write_text(json.dumps({"headline": headline, "cache_off": off, "cache_on": on,
+                                         "compare": compare, "args": {k: str(v) for k, v in vars(args).items()}},
+                                        indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
