@@ -52,6 +52,8 @@ class NodeRuntime:
     metrics: NodeMetrics
     model: str
     role: str
+    weights_fingerprint: str | None = None
+    """Weights + tokenizer identity reported in /v1/models (node/runtime.py `served_weights_fingerprint`)."""
     extras: dict[str, Any] = field(default_factory=dict)
     request_ids: dict[str, str] = field(default_factory=dict)
     """internal id -> external id of requests in flight here."""
@@ -153,7 +155,8 @@ async def _release_after(chunks: AsyncIterator[Any], runtime: NodeRuntime, reque
 
 
 def _models(runtime: NodeRuntime) -> ModelList:
-    return ModelList(data=[ModelCard(id=runtime.model, root=runtime.model, max_model_len=runtime.limits.max_context)])
+    return ModelList(data=[ModelCard(id=runtime.model, root=runtime.model, max_model_len=runtime.limits.max_context,
+                                     weights_fingerprint=runtime.weights_fingerprint)])
 
 
 def node_router(handle: Handler, settings: NodeSettings) -> APIRouter:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +74,20 @@ def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_sh
                         prefix_cache=settings.prefix_cache, max_step_tokens=settings.max_step_tokens)
 
 
+TOKENIZER_PROBE = "pdcluster tokenizer probe: Hello, world! 123 \u00e9\u4e2d\U0001f600"
+"""Encoded by the served tokenizer into the weights fingerprint (a different vocabulary shows)."""
+
+
+def served_weights_fingerprint(model_cfg: Any, seed: int, tokenizer: Any) -> str:
+    """What a P/D pair must share for KV to mean the same: the model config, the weights (the seed the
+    ranks initialise them from) and the tokenizer (its class, vocabulary size and encoding of a probe)."""
+    config = dataclasses.asdict(model_cfg) if dataclasses.is_dataclass(model_cfg) else repr(model_cfg)
+    tok = [type(tokenizer).__name__, type(getattr(tokenizer, "inner", None)).__name__,
+           getattr(tokenizer, "vocab_size", None), tokenizer.encode(TOKENIZER_PROBE)]
+    text = json.dumps({"model": config, "seed": seed, "tokenizer": tok}, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
 def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int) -> NodeRuntime:
     """Spawn the ranks (blocking until ready) and assemble the runtime."""
     from engine.model.config import get_preset
@@ -91,5 +108,10 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int)
     metrics.ucx_tcp_fallback.set(float(any(info.tcp_fallback for info in executor.startup_info)))
     limits = Limits(max_context=settings.max_context or model_cfg.max_context,
                     default_max_tokens=settings.default_max_tokens)
-    return NodeRuntime(executor=executor, tokenizer=load_tokenizer(model_cfg), limits=limits, metrics=metrics,
-                       model=settings.model, role=config.role)
+    from engine.model.weights import DEFAULT_SEED
+
+    tokenizer = load_tokenizer(model_cfg)
+    fingerprint = served_weights_fingerprint(model_cfg, DEFAULT_SEED if config.seed is None else config.seed,
+                                             tokenizer)
+    return NodeRuntime(executor=executor, tokenizer=tokenizer, limits=limits, metrics=metrics,
+                       model=settings.model, role=config.role, weights_fingerprint=fingerprint)

@@ -346,6 +346,8 @@ class ModelCard(BaseModel):
     owned_by: str = "pdcluster"
     root: str | None = None
     max_model_len: int | None = None
+    weights_fingerprint: str | None = None
+    """pdcluster reference nodes: weights + tokenizer identity (router pairing refuses a P/D pair that differs)."""
 
 
 class ModelList(BaseModel):
