@@ -28,3 +28,6 @@ class Geometry:
     """"reference" or "vllm"."""
     model: str | None = None
     cache_dtype: str | None = None
+    weights: str | None = None
+    """Weights + tokenizer identity: a reference node's `weights_fingerprint`, a vLLM node's model path
+    (`root` of its model card). KV made with other weights or another tokenizer means other tokens."""

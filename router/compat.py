@@ -5,7 +5,9 @@ shows every verdict with its reasons.
 
 Rules:
 - engines: a vLLM instance never pairs with a reference instance (different wire-level KV layouts).
-- both engines: same served model, same KV cache dtype, every geometry fact known.
+- both engines: same served model, same KV cache dtype, every geometry fact known, the same weights and
+  tokenizer (`Geometry.weights`: reference nodes must report their fingerprint; vLLM nodes are compared
+  by model path when both report one, and refused when only one does).
 - vLLM (NixlConnector, vLLM 0.32/0.33): TP sizes divide one another (either direction); D's block size
   is a multiple of P's (P <= D), and equal when P_TP > D_TP; DCP sizes divide their TP size and divide
   one another.
@@ -64,6 +66,20 @@ def reference_pair_problems(p: Geometry, d: Geometry) -> list[str]:
     return list(remap_pair_problems(p, d))
 
 
+def weights_problems(p: Geometry, d: Geometry) -> list[str]:
+    """A pair must share weights and tokenizer: other weights turn the same KV into other tokens."""
+    if p.weights and d.weights:
+        if p.weights != d.weights:
+            return [f"weights or tokenizer differ ({p.weights} vs {d.weights}): the decode would produce "
+                    "other tokens than the prefill's model"]
+        return []
+    if p.engine == "reference" or d.engine == "reference":
+        return [f"{g.name}: weights fingerprint unknown" for g in (p, d) if not g.weights]
+    if p.weights or d.weights:
+        return [f"{g.name}: weights identity unknown (the other side reports one)" for g in (p, d) if not g.weights]
+    return []
+
+
 def pair_verdict(p: Geometry, d: Geometry) -> PairVerdict:
     """Every reason the pair (p -> d) cannot transfer KV; no reasons means compatible."""
     required = ("engine", "model", "cache_dtype", "block_size")
@@ -74,6 +90,7 @@ def pair_verdict(p: Geometry, d: Geometry) -> PairVerdict:
         reasons.append(f"models differ ({p.model} vs {d.model})")
     if p.cache_dtype and d.cache_dtype and p.cache_dtype != d.cache_dtype:
         reasons.append(f"KV cache dtypes differ ({p.cache_dtype} vs {d.cache_dtype})")
+    reasons.extend(weights_problems(p, d))
     if not reasons:
         rules = vllm_pair_problems if p.engine == "vllm" else reference_pair_problems
         reasons.extend(rules(p, d))

@@ -1,6 +1,8 @@
 """Node facts the router reads from a node's own endpoints: `/v1/models` and `/metrics`.
 
-- `/v1/models`: served model ids and `max_model_len` (vLLM and our nodes both report it).
+- `/v1/models`: served model ids and `max_model_len` (vLLM and our nodes both report it), the weights
+  identity: `weights_fingerprint` (reference nodes: model config, seed, tokenizer) and `root` (vLLM: the
+  model path it loaded).
 - `/metrics`: `vllm:cache_config_info` labels (block_size, cache_dtype, num_gpu_blocks; our reference
   nodes add layout_fingerprint, tp_size, dcp_size, engine), and load figures
   `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`.
@@ -40,6 +42,8 @@ class LoadFacts:
 class ModelFacts:
     model_ids: tuple[str, ...] = ()
     max_model_len: int | None = None
+    weights_fingerprint: str | None = None
+    root: str | None = None
     raw_cards: tuple[dict, ...] = field(default=(), compare=False)
 
 
@@ -82,5 +86,9 @@ def parse_models(body: dict) -> ModelFacts:
     """Model ids and the smallest max_model_len out of a `/v1/models` answer."""
     cards = [card for card in body.get("data", []) if isinstance(card, dict) and "id" in card]
     lengths = [card["max_model_len"] for card in cards if isinstance(card.get("max_model_len"), int)]
+    first = cards[0] if cards else {}
+    fingerprint, root = first.get("weights_fingerprint"), first.get("root")
     return ModelFacts(model_ids=tuple(str(card["id"]) for card in cards),
-                      max_model_len=min(lengths) if lengths else None, raw_cards=tuple(cards))
+                      max_model_len=min(lengths) if lengths else None,
+                      weights_fingerprint=str(fingerprint) if fingerprint else None,
+                      root=str(root) if root else None, raw_cards=tuple(cards))

@@ -65,7 +65,7 @@ class HealthChecker:
     async def _refresh_facts(self, state: InstanceState) -> bool:
         """Scrape /metrics (every round) and /v1/models (when due); True if geometry facts changed."""
         url, name = state.spec.url, state.spec.name
-        before = (state.cache, state.models.model_ids, state.models.max_model_len)
+        before = (state.cache, state.models)
         metrics = await self.client.get(f"{url}/metrics", timeout=self.timeout_s)
         if metrics.status_code == 200:
             state.cache, state.load = parse_metrics(metrics.text)
@@ -85,7 +85,7 @@ class HealthChecker:
                 raise BadFacts("/v1/models lists no model")
             state.models = facts
             self._facts_at[name] = time.monotonic()
-        return before != (state.cache, state.models.model_ids, state.models.max_model_len)
+        return before != (state.cache, state.models)  # ModelFacts compare without the raw cards
 
     async def probe(self, state: InstanceState) -> bool:
         """One probe of one instance; True when health or facts changed."""

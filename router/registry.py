@@ -67,9 +67,11 @@ def geometry_of(state: InstanceState) -> Geometry:
     model = spec.model or (state.models.model_ids[0] if state.models.model_ids else None)
     tp = spec.tp or cache.tp_size or (1 if engine == "vllm" else None)
     dcp = spec.dcp or cache.dcp_size or 1
+    models = state.models
+    weights = models.weights_fingerprint or (f"path {models.root}" if engine == "vllm" and models.root else None)
     return Geometry(name=spec.name, engine=engine, model=model, tp=tp, dcp=dcp,
                     block_size=spec.block_size or cache.block_size, cache_dtype=cache.cache_dtype,
-                    layout_fingerprint=cache.layout_fingerprint)
+                    layout_fingerprint=cache.layout_fingerprint, weights=weights)
 
 
 class Registry:

@@ -87,8 +87,9 @@ class FakeNode:
             if node.models_body is not None:
                 return JSONResponse(node.models_body)
             card = {"id": node.model, "object": "model", "max_model_len": 4096}
-            if node.weights:
-                card["weights_fingerprint"] = node.weights
+            weights = node.weights or ("w-test" if node.engine_label == "reference" else None)
+            if weights:
+                card["weights_fingerprint"] = weights
             if node.root:
                 card["root"] = node.root
             return JSONResponse({"object": "list", "data": [card]})

@@ -151,3 +151,25 @@ def test_probe_survives_any_exception_per_instance():
 
 def test_node_urls_are_distinct():
     assert node_url(FakeNode("d0", "decode")) != node_url(FakeNode("d1", "decode"))
+
+
+@pytest.mark.parametrize("engine", ["reference", "vllm"])
+def test_pair_with_other_weights_is_refused_with_its_reason(engine):
+    label = engine if engine == "reference" else None
+    kw = {"weights": "seed-31"} if engine == "reference" else {"root": "/models/a"}
+    other = {"weights": "seed-7"} if engine == "reference" else {"root": "/models/b"}
+    p = FakeNode("p0", "prefill", engine_label=label, **other)
+    d = FakeNode("d0", "decode", engine_label=label, **kw)
+    specs = {"p0": {"engine": engine}, "d0": {"engine": engine}}
+
+    async def main():
+        async with router_harness([p, d], specs=specs) as (client, _):
+            pools = (await client.get("/v1/pools", headers=admin_headers())).json()
+            (pair,) = pools["pairs"]
+            assert not pair["compatible"]
+            assert any("weights or tokenizer differ" in reason for reason in pair["reasons"]), pair["reasons"]
+            resp = await client.post("/v1/completions", json=completion())
+            assert resp.status_code == 200 and resp.headers["x-pdcluster-prefill"] == "none"
+
+    run(main())
+    assert p.bodies == [], "a prefill with other weights is never used"

@@ -7,9 +7,10 @@ import pytest
 from router.compat import Geometry, compat_matrix, pair_verdict
 
 
-def geo(name="x", engine="vllm", model="m", tp=1, dcp=1, block_size=16, cache_dtype="auto", fp=None) -> Geometry:
+def geo(name="x", engine="vllm", model="m", tp=1, dcp=1, block_size=16, cache_dtype="auto", fp=None,
+        weights="w") -> Geometry:
     return Geometry(name=name, engine=engine, model=model, tp=tp, dcp=dcp, block_size=block_size,
-                    cache_dtype=cache_dtype, layout_fingerprint=fp)
+                    cache_dtype=cache_dtype, layout_fingerprint=fp, weights=weights)
 
 
 # (id, prefill kwargs, decode kwargs, expected reason fragment or None for compatible)
@@ -44,6 +45,13 @@ CASES = [
     ("ref-dcp-on-prefill", {"engine": "reference", "tp": 2, "dcp": 2, "fp": "f"},
      {"engine": "reference", "tp": 2, "fp": "f"}, "prefill DCP"),
     ("ref-fingerprint-unknown", {"engine": "reference"}, {"engine": "reference"}, "layout fingerprint unknown"),
+    ("ref-weights-differ", {"engine": "reference", "fp": "f", "weights": "seed31"},
+     {"engine": "reference", "fp": "f", "weights": "seed7"}, "weights or tokenizer differ"),
+    ("ref-weights-unknown", {"engine": "reference", "fp": "f", "weights": None}, {"engine": "reference", "fp": "f"},
+     "p: weights fingerprint unknown"),
+    ("vllm-paths-differ", {"weights": "path /models/a"}, {"weights": "path /models/b"}, "weights or tokenizer differ"),
+    ("vllm-no-paths", {"weights": None}, {"weights": None}, None),
+    ("vllm-one-path", {"weights": "path /models/a"}, {"weights": None}, "d: weights identity unknown"),
     ("ref-block-not-pow2", {"engine": "reference", "block_size": 24, "fp": "f"},
      {"engine": "reference", "fp": "f"}, "not a power of two"),
 ]

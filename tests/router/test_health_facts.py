@@ -45,6 +45,13 @@ def test_parse_models():
     assert facts.model_ids == ("a", "b") and facts.max_model_len == 1024
 
 
+def test_parse_models_weights_identity():
+    ref = parse_models({"data": [{"id": "m", "root": "m", "weights_fingerprint": "abc"}]})
+    vllm = parse_models({"data": [{"id": "served", "root": "/models/kimi", "parent": None}]})
+    assert (ref.weights_fingerprint, ref.root) == ("abc", "m")
+    assert (vllm.weights_fingerprint, vllm.root) == (None, "/models/kimi")
+
+
 @pytest.mark.parametrize("probes,unhealthy_at,healthy_at,expected", [
     ("+", 2, 1, True), ("++", 2, 2, True), ("+", 2, 2, False), ("++-", 2, 1, True), ("++--", 2, 1, False),
     ("++--+", 2, 1, True), ("+-+-+-", 2, 1, True), ("+---", 3, 1, False),
