@@ -2,8 +2,10 @@
 
 GET  /v1/pools                      pools, instances (health, load, geometry, breakers), the P x D matrix
                                     with the reason for every incompatible pair, warm pairs
-POST /admin/instances/{name}/drain  stop placing new requests on an instance (in-flight ones finish)
+POST /admin/instances/{name}/drain  stop placing new requests on an instance (in-flight ones finish); applied
+                                    by every router replica (router/peers.py)
 POST /admin/instances/{name}/undrain
+GET  /admin/drains                  names of the drained instances (what a starting replica adopts)
 GET  /admin/sessions                session placements
 """
 
@@ -15,6 +17,7 @@ from dataclasses import asdict
 
 from fastapi import APIRouter, Depends, Request
 
+from router.peers import FORWARDED, broadcast_drain, fetch_drains
 from router.state import RouterState
 from serving.errors import APIError
 
@@ -66,17 +69,40 @@ async def get_pools(request: Request) -> dict:
     return pools_view(_state(request))
 
 
+async def apply_drain(state: RouterState, name: str, value: bool) -> None:
+    """Drain (or undrain) `name` in this replica: every worker process, and instances discovered later."""
+    if value:
+        state.registry.drained.add(name)
+    else:
+        state.registry.drained.discard(name)
+    inst = state.registry.get(name)
+    if inst is not None:
+        inst.is_draining = value
+        if value and inst.spec.role == "decode":
+            state.sessions.drop_instance(name)
+    if state.shared is not None:
+        await state.shared.set_draining(name, value)  # every sibling worker applies it before this answers
+
+
+async def adopt_peer_drains(state: RouterState) -> None:
+    """At start-up: take the drains in force on the first peer replica that answers."""
+    names = await fetch_drains(state.client, state.settings)
+    for name in sorted((names or set()) - state.registry.drained):
+        await apply_drain(state, name, True)
+
+
 async def _set_draining(request: Request, name: str, value: bool) -> dict:
     state = _state(request)
     inst = state.registry.get(name)
-    if inst is None:
+    is_forwarded = request.headers.get(FORWARDED) == "1"
+    if inst is None and not is_forwarded:
         raise APIError(404, f"no instance named {name!r}", "name")
-    inst.is_draining = value
-    if value and inst.spec.role == "decode":
-        state.sessions.drop_instance(name)
-    if state.shared is not None:
-        await state.shared.set_draining(name, value)  # every sibling worker applies it before this answers
-    return {"name": name, "draining": value, "inflight": inst.num_inflight}
+    await apply_drain(state, name, value)
+    answer = {"name": name, "draining": value, "inflight": inst.num_inflight if inst else 0}
+    if not is_forwarded and (state.settings.peer_urls or state.settings.peer_dns):
+        answer["replicas"] = await broadcast_drain(state.client, state.settings, name, value,
+                                                   request.headers.get("authorization", ""))
+    return answer
 
 
 @router.post("/admin/instances/{name:path}/drain")
@@ -87,6 +113,11 @@ async def drain(request: Request, name: str) -> dict:
 @router.post("/admin/instances/{name:path}/undrain")
 async def undrain(request: Request, name: str) -> dict:
     return await _set_draining(request, name, False)
+
+
+@router.get("/admin/drains")
+async def drains(request: Request) -> dict:
+    return {"draining": sorted(_state(request).registry.drained)}
 
 
 @router.get("/admin/sessions")

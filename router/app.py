@@ -82,6 +82,8 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
                 checker.on_change = lambda: shared.tell_siblings(b"health")
             await checker.check_all()
             tasks = [asyncio.create_task(checker.run())]
+            if settings.peer_urls or settings.peer_dns:
+                tasks.append(asyncio.create_task(admin.adopt_peer_drains(state)))  # router/peers.py
             poller = CachePoller(state.registry, state.cache_view, client, settings.cache_poll_interval_s,
                                  settings.cache_poll_timeout_s)
             tasks.append(asyncio.create_task(poller.run()))  # what nodes hold per session (docs/SESSIONS.md)

@@ -82,11 +82,13 @@ class Registry:
         self._served_ids: set[str] = set()
         self._states: list[InstanceState] = []
         self.version = 0
+        self.drained: set[str] = set()
+        """Names an admin drained (router/admin.py), kept for instances that appear later."""
 
     def upsert(self, spec: InstanceSpec) -> None:
         current = self._instances.get(spec.name)
         if current is None or current.spec.url != spec.url:
-            self._instances[spec.name] = InstanceState(spec=spec)
+            self._instances[spec.name] = InstanceState(spec=spec, is_draining=spec.name in self.drained)
         else:
             current.spec = spec
         self.recompute_matrix()

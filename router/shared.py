@@ -65,6 +65,7 @@ class WorkerShared:
 
     def apply_drains(self, state) -> None:
         drained = self.drained()
+        state.registry.drained = set(drained)
         for inst in state.registry.states():
             is_draining = inst.spec.name in drained
             if is_draining and not inst.is_draining and inst.spec.role == "decode":

@@ -37,11 +37,11 @@ def uvicorn_server(app, ready_path: str | None = "/health", timeout_s: float = 2
 
 
 @contextmanager
-def router_server(app, timeout_s: float = 20.0):
-    """Serve a router app (create_app) with router/server.py on a free port; yields the base URL."""
+def router_server(app, timeout_s: float = 20.0, port: int | None = None):
+    """Serve a router app (create_app) with router/server.py on `port` (default: a free one); yields the base URL."""
     from router.server import run_server  # noqa: PLC0415
 
-    port = free_port()
+    port = port or free_port()
     loop = asyncio.new_event_loop()
     ready, stop = asyncio.Event(), asyncio.Event()
     errors: list[BaseException] = []
