@@ -114,7 +114,7 @@ def test_single_node_pools_are_deployments_with_reference_args(cpu_dev: Rendered
     for container in args.values():
         limits = container["resources"].get("limits", {})
         assert "nvidia.com/gpu" not in limits and "rdma/ib" not in limits
-        assert "securityContext" not in container
+        assert "IPC_LOCK" not in container["securityContext"]["capabilities"].get("add", []), "no RDMA, no IPC_LOCK"
 
 
 def test_router_rbac_is_pods_read_only_in_its_namespace(gb300: Rendered) -> None:
@@ -137,7 +137,7 @@ def test_network_policy_only_router_reaches_node_http(gb300: Rendered) -> None:
     policies = {p["metadata"]["name"]: p for p in gb300.of_kind("NetworkPolicy")}
     nodes = policies[f"{RELEASE}-pdcluster-nodes"]["spec"]
     assert nodes["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "node"
-    assert nodes["policyTypes"] == ["Ingress"]
+    assert nodes["policyTypes"] == ["Ingress", "Egress"]
     http_rules = [rule for rule in nodes["ingress"] if rule.get("ports") == [{"port": "http", "protocol": "TCP"}]]
     peers = [peer for rule in http_rules for peer in rule["from"]]
     pod_peers = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in peers
@@ -259,7 +259,8 @@ def test_pool_settings_render_as_the_role_env_and_read_back(tmp_path, monkeypatc
         {"name": "prefill", "role": "prefill", "tp": 2, "engine": "reference"},
         {"name": "tp", "role": "decode", "engine": "reference", "settings": settings}]}, tmp_dir=tmp_path)
     env = {item["name"]: item["value"] for item in out.pool_pods("tp")[0].container["env"] if "value" in item}
-    chart_env = {"DECODE_ADVERTISE_HOST": "$(POD_IP)", "DECODE_METRICS_PORT": "9100"}  # every reference pod's
+    chart_env = {"DECODE_ADVERTISE_HOST": "$(POD_IP)", "DECODE_METRICS_PORT": "9100",  # every reference pod's
+                 "DECODE_DRAIN_S": "55"}  # the grace period (60 s) minus 5 s
     assert {k: v for k, v in env.items() if k.startswith("DECODE_")} == settings_env("DECODE_", settings) | chart_env
     assert not any(k.startswith("PREFILL_") for k in env)
     for name, value in env.items():

@@ -119,6 +119,22 @@ tolerations: {{- toYaml ($p.tolerations | default $d.tolerations) | nindent 2 }}
 env: {{- toYaml (concat ($d.env | default list) ($p.env | default list)) | nindent 2 }}
 extraArgs: {{- toYaml ($p.extraArgs | default list) | nindent 2 }}
 settings: {{- toYaml ($p.settings | default dict) | nindent 2 }}
+{{- $grace := int ($p.terminationGracePeriodSeconds | default $d.terminationGracePeriodSeconds) }}
+{{- if lt $grace 10 }}
+{{- fail (printf "pool %s: terminationGracePeriodSeconds must be at least 10 (the node drains for it minus 5 s), got %d" $p.name $grace) }}
+{{- end }}
+{{- if hasKey ($p.settings | default dict) "drain_s" }}
+{{- if ge (float64 $p.settings.drain_s) (float64 (sub $grace 3)) }}
+{{- fail (printf "pool %s: settings.drain_s %v leaves no time in the %d s grace period (preStop pause 3 s)" $p.name $p.settings.drain_s $grace) }}
+{{- end }}
+{{- end }}
+terminationGracePeriodSeconds: {{ $grace }}
+{{- $psc := deepCopy ($d.podSecurityContext | default dict) }}
+{{- if $root.Values.rdma.enabled }}
+{{- /* IPC_LOCK (NIXL pins memory) only takes effect for root: Kubernetes grants no ambient capabilities. */}}
+{{- $psc = omit $psc "runAsNonRoot" "runAsUser" "runAsGroup" }}
+{{- end }}
+podSecurityContext: {{- toYaml ($p.podSecurityContext | default $psc) | nindent 2 }}
 {{- with $p.maxContextTokens }}
 maxContextTokens: {{ int . }}
 {{- end }}

@@ -131,7 +131,10 @@ podAffinity:
 {{- $root := .root -}}{{- $p := .p -}}{{- $worker := .worker | default false -}}
 serviceAccountName: {{ include "pdcluster.nodeServiceAccount" $root }}
 automountServiceAccountToken: false
-terminationGracePeriodSeconds: 60
+terminationGracePeriodSeconds: {{ $p.terminationGracePeriodSeconds }}
+{{- with $p.podSecurityContext }}
+securityContext: {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- with $root.Values.imagePullSecrets }}
 imagePullSecrets: {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -183,6 +186,10 @@ containers:
         value: "$(POD_IP)"
       - name: {{ upper $p.role }}_METRICS_PORT
         value: {{ $root.Values.nodeMetricsPort | quote }}
+      {{- if not (hasKey $p.settings "drain_s") }}
+      - name: {{ upper $p.role }}_DRAIN_S
+        value: {{ sub $p.terminationGracePeriodSeconds 5 | quote }}
+      {{- end }}
       {{- end }}
       {{- with $p.env }}
       {{- toYaml . | nindent 6 }}
@@ -201,12 +208,14 @@ containers:
         containerPort: {{ $root.Values.vllm.sideChannelPort }}
       {{- end }}
     resources: {{- include "pdcluster.poolResources" . | nindent 6 }}
-    {{- if $root.Values.rdma.enabled }}
     securityContext:
+      allowPrivilegeEscalation: false
       capabilities:
+        drop: ["ALL"]
+        {{- if $root.Values.rdma.enabled }}
         add: ["IPC_LOCK"]
-    {{- end }}
-    # SIGTERM drains a reference node for up to 55 s (its drain_s: the 60 s grace period minus 5 s); the pause
+        {{- end }}
+    # SIGTERM drains a reference node for its drain_s (the grace period minus 5 s, set above); the pause
     # first lets the router and the Service stop sending here before the node answers 503.
     lifecycle:
       preStop:
