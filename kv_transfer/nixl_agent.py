@@ -28,6 +28,7 @@ from kv_transfer.ucx_env import (
     detect_tcp_fallback,
     nixl_api,
     progress_delay,
+    resolve_cuda_ipc_get_zcopy,
     resolve_error_handling,
     resolve_ucx_tls,
 )
@@ -79,6 +80,9 @@ class NixlTransport:
         self.base_addr, self.pool_bytes, self.mem_type, self.device_id = _buffer_addr(pool)
         self.ucx_tls = resolve_ucx_tls(self.settings.ucx_tls, self.mem_type)
         os.environ["UCX_TLS"] = self.ucx_tls  # before UCX starts: never let UCX choose silently
+        get_zcopy = resolve_cuda_ipc_get_zcopy(self.settings.cuda_ipc_get_zcopy, self.mem_type)
+        if get_zcopy is not None:  # VRAM READs between processes on one GPU: cuda_ipc, not host staging
+            os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = get_zcopy
         api = nixl_api(self.settings.nixl_module)
 
         log.info("NIXL agent %s: UCX_TLS=%s", agent_name, self.ucx_tls)

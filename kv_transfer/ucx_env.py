@@ -68,6 +68,11 @@ class KVTransferSettings(BaseModel):
     one stalled for seconds is waiting on an endpoint, not on bytes."""
     nixl_module: str | None = None
     """NIXL wheel to import (`nixl_cu12`, `nixl_cu13`); unset: the first of NIXL_MODULES installed."""
+    cuda_ipc_get_zcopy: Literal["auto", "y", "n"] = "auto"
+    """UCX's cuda_ipc GET (a NIXL READ of VRAM) zero-copy (UCX_CUDA_IPC_ENABLE_GET_ZCOPY). UCX turns it off
+    when NVML shows no NVLink, which includes two processes on ONE GPU: the READ then stages through the host
+    over cuda_copy (measured on an H200: 0.4-0.8 GB/s; with it on, cuda_ipc moves 400 GB/s in 4 MB rows,
+    benchmarks/RESULTS.md). `auto`: `y` for VRAM pools, UCX's own choice for DRAM pools."""
 
 
 NIXL_MODULES = ("nixl_cu12", "nixl_cu13")
@@ -141,6 +146,15 @@ def resolve_ucx_tls(setting: str, mem_type: str, infiniband_dir: str = "/sys/cla
     if mem_type == "VRAM" or (nvidia_gpu_present() if gpu_present is None else gpu_present):
         parts.append(GPU_TLS)
     return ",".join(parts + [HOST_TLS])
+
+
+def resolve_cuda_ipc_get_zcopy(setting: str, mem_type: str) -> str | None:
+    """The UCX_CUDA_IPC_ENABLE_GET_ZCOPY value for `setting` on a pool of `mem_type` (None: leave UCX's own)."""
+    if setting == "auto":
+        return "y" if mem_type == "VRAM" else None
+    if setting not in ("y", "n"):
+        raise ValueError(f"cuda_ipc_get_zcopy must be auto, y or n, got {setting!r}")
+    return setting
 
 
 def detect_tcp_fallback(ucx_tls: str, peer_is_local: bool, infiniband_dir: str = "/sys/class/infiniband",

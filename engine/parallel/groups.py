@@ -61,7 +61,7 @@ def default_backend(device: str | None = None) -> str:
     GPU is visible). None (benchmarks' RankPool): NCCL whenever a GPU is visible, else gloo."""
     if device is None:
         return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
-    kind = torch.device(device).type
+    kind = str(device).split(":")[0]
     if kind == "cpu":
         return "gloo"
     if kind != "cuda":
