@@ -40,6 +40,8 @@ def config_from_helm_values(values: dict, source: str = "<values>") -> ClusterCo
     engines = {pool.get("engine") for pool in pools if pool.get("engine")}
     if len(engines) == 1:
         data["engine"] = engines.pop()
+    if values.get("referenceDevice"):
+        data["device"] = values["referenceDevice"]
     if values.get("servedModelName") and data.get("engine") == "vllm":
         data["vllm"] = {"served_model_name": values["servedModelName"]}
     return parse_config(data, source)

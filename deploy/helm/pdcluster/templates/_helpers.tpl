@@ -95,6 +95,9 @@ Input: dict "root" $ "pool" <pool values>.
 {{- if gt $nodes 1 -}}
 {{- fail (printf "pool %s: the reference engine runs one instance on one node (nodesPerInstance=%d)" $p.name $nodes) -}}
 {{- end -}}
+{{- if and (eq ($root.Values.referenceDevice | default "cpu") "cuda") (not $root.Values.gpu.enabled) -}}
+{{- fail (printf "pool %s: referenceDevice cuda needs gpu.enabled (one GPU per rank)" $p.name) -}}
+{{- end -}}
 {{- end -}}
 {{- $img := $root.Values.images.pdcluster -}}
 {{- if eq $engine "vllm" -}}{{- $img = $root.Values.images.vllm -}}{{- end -}}

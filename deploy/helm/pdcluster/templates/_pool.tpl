@@ -45,6 +45,10 @@
 - {{ $p.role }}
 - --model
 - {{ $p.model | quote }}
+{{- if eq (.root.Values.referenceDevice | default "cpu") "cuda" }}
+- --device
+- "cuda"
+{{- end }}
 {{- if eq $p.role "prefill" }}
 - --tp
 - {{ $p.tp | quote }}
