@@ -37,7 +37,8 @@ def worker_share(cap: int, workers: int) -> int:
 
 
 class Admission:
-    """In-flight counts per pool in one worker process; `enter`/`leave` are a dict read and an add."""
+    """In-flight counts per pool in one worker process; `enter`/`leave` are a dict read and an add (the
+    gauges are set from the counts when metrics are rendered: `publish`)."""
 
     def __init__(self, settings: Settings, metrics: RouterMetrics) -> None:
         self.default_cap = worker_share(settings.max_inflight_per_pool, settings.workers)
@@ -45,7 +46,6 @@ class Admission:
         self.retry_after_s = settings.shed_retry_after_s
         self.inflight: dict[str, int] = {}
         self.metrics = metrics
-        self._gauges: dict[str, object] = {}
 
     def limit(self, pool: str) -> int:
         return self.caps.get(pool, self.default_cap)
@@ -57,18 +57,15 @@ class Admission:
         if limit and count >= limit:
             raise PoolFull(pool, limit)
         self.inflight[pool] = count + 1
-        self._gauge(pool).inc()
 
     def leave(self, pool: str) -> None:
         self.inflight[pool] -= 1
-        self._gauge(pool).dec()
 
-    def _gauge(self, pool: str):
-        gauge = self._gauges.get(pool)
-        if gauge is None:
-            gauge = self._gauges[pool] = self.metrics.pool_inflight.labels(pool)
+    def publish(self, pools: list[str] = ()) -> None:
+        """Set the in-flight and limit gauges of `pools` and of every pool seen so far."""
+        for pool in {*pools, *self.inflight}:
+            self.metrics.pool_inflight.labels(pool).set(self.inflight.get(pool, 0))
             self.metrics.pool_inflight_limit.labels(pool).set(self.limit(pool))
-        return gauge
 
 
 def is_node_shed(status: int, headers: Mapping[str, str]) -> bool:

@@ -114,6 +114,7 @@ class WorkerShared:
         try:
             command = (await reader.readline()).strip()
             if command == b"metrics":
+                self._state.admission.publish()
                 writer.write(self._state.metrics.render())
             elif command == b"drains":
                 self.apply_drains(self._state)
@@ -132,6 +133,7 @@ class WorkerShared:
             while True:
                 try:
                     self.apply_drains(state)
+                    state.admission.publish()
                     self.publish_metrics(state.metrics.render())
                 except OSError as exc:
                     log.warning("worker %d: shared state sync failed: %s", self.worker_id, exc)

@@ -147,5 +147,6 @@ class RouterState:
             m.pair_healthy.labels(p, d).set(1 if usable else 0)
         counts = self.sessions.count_by_pool(now)
         m.prime([pool.name for pool in self.pool_specs()])
+        self.admission.publish([pool.name for pool in self.pool_specs()])
         for pool in self.pool_specs():
             m.active_sessions.labels(pool.name).set(counts.get(pool.name, 0))
