@@ -65,10 +65,9 @@ class DCPModel(TPModel):
     selected latents (`attention="exact"`, logits bitwise as on one rank) or the LSE merge of partial outputs
     (`attention="lse"`) (engine/parallel/dcp_decode.py).
     KDA heads are split as under TP. A local prefill (colocated requests, the `recompute` load-failure policy)
-    runs the SPMD prefill into a temporary whole-sequence cache of the request, then keeps this rank's share."""
-
-    supports_resume = False
-    """A local prefill starts at position 0 (the engine neither chunks it nor resumes it from the prefix cache)."""
+    runs the SPMD prefill into a temporary whole-sequence cache of the request, then keeps this rank's share;
+    a prefill that resumes at `start` > 0 (a chunk, a prefix-cache hit) first all-gathers every rank's owned
+    rows of positions 0..start-1 into that cache and copies in the rank's KDA state."""
 
     def __init__(self, model: Any, ctx: Any, token_threshold: int, merge: str = "compact",
                  attention: str = "exact") -> None:
@@ -80,16 +79,33 @@ class DCPModel(TPModel):
     def prefill(self, token_ids: Any, cache: Any, start: int = 0, all_logits: bool = False) -> Any:
         from engine.parallel.kda_shard import rank_cache
 
+        end = start + int(token_ids.shape[0])
+        whole = rank_cache(self.cfg, end, self.ctx.world_size, self.ctx.rank)
         if start:
-            raise ValueError("a DCP rank prefills whole prompts only (start = 0)")
-        whole = rank_cache(self.cfg, int(token_ids.shape[0]), self.ctx.world_size, self.ctx.rank)
-        logits = super().prefill(token_ids, whole, 0, all_logits)
+            self._gather_prefix(cache, whole, start)
+        logits = super().prefill(token_ids, whole, start, all_logits)
         for i in range(self.cfg.num_mla_layers):
-            rows = whole.read_attention(i, int(token_ids.shape[0]))
-            cache.write_attention(i, 0, rows.latent, rows.index_key, rows.index_scale)
+            rows = whole.read_attention(i, end)
+            cache.write_attention(i, start, rows.latent[start:], rows.index_key[start:], rows.index_scale[start:])
         for i in range(self.cfg.num_kda_layers):
             cache.write_kda(i, whole.read_kda(i))
         return logits
+
+    def _gather_prefix(self, cache: Any, whole: Any, start: int) -> None:
+        """Positions 0..start-1 of every rank's owned rows (all-gathered, data only) and this rank's KDA state
+        into the whole-sequence cache `whole`."""
+        from engine.parallel.comm import all_gather_varlen
+
+        layout = cache.layout
+        places = [layout.global_ids(r, layout.num_local(r, start)) for r in range(self.ctx.world_size)]
+        for i in range(self.cfg.num_mla_layers):
+            own = cache.read_owned(i, start)
+            for name, mine in (("latent", own.latent), ("index_key", own.index_key), ("index_scale", own.index_scale)):
+                target = getattr(whole, name)
+                for r, part in enumerate(all_gather_varlen(self.ctx, mine.contiguous())):
+                    target[i, places[r].to(target.device)] = part.to(target.device)
+        for i in range(self.cfg.num_kda_layers):
+            whole.write_kda(i, cache.read_kda(i))
 
     def decode(self, token_ids: Any, positions: list[int], caches: list[Any]) -> Any:
         from engine.parallel.dcp_decode import parallel_decode
