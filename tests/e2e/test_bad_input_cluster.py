@@ -58,3 +58,52 @@ def test_openai_client_raises_and_the_cluster_keeps_serving(cluster):
     result = client.completions.create(model=cluster.model, prompt=GOOD_PROMPT, max_tokens=8, temperature=0)
     assert choice_token_ids(result.choices[0]) == list(expected.token_ids)
     assert not cluster.cluster.dead(), f"processes died: {cluster.cluster.dead()}"
+
+
+def _error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text[:500]
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert error["code"] == status and error["message"] and "Traceback" not in response.text
+    return error
+
+
+def test_numeric_header_of_5000_digits_and_content_less_message_are_400_json(cluster):
+    body = {"model": cluster.model, "prompt": "hi", "max_tokens": 2}
+    response = httpx.post(f"{cluster.router_url}/v1/completions", json=body, timeout=120,
+                          headers={"X-Expected-Context-Tokens": "9" * 5000})
+    assert _error_of(response, 400)["param"].lower() == "x-expected-context-tokens"
+    for message in ({"role": "user"}, {"role": "user", "content": None}):
+        response = httpx.post(f"{cluster.router_url}/v1/chat/completions", timeout=120,
+                              json={"model": cluster.model, "messages": [message], "max_tokens": 2})
+        assert _error_of(response, 400)["param"] == "messages.0.content"
+    assert httpx.get(f"{cluster.router_url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("param,value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    ("response_format", {"type": "json_object"}), ("presence_penalty", 0.5), ("frequency_penalty", 0.3),
+    ("logit_bias", {"5": 10}), ("tool_choice", "required"),
+])
+def test_unimplemented_parameters_are_refused_by_name_through_the_router(cluster, param, value):
+    """The reference nodes refuse what they do not implement; the node's 400 reaches the client as it is."""
+    client = cluster.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=cluster.model, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, **{param: value})
+    assert info.value.body["param"] == param and param in info.value.body["message"]
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [],
+               "response_format": {"type": "text"}, "tool_choice": "none"}[param]
+    ok = client.chat.completions.create(model=cluster.model, messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=2, **{param: neutral})
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_unknown_routes_and_methods_are_openai_errors(cluster):
+    assert "/v1/nope" in _error_of(httpx.get(f"{cluster.router_url}/v1/nope", timeout=30), 404)["message"]
+    _error_of(httpx.delete(f"{cluster.router_url}/v1/models", timeout=30), 405)
+    nested = b'{"model": "m", "prompt": "x", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    _error_of(httpx.post(f"{cluster.router_url}/v1/completions", content=nested, timeout=30,
+                         headers={"Content-Type": "application/json"}), 400)
+    for node in cluster.nodes:
+        _error_of(httpx.get(f"{node.url}/v1/nope", timeout=30), 404)
