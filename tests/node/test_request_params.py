@@ -135,7 +135,11 @@ def test_prompt_log_probs_are_not_served_from_transferred_kv():
 
 @pytest.fixture(params=["prefill", "decode"])
 def client(request):
-    app = create_prefill_app(PrefillSettings(cluster_secret="t" * 64)) if request.param == "prefill" else create_decode_app(DecodeSettings(cluster_secret="t" * 64))
+    secret = "t" * 64
+    if request.param == "prefill":
+        app = create_prefill_app(PrefillSettings(cluster_secret=secret))
+    else:
+        app = create_decode_app(DecodeSettings(cluster_secret=secret))
     return TestClient(app, raise_server_exceptions=False)  # lifespan not run: no ranks
 
 

@@ -156,8 +156,8 @@ def test_a_node_refusal_reaches_the_client_unchanged(leg, stream):
         return (400, refusal, "application/json") if "tools" in body else (200, b"{}", "application/json")
 
     ref = "reference"
-    nodes = [ScriptedNode("p0", "prefill", answer, ref) if leg == "prefill" else FakeNode("p0", "prefill", engine_label=ref),
-             ScriptedNode("d0", "decode", answer, ref) if leg == "decode" else FakeNode("d0", "decode", engine_label=ref)]
+    nodes = [ScriptedNode(name, role, answer, ref) if leg == role else FakeNode(name, role, engine_label=ref)
+             for name, role in (("p0", "prefill"), ("d0", "decode"))]
 
     async def main():
         async with router_harness(nodes, specs={n.name: {"engine": "reference"} for n in nodes}) as (client, _):
