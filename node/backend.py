@@ -210,8 +210,9 @@ class ReferenceBackend:
                          ("kv_transfer_blocks_read", float(cache_counters.blocks_read)),
                          ("kv_transfer_blocks_reused", float(cache_counters.blocks_reused)))
             cache = self._cache_report()
+        # rows only the prefix cache holds (evictable on demand) count as free, as vLLM counts its cached blocks
         return RankStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
-                         num_rows_used=total - self.engine.num_free_rows - self.engine.num_quarantined_rows,
+                         num_rows_used=total - self.engine.pool.num_available - self.engine.num_quarantined_rows,
                          num_rows_total=total,
                          has_work=self.engine.has_work, counters=counters, timings=timings, cache=cache)
 
