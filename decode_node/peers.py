@@ -44,6 +44,8 @@ class PeerDirectory:
         self._by_engine: dict[str, Address] = {}
         self._cache: dict[Address, InstanceMetadata] = {}
         self._last_scan = -float("inf")
+        self._scan_lock = asyncio.Lock()
+        """One scan at a time; a request arriving during a scan waits for its answer."""
         self._client = httpx.AsyncClient(timeout=timeout_s)
 
     async def _fetch(self, address: Address) -> InstanceMetadata:
@@ -67,8 +69,10 @@ class PeerDirectory:
                                "kv_transfer_params")
             return params.remote_host, params.remote_port
         engine_id = params.remote_engine_id or ""
-        if engine_id not in self._by_engine and time.monotonic() - self._last_scan >= self.rescan_s:
-            await self._scan()
+        if engine_id not in self._by_engine:
+            async with self._scan_lock:
+                if engine_id not in self._by_engine and time.monotonic() - self._last_scan >= self.rescan_s:
+                    await self._scan()
         address = self._by_engine.get(engine_id)
         if address is None:
             raise APIError(403, "kv_transfer_params name a prefill engine that is not one of this node's peers",

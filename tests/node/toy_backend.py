@@ -87,7 +87,9 @@ class ToyBackend:
     def _alloc(self, num_tokens: int) -> tuple[list[int], list[int]]:
         num_attn, num_kda = self.layout.rows_per_request(num_tokens)
         if num_attn + num_kda > len(self.free):
-            raise ValueError(f"out of rows: {num_attn + num_kda} needed, {len(self.free)} free")
+            from engine.cache import OutOfRows  # the engine's contract for admission outside the queue
+
+            raise OutOfRows(f"out of rows: {num_attn + num_kda} needed, {len(self.free)} free")
         self.free.sort()
         rows, self.free = self.free[:num_attn + num_kda], self.free[num_attn + num_kda:]
         return rows[:num_attn], rows[num_attn:]
