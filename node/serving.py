@@ -172,7 +172,10 @@ class MetricsServer:
         from fastapi import FastAPI
         from fastapi.responses import Response
 
+        from serving.errors import install_error_handlers
+
         app = FastAPI(title="pdcluster node metrics", docs_url=None, redoc_url=None, openapi_url=None)
+        install_error_handlers(app)  # a bad path or method here is OpenAI JSON too
 
         @app.get("/metrics")
         def metrics() -> Response:

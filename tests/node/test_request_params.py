@@ -183,3 +183,12 @@ def test_unexpected_exception_is_a_clean_500(client, monkeypatch):
     error = _assert_openai_error(client.post("/v1/completions", json={"prompt": "x"}), 500)
     assert error["message"] == "internal server error"
     assert "10.1.2.3" not in client.post("/v1/completions", json={"prompt": "x"}).text
+
+
+def test_the_metrics_port_answers_errors_as_openai_json():
+    from node.serving import MetricsServer
+
+    metrics = TestClient(MetricsServer("127.0.0.1", 0, lambda: b"x 1\n").server.config.app)  # not started
+    _assert_openai_error(metrics.get("/nope"), 404)
+    _assert_openai_error(metrics.post("/metrics"), 405)
+    assert metrics.get("/metrics").text == "x 1\n"
