@@ -181,8 +181,8 @@ class MetricsServer:
         def metrics() -> Response:
             return Response(render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", http="h11",
-                                limit_concurrency=16, timeout_keep_alive=15)
+        config = uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="off", http="h11",
+                                limit_concurrency=16, timeout_keep_alive=15)  # the API server owns logging
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="pdcluster-metrics", daemon=True)
 
