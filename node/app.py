@@ -293,7 +293,11 @@ def build_app(title: str, handle: Handler, lifespan: Any, settings: NodeSettings
     app.state.drain = Drain(settings.drain_s)
 
     def num_in_flight() -> int:
+        """What a drain waits for: requests here, and on a prefill node the leases readers may still read."""
         runtime = getattr(app.state, "runtime", None)
-        return len(runtime.request_ids) if runtime is not None else 0
+        if runtime is None:
+            return 0
+        exports = runtime.extras.get("exports")
+        return len(runtime.request_ids) + (exports.num_outstanding if exports is not None else 0)
     app.state.num_in_flight = num_in_flight
     return app
