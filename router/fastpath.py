@@ -118,6 +118,8 @@ async def handle(state: RouterState, endpoint: str, scope, receive, send) -> Non
         log.exception("router: unexpected error on %s", scope["path"])
         if reply is not None:
             reply.sent()
+            if reply.on_abandon is not None:
+                await reply.on_abandon()  # a stream that never started: its bookkeeping (admission slot) still runs
         else:
             body = orjson.dumps(error_body(500, "internal router error"))
             await send({"type": "http.response.start", "status": 500,
