@@ -72,7 +72,7 @@ def _handle(cmd: str, kw: dict, state: dict) -> Any:
             t.release(handle)
             if res.state.value != "DONE":
                 raise RuntimeError(f"READ ended {res.state}")
-            out.append((wall, res.backend_descriptors, res.xfer_s))
+            out.append((wall, res.backend_descriptors, res.backend_xfer_s))
         return out
     if cmd == "digest":
         return _digest(pool, kw["ranges"])
