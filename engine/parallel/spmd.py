@@ -44,7 +44,9 @@ class TPModel(TimedModel):
         from engine.parallel.prefill import PrefillBatch, choose_mode, parallel_prefill
 
         batch = PrefillBatch((token_ids,), (start,))
-        mode = choose_mode(batch, self.token_threshold)
+        # a resumed prefill (a chunk, a prefix-cache hit) is token-sharded whatever its size: the head-sharded
+        # mode is equal within fp32 only, and a prompt's tail chunk must give the bits of the one-shot prefill
+        mode = "token" if start else choose_mode(batch, self.token_threshold)
         started = time.perf_counter()
         result = parallel_prefill(self.ctx, self.model, batch, [cache], mode, all_logits=all_logits)
         self.timings.append(("prefill", f"{mode}_sharded", time.perf_counter() - started))
