@@ -72,21 +72,6 @@ def parse_session(value: str | None) -> str:
     if not 0 < len(value) <= 64 or not set(value) <= _HEX:
         raise APIError(400, f"{SESSION_HEADER} must be 1 to 64 hex characters", SESSION_HEADER)
     return value
-    session: str = ""
-    """The router's opaque session key (`x-pdcluster-session`), "" when the request belongs to none."""
-
-
-SESSION_HEADER = "x-pdcluster-session"
-_HEX = frozenset("0123456789abcdefABCDEF")
-
-
-def parse_session(value: str | None) -> str:
-    """The `x-pdcluster-session` header: absent -> "", 1..64 hex characters -> itself, anything else a 400."""
-    if value is None:
-        return ""
-    if not 0 < len(value) <= 64 or not set(value) <= _HEX:
-        raise APIError(400, f"{SESSION_HEADER} must be 1 to 64 hex characters", SESSION_HEADER)
-    return value
 
 
 def render_chat(messages: list[Any]) -> str:
