@@ -138,7 +138,7 @@ def test_router_plan_and_registry_match_the_router_schema(tmp_path):
 
     def geometry(i):  # noqa: ANN001, ANN202
         return Geometry(name=i.name, engine=i.engine, model="m", tp=i.tp, dcp=i.dcp, block_size=1024,
-                        cache_dtype="fp8", layout_fingerprint="f")
+                        cache_dtype="fp8", layout_fingerprint="f", weights="w")
 
     prefill, *decodes = registry.instances
     assert [pair_verdict(geometry(prefill), geometry(d)).reasons for d in decodes] == [(), ()]
