@@ -80,6 +80,7 @@ class Registry:
         self._matrix: dict[tuple[str, str], PairVerdict] = {}
         self.compatible_pairs: frozenset[tuple[str, str]] = frozenset()
         self._served_ids: set[str] = set()
+        self._known_ids: set[str] = set()
         self._states: list[InstanceState] = []
         self.version = 0
         self.drained: set[str] = set()
@@ -115,11 +116,17 @@ class Registry:
         self._matrix = compat_matrix(prefills, decodes)
         self.compatible_pairs = frozenset(key for key, verdict in self._matrix.items() if verdict.is_compatible)
         self._served_ids = {str(card["id"]) for card in self.served_models()}
+        self._known_ids = {str(card["id"]) for card in self.served_models(healthy_only=False)}
         self.version += 1
 
     def served_model_ids(self) -> set[str]:
         """Ids of the models healthy decode instances serve (as of the last recompute)."""
         return self._served_ids
+
+    def known_model_ids(self) -> set[str]:
+        """Ids of the models any registered decode instance serves, healthy or not: a request for one of
+        them is not a 404 while its instances are down (placement answers 503 with Retry-After)."""
+        return self._known_ids
 
     @property
     def matrix(self) -> dict[tuple[str, str], PairVerdict]:
@@ -135,11 +142,11 @@ class Registry:
     def snapshot(self) -> list[InstanceView]:
         return [self.view(s) for s in self._states]
 
-    def served_models(self) -> list[dict]:
-        """Model cards of healthy decode instances, de-duplicated by id."""
+    def served_models(self, healthy_only: bool = True) -> list[dict]:
+        """Model cards of healthy (or, `healthy_only=False`, all) decode instances, de-duplicated by id."""
         cards: dict[str, dict] = {}
         for state in self.states():
-            if state.spec.role != "decode" or not state.is_healthy:
+            if state.spec.role != "decode" or (healthy_only and not state.is_healthy):
                 continue
             for card in state.models.raw_cards:
                 cards.setdefault(str(card["id"]), dict(card))

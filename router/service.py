@@ -73,7 +73,9 @@ def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint,
     state.api_keys.tenant(headers.get("authorization"))  # 401 before the body is parsed
     body = parse_body(raw, s.max_body_bytes)
     session_key = identify(state, headers, body)  # 400 for an oversized session id, whatever else is wrong
-    valid = validate(body, endpoint, state.registry.served_model_ids(), s.max_tokens_limit)
+    valid = validate(body, endpoint, state.registry.known_model_ids(), s.max_tokens_limit)
+    if valid.body["model"] not in state.registry.served_model_ids():
+        raise NoHealthyInstance(valid.body["model"])
     shape = _shape(state, headers, valid.body, session_key)
     now = time.monotonic()
     session = state.sessions.get(shape.session_id, now) if shape.session_id else None
@@ -223,6 +225,14 @@ async def _run(state: RouterState, orch: Orchestrator, ctx: RequestContext) -> R
                  on_abandon=end.abandon)
 
 
+class NoHealthyInstance(Exception):
+    """The model is one the cluster serves, but no decode instance serving it is healthy now."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.model = model
+
+
 async def serve(state: RouterState, endpoint: Endpoint, headers: Mapping[str, str], raw: bytes,
                 started: float) -> Reply:
     """Handle one /v1/completions or /v1/chat/completions request (`headers`: lower-cased names). Error answers
@@ -243,6 +253,12 @@ async def _serve(state: RouterState, endpoint: Endpoint, headers: Mapping[str, s
         state.metrics.child(state.metrics.requests, "shed", exc.pool).inc()
         reply = error_reply(429, f"too many requests in flight for pool {exc.pool}; retry later",
                             type_="rate_limit_error")
+        reply.headers["retry-after"] = str(state.admission.retry_after_s)
+        return reply
+    except NoHealthyInstance as exc:
+        state.metrics.requests.labels("upstream_error", "none").inc()
+        reply = error_reply(503, f"no healthy decode instance serves model {exc.model!r} right now; retry later",
+                            "model", "service_unavailable")
         reply.headers["retry-after"] = str(state.admission.retry_after_s)
         return reply
     except APIError as exc:

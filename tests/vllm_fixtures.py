@@ -169,11 +169,40 @@ def start_pd_pair(python: Path, model_dir: Path, log_dir: Path) -> tuple[VllmSer
                start_vllm(python, model_dir, log_dir, "vllm-decode", 1, "kv_consumer")]
     try:
         wait_ready(servers, float(os.environ.get("PDCLUSTER_VLLM_START_TIMEOUT_S", "600")))
+        warm_up_handshake(servers[0], servers[1])
     except Exception:
         for server in servers:
             server.stop()
         raise
     return servers[0], servers[1]
+
+
+def warm_up_handshake(prefill: VllmServer, decode: VllmServer, attempts: int = 4) -> None:
+    """One P -> D request straight to the pair, retried until the decode side pulled the KV.
+
+    vLLM's NIXL handshake (decode -> prefill side channel) waits a fixed 5 s for the reply
+    (`zmq.RCVTIMEO` in vLLM's nixl worker); on two cores shared with both servers' busy-polling threads the
+    prefill can miss it, and that request then fails with a KV load failure. vLLM keeps the remote agent
+    once a handshake succeeds, so doing it here, before any test, keeps that start-up race out of the
+    tests, which then see the pair as a deployment would after its first request.
+    """
+    body = {"model": SERVED_MODEL, "prompt": "warm up the NIXL handshake between the pair", "temperature": 0}
+    errors = []
+    for _ in range(attempts):
+        p = httpx.post(f"{prefill.url}/v1/completions", timeout=300, json={
+            **body, "max_tokens": 1, "kv_transfer_params": {
+                "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}})
+        if p.status_code != 200 or not p.json().get("kv_transfer_params"):
+            errors.append(f"P {p.status_code}: {p.text[:200]}")
+            continue
+        d = httpx.post(f"{decode.url}/v1/completions", timeout=300,
+                       json={**body, "max_tokens": 2, "kv_transfer_params": p.json()["kv_transfer_params"]})
+        if d.status_code == 200:
+            return
+        errors.append(f"D {d.status_code}: {d.text[:200]}")
+    tails = "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in (prefill, decode))
+    raise RuntimeError(f"the vLLM pair never completed a P -> D request: {errors}\n{tails}")
 
 
 def _require_vllm() -> Path:

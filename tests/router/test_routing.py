@@ -281,7 +281,14 @@ def test_models_health_and_metric_names():
                 await app.state.health_checker.check_all()
             assert (await client.get("/health")).status_code == 503
             assert (await client.get("/livez")).status_code == 200
+            # the model is still the cluster's: no healthy decode serves it right now, so come back later
             resp = await client.post("/v1/completions", json=completion())
-            assert resp.status_code == 404  # no healthy decode serves the model any more
+            assert resp.status_code == 503 and resp.headers["retry-after"], resp.text
+            assert resp.json()["error"]["param"] == "model" and "retry later" in resp.json()["error"]["message"]
+            resp = await client.post("/v1/completions", json={**completion(), "model": "other-model"})
+            assert resp.status_code == 404 and resp.json()["error"]["type"] == "model_not_found"
+            d.healthy = True
+            await app.state.health_checker.check_all()
+            assert (await client.post("/v1/completions", json=completion())).status_code == 200
 
     run(main())
