@@ -3,13 +3,18 @@
 Client-seen latency histograms carry (pool, model); TTFT buckets include 2.0 s. The router's own share
 of an ok request (`pdcluster_router_overhead_seconds`: e2e minus the time inside its P and D legs) has
 sub-millisecond buckets. `refresh_gauges`
-recomputes instance, pair and session gauges from the registry at scrape time.
+recomputes instance, pair and session gauges from the registry at scrape time. Counters and histograms are
+router/local_metrics.py's lock-free ones (the request path updates a dozen per request); gauges are
+prometheus_client's.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from router.local_metrics import LocalCounter as Counter
+from router.local_metrics import LocalHistogram as Histogram
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)

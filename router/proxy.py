@@ -29,7 +29,7 @@ from router.aborts import aborter_for
 from router.admission import is_node_shed
 from router.kvparams import KVHandoff, decode_body, handoff_from_answer, prefill_body
 from router.placement import Placement, RequestShape, load_score
-from router.registry import InstanceState
+from router.registry import InstanceState, host_of
 from router.session_routing import cached_tokens_of
 from router.state import RouterState
 from router.upstream import CONNECT_ERRORS, UPSTREAM_ERRORS, UpstreamResponse
@@ -180,7 +180,7 @@ class Orchestrator:
             answer = None
         if isinstance(answer, dict):
             ctx.prefill_cached_tokens = cached_tokens_of(answer.get("usage"))
-        handoff = handoff_from_answer(name, self.state.registry.view(state).host, answer)
+        handoff = handoff_from_answer(name, host_of(state.spec.url), answer)
         if handoff is None:
             ctx.fallback_reason = "no handoff"
         else:

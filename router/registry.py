@@ -10,6 +10,8 @@ facts or health (geometry, the compat matrix, compatible pairs, served model ids
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -56,7 +58,13 @@ class InstanceView:
 
     @property
     def host(self) -> str:
-        return urlparse(self.url).hostname or "127.0.0.1"
+        return host_of(self.url)
+
+
+@functools.lru_cache(maxsize=4096)
+def host_of(url: str) -> str:
+    """The host part of an instance URL (parsed once per URL: the P leg asks for it on every request)."""
+    return urlparse(url).hostname or "127.0.0.1"
 
 
 def geometry_of(state: InstanceState) -> Geometry:
