@@ -1,8 +1,8 @@
 """Kimi Delta Attention (KDA): projections, short conv, and the recurrent and chunked cores.
 
 The engine runs the recurrent step for decode and, token by token, for prefill (`kda_sequential`: prefill and
-decode agree bit for bit); the chunked form computes the same values in a parallel order (the shape GPU kernels
-use) and is tested against the naive reference.
+decode agree bit for bit; on CUDA both run one Triton kernel, kda_cuda.py); the chunked form computes the same
+values in a parallel order (the shape GPU kernels use) and is tested against the naive reference.
 
 Per layer, H heads of d = d_k = d_v, gates per channel:
     q, k, v  = SiLU(causal depthwise conv over time (width W) of W_qkv x)     conv state: last W-1 inputs
@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.model.config import ModelConfig
+from engine.model.kda_cuda import kda_recurrence
 from engine.model.numerics import RowLinear, rms_norm
 
 SUB_CHUNK = 8
@@ -120,7 +121,12 @@ def causal_conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor)
 def kda_recurrent_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step for B requests. q,k,v,g [B,H,d], beta [B,H], state [B,H,d_k,d_v] -> (o [B,H,d], state)."""
+    """One decode step for B requests. q,k,v,g [B,H,d], beta [B,H], state [B,H,d_k,d_v] -> (o [B,H,d], state).
+    On CUDA tensors: the Triton recurrence (kda_cuda.py), the same kernel `kda_sequential` runs there."""
+    if q.is_cuda:
+        o, s = kda_recurrence(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1), beta.unsqueeze(1),
+                              state)
+        return o[:, 0], s
     s = state * torch.exp(g).unsqueeze(-1)
     ks = (k.unsqueeze(-1) * s).sum(-2)  # S^T k  [B, H, d_v]
     u = beta.unsqueeze(-1) * (v - ks)
@@ -135,7 +141,12 @@ def kda_sequential(
     kda_chunked. What the engine's prefill runs: every output and the final state are bit-identical to decoding
     the same tokens one at a time, so a prompt's log-probs under teacher forcing equal, bit for bit, the log-probs
     served while decoding those tokens (the chunked form computes the same values in another order; it differs
-    in the last bits). Costs ~1.6x the chunked form's time on one CPU core at 4K tokens."""
+    in the last bits). Costs ~1.6x the chunked form's time on one CPU core at 4K tokens. On CUDA tensors: one
+    Triton kernel walks the tokens (kda_cuda.py), the same one the decode step runs there."""
+    if q.is_cuda:
+        o, s = kda_recurrence(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+                              state.unsqueeze(0))
+        return o[0], s[0]
     s = state.unsqueeze(0)
     outputs = []
     for t in range(q.shape[0]):

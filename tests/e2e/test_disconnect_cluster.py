@@ -13,15 +13,23 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-LONG_PROMPT_BYTES = 8_000
-"""Long enough that the prefill leg takes well over CANCEL_AFTER_S on two cores."""
-CANCEL_AFTER_S = 0.5
+LONG_PROMPT_BYTES = {"cpu": 8_000, "cuda": 28_000}
+"""Long enough that the prefill leg takes well over CANCEL_AFTER_S: 8K tokens on two CPU cores; on a GPU (the
+one-GPU topology, cluster/gpu1.yaml) an 8K prefill ends within CANCEL_AFTER_S, 28K does not."""
+CANCEL_AFTER_S = {"cpu": 0.5, "cuda": 0.2}
+"""When the during-prefill test leaves: well inside the long prompt's prefill leg (28K tokens take ~0.6 s on
+an H200)."""
 
 
 def _body(model: str, index: int, prompt_bytes: int, max_tokens: int = 16, stream: bool = True) -> dict:
-    prompt = (f"request {index}: " + "the decode pool streams tokens while prefill ranks shard the prompt. " * 400)
+    sentence = "the decode pool streams tokens while prefill ranks shard the prompt. "
+    prompt = f"request {index}: " + sentence * (prompt_bytes // len(sentence) + 1)
     return {"model": model, "prompt": prompt[:prompt_bytes], "max_tokens": max_tokens, "temperature": 0,
             "stream": stream}
+
+
+def _long_prompt_bytes(cluster) -> int:
+    return LONG_PROMPT_BYTES[cluster.cluster.config.device]
 
 
 def _cancelled(cluster) -> float:
@@ -80,9 +88,10 @@ def test_disconnect_during_prefill(cluster):
     the router has not yet seen the prefill leg answer."""
     idle = cluster.idle_snapshot()
     before, legs = _cancelled(cluster), _prefill_legs(cluster)
+    cancel_after_s = CANCEL_AFTER_S[cluster.cluster.config.device]
     started = time.monotonic()
-    seen = asyncio.run(_cancel_when(cluster, [_body(cluster.model, 100, LONG_PROMPT_BYTES)],
-                                    lambda: time.monotonic() - started >= CANCEL_AFTER_S))
+    seen = asyncio.run(_cancel_when(cluster, [_body(cluster.model, 100, _long_prompt_bytes(cluster))],
+                                    lambda: time.monotonic() - started >= cancel_after_s))
     assert seen and _prefill_legs(cluster) == legs, "the prefill leg ended before the client left"
     _check_idle_after(cluster, idle, before, 1)
 
@@ -103,7 +112,7 @@ def test_disconnect_between_legs(cluster):
     def prefill_leg_done() -> bool:
         return _prefill_load(cluster).leases >= 1 or _prefill_answers(cluster) > answered
 
-    seen = asyncio.run(_cancel_when(cluster, [_body(cluster.model, 200, LONG_PROMPT_BYTES, max_tokens=400)],
+    seen = asyncio.run(_cancel_when(cluster, [_body(cluster.model, 200, _long_prompt_bytes(cluster), max_tokens=400)],
                                     prefill_leg_done, timeout_s=300))
     assert seen, "the prefill leg never finished"
     _check_idle_after(cluster, idle, before, 1)
