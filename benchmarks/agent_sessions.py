@@ -12,6 +12,9 @@ Measured per side (all from what the run itself produced, nothing assumed):
   over the run (the cached_tokens clients saw), and the nodes' hit/queried tokens;
 then `loadgen compare` of the two summaries. `--json FILE` writes everything with a headline:
 ttft_turn2plus_ratio (on / off, goal <= 0.3), pd_bytes_per_turn_reduction (off / on, goal >= 5).
+Both sides run the router with `--disagg-min-uncached-tokens` (default 256, conditional disaggregation): with the
+cache off nothing is resumable, so every turn of more than that takes a P leg; with it on, a turn that extends
+its last turn by fewer tokens is computed on the decode instance that holds the session (its tail).
 
     .venv/bin/python benchmarks/agent_sessions.py --out /tmp/agent-sessions --json /tmp/agent-sessions.json
 """
@@ -64,10 +67,12 @@ def totals(cluster: Cluster) -> dict[str, float]:
     return found
 
 
-def config_for(cache_on: bool, base: Path):
+def config_for(cache_on: bool, base: Path, min_uncached: int | None = None):
     config = load_config(base)
     data = config.model_dump(by_alias=False)
     data["router"]["port"] = None
+    if min_uncached is not None:
+        data["router"]["settings"] = {**data["router"].get("settings", {}), "disagg_min_uncached_tokens": min_uncached}
     for pool in data["pools"]:
         pool["settings"] = {**pool.get("settings", {}), "prefix_cache": cache_on}
     return type(config).model_validate(data)
@@ -86,7 +91,7 @@ def loadgen(url: str, out: Path, args: argparse.Namespace) -> None:
 def side(cache_on: bool, args: argparse.Namespace) -> dict:
     name = "cache_on" if cache_on else "cache_off"
     out = args.out / name
-    cluster = Cluster(config_for(cache_on, args.config), out / "logs").start()
+    cluster = Cluster(config_for(cache_on, args.config, args.disagg_min_uncached_tokens), out / "logs").start()
     try:
         before = totals(cluster)
         started = time.monotonic()
@@ -145,7 +150,13 @@ def main() -> int:
     p.add_argument("--turns", default="uniform:4,8")
     p.add_argument("--think-time", default="exp:0.5")
     p.add_argument("--max-context", type=int, default=4096)
+    p.add_argument("--disagg-min-uncached-tokens", type=int, default=256,
+                   help="router setting on both sides: a turn whose decode instance can resume all but fewer prompt "
+                        "tokens is computed there instead of through a P leg (which ships the whole KDA state "
+                        "again: 384 KiB per request at TP1 for kimi-k3.1-mini); the config's value with -1")
     args = p.parse_args()
+    if args.disagg_min_uncached_tokens < 0:
+        args.disagg_min_uncached_tokens = None
     args.out.mkdir(parents=True, exist_ok=True)
     off = side(False, args)
     on = side(True, args)

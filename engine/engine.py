@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from engine.cache import BlockTable, RowPool
-from engine.prefix_cache import PrefixCache
+from engine.prefix_cache import CachedTail, PrefixCache
 from engine.fast.backend import resolve_kernels
 from engine.layout import RowLayout, plan_layout
 from engine.model.config import ModelConfig, get_preset
@@ -114,7 +114,8 @@ class CacheReport:
     sessions: tuple[tuple[str, int], ...]
     """(session, leading tokens of its last turn held), most recently used first."""
     resumable: tuple[tuple[str, int], ...]
-    """(session, leading tokens a local prefill could resume from: held and ending in a KDA snapshot)."""
+    """(session, leading tokens a local prefill could resume from: held and ending in a KDA snapshot, or the
+    end of the session's last turn while its tail is held)."""
     blocks_cached: int
     rows_free: int
     hits_tokens: int
@@ -122,6 +123,8 @@ class CacheReport:
     evicted_blocks: int
     blocks_read: int
     blocks_reused: int
+    tails: bool = False
+    """Finished turns leave a tail (resumable at their exact end): the cache is on and prefills can resume."""
 
 
 @dataclass(frozen=True)
@@ -183,8 +186,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.max_batch, self.cache, config.max_step_tokens,
                                    resume=getattr(self.model, "supports_resume", True))
         self.runner = ModelRunner(self.model, self.pool, make_cache)
-        self.sessions: OrderedDict[str, list[bytes]] = OrderedDict()
-        """Session key -> block keys of its last finished turn (prompt + answer), most recent last."""
+        self.sessions: OrderedDict[str, tuple[list[bytes], CachedTail | None]] = OrderedDict()
+        """Session key -> (block keys of its last finished turn (prompt + answer), that turn's tail), most recent last."""
 
     def _fast_model(self, wrapped: bool) -> Any:
         from engine.fast.model import FastModel
@@ -303,7 +306,7 @@ class Engine:
         req.output_logprobs.append(tok.logprob)
         reason = self._finish_reason(req, tok.token_id)
         if reason is not None:
-            self._remember_session(req)
+            self._remember_session(req, self.scheduler.keep_tail(req))
             self.scheduler.finish(req, reason)
         return TokenEvent(request_id=req.request_id, token_id=tok.token_id, index=len(req.output_token_ids) - 1,
                           logprob=tok.logprob, top_logprobs=tok.top_logprobs, rank=tok.rank, finish_reason=reason,
@@ -406,10 +409,10 @@ class Engine:
                                 [t.logprob for t in tokens], tokens[-1].finish_reason if tokens else None)
 
     # ---- sessions and the cache report ----
-    def _remember_session(self, req: Request) -> None:
+    def _remember_session(self, req: Request, tail: CachedTail | None = None) -> None:
         if not req.session or not self.cache.enabled:
             return
-        self.sessions[req.session] = list(req.block_keys)
+        self.sessions[req.session] = (list(req.block_keys), tail)
         self.sessions.move_to_end(req.session)
         while len(self.sessions) > MAX_SESSIONS:
             self.sessions.popitem(last=False)
@@ -419,11 +422,12 @@ class Engine:
         counters = cache.counters
         return CacheReport(
             block_tokens=self.layout.block_size, fingerprint=self.fingerprint,
-            sessions=tuple((s, cache.held_tokens(keys)) for s, keys in recent),
-            resumable=tuple((s, cache.held_tokens(keys, snapshot=True)) for s, keys in recent),
+            sessions=tuple((s, cache.held_tokens(keys)) for s, (keys, _) in recent),
+            resumable=tuple((s, cache.held_tokens(keys, snapshot=True, tail=tail)) for s, (keys, tail) in recent),
             blocks_cached=cache.num_blocks, rows_free=self.pool.num_free, hits_tokens=counters.hit_tokens,
             queried_tokens=counters.queried_tokens, evicted_blocks=counters.evicted_blocks,
-            blocks_read=counters.blocks_read, blocks_reused=counters.blocks_reused)
+            blocks_read=counters.blocks_read, blocks_reused=counters.blocks_reused,
+            tails=cache.enabled and self.scheduler.resume)
 
     # ---- introspection ----
     @property
@@ -433,6 +437,11 @@ class Engine:
     @property
     def num_free_rows(self) -> int:
         return self.pool.num_free
+
+    @property
+    def num_available_rows(self) -> int:
+        """Free rows plus those the prefix cache gives up on demand (unreferenced blocks, tails)."""
+        return self.pool.num_available
 
     @property
     def num_quarantined_rows(self) -> int:

@@ -12,6 +12,11 @@ row per KDA group, the state after its last token). A request computes locally f
 whose last block has a snapshot (`resumable`); an import (KV read from a prefill node, which sends the KDA state
 at the prompt's end) reuses the longest prefix of attention blocks (`lookup`) whatever the snapshots.
 
+A finished turn also leaves a tail (`CachedTail`): the attention row of its last, partial block and its KDA rows,
+the state after the turn's last written token (prompt + answer but the last sampled token). A later prompt that
+starts with the whole turn resumes at its exact end (`find_tail`): the tail's rows are copied into the new
+request's own rows, so a tail is never shared and is evicted, least recently used, before any block.
+
 Ownership: a cached block's rows belong to the cache. `refs` counts the requests whose block table uses it;
 a block with refs 0 is evictable, least recently used first, but only when the pool runs out of free rows
 (`RowPool.allocate` calls `evict`). `pinned_until` keeps a block out of eviction until a time (a remote READ
@@ -44,6 +49,23 @@ class CachedBlock:
     @property
     def rows(self) -> list[int]:
         return [self.attn_row, *(self.kda_rows or ())]
+
+
+@dataclass
+class CachedTail:
+    parent: bytes
+    """Key of block index-1 (ROOT for index 0): the full blocks the tail extends."""
+    index: int
+    """The partial block k: the tail holds tokens [k*B, end) of its sequence."""
+    tokens: tuple[int, ...]
+    """Token ids [k*B, end)."""
+    end: int
+    attn_row: int
+    kda_rows: tuple[int, ...]
+
+    @property
+    def rows(self) -> list[int]:
+        return [self.attn_row, *self.kda_rows]
 
 
 @dataclass
@@ -80,6 +102,8 @@ class PrefixCache:
         self.blocks: dict[bytes, CachedBlock] = {}
         self._lru: OrderedDict[bytes, CachedBlock] = OrderedDict()
         """Blocks with refs 0, least recently used first."""
+        self.tails: OrderedDict[int, CachedTail] = OrderedDict()
+        """Finished turns' tails, least recently used first (all evictable: a use copies them)."""
         self.counters = CacheCounters()
         self.now = 0.0
         """The engine's clock at the last `tick` (pins are compared with it)."""
@@ -106,6 +130,36 @@ class PrefixCache:
         while held and held[-1].kda_rows is None:
             held.pop()
         return held
+
+    def find_tail(self, tokens: Sequence[int], held: Sequence[CachedBlock]) -> CachedTail | None:
+        """The tail ending furthest into `tokens` (and before its last token) whose blocks are the first ones of
+        `held` (the held prefix of `tokens`' block keys) and whose tokens continue `tokens` there."""
+        if not self.enabled:
+            return None
+        best = None
+        for tail in self.tails.values():
+            k = tail.index
+            if k > len(held) or (held[k - 1].key if k else ROOT) != tail.parent or tail.end >= len(tokens):
+                continue
+            if (best is None or tail.end > best.end) and tuple(tokens[k * self.block_tokens:tail.end]) == tail.tokens:
+                best = tail
+        return best
+
+    def add_tail(self, tail: CachedTail) -> None:
+        """Keep a finished turn's tail (its rows now belong to the cache). Tails it extends are dropped."""
+        for key, old in list(self.tails.items()):
+            if old.parent == tail.parent and old.index == tail.index and tail.tokens[:len(old.tokens)] == old.tokens:
+                del self.tails[key]
+                self.pool.free(old.rows)
+        self.tails[id(tail)] = tail
+
+    def take_tail(self, tail: CachedTail) -> None:
+        """Keep `tail` out of eviction while a request copies it (`put_back_tail` ends that)."""
+        self.tails.pop(id(tail), None)
+
+    def put_back_tail(self, tail: CachedTail) -> None:
+        self.tails[id(tail)] = tail
+        self.tails.move_to_end(id(tail))
 
     # ---- references ----
     def acquire(self, blocks: Sequence[CachedBlock]) -> None:
@@ -147,11 +201,19 @@ class PrefixCache:
 
     # ---- eviction ----
     def evictable_rows(self) -> int:
-        return sum(len(b.rows) for b in self._lru.values() if b.pinned_until <= self.now)
+        return sum(len(b.rows) for b in self._lru.values() if b.pinned_until <= self.now) + \
+            sum(len(t.rows) for t in self.tails.values())
 
     def evict(self, num_rows: int) -> int:
-        """Evict least recently used unreferenced blocks until num_rows rows were freed (or none is left)."""
+        """Evict tails, then unreferenced blocks, least recently used first, until num_rows rows were freed (or
+        none is left)."""
         freed = 0
+        for key in list(self.tails):
+            if freed >= num_rows:
+                break
+            tail = self.tails.pop(key)
+            self.pool.free(tail.rows)
+            freed += len(tail.rows)
         for key in list(self._lru):
             if freed >= num_rows:
                 break
@@ -169,7 +231,13 @@ class PrefixCache:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
-    def held_tokens(self, keys: Sequence[bytes], snapshot: bool = False) -> int:
-        """Leading tokens of the prefix `keys` names that are held (with `snapshot`: resumable)."""
-        blocks = self.resumable(keys) if snapshot else self.lookup(keys)
-        return len(blocks) * self.block_tokens
+    def held_tokens(self, keys: Sequence[bytes], snapshot: bool = False, tail: CachedTail | None = None) -> int:
+        """Leading tokens of the prefix `keys` names that are held (with `snapshot`: resumable, at the end of
+        `tail` when that tail is still held and extends the held blocks)."""
+        if not snapshot:
+            return len(self.lookup(keys)) * self.block_tokens
+        if tail is not None and id(tail) in self.tails:
+            held = self.lookup(keys[:tail.index])
+            if len(held) == tail.index and (held[-1].key if held else ROOT) == tail.parent:
+                return tail.end
+        return len(self.resumable(keys)) * self.block_tokens

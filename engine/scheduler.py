@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.cache import BlockTable, OutOfRows, RowPool
-from engine.prefix_cache import ROOT, CachedBlock, PrefixCache, chain_keys
+from engine.prefix_cache import ROOT, CachedBlock, CachedTail, PrefixCache, chain_keys
 from engine.sampling import SamplingParams
 
 MIN_CHUNK = 16
@@ -76,6 +76,8 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)
     """Chained keys of this request's full blocks so far."""
     decode_snapshot: CachedBlock | None = None
+    given_rows: set[int] = field(default_factory=set)
+    """Rows handed to the prefix cache as this request's tail (not freed with the request)."""
     prompt_logits: list = field(default_factory=list)
     """Chunk logits of a request that asked for prompt log-probs."""
 
@@ -163,12 +165,31 @@ class Scheduler:
         """Rows for a request this node prefills, resuming from the longest resumable cached prefix."""
         reuse: list[CachedBlock] = []
         keys: list[bytes] = []
+        tail: CachedTail | None = None
         if self._caching() and self.resume and req.sampling.prompt_logprobs is None:
             keys = self.cache.keys(req.prompt_token_ids, (len(req.prompt_token_ids) - 1) // self.block_tokens)
             reuse = self.cache.resumable(keys)
-        if not self._admit(req, reuse, keys, req.capacity):
+            tail = self.cache.find_tail(req.prompt_token_ids, self.cache.lookup(keys))
+            if tail is not None and tail.end > len(reuse) * self.block_tokens:
+                reuse = self.cache.lookup(keys)[:tail.index]
+                self.cache.take_tail(tail)  # not evicted by this very admission
+            else:
+                tail = None
+        admitted = self._admit(req, reuse, keys, req.capacity)
+        if tail is not None:
+            if admitted:
+                assert req.table is not None
+                self.pool.copy_rows([req.table.attn_row_ids[tail.index], *req.table.kda_row_ids],
+                                    tail.rows)
+                extra = tail.end - len(reuse) * self.block_tokens
+                req.num_cached_tokens = req.num_computed = tail.end
+                self.cache.counters.hit_tokens += extra
+            self.cache.put_back_tail(tail)
+        if not admitted:
             return False
         assert req.table is not None
+        if tail is not None:
+            return True
         if reuse:
             self.pool.copy_rows(req.table.kda_row_ids, reuse[-1].kda_rows or ())
         else:
@@ -279,6 +300,24 @@ class Scheduler:
         return tuple(rows)
 
     # ---- ending ----
+    def keep_tail(self, req: Request) -> CachedTail | None:
+        """A request that decoded to its end: its last partial block's attention row and its KDA rows become a
+        tail of the prefix cache (the state after its last written token) instead of being freed."""
+        if not (self._caching() and self.resume) or req.table is None or req.held \
+                or req.state != RequestState.RUNNING:
+            return None
+        bt = self.block_tokens
+        written = req.num_tokens - 1  # the last sampled token never went through the model
+        k = written // bt
+        if written % bt == 0 or k >= len(req.table.attn_row_ids) or len(req.block_keys) != k:
+            return None
+        tail = CachedTail(parent=req.block_keys[-1] if k else ROOT, index=k,
+                          tokens=tuple(req.token_at(k * bt, written)), end=written,
+                          attn_row=req.table.attn_row_ids[k], kda_rows=tuple(req.table.kda_row_ids))
+        req.given_rows = set(tail.rows)
+        self.cache.add_tail(tail)
+        return tail
+
     def finish(self, req: Request, reason: str, quarantine_until: float | None = None) -> None:
         """End a request in any state; its rows are freed, or quarantined until `quarantine_until`."""
         req.finish_reason = reason
@@ -314,7 +353,7 @@ class Scheduler:
             return
         if req.held:
             quarantine_until = math.inf
-        shared = {b.attn_row for b in req.cached_blocks}
+        shared = {b.attn_row for b in req.cached_blocks} | req.given_rows
         own = [row for row in req.table.row_ids if row not in shared]
         if quarantine_until is None:
             self.pool.free(own)

@@ -224,7 +224,7 @@ def node_router(handle: Handler, settings: NodeSettings) -> APIRouter:
                              "sessions": dict(report.sessions), "resumable": dict(report.resumable),
                              "blocks_cached": report.blocks_cached, "rows_free": report.rows_free,
                              "hits_tokens": report.hits_tokens, "queried_tokens": report.queried_tokens,
-                             "evicted_blocks": report.evicted_blocks})
+                             "evicted_blocks": report.evicted_blocks, "tails": report.tails})
 
     @router.get("/v1/models")
     async def models(request: Request) -> ModelList:

@@ -13,8 +13,9 @@ Two sources, both bounded:
 Two figures per (instance, session): `held` (the report's `sessions`: leading tokens whose attention blocks
 the node holds, what an import reuses: where to send the turn) and `resumable` (the report's `resumable`:
 leading tokens a local prefill can resume from, held and ending in a KDA snapshot; what decides whether the
-decode node may compute the rest itself, i.e. skip the P leg). Resumable comes from polls only, never from a
-guess; a node that reports no `resumable` map has it equal to `sessions`.
+decode node may compute the rest itself, i.e. skip the P leg). Resumable comes from polls, and from a turn's
+end only on instances that report `tails: true` (a finished turn stays resumable at its exact end: prompt +
+answer but its last sampled token); a node that reports no `resumable` map has it equal to `sessions`.
 A poll replaces an instance's entries, except held entries noted after the poll was sent (newer than what
 the node could report).
 """
@@ -49,6 +50,8 @@ class CacheReport:
     hits_tokens: int = 0
     queried_tokens: int = 0
     evicted_blocks: int = 0
+    tails: bool = False
+    """The node keeps each finished turn resumable at its exact end (docs/SESSIONS.md)."""
 
     @property
     def is_caching(self) -> bool:
@@ -86,7 +89,7 @@ def parse_report(body: object) -> CacheReport | None:
                        sessions=sessions, resumable=resumable, blocks_cached=_count(body.get("blocks_cached")),
                        rows_free=_count(body.get("rows_free")), hits_tokens=_count(body.get("hits_tokens")),
                        queried_tokens=_count(body.get("queried_tokens")),
-                       evicted_blocks=_count(body.get("evicted_blocks")))
+                       evicted_blocks=_count(body.get("evicted_blocks")), tails=body.get("tails") is True)
 
 
 @dataclass
@@ -94,6 +97,8 @@ class _Instance:
     report: CacheReport
     held: dict[str, tuple[int, float]]
     """session -> (tokens, when it was set)."""
+    resumable: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Notes of turn ends on a node with tails: session -> (tokens, when it was set)."""
 
 
 class CacheView:
@@ -106,24 +111,30 @@ class CacheView:
         """A poll sent at `sent_at` answered `report`: it replaces the entries older than the poll."""
         current = self._instances.get(instance)
         held = {s: (t, sent_at) for s, t in report.sessions.items()}
+        notes: dict[str, tuple[int, float]] = {}
         if current is not None:
             for session, (tokens, at) in current.held.items():
                 if at > sent_at and len(held) < MAX_SESSIONS:
                     held[session] = (tokens, at)
-        self._instances[instance] = _Instance(report, held)
+            notes = {s: n for s, n in current.resumable.items() if n[1] > sent_at}
+        self._instances[instance] = _Instance(report, held, notes)
 
     def forget(self, instance: str) -> None:
         self._instances.pop(instance, None)
 
-    def note_served(self, instance: str, session: str, tokens: int, now: float) -> None:
-        """`instance` just finished a turn of `session` and keeps `tokens` of it (when its cache is on)."""
+    def note_served(self, instance: str, session: str, tokens: int, now: float, resumable: int = 0) -> None:
+        """`instance` just finished a turn of `session` and keeps `tokens` of it (when its cache is on); on a node
+        with tails, it can also resume a local prefill at `resumable` (the turn's exact end)."""
         current = self._instances.get(instance)
         if current is None or not current.report.is_caching or tokens <= 0:
             return
-        if session not in current.held and len(current.held) >= MAX_SESSIONS:
-            oldest = min(current.held, key=lambda s: current.held[s][1])
-            del current.held[oldest]
-        current.held[session] = (tokens, now)
+        for table, value in ((current.held, tokens), (current.resumable, resumable)):
+            if value <= 0 or (table is current.resumable and not current.report.tails):
+                continue
+            if session not in table and len(table) >= MAX_SESSIONS:
+                oldest = min(table, key=lambda s: table[s][1])
+                del table[oldest]
+            table[session] = (value, now)
 
     def resumable(self, session: str | None) -> dict[str, int]:
         """Instance name -> leading tokens of `session` it reported it can resume a local prefill from."""
@@ -132,6 +143,9 @@ class CacheView:
         found = {}
         for name, inst in self._instances.items():
             tokens = inst.report.resumable.get(session, 0)
+            note = inst.resumable.get(session)
+            if note is not None:
+                tokens = max(tokens, note[0])
             if tokens > 0:
                 found[name] = tokens
         return found

@@ -164,6 +164,7 @@ def after_turn(state, ctx, usage: dict | None, now: float) -> None:
     key = ctx.shape.session_id
     if not key:
         return
-    state.cache_view.note_served(ctx.placement.decode, key, prompt + completion, now)
+    state.cache_view.note_served(ctx.placement.decode, key, prompt + completion, now,
+                                 resumable=prompt + completion - 1 if completion > 0 else 0)
     if ctx.handoff is not None:
         state.cache_view.note_served(ctx.handoff.prefill, key, prompt, now)

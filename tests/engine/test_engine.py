@@ -43,7 +43,7 @@ def _drain(engine: Engine, max_steps: int = 500) -> dict[str, list[TokenEvent]]:
 def test_mixed_batch_is_bit_identical_to_running_alone(engine: Engine, params: SamplingParams) -> None:
     """Requests of different lengths join the decode batch at different steps; tokens and log-probs are
     exactly (==) what each request gets alone."""
-    free = engine.num_free_rows
+    free = engine.num_available_rows
     prompts = _prompts(engine)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
@@ -53,7 +53,7 @@ def test_mixed_batch_is_bit_identical_to_running_alone(engine: Engine, params: S
         alone = _drain(engine)[f"r{i}"]
         assert [(o.token_id, o.logprob) for o in alone] == [(o.token_id, o.logprob) for o in batched[f"r{i}"]]
         assert alone[-1].finish_reason == "length" and len(alone) == 5
-    assert engine.num_free_rows == free
+    assert engine.num_available_rows == free
 
 
 def test_indexer_selections_identical_batched_and_single(engine: Engine) -> None:
@@ -89,7 +89,7 @@ def test_prefill_export_then_import_decode_equals_colocated(engine: Engine) -> N
     prompt = _prompts(engine)[2]
     engine.add_request("colo", prompt, params)
     colocated = [(o.token_id, o.logprob) for o in _drain(engine)["colo"]]
-    free = engine.num_free_rows
+    free = engine.num_available_rows
     res = engine.prefill_and_keep("p1", prompt, params)
     assert res.num_tokens == len(prompt) and (res.first_token, res.first_logprob) == colocated[0]
     assert engine.request_state("p1") == RequestState.EXPORTED
@@ -99,23 +99,23 @@ def test_prefill_export_then_import_decode_equals_colocated(engine: Engine) -> N
         decoder.pool.buffer[dst] = engine.pool.buffer[src]  # what a NIXL read does
     outs = decoder.start_decode("p1", res.first_token, res.first_logprob) + _drain(decoder).get("p1", [])
     assert [(o.token_id, o.logprob) for o in outs] == colocated
-    assert engine.release("p1", res.generation, reads_done=True) and engine.num_free_rows == free + 0
-    assert decoder.num_free_rows == 16
+    assert engine.release("p1", res.generation, reads_done=True) and engine.num_available_rows == free + 0
+    assert decoder.num_available_rows == 16
 
 
 def test_queued_export_returns_prefill_result(engine: Engine) -> None:
-    free = engine.num_free_rows
+    free = engine.num_available_rows
     engine.add_request("q1", _prompts(engine)[0], SamplingParams(max_tokens=8), export=True)
     out = engine.step()
     assert [r.request_id for r in out.exported] == ["q1"] and not out.tokens and not engine.has_work
     generation = out.exported[0].generation
     assert not engine.release("q1", generation + 1, reads_done=True)  # another export's generation frees nothing
-    assert engine.release("q1", generation, reads_done=True) and engine.num_free_rows == free
+    assert engine.release("q1", generation, reads_done=True) and engine.num_available_rows == free
     assert not engine.release("q1", generation, reads_done=True)
 
 
 def test_stops_and_abort_free_rows(engine: Engine) -> None:
-    free = engine.num_free_rows
+    free = engine.num_available_rows
     prompt = _prompts(engine)[1]
     engine.add_request("g", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
     greedy = [o.token_id for o in _drain(engine)["g"]]
@@ -132,7 +132,7 @@ def test_stops_and_abort_free_rows(engine: Engine) -> None:
     engine.step()
     engine.step()
     assert engine.abort("a") and engine.abort("b") and not engine.abort("a")
-    assert not engine.has_work and engine.num_free_rows == free
+    assert not engine.has_work and engine.num_available_rows == free
 
 
 @pytest.mark.parametrize("prompt,params,match", [

@@ -43,9 +43,9 @@ def scratch() -> Engine:
 
 
 def _accounted(engine: Engine) -> None:
-    """Every row is free, quarantined, a cache block's, or a live request's own - exactly once."""
+    """Every row is free, quarantined, a cache block's or tail's, or a live request's own - exactly once."""
     pool, cache = engine.pool, engine.cache
-    cached = [r for b in cache.blocks.values() for r in b.rows]
+    cached = [r for b in cache.blocks.values() for r in b.rows] + [r for t in cache.tails.values() for r in t.rows]
     live = [r for req in engine.scheduler.requests.values() if req.table is not None for r in req.table.row_ids
             if r not in {b.attn_row for b in req.cached_blocks}]
     quarantined = [r for q in pool._quarantine for r in q.row_ids]
@@ -59,27 +59,38 @@ def test_session_turns_hit_and_equal_scratch(scratch: Engine) -> None:
     turn1 = _run(engine, "t1", prompt, _sampling(), session="ab")
     assert turn1[-1].num_cached_tokens == 0
     _same(turn1, _run(scratch, "s1", prompt, _sampling()))
-    # turn 2 extends turn 1 (prompt + answer + new text): the prompt's first block is resumed
+    # turn 2 extends turn 1 (prompt + answer + new text): it resumes at turn 1's exact end (its tail: the
+    # partial block and the KDA state after the last written token; the last sampled token was never fed)
+    turn1_end = len(prompt) + len(turn1) - 1
+    assert dict(engine.cache_report().resumable)["ab"] == turn1_end
     prompt2 = prompt + [e.token_id for e in turn1] + _prompt(40, salt=3)
     turn2 = _run(engine, "t2", prompt2, _sampling(), session="ab")
-    assert {e.num_cached_tokens for e in turn2} == {BLOCK}
+    assert {e.num_cached_tokens for e in turn2} == {turn1_end}
     _same(turn2, _run(scratch, "s2", prompt2, _sampling()))
     report = engine.cache_report()
-    assert dict(report.sessions)["ab"] == BLOCK and report.hits_tokens == BLOCK
+    assert dict(report.sessions)["ab"] == BLOCK and report.hits_tokens == turn1_end
     assert report.queried_tokens == len(prompt) + len(prompt2)
     _accounted(engine)
 
 
 def test_decode_boundary_snapshot_resumes_the_answer(scratch: Engine) -> None:
-    """A turn whose answer crosses a block boundary leaves a snapshot there: the next turn resumes from it."""
+    """A turn whose answer crosses a block boundary leaves a snapshot there: a prompt that shares the turn only
+    up to past that boundary resumes from it; one that extends the whole turn resumes from the turn's tail."""
     engine = Engine(EngineConfig(num_rows=48))
     prompt = _prompt(1000, salt=1)
     turn1 = _run(engine, "a1", prompt, _sampling(max_tokens=40), session="cd")
-    assert dict(engine.cache_report().resumable)["cd"] == BLOCK
-    prompt2 = prompt + [e.token_id for e in turn1] + _prompt(30, salt=4)
+    answer = [e.token_id for e in turn1]
+    assert dict(engine.cache_report().resumable)["cd"] == len(prompt) + len(answer) - 1  # the tail
+    # diverges after the boundary (first 30 answer tokens only): the block snapshot at 1024
+    branch = prompt + answer[:30] + _prompt(30, salt=5)
+    other = _run(engine, "a3", branch, _sampling())
+    assert other[0].num_cached_tokens == BLOCK
+    _same(other, _run(scratch, "b3", branch, _sampling()))
+    prompt2 = prompt + answer + _prompt(30, salt=4)
     turn2 = _run(engine, "a2", prompt2, _sampling())
-    assert turn2[0].num_cached_tokens == BLOCK
+    assert turn2[0].num_cached_tokens == len(prompt) + len(answer) - 1
     _same(turn2, _run(scratch, "b2", prompt2, _sampling()))
+    _accounted(engine)
 
 
 def test_chunked_prefill_interleaves_decodes_and_equals_one_shot(scratch: Engine) -> None:

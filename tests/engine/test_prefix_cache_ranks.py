@@ -64,10 +64,13 @@ def test_second_turn_resumes_and_equals_one_rank_from_scratch(dcp: int) -> None:
         executor.stop()
     block = report.block_tokens
     assert turn1[0].num_cached_tokens == 0
-    assert turn2[0].num_cached_tokens == (len(prompt) - 1) // block * block > 0
+    # turn 2 resumes at turn 1's exact end (its tail: last partial block + KDA state, on every rank)
+    assert turn2[0].num_cached_tokens == len(prompt) + len(turn1) - 1
     for served, prompt_ids in ((turn1, prompt), (turn2, prompt2)):
         want = _scratch(prompt_ids)
         assert [e.token_id for e in served] == [e.token_id for e in want]
         assert [e.logprob for e in served] == [e.logprob for e in want]  # bit for bit
-    assert dict(report.sessions)["5e55"] >= turn2[0].num_cached_tokens
+    turn2_end = len(prompt2) + len(turn2) - 1
+    assert dict(report.resumable)["5e55"] == turn2_end
+    assert dict(report.sessions)["5e55"] == turn2_end // block * block  # whole blocks: what an import reuses
     assert report.hits_tokens == turn2[0].num_cached_tokens

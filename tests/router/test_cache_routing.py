@@ -126,7 +126,25 @@ def test_poll_replaces_old_entries_but_keeps_notes_newer_than_the_poll():
     view_.apply_report("d0", CacheReport(blocks_cached=1, sessions={"aa": 120}), sent_at=10.5)
     assert view_.held("aa") == {"d0": 120} and view_.held("bb") == {} and view_.held("cc") == {"d0": 300}
     view_.apply_report("d0", CacheReport(blocks_cached=1, sessions={}), sent_at=12.0)  # evicted on the node
-    assert view_.held("cc") == {} and view_.resumable("cc") == {}, "resumable never comes from a guess"
+    assert view_.held("cc") == {} and view_.resumable("cc") == {}, "no tails reported: resumable is not noted"
+
+
+def test_a_turn_end_is_resumable_at_once_only_on_a_node_with_tails():
+    view_ = CacheView()
+    view_.apply_report("d0", CacheReport(blocks_cached=1, sessions={"aa": 1024}, resumable={"aa": 1024},
+                                         tails=True), sent_at=10.0)
+    view_.apply_report("d1", CacheReport(blocks_cached=1, sessions={"aa": 1024}, resumable={"aa": 1024}),
+                       sent_at=10.0)
+    view_.note_served("d0", "aa", 1300, now=11.0, resumable=1299)
+    view_.note_served("d1", "aa", 1300, now=11.0, resumable=1299)
+    assert view_.resumable("aa") == {"d0": 1299, "d1": 1024}
+    view_.apply_report("d0", CacheReport(blocks_cached=1, sessions={"aa": 1024}, resumable={"aa": 1024},
+                                         tails=True), sent_at=10.5)  # sent before the turn ended: note kept
+    assert view_.resumable("aa")["d0"] == 1299
+    view_.apply_report("d0", CacheReport(blocks_cached=1, sessions={"aa": 1024}, resumable={"aa": 1024},
+                                         tails=True), sent_at=12.0)  # the node's own word wins (tail evicted)
+    assert view_.resumable("aa")["d0"] == 1024
+    assert parse_report({"sessions": {}, "tails": True}).tails and not parse_report({"sessions": {}, "tails": 1}).tails
 
 
 def test_resumable_defaults_to_sessions_when_a_node_reports_none():
