@@ -168,10 +168,11 @@ class Scheduler:
         tail: CachedTail | None = None
         if self._caching() and self.resume and req.sampling.prompt_logprobs is None:
             keys = self.cache.keys(req.prompt_token_ids, (len(req.prompt_token_ids) - 1) // self.block_tokens)
+            held = self.cache.lookup(keys)
             reuse = self.cache.resumable(keys)
-            tail = self.cache.find_tail(req.prompt_token_ids, self.cache.lookup(keys))
+            tail = self.cache.find_tail(req.prompt_token_ids, held)
             if tail is not None and tail.end > len(reuse) * self.block_tokens:
-                reuse = self.cache.lookup(keys)[:tail.index]
+                reuse = held[:tail.index]
                 self.cache.take_tail(tail)  # not evicted by this very admission
             else:
                 tail = None
