@@ -22,15 +22,26 @@ from router.upstream import UPSTREAM_ERRORS, UpstreamResponse
 from serving.errors import error_body
 
 
+_loads = orjson.loads
+_JSONDecodeError = orjson.JSONDecodeError
+
+
 @dataclass
 class StreamAccounting:
-    """Timing and usage of one relayed SSE stream."""
+    """Timing and usage of one relayed SSE stream.
+
+    Per relayed chunk: its complete events are split off in one pass (no copy of the rest per event) and each
+    event's JSON is read once; the token events of one chunk share its arrival time, so the chunk is recorded
+    once with its count (`token_times`, `token_counts`) instead of once per event."""
 
     started: float
     started_relay: float = 0.0
     """When D's first chunk arrived (the relay's start)."""
     buffer: bytes = b""
     token_times: list[float] = field(default_factory=list)
+    """Arrival time of each chunk that carried token events."""
+    token_counts: list[int] = field(default_factory=list)
+    """How many token events each of those chunks carried."""
     num_token_events: int = 0
     usage: dict | None = None
     is_done: bool = False
@@ -40,45 +51,73 @@ class StreamAccounting:
     """The message of an OpenAI error event D sent inside the stream (the stream then failed, [DONE] or not)."""
 
     def feed(self, chunk: bytes, now: float) -> None:
-        self.buffer += chunk
-        while b"\n\n" in self.buffer:
-            event, self.buffer = self.buffer.split(b"\n\n", 1)
-            self._event(event, now)
+        if self.buffer:
+            chunk = self.buffer + chunk
+        end = chunk.rfind(b"\n\n")
+        if end < 0:
+            self.buffer = chunk
+            return
+        self.buffer = chunk[end + 2:]
+        event = self._event
+        num = 0
+        for one in chunk[:end].split(b"\n\n"):
+            num += event(one)
+        if num:
+            self.token_times.append(now)
+            self.token_counts.append(num)
+            self.num_token_events += num
 
-    def _event(self, event: bytes, now: float) -> None:
-        for line in event.split(b"\n"):
+    def _event(self, event: bytes) -> int:
+        """How many of the event's data lines carry output (text, content, reasoning or tool calls)."""
+        num = 0
+        for line in event.split(b"\n") if b"\n" in event else (event,):
             if not line.startswith(b"data:"):
                 continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
+            data = line[5:]
+            if data == b" [DONE]" or data.strip() == b"[DONE]":
                 self.is_done = True
                 continue
             try:
-                payload = orjson.loads(data)
-            except orjson.JSONDecodeError:
+                payload = _loads(data)
+            except _JSONDecodeError:
                 continue
-            if isinstance(payload, dict):
-                self._payload(payload, now)
+            if type(payload) is dict and self._payload(payload):
+                num += 1
+        return num
 
-    def _payload(self, payload: dict, now: float) -> None:
-        if isinstance(payload.get("error"), dict):
+    def _payload(self, payload: dict) -> bool:
+        if "error" in payload and isinstance(payload["error"], dict):
             self.error = str(payload["error"].get("message") or "error event without a message")
-        if isinstance(payload.get("usage"), dict):
-            self.usage = payload["usage"]
-        for choice in payload.get("choices") or []:
-            delta = choice.get("delta") or {}
-            text = choice.get("text") or delta.get("content") or delta.get("reasoning_content")
-            if text or delta.get("tool_calls"):
-                self.token_times.append(now)
-                self.num_token_events += 1
-                break
+        usage = payload.get("usage")
+        if usage is not None and isinstance(usage, dict):
+            self.usage = usage
+        for choice in payload.get("choices") or ():
+            text = choice.get("text")
+            if text:
+                return True
+            delta = choice.get("delta")
+            if delta and (delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")):
+                return True
+        return False
 
     @property
     def ttft_s(self) -> float | None:
         return self.token_times[0] - self.started if self.token_times else None
 
+    def itl_counts(self) -> list[tuple[float, int]]:
+        """The gaps between consecutive token events as (gap, how many): the first event of a chunk follows
+        the previous chunk's last; the others of a chunk arrived with it (gap 0)."""
+        out = []
+        times, counts = self.token_times, self.token_counts
+        for i, num in enumerate(counts):
+            if i:
+                out.append((times[i] - times[i - 1], 1))
+            if num > 1:
+                out.append((0.0, num - 1))
+        return out
+
     def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return [gap for gap, num in self.itl_counts() for _ in range(num)]
 
 
 class IdleWatchdog:

@@ -135,8 +135,8 @@ def finish(state: RouterState, ctx: RequestContext, acct: StreamAccounting | Non
     if acct is not None and acct.ttft_s is not None:
         m.child(m.ttft, pool, model).observe(acct.ttft_s)
         itl = m.child(m.itl, pool, model)
-        for gap in acct.itls():
-            itl.observe(gap)
+        for gap, num in acct.itl_counts():
+            itl.observe_many(gap, num)
         num_out = (usage or {}).get("completion_tokens") or acct.num_token_events
         if num_out > 1:
             m.child(m.tpot, pool, model).observe((e2e - acct.ttft_s) / (num_out - 1))
