@@ -19,7 +19,7 @@ import anyio
 import orjson
 
 from router.upstream import UPSTREAM_ERRORS, UpstreamResponse
-from serving.errors import error_body
+from serving.errors import error_body, scrub_sse_chunk
 
 
 _loads = orjson.loads
@@ -161,7 +161,8 @@ def error_event(status: int, message: str) -> bytes:
 
 async def relay(resp: UpstreamResponse, chunks: AsyncIterator[bytes], first: bytes, acct: StreamAccounting,
                 idle_timeout_s: float, on_end) -> AsyncIterator[bytes]:
-    """Yield D's bytes unchanged; `on_end(status)` runs once at the end, shielded from cancellation.
+    """Yield D's bytes unchanged but for the messages of error events, scrubbed of internal names
+    (serving/errors.py `scrub_sse_chunk`); `on_end(status)` runs once at the end, shielded from cancellation.
 
     status: "ok", "timeout" (idle gap exceeded), "upstream_error" (the stream broke, ended without [DONE], or
     carried D's error event) or "cancelled" (client gone).
@@ -170,7 +171,7 @@ async def relay(resp: UpstreamResponse, chunks: AsyncIterator[bytes], first: byt
     watchdog = None
     try:
         acct.feed(first, time.monotonic())
-        yield first
+        yield scrub_sse_chunk(first)
         watchdog = IdleWatchdog(idle_timeout_s)
         while True:
             watchdog.wait()
@@ -195,7 +196,7 @@ async def relay(resp: UpstreamResponse, chunks: AsyncIterator[bytes], first: byt
                 break
             watchdog.waiting = False
             acct.feed(chunk, time.monotonic())
-            yield chunk
+            yield scrub_sse_chunk(chunk)
     finally:
         if watchdog is not None:
             watchdog.stop()

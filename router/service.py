@@ -25,7 +25,7 @@ from router.proxy import Orchestrator, RequestContext, UpstreamReply, upstream_m
 from router.relay import StreamAccounting, relay
 from router.state import RouterState
 from router.validation import Endpoint, parse_body, validate
-from serving.errors import APIError, error_body, scrub_error_content, scrub_sse_stream
+from serving.errors import APIError, error_body, scrub_error_content
 
 log = logging.getLogger("router")
 
@@ -238,11 +238,9 @@ async def serve(state: RouterState, endpoint: Endpoint, headers: Mapping[str, st
     """Handle one /v1/completions or /v1/chat/completions request (`headers`: lower-cased names). Error answers
     relayed from a node (a body, or an error event in a stream) reach the client scrubbed of internal names."""
     reply = await _serve(state, endpoint, headers, raw, started)
-    if reply.stream is not None:
-        reply.stream = scrub_sse_stream(reply.stream)
-    else:
+    if reply.stream is None:
         reply.body = scrub_error_content(reply.status, reply.body)
-    return reply
+    return reply  # a stream is the relay's, which scrubs its error events itself
 
 
 async def _serve(state: RouterState, endpoint: Endpoint, headers: Mapping[str, str], raw: bytes,

@@ -138,15 +138,6 @@ def scrub_sse_chunk(chunk: bytes) -> bytes:
     return b"\n".join(lines) if changed else chunk
 
 
-async def scrub_sse_stream(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """`chunks` with `scrub_sse_chunk` applied; closing it closes `chunks`."""
-    try:
-        async for chunk in chunks:
-            yield scrub_sse_chunk(chunk)
-    finally:
-        await chunks.aclose()  # type: ignore[attr-defined]
-
-
 class CatchAllMiddleware:
     """Pure ASGI: an exception no handler answered becomes a 500 OpenAI error (logged with its traceback here,
     never sent). After the response started nothing can be sent any more: the connection is ended."""
