@@ -8,7 +8,7 @@ vllm-router with its default `cache_aware` policy (which also calls `/v1/complet
 for every request: four upstream calls), our router, and optionally our router at an older git revision.
 Each is driven by
 - wrk (C; one thread) at 1, 16, 64 and 256 connections, non-streaming: req/s, mean and p99 latency;
-- 64 concurrent SSE streams x 256 tokens (an asyncio + httptools client): chunks/s, TTFT p50/p99.
+- 64 concurrent SSE streams x 256 tokens (an asyncio client on uvloop + httptools): chunks/s, TTFT p50/p99.
 Every run checks that the engines saw as many P legs as D legs (both routers run both legs).
 The `direct` row (client -> D engine, one leg) is the load generators' and fakes' own ceiling.
 
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httptools
 import httpx
+import uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the repo's `router` package, not this file
@@ -205,7 +206,7 @@ def measure(name: str, url: str, p_url: str, d_url: str, args, script: Path) -> 
     subprocess.run(["wrk", "-t1", "-c16", "-d1s", "-s", str(script), f"{url}/v1/completions"], capture_output=True)
     for c in CONNECTIONS:
         row[f"c{c}"] = run_wrk(url, c, args.duration, script)
-    row["stream"] = asyncio.run(drive_streams(url, 64, args.duration, 256))
+    row["stream"] = uvloop.run(drive_streams(url, 64, args.duration, 256))
     (p1, pr1), (d1, dr1) = legs(p_url), legs(d_url)
     num_p, num_d = p1 - p0, d1 - d0
     row["legs"] = {"prefill": num_p, "decode": num_d, "render": pr1 - pr0 + dr1 - dr0}
@@ -271,8 +272,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.clients:
         fakes = start_fakes([args.port + 1])
         try:
-            import uvloop  # noqa: PLC0415
-
             uvloop.run(compare_clients(f"http://127.0.0.1:{args.port + 1}"))
         finally:
             fakes.terminate()
