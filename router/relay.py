@@ -2,7 +2,8 @@
 
 A side parser (`StreamAccounting`) splits the bytes into SSE events only to time them: first token,
 gaps between token-bearing events, and the final usage; each event's JSON is read with orjson (about a
-microsecond for a token event). `ended_at` marks when D's stream ended, closing the D leg's time. When the stream ends early (idle timeout,
+microsecond for a token event). Error events have their messages scrubbed of internal names on the way
+(the only bytes the relay may change). `ended_at` marks when D's stream ended, closing the D leg's time. When the stream ends early (idle timeout,
 upstream error) the client gets an OpenAI error event and `[DONE]`; when the client goes away the
 upstream connection is closed and both legs are aborted. Cleanup runs shielded from cancellation.
 """
