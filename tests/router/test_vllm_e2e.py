@@ -34,14 +34,26 @@ def router_url(vllm_pd_pair):
                         disagg_min_uncached_tokens=1, admin_token=TOKEN, health_interval_s=2.0,
                         health_timeout_s=10.0, prefill_timeout_s=120.0, first_token_timeout_s=120.0,
                         # The router runs in this process on the two cores both vLLM servers spin on (their OMP
-                        # threads and NIXL progress threads busy-poll): its event loop can miss 5 s at a time.
-                        connect_timeout_s=30.0)
+                        # threads and NIXL progress threads busy-poll): its event loop can miss 5 s at a time,
+                        # and two missed probes in a row (the default) once took the decode out of service in
+                        # the middle of the module. Five in a row is a server that is really gone.
+                        unhealthy_threshold=5, connect_timeout_s=30.0)
     with uvicorn_server(create_app(settings)) as url:
-        # every test below expects the P leg: wait until the pair is usable
-        assert wait_until(lambda: "prefill-0" in httpx.get(f"{url}/metrics", timeout=10).text
-                          and 'pdcluster_pair_healthy{decode="decode-0",prefill="prefill-0"} 1.0'
-                          in httpx.get(f"{url}/metrics", timeout=10).text, timeout_s=120.0, interval_s=1.0)
+        wait_for_pair(url)
         yield url
+
+
+def wait_for_pair(url: str) -> None:
+    """Until the router sees the vLLM pair healthy (every test here expects the P leg)."""
+    assert wait_until(lambda: 'pdcluster_pair_healthy{decode="decode-0",prefill="prefill-0"} 1.0'
+                      in httpx.get(f"{url}/metrics", timeout=10).text, timeout_s=120.0, interval_s=1.0), \
+        "the router does not see the vLLM pair healthy"
+
+
+@pytest.fixture(autouse=True)
+def pair_is_healthy(router_url):
+    """Each test starts with the pair usable: a probe missed under load during an earlier test has healed."""
+    wait_for_pair(router_url)
 
 
 def sse_text(resp: httpx.Response, chat: bool) -> str:
