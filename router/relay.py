@@ -3,9 +3,10 @@
 A side parser (`StreamAccounting`) splits the bytes into SSE events only to time them: first token,
 gaps between token-bearing events, and the final usage; each event's JSON is read with orjson (about a
 microsecond for a token event). Error events have their messages scrubbed of internal names on the way
-(the only bytes the relay may change). `ended_at` marks when D's stream ended, closing the D leg's time. When the stream ends early (idle timeout,
-upstream error) the client gets an OpenAI error event and `[DONE]`; when the client goes away the
-upstream connection is closed and both legs are aborted. Cleanup runs shielded from cancellation.
+(the only bytes the relay may change). `ended_at` marks when D's stream ended, closing the D leg's time.
+When the stream ends early (idle timeout, upstream error) the client gets an OpenAI error event and
+`[DONE]`; when the client goes away the upstream connection is closed and both legs are aborted. Cleanup
+runs shielded from cancellation.
 """
 
 from __future__ import annotations
@@ -21,10 +22,6 @@ import orjson
 
 from router.upstream import UPSTREAM_ERRORS, UpstreamResponse
 from serving.errors import error_body, scrub_sse_chunk
-
-
-_loads = orjson.loads
-_JSONDecodeError = orjson.JSONDecodeError
 
 
 @dataclass
@@ -59,10 +56,7 @@ class StreamAccounting:
             self.buffer = chunk
             return
         self.buffer = chunk[end + 2:]
-        event = self._event
-        num = 0
-        for one in chunk[:end].split(b"\n\n"):
-            num += event(one)
+        num = sum(self._event(event) for event in chunk[:end].split(b"\n\n"))
         if num:
             self.token_times.append(now)
             self.token_counts.append(num)
@@ -75,23 +69,22 @@ class StreamAccounting:
             if not line.startswith(b"data:"):
                 continue
             data = line[5:]
-            if data == b" [DONE]" or data.strip() == b"[DONE]":
+            if data.strip() == b"[DONE]":
                 self.is_done = True
                 continue
             try:
-                payload = _loads(data)
-            except _JSONDecodeError:
+                payload = orjson.loads(data)
+            except orjson.JSONDecodeError:
                 continue
-            if type(payload) is dict and self._payload(payload):
+            if isinstance(payload, dict) and self._payload(payload):
                 num += 1
         return num
 
     def _payload(self, payload: dict) -> bool:
-        if "error" in payload and isinstance(payload["error"], dict):
+        if isinstance(payload.get("error"), dict):
             self.error = str(payload["error"].get("message") or "error event without a message")
-        usage = payload.get("usage")
-        if usage is not None and isinstance(usage, dict):
-            self.usage = usage
+        if isinstance(payload.get("usage"), dict):
+            self.usage = payload["usage"]
         for choice in payload.get("choices") or ():
             text = choice.get("text")
             if text:

@@ -13,7 +13,6 @@ goes through `serving.scrub.scrub_message` (no peer addresses, engine or lease i
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import orjson

@@ -39,8 +39,7 @@ def router_url(vllm_pd_pair):
                         # the middle of the module. Five in a row is a server that is really gone.
                         unhealthy_threshold=5, connect_timeout_s=30.0)
     with uvicorn_server(create_app(settings)) as url:
-        wait_for_pair(url)
-        yield url
+        yield url  # `pair_is_healthy` waits for the pair before each test
 
 
 def wait_for_pair(url: str) -> None:
