@@ -12,9 +12,13 @@ Measured per side (all from what the run itself produced, nothing assumed):
   over the run (the cached_tokens clients saw), and the nodes' hit/queried tokens;
 then `loadgen compare` of the two summaries. `--json FILE` writes everything with a headline:
 ttft_turn2plus_ratio (on / off, goal <= 0.3), pd_bytes_per_turn_reduction (off / on, goal >= 5).
-Both sides run the router with `--disagg-min-uncached-tokens` (default 256, conditional disaggregation): with the
-cache off nothing is resumable, so every turn of more than that takes a P leg; with it on, a turn that extends
-its last turn by fewer tokens is computed on the decode instance that holds the session (its tail).
+Both sides run the router with `--disagg-min-uncached-tokens` (default 2048, two kimi-k3.1-mini blocks;
+conditional disaggregation): with the cache off nothing is resumable, so every turn of more than that takes a P
+leg; with it on, a turn that extends its last turn by fewer tokens is computed on the decode instance that holds
+the session, from the turn's tail (agentx sends its own text of each answer, so that is the prompt tail: the
+previous prompt's exact end). A P leg ships the whole KDA state at the new prompt's end (384 KiB per request at
+TP1) plus every block the new tokens touch, which for agentx's 0.5-2K new tokens a turn costs more bytes and
+more time than computing them where the session's KV already is.
 
     .venv/bin/python benchmarks/agent_sessions.py --out /tmp/agent-sessions --json /tmp/agent-sessions.json
 """
@@ -150,7 +154,7 @@ def main() -> int:
     p.add_argument("--turns", default="uniform:4,8")
     p.add_argument("--think-time", default="exp:0.5")
     p.add_argument("--max-context", type=int, default=4096)
-    p.add_argument("--disagg-min-uncached-tokens", type=int, default=256,
+    p.add_argument("--disagg-min-uncached-tokens", type=int, default=2048,
                    help="router setting on both sides: a turn whose decode instance can resume all but fewer prompt "
                         "tokens is computed there instead of through a P leg (which ships the whole KDA state "
                         "again: 384 KiB per request at TP1 for kimi-k3.1-mini); the config's value with -1")

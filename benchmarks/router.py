@@ -7,7 +7,9 @@ per round: vllm-router 0.1.17 with `--policy round_robin` (the anchor: two legs 
 vllm-router with its default `cache_aware` policy (which also calls `/v1/completions/render` on P and D
 for every request: four upstream calls), our router, and optionally our router at an older git revision.
 Each is driven by
-- wrk (C; one thread) at 1, 16, 64 and 256 connections, non-streaming: req/s, mean and p99 latency;
+- wrk (C; one thread) at 1, 16, 64 and 256 connections, non-streaming: req/s, mean and p99 latency, each point
+  after `--warmup` seconds of the same load (discarded), so that opening the routers' upstream connections for a
+  higher concurrency is not billed to that point's short window;
 - 64 concurrent SSE streams x 256 tokens (an asyncio client on uvloop + httptools): chunks/s, TTFT p50/p99.
 Every run checks that the engines saw as many P legs as D legs (both routers run both legs).
 The `direct` row (client -> D engine, one leg) is the load generators' and fakes' own ceiling.
@@ -205,6 +207,8 @@ def measure(name: str, url: str, p_url: str, d_url: str, args, script: Path) -> 
     (p0, pr0), (d0, dr0) = legs(p_url), legs(d_url)
     subprocess.run(["wrk", "-t1", "-c16", "-d1s", "-s", str(script), f"{url}/v1/completions"], capture_output=True)
     for c in CONNECTIONS:
+        if args.warmup > 0:  # discarded: the upstream pools open their connections for this load here
+            run_wrk(url, c, args.warmup, script)
         row[f"c{c}"] = run_wrk(url, c, args.duration, script)
     row["stream"] = uvloop.run(drive_streams(url, 64, args.duration, 256))
     (p1, pr1), (d1, dr1) = legs(p_url), legs(d_url)
@@ -260,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per load point")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=float, default=1.0,
+                        help="seconds of the same load, discarded, before each measured wrk point (0: none)")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="our router's worker processes")
     parser.add_argument("--baseline-rev", help="also run our router as of this git revision")
     parser.add_argument("--only", nargs="+", choices=["vllm-router", "vllm-router+cache_aware", "pdcluster",

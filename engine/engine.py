@@ -186,8 +186,9 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.max_batch, self.cache, config.max_step_tokens,
                                    resume=getattr(self.model, "supports_resume", True))
         self.runner = ModelRunner(self.model, self.pool, make_cache)
-        self.sessions: OrderedDict[str, tuple[list[bytes], CachedTail | None]] = OrderedDict()
-        """Session key -> (block keys of its last finished turn (prompt + answer), that turn's tail), most recent last."""
+        self.sessions: OrderedDict[str, tuple[list[bytes], list[CachedTail]]] = OrderedDict()
+        """Session key -> (block keys of its last finished turn (prompt + answer), that turn's tails), most recent
+        last."""
 
     def _fast_model(self, wrapped: bool) -> Any:
         from engine.fast.model import FastModel
@@ -290,6 +291,7 @@ class Engine:
                 req.prompt_logits.append(chunk)
             return None
         self.scheduler.prefill_done(req)
+        self.scheduler.keep_prompt_state(req)
         if count is None:
             return chunk
         logits = torch.cat([*req.prompt_logits, chunk]) if req.prompt_logits else chunk
@@ -393,6 +395,7 @@ class Engine:
         n = len(req.prompt_token_ids)
         req.num_computed = n
         self.scheduler.publish(req, n, snapshot=n % self.layout.block_size == 0)
+        self.scheduler.keep_prompt_state(req)
         self.scheduler.start_running(req)
         return [self._append(req, SampledToken(first_token, first_logprob, first_top_logprobs))]
 
@@ -409,10 +412,10 @@ class Engine:
                                 [t.logprob for t in tokens], tokens[-1].finish_reason if tokens else None)
 
     # ---- sessions and the cache report ----
-    def _remember_session(self, req: Request, tail: CachedTail | None = None) -> None:
+    def _remember_session(self, req: Request, tails: list[CachedTail] | None = None) -> None:
         if not req.session or not self.cache.enabled:
             return
-        self.sessions[req.session] = (list(req.block_keys), tail)
+        self.sessions[req.session] = (list(req.block_keys), tails or [])
         self.sessions.move_to_end(req.session)
         while len(self.sessions) > MAX_SESSIONS:
             self.sessions.popitem(last=False)
@@ -423,7 +426,7 @@ class Engine:
         return CacheReport(
             block_tokens=self.layout.block_size, fingerprint=self.fingerprint,
             sessions=tuple((s, cache.held_tokens(keys)) for s, (keys, _) in recent),
-            resumable=tuple((s, cache.held_tokens(keys, snapshot=True, tail=tail)) for s, (keys, tail) in recent),
+            resumable=tuple((s, cache.held_tokens(keys, snapshot=True, tails=tails)) for s, (keys, tails) in recent),
             blocks_cached=cache.num_blocks, rows_free=self.pool.num_free, hits_tokens=counters.hit_tokens,
             queried_tokens=counters.queried_tokens, evicted_blocks=counters.evicted_blocks,
             blocks_read=counters.blocks_read, blocks_reused=counters.blocks_reused,

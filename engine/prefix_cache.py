@@ -13,9 +13,11 @@ whose last block has a snapshot (`resumable`); an import (KV read from a prefill
 at the prompt's end) reuses the longest prefix of attention blocks (`lookup`) whatever the snapshots.
 
 A finished turn also leaves a tail (`CachedTail`): the attention row of its last, partial block and its KDA rows,
-the state after the turn's last written token (prompt + answer but the last sampled token). A later prompt that
-starts with the whole turn resumes at its exact end (`find_tail`): the tail's rows are copied into the new
-request's own rows, so a tail is never shared and is evicted, least recently used, before any block.
+the state after the turn's last written token (prompt + answer but the last sampled token), and a prompt tail
+(copies of the prompt's last partial row and of the KDA state at the prompt's end) for a next prompt that extends
+the prompt with another text of the answer. A later prompt that starts with a tail's tokens resumes at its exact
+end (`find_tail`): the tail's rows are copied into the new request's own rows, so a tail is never shared and is
+evicted, least recently used, before any block.
 
 Ownership: a cached block's rows belong to the cache. `refs` counts the requests whose block table uses it;
 a block with refs 0 is evictable, least recently used first, but only when the pool runs out of free rows
@@ -231,13 +233,15 @@ class PrefixCache:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
-    def held_tokens(self, keys: Sequence[bytes], snapshot: bool = False, tail: CachedTail | None = None) -> int:
-        """Leading tokens of the prefix `keys` names that are held (with `snapshot`: resumable, at the end of
-        `tail` when that tail is still held and extends the held blocks)."""
+    def held_tokens(self, keys: Sequence[bytes], snapshot: bool = False, tails: Sequence[CachedTail] = ()) -> int:
+        """Leading tokens of the prefix `keys` names that are held (with `snapshot`: resumable, at the end of the
+        furthest of `tails` still held that extends the held blocks)."""
         if not snapshot:
             return len(self.lookup(keys)) * self.block_tokens
-        if tail is not None and id(tail) in self.tails:
-            held = self.lookup(keys[:tail.index])
-            if len(held) == tail.index and (held[-1].key if held else ROOT) == tail.parent:
-                return tail.end
-        return len(self.resumable(keys)) * self.block_tokens
+        best = len(self.resumable(keys)) * self.block_tokens
+        for tail in tails:
+            if id(tail) in self.tails and tail.end > best:
+                held = self.lookup(keys[:tail.index])
+                if len(held) == tail.index and (held[-1].key if held else ROOT) == tail.parent:
+                    best = tail.end
+        return best

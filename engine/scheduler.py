@@ -78,6 +78,9 @@ class Request:
     decode_snapshot: CachedBlock | None = None
     given_rows: set[int] = field(default_factory=set)
     """Rows handed to the prefix cache as this request's tail (not freed with the request)."""
+    prompt_state: tuple[int, ...] | None = None
+    """A copy of the KDA state at the prompt's exact end (rows outside the table), kept until the request ends:
+    it becomes the prompt tail, from which a later prompt that extends this prompt but not this answer resumes."""
     prompt_logits: list = field(default_factory=list)
     """Chunk logits of a request that asked for prompt log-probs."""
 
@@ -300,24 +303,52 @@ class Scheduler:
         self.pool.copy_rows(rows, req.table.kda_row_ids)
         return tuple(rows)
 
+    def keep_prompt_state(self, req: Request) -> None:
+        """The prompt's KV and KDA state are complete (prefilled here or imported): copy the KDA state for the
+        prompt tail `keep_tail` leaves. Agent clients send the next turn as this prompt + *their* text of the
+        answer, which need not re-encode to the tokens this node sampled; the prompt tail lets such a turn resume
+        at this prompt's end instead of at its last block boundary. A prompt ending on a block boundary needs no
+        copy (that block's snapshot does it); without rows to spare there is no copy and no prompt tail."""
+        if not (self._caching() and self.resume) or req.table is None or req.export \
+                or len(req.prompt_token_ids) % self.block_tokens == 0 or req.prompt_state is not None:
+            return
+        req.prompt_state = self._snapshot(req)
+
     # ---- ending ----
-    def keep_tail(self, req: Request) -> CachedTail | None:
-        """A request that decoded to its end: its last partial block's attention row and its KDA rows become a
-        tail of the prefix cache (the state after its last written token) instead of being freed."""
+    def keep_tail(self, req: Request) -> list[CachedTail]:
+        """A request that decoded to its end leaves tails in the prefix cache instead of freeing those rows: its
+        last partial block's attention row and its KDA rows (the state after its last written token), and, when
+        `keep_prompt_state` copied the state at the prompt's end, a prompt tail (a copy of the prompt's last
+        partial row with that state). Returned most complete first."""
         if not (self._caching() and self.resume) or req.table is None or req.held \
                 or req.state != RequestState.RUNNING:
-            return None
+            return []
         bt = self.block_tokens
         written = req.num_tokens - 1  # the last sampled token never went through the model
+        n, state = len(req.prompt_token_ids), req.prompt_state
+        prompt_row = None
+        if state is not None and written > n and len(req.block_keys) >= n // bt and self.pool.num_available >= 1:
+            # taken before the turn's own tail is handed over, so the allocation cannot evict that tail
+            prompt_row = self.pool.allocate(1)[0]
+            self.pool.copy_rows([prompt_row], [req.table.attn_row_ids[n // bt]])  # positions < n stay as written
+        tails: list[CachedTail] = []
         k = written // bt
-        if written % bt == 0 or k >= len(req.table.attn_row_ids) or len(req.block_keys) != k:
-            return None
-        tail = CachedTail(parent=req.block_keys[-1] if k else ROOT, index=k,
-                          tokens=tuple(req.token_at(k * bt, written)), end=written,
-                          attn_row=req.table.attn_row_ids[k], kda_rows=tuple(req.table.kda_row_ids))
-        req.given_rows = set(tail.rows)
-        self.cache.add_tail(tail)
-        return tail
+        if written % bt and k < len(req.table.attn_row_ids) and len(req.block_keys) == k:
+            tail = CachedTail(parent=req.block_keys[-1] if k else ROOT, index=k,
+                              tokens=tuple(req.token_at(k * bt, written)), end=written,
+                              attn_row=req.table.attn_row_ids[k], kda_rows=tuple(req.table.kda_row_ids))
+            req.given_rows = set(tail.rows)
+            self.cache.add_tail(tail)
+            tails.append(tail)
+        if prompt_row is not None and state is not None:
+            k = n // bt
+            prompt_tail = CachedTail(parent=req.block_keys[k - 1] if k else ROOT, index=k,
+                                     tokens=tuple(req.prompt_token_ids[k * bt:n]), end=n, attn_row=prompt_row,
+                                     kda_rows=state)
+            req.prompt_state = None
+            self.cache.add_tail(prompt_tail)
+            tails.append(prompt_tail)
+        return tails
 
     def finish(self, req: Request, reason: str, quarantine_until: float | None = None) -> None:
         """End a request in any state; its rows are freed, or quarantined until `quarantine_until`."""
@@ -364,6 +395,9 @@ class Scheduler:
             self.cache.release(req.cached_blocks, pin_until=quarantine_until)
         req.cached_blocks = []
         req.decode_snapshot = None
+        if req.prompt_state is not None:  # a private copy no remote READ ever targets
+            self.pool.free(list(req.prompt_state))
+            req.prompt_state = None
         req.table = None
 
     @property

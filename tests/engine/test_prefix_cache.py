@@ -48,6 +48,7 @@ def _accounted(engine: Engine) -> None:
     cached = [r for b in cache.blocks.values() for r in b.rows] + [r for t in cache.tails.values() for r in t.rows]
     live = [r for req in engine.scheduler.requests.values() if req.table is not None for r in req.table.row_ids
             if r not in {b.attn_row for b in req.cached_blocks}]
+    live += [r for req in engine.scheduler.requests.values() for r in req.prompt_state or ()]
     quarantined = [r for q in pool._quarantine for r in q.row_ids]
     everything = cached + live + quarantined + list(pool._free)
     assert sorted(everything) == list(range(pool.num_rows))
@@ -91,6 +92,41 @@ def test_decode_boundary_snapshot_resumes_the_answer(scratch: Engine) -> None:
     assert turn2[0].num_cached_tokens == len(prompt) + len(answer) - 1
     _same(turn2, _run(scratch, "b2", prompt2, _sampling()))
     _accounted(engine)
+
+
+def test_prompt_tail_resumes_a_turn_whose_answer_text_differs(scratch: Engine) -> None:
+    """Agent clients send the next turn as prompt + their own text of the answer, which need not be the sampled
+    tokens: the turn then resumes at the previous prompt's exact end (the prompt tail), not at its last block
+    boundary, and equals the request computed from scratch."""
+    engine = Engine(EngineConfig(num_rows=48, max_step_tokens=300))
+    prompt = _prompt(1300, salt=21)
+    turn1 = _run(engine, "p1", prompt, _sampling(max_tokens=12), session="ef")
+    assert dict(engine.cache_report().resumable)["ef"] == len(prompt) + len(turn1) - 1
+    assert len(engine.cache.tails) == 2
+    other_answer = [(e.token_id + 1) % 251 for e in turn1]
+    prompt2 = prompt + other_answer + _prompt(50, salt=22)
+    turn2 = _run(engine, "p2", prompt2, _sampling(), session="ef")
+    assert {e.num_cached_tokens for e in turn2} == {len(prompt)}
+    _same(turn2, _run(scratch, "q2", prompt2, _sampling()))
+    # the same text again resumes at turn 2's own tail; turn 1's prompt tail was replaced by turn 2's
+    turn3 = _run(engine, "p3", prompt2 + [e.token_id for e in turn2] + [7, 8], _sampling(), session="ef")
+    assert turn3[0].num_cached_tokens == len(prompt2) + len(turn2) - 1
+    assert all(t.end != len(prompt) for t in engine.cache.tails.values())
+    _accounted(engine)
+
+
+def test_prompt_state_of_an_aborted_import_is_freed() -> None:
+    engine = Engine(EngineConfig(num_rows=16))
+    prompt = _prompt(1500, salt=23)
+    free = engine.num_free_rows
+    engine.allocate_for_import("imp", prompt, _sampling())
+    engine.start_decode("imp", 5)
+    req = engine.scheduler.requests["imp"]
+    assert req.prompt_state is not None and len(req.prompt_state) == len(req.table.kda_row_ids)
+    _accounted(engine)
+    engine.abort("imp")
+    _accounted(engine)
+    assert engine.num_available_rows == free  # the published first block stays cached, evictable
 
 
 def test_chunked_prefill_interleaves_decodes_and_equals_one_shot(scratch: Engine) -> None:

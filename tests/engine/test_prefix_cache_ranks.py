@@ -1,7 +1,8 @@
 """Prefix cache and chunked prefill over real rank processes (gloo, the reference backend through the node's
 executor): TP=2 (token-sharded prefill, TP decode) and DCP=2 (a resumed or chunked prefill all-gathers the owned
 prefix rows; DCP decode). A session's second turn resumes from the cache and serves exactly the tokens and
-log-probs of one rank computing it from scratch; the node's cache report names the session."""
+log-probs of one rank computing it from scratch, and so does a third turn that resumes from the second's prompt
+tail; the node's cache report names the session."""
 
 from __future__ import annotations
 
@@ -60,13 +61,17 @@ def test_second_turn_resumes_and_equals_one_rank_from_scratch(dcp: int) -> None:
         prompt2 = prompt + [e.token_id for e in turn1] + _prompt(60, salt=4)
         turn2 = asyncio.run(_serve(executor, "t2", prompt2, "5e55"))
         report = executor.state.cache
+        # turn 3 carries another text of turn 2's answer: it resumes at turn 2's prompt tail (the prompt's end)
+        prompt3 = prompt2 + [(e.token_id + 1) % 251 for e in turn2] + _prompt(40, salt=6)
+        turn3 = asyncio.run(_serve(executor, "t3", prompt3, "5e55"))
     finally:
         executor.stop()
     block = report.block_tokens
     assert turn1[0].num_cached_tokens == 0
     # turn 2 resumes at turn 1's exact end (its tail: last partial block + KDA state, on every rank)
     assert turn2[0].num_cached_tokens == len(prompt) + len(turn1) - 1
-    for served, prompt_ids in ((turn1, prompt), (turn2, prompt2)):
+    assert turn3[0].num_cached_tokens == len(prompt2)
+    for served, prompt_ids in ((turn1, prompt), (turn2, prompt2), (turn3, prompt3)):
         want = _scratch(prompt_ids)
         assert [e.token_id for e in served] == [e.token_id for e in want]
         assert [e.logprob for e in served] == [e.logprob for e in want]  # bit for bit
