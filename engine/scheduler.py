@@ -149,7 +149,10 @@ class Scheduler:
         num_attn, num_kda = self.pool.rows_for(num_tokens)
         if self.cache is not None:
             self.cache.acquire(reuse)
-        if num_attn - len(reuse) + num_kda > self.pool.num_available:
+        need = num_attn - len(reuse) + num_kda
+        if need > self.pool.num_available:
+            self._drop_prompt_states(need - self.pool.num_available)
+        if need > self.pool.num_available:
             if self.cache is not None:
                 self.cache.release(reuse)
             return False
@@ -313,6 +316,17 @@ class Scheduler:
                 or len(req.prompt_token_ids) % self.block_tokens == 0 or req.prompt_state is not None:
             return
         req.prompt_state = self._snapshot(req)
+
+    def _drop_prompt_states(self, count: int) -> None:
+        """Give up prompt-state copies (opportunistic: a request is never refused rows for them), the requests
+        that started last first, until `count` rows were freed or none is left."""
+        for req in reversed(list(self.requests.values())):
+            if count <= 0:
+                break
+            if req.prompt_state is not None:
+                self.pool.free(list(req.prompt_state))
+                count -= len(req.prompt_state)
+                req.prompt_state = None
 
     # ---- ending ----
     def keep_tail(self, req: Request) -> list[CachedTail]:

@@ -129,6 +129,35 @@ def test_prompt_state_of_an_aborted_import_is_freed() -> None:
     assert engine.num_available_rows == free  # the published first block stays cached, evictable
 
 
+def test_prompt_state_copies_never_keep_a_request_out(scratch: Engine) -> None:
+    """The prompt-state copy is opportunistic: when an admission is short of rows, copies are given up."""
+    probe = Engine(EngineConfig(num_rows=8))
+    prompt_a, prompt_b = _prompt(1500, salt=24), _prompt(1100, salt=25)
+    rows_a, rows_b = (sum(probe.pool.rows_for(len(p) + m)) for p, m in ((prompt_a, 30), (prompt_b, 4)))
+    num_kda = probe.pool.rows_for(1)[1]
+    # a's rows, b's rows and the KDA snapshot at a's last block boundary: b fits only without a's copy
+    engine = Engine(EngineConfig(num_rows=rows_a + rows_b + num_kda))
+    engine.add_request("a", prompt_a, _sampling(max_tokens=30))
+    events = {"a": [], "b": []}
+    while engine.request_state("a") != RequestState.RUNNING:
+        for e in engine.step().tokens:
+            events[e.request_id].append(e)
+    req_a = engine.scheduler.requests["a"]
+    assert req_a.prompt_state is not None  # the copy took rows b will need
+    engine.add_request("b", prompt_b, _sampling(max_tokens=4))
+    for e in engine.step().tokens:
+        events[e.request_id].append(e)
+    assert engine.request_state("b") != RequestState.WAITING and engine.request_state("a") == RequestState.RUNNING
+    assert req_a.prompt_state is None
+    _accounted(engine)
+    while engine.has_work:
+        for e in engine.step().tokens:
+            events[e.request_id].append(e)
+    _same(events["a"], _run(scratch, "sa", prompt_a, _sampling(max_tokens=30)))
+    _same(events["b"], _run(scratch, "sb", prompt_b, _sampling(max_tokens=4)))
+    _accounted(engine)
+
+
 def test_chunked_prefill_interleaves_decodes_and_equals_one_shot(scratch: Engine) -> None:
     """A long prompt arriving while 4 streams run: every step that computes one of its chunks also gives each
     stream its next token, so no stream waits longer than one chunk's compute."""
