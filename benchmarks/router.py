@@ -205,7 +205,8 @@ def legs(engine_url: str) -> tuple[int, int]:
 def measure(name: str, url: str, p_url: str, d_url: str, args, script: Path) -> dict:
     row: dict = {}
     (p0, pr0), (d0, dr0) = legs(p_url), legs(d_url)
-    subprocess.run(["wrk", "-t1", "-c16", "-d1s", "-s", str(script), f"{url}/v1/completions"], capture_output=True)
+    if args.warmup <= 0:  # with --warmup every point warms itself up
+        subprocess.run(["wrk", "-t1", "-c16", "-d1s", "-s", str(script), f"{url}/v1/completions"], capture_output=True)
     for c in CONNECTIONS:
         if args.warmup > 0:  # discarded: the upstream pools open their connections for this load here
             run_wrk(url, c, args.warmup, script)

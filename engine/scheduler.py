@@ -340,11 +340,15 @@ class Scheduler:
         bt = self.block_tokens
         written = req.num_tokens - 1  # the last sampled token never went through the model
         n, state = len(req.prompt_token_ids), req.prompt_state
-        prompt_row = None
+        prompt_tail = None
         if state is not None and written > n and len(req.block_keys) >= n // bt and self.pool.num_available >= 1:
-            # taken before the turn's own tail is handed over, so the allocation cannot evict that tail
-            prompt_row = self.pool.allocate(1)[0]
-            self.pool.copy_rows([prompt_row], [req.table.attn_row_ids[n // bt]])  # positions < n stay as written
+            # its row is taken before the turn's own tail is handed over, so the allocation cannot evict that tail
+            k = n // bt
+            row = self.pool.allocate(1)[0]
+            self.pool.copy_rows([row], [req.table.attn_row_ids[k]])  # positions < n stay as written
+            prompt_tail = CachedTail(parent=req.block_keys[k - 1] if k else ROOT, index=k,
+                                     tokens=tuple(req.prompt_token_ids[k * bt:n]), end=n, attn_row=row, kda_rows=state)
+            req.prompt_state = None
         tails: list[CachedTail] = []
         k = written // bt
         if written % bt and k < len(req.table.attn_row_ids) and len(req.block_keys) == k:
@@ -354,12 +358,7 @@ class Scheduler:
             req.given_rows = set(tail.rows)
             self.cache.add_tail(tail)
             tails.append(tail)
-        if prompt_row is not None and state is not None:
-            k = n // bt
-            prompt_tail = CachedTail(parent=req.block_keys[k - 1] if k else ROOT, index=k,
-                                     tokens=tuple(req.prompt_token_ids[k * bt:n]), end=n, attn_row=prompt_row,
-                                     kda_rows=state)
-            req.prompt_state = None
+        if prompt_tail is not None:
             self.cache.add_tail(prompt_tail)
             tails.append(prompt_tail)
         return tails
