@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cuda: presets or ModelConfig JSON files")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072], help="cuda: cached tokens")
     p.add_argument("--ref-steps", type=int, default=2, help="cuda: timed reference steps per cell")
+    p.add_argument("--no-compile", action="store_true",
+                   help="cuda: skip the fast+compile+graph run (torch.compile of the decode step's torch segments)")
     args = p.parse_args(argv)
     if args.device == "cuda":
         return main_cuda(args)
@@ -136,7 +138,7 @@ def main_cuda(args) -> int:  # type: ignore[no-untyped-def]
         model = build_model(cfg, device=device)
         with torch.no_grad():
             cells += run_cells(cfg, model, args.contexts, args.batches, args.kernels, max(args.steps, 3),
-                               args.ref_steps, device, log)
+                               args.ref_steps, device, log, compile_segments=not args.no_compile)
         del model
         torch.cuda.empty_cache()
     ref = {(c.model, c.context, c.batch): c.step_ms for c in cells if c.kernels == "reference"}

@@ -9,6 +9,8 @@ Per (config, context C, batch B) cell, for each kernel set asked for:
   (as benchmarks/decode.py), median of --ref-steps after 1 warm-up.
 - fast+graph: the fast step replayed as one CUDA graph (engine/fast/graphs.py) sized for the cell, inputs copied
   in each step (page table built on the host, as eager).
+- fast+compile+graph: the same with `FastDecoder(compile=True)` (the torch segments between the Triton kernels
+  through torch.compile), graphed. The log also gives each graph's replay alone (inputs already in place).
 The bytes a step must read and the FLOPs it must do come from the config (`step_bytes`, `step_flops` below:
 bf16 weights, expected distinct experts touched, every cached index key (FP8 + fp32 scale), top-k latents, KDA
 state read and written); roofline fractions divide by the copy bandwidth ((read + write) / time of a 4 GiB
@@ -132,26 +134,35 @@ def fast_pool(cfg: ModelConfig, layout: RowLayout, batch: int, capacity: int, de
     return buffer, attn, kda
 
 
-def time_fast(cfg: ModelConfig, model, batch: int, context: int, steps: int,  # type: ignore[no-untyped-def]
-              decoder: FastDecoder, device: torch.device) -> tuple[float, float]:
-    """(eager ms, CUDA-graph ms) per step; the graph is captured on the same pool's rows (benchmark data)."""
-    layout = decoder.layout
-    capacity = context + 2 * steps + 6
+FAST_RUNS = ("fast", "fast+graph", "fast+compile+graph")
+
+
+def time_fast(cfg: ModelConfig, batch: int, context: int, steps: int, decoders: dict[str, FastDecoder],
+              device: torch.device, log=print) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """ms per step of each fast run on one pool (benchmark data; the graphs are captured on its rows):
+    `fast` eager with `decoders["eager"]`, `fast+graph` its CUDA graph, `fast+compile+graph` the graph of
+    `decoders["compiled"]` (torch.compile segments), each where its decoder is given."""
+    layout = next(iter(decoders.values())).layout
+    capacity = context + 3 * (steps + 2) + 6
     buffer, attn, kda = fast_pool(cfg, layout, batch, capacity, device)
     num_pages = -(-capacity // layout.subblock_tokens)
-    result = []
-    for graphed in (False, True):
+    runs = [(name, decoders.get("compiled" if "compile" in name else "eager"), "graph" in name) for name in FAST_RUNS]
+    result, position = {}, context
+    for name, decoder, graphed in runs:
+        if decoder is None:
+            continue
         runner = None
         if graphed:
-            first = build_page_batch(layout, attn, kda, [context] * batch, device)
+            first = build_page_batch(layout, attn, kda, [position] * batch, device)
             runner = GraphedDecode(decoder, buffer, batch, num_pages, layout.kda_groups, first,
                                    torch.zeros(batch, dtype=torch.int64, device=device))
-        times = []
+            position += 1
+        times, replay = [], []
         for step in range(steps + 2):
             tokens = torch.randint(0, cfg.vocab_size, (batch,), device=device)
             torch.cuda.synchronize(device)
             start = time.perf_counter()
-            pages = build_page_batch(layout, attn, kda, [context + step + graphed * (steps + 2)] * batch, device)
+            pages = build_page_batch(layout, attn, kda, [position] * batch, device)
             if runner is None:
                 decoder.decode(buffer, tokens, pages)
             else:
@@ -159,10 +170,19 @@ def time_fast(cfg: ModelConfig, model, batch: int, context: int, steps: int,  # 
             torch.cuda.synchronize(device)
             if step >= 2:
                 times.append(time.perf_counter() - start)
-        result.append(statistics.median(times) * 1e3)
+            position += 1
+        if runner is not None:  # the graph alone, inputs already in place
+            for _ in range(steps):
+                torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                runner.graph.replay()
+                torch.cuda.synchronize(device)
+                replay.append(time.perf_counter() - start)
+            log(f"  {name}: replay alone {statistics.median(replay) * 1e3:.3f} ms")
+        result[name] = statistics.median(times) * 1e3
         del runner
     del buffer
-    return result[0], result[1]
+    return result
 
 
 def time_reference(cfg: ModelConfig, model, batch: int, context: int, steps: int,  # type: ignore[no-untyped-def]
@@ -186,9 +206,13 @@ def time_reference(cfg: ModelConfig, model, batch: int, context: int, steps: int
 
 
 def run_cells(cfg: ModelConfig, model, contexts: list[int], batches: list[int], kernels: list[str],  # type: ignore[no-untyped-def]
-              steps: int, ref_steps: int, device: torch.device, log) -> list[Cell]:
+              steps: int, ref_steps: int, device: torch.device, log, compile_segments: bool = True) -> list[Cell]:
     layout = plan_layout(cfg)
-    decoder = FastDecoder(model, layout) if "fast" in kernels else None
+    decoders = {}
+    if "fast" in kernels:
+        decoders["eager"] = FastDecoder(model, layout)
+        if compile_segments:
+            decoders["compiled"] = FastDecoder(model, layout, compile=True)
     cells = []
     for context in contexts:
         for batch in batches:
@@ -196,11 +220,10 @@ def run_cells(cfg: ModelConfig, model, contexts: list[int], batches: list[int], 
             for kind in kernels:
                 if kind == "fast":
                     try:
-                        eager, graph = time_fast(cfg, model, batch, context, steps, decoder, device)
+                        timed = time_fast(cfg, batch, context, steps, decoders, device, log)
                     except RuntimeError as exc:  # a capture failure must not lose the other cells
                         log(f"fast cell failed: {exc!r}")
-                        eager = graph = float("nan")
-                    timed = {"fast": eager, "fast+graph": graph}
+                        timed = {name: float("nan") for name in FAST_RUNS}
                 else:
                     timed = {kind: time_reference(cfg, model, batch, context, ref_steps, device)}
                 for name, ms in timed.items():

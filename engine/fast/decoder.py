@@ -7,134 +7,288 @@ FP8 quantisation of the new cache entries run in fp32; the residual stream stays
 - MLA: projections, the new token's latent and index key written into its page (`pages.write_token`), the
   indexer (`indexer.select`: in-kernel FP8 keys, scores, top-k) and sparse MLA in absorbed form
   (`mla.sparse_mla_decode`), W_UV and W_O as batched GEMMs over heads;
-- KDA: conv step and recurrent step on the packed KDA rows in place (`kda.py`);
+- KDA: conv step fused with the query/key norms, then the recurrent step, both on the packed KDA rows in place
+  (`kda.py`);
 - MoE: routed experts as batched GEMMs (gathered per token-slot when few tokens, over all experts otherwise:
   no loop over experts), shared expert and the latent up-projection as GEMMs.
+
+The torch work between the kernels is written as pure functions of tensors (the `_mla_front`, `_mla_back`,
+`_kda_front`, `_kda_back`, `_ffn_*`, `_head` segments below). With `compile=True` each segment runs through
+`torch.compile` (dynamic batch size: one compilation serves every batch), which fuses its element-wise chains
+(norms, gates, quantisation, routing, residual adds) into a few generated kernels around the GEMMs; the
+Triton kernels that read and write the row pool stay outside the compiled graphs. `compile=False` runs the
+same functions eagerly (the CPU tests, and the reference for the compiled path).
 Everything stays on the device; the step has no host synchronisation (the page batch is built beforehand).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
 
 from engine.fast.indexer import select
-from engine.fast.kda import kda_conv_step, kda_recurrent_step_rows
+from engine.fast.kda import kda_conv_qkv_rows, kda_recurrent_step_rows
 from engine.fast.mla import sparse_mla_decode
 from engine.fast.pages import PageBatch, write_token
 from engine.layout import RowLayout
-from engine.model.kda import KDA, l2_normalize
+from engine.model.kda import KDA
 from engine.model.mla import MLA
 from engine.model.model import KimiModel
 from engine.model.moe import DenseMLP, MoE
-from engine.model.numerics import fp8_quantize_rowwise, fp8_quantize_static, rms_norm
+from engine.model.numerics import FP8_DTYPE, FP8_MAX
 
 BF16 = torch.bfloat16
 
 
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return out if weight is None else out * weight
+
+
+def _l2(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def _fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine.model.numerics.fp8_quantize_rowwise as e4m3 values (fp8 dtype) and fp32 scales."""
+    scale = x.abs().amax(-1).clamp_min(1e-4) / FP8_MAX
+    return (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def _lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.to(w.dtype), w)
+
+
+def _mla_front(x: torch.Tensor, norm: torch.Tensor, wq_a: torch.Tensor, q_norm: torch.Tensor, wq_b: torch.Tensor,
+               w_uk: torch.Tensor, wkv_a: torch.Tensor, kv_norm: torch.Tensor, idx_wk: torch.Tensor,
+               k_norm_w: torch.Tensor, k_norm_b: torch.Tensor, hadamard: torch.Tensor, idx_wq: torch.Tensor,
+               w_proj: torch.Tensor, eps: float, k_eps: float, latent_scale: float, heads: int, nope: int,
+               kv_rank: int, index_heads: int) -> tuple[torch.Tensor, ...]:
+    """Mixer norm, queries (absorbed), the new token's latent and index key (FP8 bytes), the index queries and
+    head weights of one MLA layer."""
+    batch = x.shape[0]
+    h = _rms(x, norm, eps)
+    qr = _rms(_lin(h, wq_a).float(), q_norm, eps)
+    q = _lin(qr, wq_b).view(batch, heads, -1)
+    q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk)  # [H, B, kv]
+    q_abs = torch.cat([q_lat.transpose(0, 1), q[..., nope:]], dim=-1)
+    kv = _lin(h, wkv_a).float()
+    latent = torch.cat([_rms(kv[:, :kv_rank], kv_norm, eps), kv[:, kv_rank:]], dim=-1)
+    latent_bytes = (latent / latent_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+    dim = hadamard.shape[0]
+    key = F.layer_norm(_lin(h, idx_wk).float(), (dim,), k_norm_w, k_norm_b, k_eps) @ hadamard
+    key_fp8, key_scale = _fp8_rowwise(key)
+    qi = _lin(qr, idx_wq).float().view(batch, index_heads, dim) @ hadamard
+    qi_fp8, qi_scale = _fp8_rowwise(qi)
+    weights = _lin(h, w_proj).float() * (index_heads * dim) ** -0.5 * qi_scale
+    return h, q_abs, latent_bytes, key_fp8.view(torch.uint8), key_scale, qi_fp8.float(), weights
+
+
+def _mla_back(x: torch.Tensor, h: torch.Tensor, o_lat: torch.Tensor, w_uv: torch.Tensor, wg: torch.Tensor | None,
+              wo: torch.Tensor) -> torch.Tensor:
+    """x + W_O(gate * W_UV o^lat) of one MLA layer."""
+    o = torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv)  # [H, B, v]
+    o = o.transpose(0, 1).reshape(x.shape[0], -1)
+    if wg is not None:
+        o = o * torch.sigmoid(_lin(h, wg).float()).to(o.dtype)
+    return x + _lin(o, wo).float()
+
+
+def _kda_front(x: torch.Tensor, norm: torch.Tensor, w_fa: torch.Tensor, w_fb: torch.Tensor, rate: torch.Tensor,
+               dt_bias: torch.Tensor, w_b: torch.Tensor, w_qkv: torch.Tensor, eps: float, lower_bound: float,
+               heads: int) -> tuple[torch.Tensor, ...]:
+    """Mixer norm, the gate g [B, H, d], beta [B, H] and the conv input of one KDA layer."""
+    batch = x.shape[0]
+    h = _rms(x, norm, eps)
+    raw = _lin(_lin(h, w_fa), w_fb).float()
+    g = (lower_bound * torch.sigmoid(rate * (raw + dt_bias))).view(batch, heads, -1)
+    beta = torch.sigmoid(_lin(h, w_b).float())
+    return h, g, beta, _lin(h, w_qkv)
+
+
+def _kda_back(x: torch.Tensor, h: torch.Tensor, o: torch.Tensor, o_norm: torch.Tensor, w_g: torch.Tensor,
+              wo: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = _rms(o, o_norm, eps).reshape(x.shape[0], -1)
+    return x + _lin(normed * torch.sigmoid(_lin(h, w_g).float()), wo).float()
+
+
+def _mlp(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return _lin(F.silu(_lin(h, w_gate)) * _lin(h, w_up), w_down).float()
+
+
+def _ffn_dense(x: torch.Tensor, norm: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+               w_down: torch.Tensor, eps: float) -> torch.Tensor:
+    return x + _mlp(_rms(x, norm, eps), w_gate, w_up, w_down)
+
+
+def _ffn_moe(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, bias: torch.Tensor,
+             w_down_latent: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+             latent_norm: torch.Tensor, w_up_latent: torch.Tensor, shared: tuple[torch.Tensor, ...] | None,
+             eps: float, top_k: int, scaling: float) -> torch.Tensor:
+    batch, experts = x.shape[0], w1.shape[0]
+    h = _rms(x, norm, eps)
+    scores = torch.sigmoid(h @ router.t())  # fp32 routing
+    ids = torch.topk(scores + bias, top_k, dim=-1).indices  # [B, k]
+    picked = scores.gather(1, ids)
+    weights = picked / picked.sum(-1, keepdim=True) * scaling
+    z = _lin(h, w_down_latent)  # [B, lat] bf16
+    if batch * top_k < experts:  # few tokens: each (token, slot) multiplies its own expert
+        flat = ids.reshape(-1)
+        zz = z.repeat_interleave(top_k, 0).unsqueeze(-1)  # [B*k, lat, 1]
+        hidden = F.silu(torch.bmm(w1[flat], zz)) * torch.bmm(w3[flat], zz)  # [B*k, inter, 1]
+        out = torch.bmm(w2[flat], hidden).view(batch, top_k, -1)  # [B, k, lat]
+        mixed = (out.float() * weights.unsqueeze(-1)).sum(1)
+    else:  # every expert on every token, weighted by the routing (0 for experts not chosen)
+        zb = z.unsqueeze(0).expand(experts, -1, -1)  # [E, B, lat]
+        hidden = F.silu(torch.bmm(zb, w1.transpose(1, 2))) * torch.bmm(zb, w3.transpose(1, 2))  # [E, B, inter]
+        out = torch.bmm(hidden, w2.transpose(1, 2))  # [E, B, lat]
+        dense_w = torch.zeros(batch, experts, device=x.device).scatter_(1, ids, weights)
+        mixed = torch.einsum("ebl,be->bl", out.float(), dense_w)
+    out = _lin(_rms(mixed, latent_norm, eps), w_up_latent).float()
+    if shared is not None:
+        out = out + _mlp(h, *shared)
+    return x + out
+
+
+def _head(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
+    return _lin(_rms(x, norm, eps), lm_head).float()
+
+
+SEGMENTS = ("_mla_front", "_mla_back", "_kda_front", "_kda_back", "_ffn_dense", "_ffn_moe", "_head")
+
+
+@dataclass
+class _LayerWeights:
+    """One layer's tensors in the form the segments take (bf16 matrices, fp32 vectors)."""
+
+    kind: str  # "mla" | "kda"
+    index: int  # among layers of its kind
+    mixer: dict[str, Any]
+    ffn: dict[str, Any]
+    dense: bool
+
+
 class FastDecoder:
-    def __init__(self, model: KimiModel, layout: RowLayout, dtype: torch.dtype = BF16) -> None:
-        """`dtype`: of the weight copies and GEMM activations (bf16; fp32 lets tests check the structure tightly)."""
+    def __init__(self, model: KimiModel, layout: RowLayout, dtype: torch.dtype = BF16, compile: bool = False) -> None:
+        """`dtype`: of the weight copies and GEMM activations (bf16; fp32 lets tests check the structure tightly).
+        `compile`: run the torch segments through torch.compile (CUDA; see the module docstring)."""
         self.model, self.cfg, self.layout, self.dtype = model, model.cfg, layout, dtype
         self.conv_dtype = {4: torch.float32, 2: BF16}[self.cfg.conv_state_bytes]
-        self._bf16 = {id(p): p.detach().to(dtype) for p in model.parameters() if p.dim() >= 2}
-        self._const: dict[int, torch.Tensor] = {}
-        for layer in model.layers:
-            if isinstance(layer.mixer, MLA):
-                cfg, mla = self.cfg, layer.mixer
-                self._const[id(mla)] = mla.wkv_b.detach().to(dtype).view(
-                    cfg.num_heads, cfg.qk_nope_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        self.compiled = compile
+        self._bf16: dict[int, torch.Tensor] = {}  # id(parameter) -> its copy in `dtype` (made once)
+        self._const: dict[int, torch.Tensor] = {}  # id(MLA) -> W_KV_b [H, nope + v, kv_lora] in `dtype`
+        self._seg: dict[str, Callable[..., Any]] = {name: globals()[name] for name in SEGMENTS}
+        if compile:
+            self._seg = {name: torch.compile(fn, dynamic=True) for name, fn in self._seg.items()}
+        w = self._w
+        self.layers: list[_LayerWeights] = []
+        for layer_id, layer in enumerate(model.layers):
+            if layer.is_mla:
+                mixer = self._mla_weights(layer.mixer, layer.mixer_norm.weight)
+                kind, index = "mla", model.mla_index[layer_id]
+            else:
+                mixer = self._kda_weights(layer.mixer, layer.mixer_norm.weight)
+                kind, index = "kda", model.kda_index[layer_id]
+            ffn, dense = layer.ffn, isinstance(layer.ffn, DenseMLP)
+            if dense:
+                weights = {"norm": layer.ffn_norm.weight, "w_gate": w(ffn.w_gate.weight), "w_up": w(ffn.w_up.weight),
+                           "w_down": w(ffn.w_down.weight)}
+            else:
+                assert isinstance(ffn, MoE)
+                shared = None if ffn.shared is None else (w(ffn.shared.w_gate.weight), w(ffn.shared.w_up.weight),
+                                                          w(ffn.shared.w_down.weight))
+                weights = {"norm": layer.ffn_norm.weight, "router": ffn.router.weight, "bias": ffn.correction_bias,
+                           "w_down_latent": w(ffn.w_down_latent.weight), "w1": w(ffn.w1), "w3": w(ffn.w3),
+                           "w2": w(ffn.w2), "latent_norm": ffn.latent_norm.weight,
+                           "w_up_latent": w(ffn.w_up_latent.weight), "shared": shared}
+            self.layers.append(_LayerWeights(kind, index, mixer, weights, dense))
+        self.embed = model.embed
+        self.final_norm = model.final_norm.weight
+        self.lm_head = w(model.lm_head.weight)
 
     def _w(self, param: torch.Tensor) -> torch.Tensor:
-        return self._bf16[id(param)]
+        """The copy in `dtype` of a weight matrix (one copy per parameter, shared with engine/fast/prefill.py)."""
+        copy = self._bf16.get(id(param))
+        if copy is None:
+            copy = self._bf16[id(param)] = param.detach().to(self.dtype)
+        return copy
 
     def _lin(self, x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
-        return F.linear(x.to(self.dtype), self._w(linear.weight))
+        return _lin(x, self._w(linear.weight))
+
+    def _dense(self, mlp: DenseMLP, h: torch.Tensor) -> torch.Tensor:
+        return _mlp(h, self._w(mlp.w_gate.weight), self._w(mlp.w_up.weight), self._w(mlp.w_down.weight))
+
+    def _mla_weights(self, mla: MLA, norm: torch.Tensor) -> dict[str, Any]:
+        cfg, w = self.cfg, self._w
+        wkv_b = w(mla.wkv_b).view(cfg.num_heads, cfg.qk_nope_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        self._const[id(mla)] = wkv_b
+        idx = mla.indexer
+        return {
+            "front": (norm, w(mla.wq_a.weight), mla.q_norm.weight, w(mla.wq_b.weight),
+                      wkv_b[:, : cfg.qk_nope_dim].contiguous(), w(mla.wkv_a.weight), mla.kv_norm.weight,
+                      w(idx.wk.weight), idx.k_norm.weight, idx.k_norm.bias, idx.hadamard, w(idx.wq.weight),
+                      w(idx.w_proj.weight)),
+            "front_const": dict(eps=cfg.rms_eps, k_eps=idx.k_norm.eps, latent_scale=mla.latent_scale,
+                                heads=cfg.num_heads, nope=cfg.qk_nope_dim, kv_rank=cfg.kv_lora_rank,
+                                index_heads=cfg.index_num_heads),
+            "w_uv": wkv_b[:, cfg.qk_nope_dim :].transpose(1, 2).contiguous(),  # [H, kv, v]
+            "wg": None if mla.wg is None else w(mla.wg.weight),
+            "wo": w(mla.wo.weight),
+            "softmax_scale": mla.softmax_scale,
+            "latent_scale": mla.latent_scale,
+        }
+
+    def _kda_weights(self, kda: KDA, norm: torch.Tensor) -> dict[str, Any]:
+        cfg, w = self.cfg, self._w
+        return {
+            "front": (norm, w(kda.w_fa.weight), w(kda.w_fb.weight),
+                      torch.exp(kda.A_log).repeat_interleave(kda.head_dim), kda.dt_bias, w(kda.w_b.weight),
+                      w(kda.w_qkv.weight)),
+            "front_const": dict(eps=cfg.rms_eps, lower_bound=cfg.kda_gate_lower_bound, heads=kda.num_heads),
+            "conv_weight": kda.conv_weight.detach().float().contiguous(),
+            "o_norm": kda.o_norm, "w_g": w(kda.w_g.weight), "wo": w(kda.wo.weight),
+        }
 
     @torch.no_grad()
     def decode(self, buffer: torch.Tensor, token_ids: torch.Tensor, pages: PageBatch) -> torch.Tensor:
         """token_ids [B] (device) decoded at pages.positions -> logits [B, V] fp32; writes the new cache entries
         and KDA states into `buffer` (the pool, [rows, row_bytes] uint8 on the device)."""
-        model = self.model
-        x = model.embed[token_ids].float()
-        for layer_id, layer in enumerate(model.layers):
-            h = layer.mixer_norm(x)
-            if layer.is_mla:
-                x = x + self._mla(layer.mixer, h, buffer, pages, model.mla_index[layer_id])
+        cfg, seg = self.cfg, self._seg
+        x = self.embed[token_ids].float()
+        for layer in self.layers:
+            if layer.kind == "mla":
+                x = self._mla(layer.mixer, x, buffer, pages, layer.index)
             else:
-                x = x + self._kda(layer.mixer, h, buffer, pages, model.kda_index[layer_id])
-            h = layer.ffn_norm(x)
-            x = x + (self._dense(layer.ffn, h) if isinstance(layer.ffn, DenseMLP) else self._moe(layer.ffn, h))
-        return self._lin(model.final_norm(x), model.lm_head).float()
+                x = self._kda(layer.mixer, x, buffer, pages, layer.index)
+            f = layer.ffn
+            if layer.dense:
+                x = seg["_ffn_dense"](x, f["norm"], f["w_gate"], f["w_up"], f["w_down"], cfg.rms_eps)
+            else:
+                x = seg["_ffn_moe"](x, f["norm"], f["router"], f["bias"], f["w_down_latent"], f["w1"], f["w3"],
+                                    f["w2"], f["latent_norm"], f["w_up_latent"], f["shared"], cfg.rms_eps,
+                                    cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        return seg["_head"](x, self.final_norm, self.lm_head, cfg.rms_eps)
 
-    def _mla(self, mla: MLA, h: torch.Tensor, buffer: torch.Tensor, pages: PageBatch, index: int) -> torch.Tensor:
-        cfg, batch = self.cfg, h.shape[0]
-        qr = mla.q_norm(self._lin(h, mla.wq_a).float())
-        q = self._lin(qr, mla.wq_b).view(batch, cfg.num_heads, cfg.qk_nope_dim + cfg.qk_rope_dim)
-        wkv_b = self._const[id(mla)]  # [H, nope + v, kv_lora]
-        q_lat = torch.bmm(q[..., : cfg.qk_nope_dim].transpose(0, 1), wkv_b[:, : cfg.qk_nope_dim])  # [H, B, kv]
-        q_abs = torch.cat([q_lat.transpose(0, 1), q[..., cfg.qk_nope_dim :]], dim=-1)
-        kv = self._lin(h, mla.wkv_a).float()
-        latent = torch.cat([mla.kv_norm(kv[:, : cfg.kv_lora_rank]), kv[:, cfg.kv_lora_rank :]], dim=-1)
-        idx = mla.indexer
-        key = F.layer_norm(self._lin(h, idx.wk).float(), (cfg.index_head_dim,), idx.k_norm.weight,
-                           idx.k_norm.bias, idx.k_norm.eps) @ idx.hadamard
-        key_bytes, key_scale = fp8_quantize_rowwise(key)
-        qi = self._lin(qr, idx.wq).float().view(batch, cfg.index_num_heads, cfg.index_head_dim) @ idx.hadamard
-        qi_bytes, qi_scale = fp8_quantize_rowwise(qi)
-        weights = self._lin(h, idx.w_proj).float() * (cfg.index_num_heads * cfg.index_head_dim) ** -0.5 * qi_scale
-        write_token(buffer, self.layout, pages, index, fp8_quantize_static(latent, mla.latent_scale), key_bytes,
-                    key_scale)
-        selected = select(buffer, self.layout, pages, index, qi_bytes.view(torch.float8_e4m3fn).float(), weights,
-                          cfg.index_topk)
-        o_lat = sparse_mla_decode(buffer, self.layout, pages, index, q_abs, selected, mla.softmax_scale,
-                                  mla.latent_scale, cfg.kv_lora_rank)
-        o = torch.bmm(o_lat.to(self.dtype).transpose(0, 1), wkv_b[:, cfg.qk_nope_dim :].transpose(1, 2))  # [H, B, v]
-        o = o.transpose(0, 1).reshape(batch, -1)
-        if mla.wg is not None:
-            o = o * torch.sigmoid(self._lin(h, mla.wg).float()).to(self.dtype)
-        return self._lin(o, mla.wo).float()
+    def _mla(self, m: dict[str, Any], x: torch.Tensor, buffer: torch.Tensor, pages: PageBatch,
+             index: int) -> torch.Tensor:
+        cfg = self.cfg
+        h, q_abs, latent, key, key_scale, qi, weights = self._seg["_mla_front"](x, *m["front"], **m["front_const"])
+        write_token(buffer, self.layout, pages, index, latent, key, key_scale)
+        selected = select(buffer, self.layout, pages, index, qi, weights, cfg.index_topk)
+        o_lat = sparse_mla_decode(buffer, self.layout, pages, index, q_abs, selected, m["softmax_scale"],
+                                  m["latent_scale"], cfg.kv_lora_rank)
+        return self._seg["_mla_back"](x, h, o_lat, m["w_uv"], m["wg"], m["wo"])
 
-    def _kda(self, kda: KDA, h: torch.Tensor, buffer: torch.Tensor, pages: PageBatch, index: int) -> torch.Tensor:
-        cfg, batch = self.cfg, h.shape[0]
-        heads, dim = kda.num_heads, kda.head_dim
-        raw = self._lin(self._lin(h, kda.w_fa), kda.w_fb).float()
-        rate = torch.exp(kda.A_log).repeat_interleave(dim)
-        g = (cfg.kda_gate_lower_bound * torch.sigmoid(rate * (raw + kda.dt_bias))).view(batch, heads, dim)
-        beta = torch.sigmoid(self._lin(h, kda.w_b).float())
+    def _kda(self, m: dict[str, Any], x: torch.Tensor, buffer: torch.Tensor, pages: PageBatch,
+             index: int) -> torch.Tensor:
+        h, g, beta, conv_in = self._seg["_kda_front"](x, *m["front"], **m["front_const"])
         group, layer_in_group = divmod(index, self.layout.kda_layers_per_group)
         rows = pages.kda_row_ids[:, group].contiguous()
-        conv = kda_conv_step(buffer, self.layout, rows, layer_in_group, self._lin(h, kda.w_qkv), kda.conv_weight,
-                             self.conv_dtype)
-        q, k, v = conv.view(batch, 3, heads, dim).unbind(1)
-        q, k = l2_normalize(q) * dim**-0.5, l2_normalize(k)
+        q, k, v = kda_conv_qkv_rows(buffer, self.layout, rows, layer_in_group, conv_in, m["conv_weight"],
+                                    self.conv_dtype)
         o = kda_recurrent_step_rows(buffer, self.layout, rows, layer_in_group, q, k, v, g, beta)
-        normed = rms_norm(o, kda.o_norm, cfg.rms_eps).reshape(batch, -1)
-        return self._lin(normed * torch.sigmoid(self._lin(h, kda.w_g).float()), kda.wo).float()
-
-    def _dense(self, mlp: DenseMLP, h: torch.Tensor) -> torch.Tensor:
-        hidden = F.silu(self._lin(h, mlp.w_gate)) * self._lin(h, mlp.w_up)
-        return self._lin(hidden, mlp.w_down).float()
-
-    def _moe(self, moe: MoE, h: torch.Tensor) -> torch.Tensor:
-        cfg, batch = self.cfg, h.shape[0]
-        scores = torch.sigmoid(h @ moe.router.weight.t())  # fp32 routing
-        ids = torch.topk(scores + moe.correction_bias, cfg.num_experts_per_tok, dim=-1).indices  # [B, k]
-        picked = scores.gather(1, ids)
-        weights = picked / picked.sum(-1, keepdim=True) * cfg.routed_scaling_factor
-        z = self._lin(h, moe.w_down_latent)  # [B, lat] bf16
-        w1, w3, w2 = self._w(moe.w1), self._w(moe.w3), self._w(moe.w2)
-        if batch * ids.shape[1] < cfg.num_experts:  # few tokens: each (token, slot) multiplies its own expert
-            flat = ids.reshape(-1)
-            zz = z.repeat_interleave(ids.shape[1], 0).unsqueeze(-1)  # [B*k, lat, 1]
-            hidden = F.silu(torch.bmm(w1[flat], zz)) * torch.bmm(w3[flat], zz)  # [B*k, inter, 1]
-            out = torch.bmm(w2[flat], hidden).view(batch, ids.shape[1], -1)  # [B, k, lat]
-            mixed = (out.float() * weights.unsqueeze(-1)).sum(1)
-        else:  # every expert on every token, weighted by the routing (0 for experts not chosen)
-            zb = z.unsqueeze(0).expand(cfg.num_experts, -1, -1)  # [E, B, lat]
-            hidden = F.silu(torch.bmm(zb, w1.transpose(1, 2))) * torch.bmm(zb, w3.transpose(1, 2))  # [E, B, inter]
-            out = torch.bmm(hidden, w2.transpose(1, 2))  # [E, B, lat]
-            dense_w = torch.zeros(batch, cfg.num_experts, device=h.device).scatter_(1, ids, weights)
-            mixed = torch.einsum("ebl,be->bl", out.float(), dense_w)
-        out = self._lin(moe.latent_norm(mixed), moe.w_up_latent).float()
-        return out + self._dense(moe.shared, h) if moe.shared is not None else out
+        return self._seg["_kda_back"](x, h, o, m["o_norm"], m["w_g"], m["wo"], self.cfg.rms_eps)

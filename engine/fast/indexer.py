@@ -1,12 +1,13 @@
 """DSA indexer for decode, fused over the packed pages: one query per request scored against every cached FP8
 index key of that request, read in-kernel from the row pool, then the top-k.
 
-`index_scores` (Triton, one program per (request, block of BLOCK_N keys)): loads the request's query [H_I, D]
-(bf16 holding e4m3 values: exact) and its head weights once, the keys' FP8 bytes and fp32 scales straight from
-the index pages (engine/fast/pages.py addressing), and computes
+`index_scores` (Triton, one program per (request, run of pages)): loads the request's query [H_I, D] (e4m3
+values) and its head weights once, then walks its pages, loading each page's keys (FP8 bytes) and fp32 scales
+straight from the index page (engine/fast/pages.py addressing: one sub-block id per page, the entries
+contiguous), and computes
     I[b, t] = scale_t * sum_h w[b, h] * ReLU(q[b, h] . k_t)        for t <= pos[b], -inf after
-with the dots on tensor cores (e4m3 -> bf16 is exact, products are exact in the fp32 accumulator; only the sum
-of d_I products rounds, where the reference sums in float64). `index_topk` then takes the top-k of each row
+with the dots on tensor cores (FP8 x FP8 on CUDA, or both widened to bf16, which is exact; the products are
+exact in the fp32 accumulator; only the sum of d_I products rounds, where the reference sums in float64). `index_topk` then takes the top-k of each row
 (torch.topk: one radix-select kernel) and marks unused slots -1. Selections are returned unsorted: the sparse
 MLA kernel does not depend on the order. Tie-breaking at the k-th score follows torch.topk, not the reference's
 lower-position rule; tests compare sets exactly away from ties.
@@ -26,32 +27,39 @@ from engine.model.indexer import index_scores as reference_index_scores
 from engine.model.indexer import select_topk
 from engine.model.numerics import FP8_DTYPE, fp8_to_float
 
-BLOCK_N = 128
-
-
 @triton.jit
 def _index_scores_kernel(pool8_ptr, pool32_ptr, sb_ptr, pos_ptr, q_ptr, w_ptr, out_ptr,
-                         sb_stride, out_stride, index_base, subblock_bytes, index_bytes,
-                         H: tl.constexpr, D: tl.constexpr, B0: tl.constexpr, BLOCK: tl.constexpr,
-                         ALIGN: tl.constexpr, INTERPRET: tl.constexpr):
+                         sb_stride, out_stride, num_pages, pages_per_prog, index_base, subblock_bytes,
+                         H: tl.constexpr, D: tl.constexpr, B0: tl.constexpr, ENTRY: tl.constexpr,
+                         ALIGN: tl.constexpr, FP8_DOT: tl.constexpr, INTERPRET: tl.constexpr):
     b = tl.program_id(0)
-    blk = tl.program_id(1)
+    first = tl.program_id(1) * pages_per_prog
+    last = tl.minimum(first + pages_per_prog, num_pages)
     pos = tl.load(pos_ptr + b)
-    n = blk * BLOCK + tl.arange(0, BLOCK)
-    valid = n <= pos
-    sb = tl.load(sb_ptr + b * sb_stride + n // B0, mask=valid, other=0).to(tl.int64)
-    base = sb * subblock_bytes + index_base + (n % B0).to(tl.int64) * index_bytes  # [BLOCK] byte offsets
-    base = tl.multiple_of(base, ALIGN)  # lets the compiler load ALIGN bytes at a time
-    dims = tl.arange(0, D)
-    keys = tl.load(pool8_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-    scale = tl.load(pool32_ptr + (base + D) // 4, mask=valid, other=0.0)
     heads = tl.arange(0, H)
-    q = tl.load(q_ptr + b * H * D + heads[:, None] * D + dims[None, :])  # [H, D] bf16
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + b * H * D + heads[:, None] * D + dims[None, :])  # [H, D] e4m3 values (fp8 or bf16)
     w = tl.load(w_ptr + b * H + heads)  # [H] fp32 (0 for padded heads)
-    dots = mm(q, tl.trans(keys.to(tl.bfloat16)), INTERPRET)  # [H, BLOCK] fp32
-    score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * scale
-    score = tl.where(valid, score, float("-inf"))
-    tl.store(out_ptr + b * out_stride + n, score, mask=n < out_stride)
+    t = tl.arange(0, B0)
+    key_off = t[:, None] * ENTRY + dims[None, :]  # a page's entries: [key bytes | fp32 scale] every ENTRY bytes
+    scale_off = t * (ENTRY // 4) + D // 4
+    row_out = out_ptr + b.to(tl.int64) * out_stride
+    for page in range(first, last):
+        n = page * B0 + t
+        if page * B0 <= pos:
+            sb = tl.load(sb_ptr + b * sb_stride + page).to(tl.int64)
+            base = tl.multiple_of(sb * subblock_bytes + index_base, ALIGN)  # the page's first entry
+            keys = tl.load(pool8_ptr + base + key_off)  # [B0, D]
+            scale = tl.load(pool32_ptr + base // 4 + scale_off)
+            if FP8_DOT:
+                dots = tl.dot(q, tl.trans(keys))  # fp8 x fp8 -> fp32 on tensor cores
+            else:
+                dots = mm(q, tl.trans(keys.to(tl.bfloat16)), INTERPRET)  # [H, B0] fp32
+            score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * scale
+            score = tl.where(n <= pos, score, float("-inf"))
+        else:
+            score = tl.full([B0], float("-inf"), tl.float32)
+        tl.store(row_out + n, score, mask=n < out_stride)
 
 
 def byte_alignment(*offsets: int) -> int:
@@ -74,25 +82,45 @@ def pad_heads(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, tor
     return q_out, w_out
 
 
+def pages_per_program(total_pages: int, num_sms: int = 132, waves: int = 4) -> int:
+    """Pages each program scores: enough programs for `waves` per SM, at most 32 pages (270 KB at K3.1 Pro) each."""
+    return max(1, min(32, -(-total_pages // (waves * num_sms))))
+
+
 def index_scores(buffer: torch.Tensor, layout: RowLayout, pages: PageBatch, dsa_layer: int, q: torch.Tensor,
-                 weights: torch.Tensor, num_keys: int | None = None) -> torch.Tensor:
+                 weights: torch.Tensor, num_keys: int | None = None, fp8_dot: bool | None = None) -> torch.Tensor:
     """Scores [B, num_keys] (default pages.max_len) of each request's query against its cached keys, -inf past
-    its position. q [B, H_I, D] e4m3-valued, weights [B, H_I]; `buffer` the pool [rows, row_bytes] uint8."""
+    its position. q [B, H_I, D] e4m3-valued, weights [B, H_I]; `buffer` the pool [rows, row_bytes] uint8.
+
+    One program per (request, run of pages): it loads the query once and walks its pages, one page (b0 keys,
+    contiguous entries) per iteration with a single sub-block id; pages past the request's position are not
+    read. `fp8_dot` (default: on CUDA) multiplies the e4m3 query and keys on the FP8 tensor cores instead of
+    widening both to bf16 (the same exact products either way)."""
     num_keys = pages.max_len if num_keys is None else num_keys
     qp, wp = pad_heads(q, weights)
     batch, heads, dim = qp.shape
-    assert dim & (dim - 1) == 0 and layout.index_bytes % 4 == 0 and layout.subblock_bytes % 4 == 0
+    entry = layout.index_bytes
+    assert dim & (dim - 1) == 0 and entry % 4 == 0 and layout.subblock_bytes % 4 == 0 and entry >= dim + 4
+    if fp8_dot is None:
+        fp8_dot = buffer.is_cuda and not interpreter_active()
+    if fp8_dot:
+        qp = qp.to(FP8_DTYPE)
+    b0 = layout.subblock_tokens
+    num_pages = min(pages.subblock_ids.shape[1], -(-num_keys // b0))
     out = torch.empty(batch, num_keys, dtype=torch.float32, device=buffer.device)
+    per_prog = pages_per_program(batch * num_pages)
     flat = buffer.view(-1)
-    grid = (batch, triton.cdiv(num_keys, BLOCK_N))
+    grid = (batch, triton.cdiv(num_pages, per_prog))
     _index_scores_kernel[grid](
         flat.view(FP8_DTYPE), flat.view(torch.float32), pages.subblock_ids, pages.positions, qp, wp, out,
-        pages.subblock_ids.stride(0), num_keys, dsa_layer * layout.layer_stride + layout.latent_page_bytes,
-        layout.subblock_bytes, layout.index_bytes, H=heads, D=dim, B0=layout.subblock_tokens, BLOCK=BLOCK_N,
-        ALIGN=byte_alignment(layout.subblock_bytes, layout.layer_stride, layout.latent_page_bytes,
-                             layout.index_bytes),
-        INTERPRET=interpreter_active(), num_warps=4,
+        pages.subblock_ids.stride(0), num_keys, num_pages, per_prog,
+        dsa_layer * layout.layer_stride + layout.latent_page_bytes, layout.subblock_bytes,
+        H=heads, D=dim, B0=b0, ENTRY=entry,
+        ALIGN=byte_alignment(layout.subblock_bytes, layout.layer_stride, layout.latent_page_bytes),
+        FP8_DOT=fp8_dot, INTERPRET=interpreter_active(), num_warps=4,
     )
+    if num_keys > num_pages * b0:  # keys past the page table: never cached
+        out[:, num_pages * b0:] = float("-inf")
     return out
 
 

@@ -93,6 +93,58 @@ def kda_conv_step(buffer: torch.Tensor, layout: RowLayout, rows: torch.Tensor, l
     return F.silu(acc).transpose(1, 2).reshape(batch, -1)
 
 
+@triton.jit
+def _kda_conv_kernel(state_ptr, rows_ptr, x_ptr, w_ptr, y_ptr, batch, row_elems, head_elems, conv_off, num_heads,
+                     q_scale, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BF16_STATE: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    part = tl.program_id(2)  # 0 q, 1 k, 2 v
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    i = tl.arange(0, D)
+    tap = tl.arange(0, WP)
+    ch = part * num_heads * D + h * D + i  # channel in x (q | k | v, head-major inside each)
+    x = tl.load(x_ptr + b * 3 * num_heads * D + ch).to(tl.float32)
+    states = state_ptr + row * row_elems + h * head_elems + conv_off + (part * D + i)[:, None] * (W - 1)
+    old = tl.load(states + tap[None, :], mask=tap[None, :] < W - 1, other=0.0).to(tl.float32)  # [D, WP]
+    taps = tl.load(w_ptr + ch[:, None] * W + tap[None, :], mask=tap[None, :] < W - 1, other=0.0).to(tl.float32)
+    acc = tl.sum(old * taps, axis=1) + x * tl.load(w_ptr + ch * W + W - 1).to(tl.float32)
+    shifted = tl.where(tap[None, :] == W - 2, x[:, None], tl.load(states + tap[None, :] + 1,
+                                                                 mask=tap[None, :] < W - 2, other=0.0))
+    if BF16_STATE:  # round to nearest even by hand (the Triton interpreter's own cast truncates)
+        bits = shifted.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        tl.store(states + tap[None, :], (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
+                 mask=tap[None, :] < W - 1)
+    else:
+        tl.store(states + tap[None, :], shifted.to(state_ptr.dtype.element_ty), mask=tap[None, :] < W - 1)
+    y = acc / (1.0 + tl.exp(-acc))  # SiLU
+    norm = tl.rsqrt(tl.sum(y * y, axis=0) + 1e-6)
+    y = tl.where(part == 0, y * norm * q_scale, tl.where(part == 1, y * norm, y))
+    tl.store(y_ptr + (part * batch + b) * num_heads * D + h * D + i, y)
+
+
+def kda_conv_qkv_rows(buffer: torch.Tensor, layout: RowLayout, rows: torch.Tensor, layer_in_group: int,
+                      x: torch.Tensor, weight: torch.Tensor, conv_dtype: torch.dtype,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`kda_conv_step` and the query/key normalisation of the decode step in one kernel: x [B, 3*H*d] (any
+    float), weight [3*H*d, W] -> (l2_normalize(q) * d^-1/2, l2_normalize(k), v), each [B, H, d] fp32 and
+    contiguous; the conv states of `rows` are shifted in place. The taps are summed in a tree, not the
+    reference's oldest-first order (equal within fp32 rounding)."""
+    batch = x.shape[0]
+    heads, width = layout.kda_heads_per_gpu, weight.shape[1]
+    dim = x.shape[1] // (3 * heads)
+    size = torch.tensor([], dtype=conv_dtype).element_size()
+    assert layout.row_bytes % size == 0 and layout.kda_head_bytes % size == 0 and dim & (dim - 1) == 0
+    y = torch.empty(3, batch, heads, dim, dtype=torch.float32, device=buffer.device)
+    _kda_conv_kernel[(batch, heads, 3)](
+        buffer.view(-1).view(conv_dtype), rows, x.contiguous(), weight.contiguous(), y, batch,
+        layout.row_bytes // size, layout.kda_head_bytes // size, layout.kda_conv_offset(0, layer_in_group) // size,
+        heads, dim**-0.5, D=dim, W=width, WP=triton.next_power_of_2(width), BF16_STATE=conv_dtype == torch.bfloat16,
+        num_warps=4,
+    )
+    return y[0], y[1], y[2]
+
+
 def naive_kda_decode(state: KDAState, x: torch.Tensor, weight: torch.Tensor, split, g: torch.Tensor,
                      beta: torch.Tensor) -> tuple[torch.Tensor, KDAState]:  # type: ignore[no-untyped-def]
     """Reference: engine.model.kda's conv step and recurrent step on a batched KDAState (fp32)."""

@@ -20,11 +20,12 @@ from engine.fast.indexer import (
     naive_index_scores,
     naive_select,
 )
-from engine.fast.kda import kda_conv_step, kda_recurrent_step_rows
+from engine.fast.kda import kda_conv_qkv_rows, kda_conv_step, kda_recurrent_step_rows
 from engine.fast.mla import naive_sparse_mla_decode, sparse_mla_decode
 from engine.fast.pages import write_token
+from engine.layout import plan_layout
 from engine.model.config import ModelConfig, get_preset
-from engine.model.kda import causal_conv_step, kda_recurrent_step
+from engine.model.kda import causal_conv_step, kda_recurrent_step, l2_normalize
 from engine.model.numerics import (
     fp8_quantize_rowwise,
     fp8_quantize_static,
@@ -153,3 +154,29 @@ def test_write_token_matches_row_pool(device) -> None:  # type: ignore[no-untype
 def test_pro_shapes_on_gpu(device) -> None:  # type: ignore[no-untyped-def]
     _indexer_case(PRO_SHAPES, [1000, 32768, 20000], layer=1, device=device)
     _mla_case(PRO_SHAPES, [1000, 32768, 20000], layer=1, device=device, splits=None)
+
+
+@pytest.mark.parametrize("conv_bytes", [4, 2], ids=["fp32-state", "bf16-state"])
+def test_fused_conv_step_matches_torch_conv_and_norms(conv_bytes, device) -> None:  # type: ignore[no-untyped-def]
+    """kda_conv_qkv_rows == kda_conv_step + l2 norms (within fp32 rounding: the taps add in another order); the
+    shifted conv states are the same bits."""
+    cfg = dataclasses.replace(MINI, conv_state_bytes=conv_bytes)
+    conv_dtype = {4: torch.float32, 2: torch.bfloat16}[conv_bytes]
+    lay, li = plan_layout(cfg), 1
+    gen = torch.Generator().manual_seed(6)
+    values = torch.randn(5 * lay.row_bytes // conv_bytes, generator=gen).to(conv_dtype)  # 5 rows of states
+    buffer = values.view(torch.uint8).view(5, lay.row_bytes).to(device)
+    rows = torch.tensor([3, 0, 4], device=device)
+    gen = torch.Generator().manual_seed(6)
+    h, d = cfg.kda_num_heads, cfg.kda_head_dim
+    x = torch.randn(3, 3 * h * d, generator=gen)
+    weight = torch.randn(3 * h * d, cfg.kda_conv_size, generator=gen) * 0.5
+    torch_buffer = buffer.clone()
+    conv = kda_conv_step(torch_buffer, lay, rows, li, x.to(device), weight.to(device), conv_dtype)
+    q, k, v = conv.view(3, 3, h, d).unbind(1)
+    want = (l2_normalize(q) * d**-0.5, l2_normalize(k), v)
+    got = kda_conv_qkv_rows(buffer, lay, rows, li, x.to(device), weight.to(device), conv_dtype)
+    for g, w in zip(got, want):
+        assert g.is_contiguous()
+        torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(buffer.cpu(), torch_buffer.cpu())
