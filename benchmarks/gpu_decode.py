@@ -3,12 +3,14 @@
 
 Per (config, context C, batch B) cell, for each kernel set asked for:
 - fast: `engine.fast.FastDecoder` on a packed row pool in GPU memory (plan_layout of the config, B requests of
-  C cached tokens: random FP8 latents/keys with valid index scales, zero KDA states); the step time includes
-  building the step's page table on the host; median of --steps timed steps after 2 warm-ups.
+  C cached tokens: random FP8 latents/keys with valid index scales, zero KDA states); the eager step time
+  includes building the step's page table on the host; median of --steps timed steps after 2 warm-ups.
 - reference: `KimiModel.decode` (fp32, exact fp64 indexer) over per-request `LocalSequenceCache`s on the GPU
   (as benchmarks/decode.py), median of --ref-steps after 1 warm-up.
-- fast+graph: the fast step replayed as one CUDA graph (engine/fast/graphs.py) sized for the cell, inputs copied
-  in each step (page table built on the host, as eager).
+- fast+graph: the fast step replayed as one CUDA graph (engine/fast/graphs.py) sized for the cell. Each request's
+  rows are allocated up front, so its page table is loaded once (`GraphedDecode.set_pages`, as a running batch
+  between two block allocations) and a step moves the token ids and positions from the host and replays
+  (`GraphedDecode.step`); the step time includes those copies.
 - fast+compile+graph: the same with `FastDecoder(compile=True)` (the torch segments between the Triton kernels
   through torch.compile), graphed. The log also gives each graph's replay alone (inputs already in place).
 The bytes a step must read and the FLOPs it must do come from the config (`step_bytes`, `step_flops` below:
@@ -157,16 +159,17 @@ def time_fast(cfg: ModelConfig, batch: int, context: int, steps: int, decoders: 
             runner = GraphedDecode(decoder, buffer, batch, num_pages, layout.kda_groups, first,
                                    torch.zeros(batch, dtype=torch.int64, device=device))
             position += 1
+        if runner is not None:  # the rows are allocated up front: the table is loaded once, as a running batch's
+            runner.set_pages(build_page_batch(layout, attn, kda, [capacity - 1] * batch, device))
         times, replay = [], []
         for step in range(steps + 2):
             tokens = torch.randint(0, cfg.vocab_size, (batch,), device=device)
             torch.cuda.synchronize(device)
             start = time.perf_counter()
-            pages = build_page_batch(layout, attn, kda, [position] * batch, device)
             if runner is None:
-                decoder.decode(buffer, tokens, pages)
+                decoder.decode(buffer, tokens, build_page_batch(layout, attn, kda, [position] * batch, device))
             else:
-                runner(tokens, pages)
+                runner.step(tokens, torch.full((batch,), position, dtype=torch.int32))
             torch.cuda.synchronize(device)
             if step >= 2:
                 times.append(time.perf_counter() - start)

@@ -52,3 +52,48 @@ def test_fast_decode_matches_reference_logits(dtype, device) -> None:  # type: i
     top2 = ref.topk(2, dim=-1).values
     sure = (top2[:, 0] - top2[:, 1]) > (0 if tight else 0.15 * span)
     assert torch.equal(fast.argmax(-1)[sure], ref.argmax(-1)[sure])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and torch.compile of the segments need a GPU")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-segments", "compiled-segments"])
+def test_graphed_steps_equal_eager_steps(compiled) -> None:  # type: ignore[no-untyped-def]
+    """GraphedDecode over a table loaded once (`set_pages`), then `step` with advancing positions: the same
+    logits and the same pool bytes as eager decode steps (bit for bit with eager segments; compiled segments
+    within bf16 rounding of the eager ones)."""
+    from engine.fast.decoder import FastDecoder
+    from engine.fast.graphs import GraphedDecode
+    from engine.fast.pages import build_page_batch
+
+    device = torch.device("cuda")
+    model = build_model(MINI, device=device)
+    layout = plan_layout(MINI)
+    pool = RowPool(layout, MINI, 24, device=device)
+    lengths = [40, 300, 700]  # under and over top-k (256)
+    gen = torch.Generator().manual_seed(1)
+    tables = []
+    with torch.no_grad():
+        for n in lengths:
+            table = pool.allocate_request(n + 8)
+            model.prefill(torch.randint(0, 256, (n,), generator=gen), RowSequenceCache(pool, table))
+            tables.append(table)
+    attn, kda = [t.attn_row_ids for t in tables], [t.kda_row_ids for t in tables]
+    full = build_page_batch(layout, attn, kda, [n + 7 for n in lengths], device)
+    eager_buffer, scratch = pool.buffer.clone(), pool.buffer.clone()
+    eager = FastDecoder(model, layout)
+    graphed = GraphedDecode(FastDecoder(model, layout, compile=compiled), scratch, len(lengths),
+                            full.subblock_ids.shape[1], layout.kda_groups, full,
+                            torch.zeros(len(lengths), dtype=torch.int64, device=device))
+    scratch.copy_(pool.buffer)  # capture ran one eager step on `scratch`: start the replays from the pool's bytes
+    graphed.set_pages(full)
+    for step in range(3):
+        tokens = torch.randint(0, MINI.vocab_size, (len(lengths),), generator=gen).to(device)
+        positions = [n + step for n in lengths]
+        want = eager.decode(eager_buffer, tokens, build_page_batch(layout, attn, kda, positions, device))
+        got = graphed.step(tokens, torch.tensor(positions, dtype=torch.int32)).clone()
+        if compiled:
+            span = float(want.max() - want.min())
+            torch.testing.assert_close(got, want, rtol=0, atol=0.02 * span)
+        else:
+            assert torch.equal(got, want)
+            assert torch.equal(scratch, eager_buffer)
