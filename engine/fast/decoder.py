@@ -9,8 +9,9 @@ FP8 quantisation of the new cache entries run in fp32; the residual stream stays
   (`mla.sparse_mla_decode`), W_UV and W_O as batched GEMMs over heads;
 - KDA: conv step fused with the query/key norms, then the recurrent step, both on the packed KDA rows in place
   (`kda.py`);
-- MoE: routed experts as batched GEMMs (gathered per token-slot when few tokens, over all experts otherwise:
-  no loop over experts), shared expert and the latent up-projection as GEMMs.
+- MoE: with few tokens (B * k < E) each (token, slot) reads its own expert's matrices in place
+  (`expert_gemv.py`, two Triton kernels); otherwise batched GEMMs over all experts weighted by the routing (no
+  loop over experts); shared expert and the latent up-projection as GEMMs.
 
 The torch work between the kernels is written as pure functions of tensors (the `_mla_front`, `_mla_back`,
 `_kda_front`, `_kda_back`, `_ffn_*`, `_head` segments below). With `compile=True` each segment runs through
@@ -29,6 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from engine.fast.expert_gemv import expert_gemv
 from engine.fast.indexer import select
 from engine.fast.kda import kda_conv_qkv_rows, kda_recurrent_step_rows
 from engine.fast.mla import sparse_mla_decode
@@ -124,29 +126,33 @@ def _ffn_dense(x: torch.Tensor, norm: torch.Tensor, w_gate: torch.Tensor, w_up: 
     return x + _mlp(_rms(x, norm, eps), w_gate, w_up, w_down)
 
 
-def _ffn_moe(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, bias: torch.Tensor,
-             w_down_latent: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-             latent_norm: torch.Tensor, w_up_latent: torch.Tensor, shared: tuple[torch.Tensor, ...] | None,
-             eps: float, top_k: int, scaling: float) -> torch.Tensor:
-    batch, experts = x.shape[0], w1.shape[0]
+def _moe_route(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, bias: torch.Tensor,
+               w_down_latent: torch.Tensor, eps: float, top_k: int, scaling: float) -> tuple[torch.Tensor, ...]:
+    """FFN norm, routing (fp32: expert ids [B, k] and their weights) and the latent z [B, lat] of a MoE layer."""
     h = _rms(x, norm, eps)
-    scores = torch.sigmoid(h @ router.t())  # fp32 routing
+    scores = torch.sigmoid(h @ router.t())
     ids = torch.topk(scores + bias, top_k, dim=-1).indices  # [B, k]
     picked = scores.gather(1, ids)
     weights = picked / picked.sum(-1, keepdim=True) * scaling
-    z = _lin(h, w_down_latent)  # [B, lat] bf16
-    if batch * top_k < experts:  # few tokens: each (token, slot) multiplies its own expert
-        flat = ids.reshape(-1)
-        zz = z.repeat_interleave(top_k, 0).unsqueeze(-1)  # [B*k, lat, 1]
-        hidden = F.silu(torch.bmm(w1[flat], zz)) * torch.bmm(w3[flat], zz)  # [B*k, inter, 1]
-        out = torch.bmm(w2[flat], hidden).view(batch, top_k, -1)  # [B, k, lat]
-        mixed = (out.float() * weights.unsqueeze(-1)).sum(1)
-    else:  # every expert on every token, weighted by the routing (0 for experts not chosen)
-        zb = z.unsqueeze(0).expand(experts, -1, -1)  # [E, B, lat]
-        hidden = F.silu(torch.bmm(zb, w1.transpose(1, 2))) * torch.bmm(zb, w3.transpose(1, 2))  # [E, B, inter]
-        out = torch.bmm(hidden, w2.transpose(1, 2))  # [E, B, lat]
-        dense_w = torch.zeros(batch, experts, device=x.device).scatter_(1, ids, weights)
-        mixed = torch.einsum("ebl,be->bl", out.float(), dense_w)
+    return h, ids, weights, _lin(h, w_down_latent)
+
+
+def _moe_all_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                     w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, weighted by the routing (0 for experts not chosen) -> mixed [B, lat] fp32."""
+    experts = w1.shape[0]
+    zb = z.unsqueeze(0).expand(experts, -1, -1)  # [E, B, lat]
+    hidden = F.silu(torch.bmm(zb, w1.transpose(1, 2))) * torch.bmm(zb, w3.transpose(1, 2))  # [E, B, inter]
+    out = torch.bmm(hidden, w2.transpose(1, 2))  # [E, B, lat]
+    dense_w = torch.zeros(z.shape[0], experts, device=z.device).scatter_(1, ids, weights)
+    return torch.einsum("ebl,be->bl", out.float(), dense_w)
+
+
+def _moe_out(x: torch.Tensor, h: torch.Tensor, experts_out: torch.Tensor, weights: torch.Tensor | None,
+             latent_norm: torch.Tensor, w_up_latent: torch.Tensor, shared: tuple[torch.Tensor, ...] | None,
+             eps: float) -> torch.Tensor:
+    """x + the MoE output: `experts_out` is [B, k, lat] per slot (mixed here by `weights`) or [B, lat] mixed."""
+    mixed = experts_out if weights is None else (experts_out.float() * weights.unsqueeze(-1)).sum(1)
     out = _lin(_rms(mixed, latent_norm, eps), w_up_latent).float()
     if shared is not None:
         out = out + _mlp(h, *shared)
@@ -157,7 +163,8 @@ def _head(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float
     return _lin(_rms(x, norm, eps), lm_head).float()
 
 
-SEGMENTS = ("_mla_front", "_mla_back", "_kda_front", "_kda_back", "_ffn_dense", "_ffn_moe", "_head")
+SEGMENTS = ("_mla_front", "_mla_back", "_kda_front", "_kda_back", "_ffn_dense", "_moe_route", "_moe_all_experts",
+            "_moe_out", "_head")
 
 
 @dataclass
@@ -268,10 +275,18 @@ class FastDecoder:
             if layer.dense:
                 x = seg["_ffn_dense"](x, f["norm"], f["w_gate"], f["w_up"], f["w_down"], cfg.rms_eps)
             else:
-                x = seg["_ffn_moe"](x, f["norm"], f["router"], f["bias"], f["w_down_latent"], f["w1"], f["w3"],
-                                    f["w2"], f["latent_norm"], f["w_up_latent"], f["shared"], cfg.rms_eps,
-                                    cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+                x = self._moe(f, x)
         return seg["_head"](x, self.final_norm, self.lm_head, cfg.rms_eps)
+
+    def _moe(self, f: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+        cfg, seg = self.cfg, self._seg
+        h, ids, weights, z = seg["_moe_route"](x, f["norm"], f["router"], f["bias"], f["w_down_latent"],
+                                               cfg.rms_eps, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        if x.shape[0] * cfg.num_experts_per_tok < cfg.num_experts and self.dtype == BF16:
+            out = expert_gemv(z, ids, f["w1"], f["w3"], f["w2"])  # few tokens: each slot reads its own expert
+        else:
+            out, weights = seg["_moe_all_experts"](z, ids, weights, f["w1"], f["w3"], f["w2"]), None
+        return seg["_moe_out"](x, h, out, weights, f["latent_norm"], f["w_up_latent"], f["shared"], cfg.rms_eps)
 
     def _mla(self, m: dict[str, Any], x: torch.Tensor, buffer: torch.Tensor, pages: PageBatch,
              index: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.fast.dot import bf16_rne
 from engine.layout import RowLayout
 from engine.model.kda import causal_conv_step, kda_recurrent_step
 from engine.model.state import KDAState
@@ -110,11 +111,8 @@ def _kda_conv_kernel(state_ptr, rows_ptr, x_ptr, w_ptr, y_ptr, batch, row_elems,
     acc = tl.sum(old * taps, axis=1) + x * tl.load(w_ptr + ch * W + W - 1).to(tl.float32)
     shifted = tl.where(tap[None, :] == W - 2, x[:, None], tl.load(states + tap[None, :] + 1,
                                                                  mask=tap[None, :] < W - 2, other=0.0))
-    if BF16_STATE:  # round to nearest even by hand (the Triton interpreter's own cast truncates)
-        bits = shifted.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        tl.store(states + tap[None, :], (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
-                 mask=tap[None, :] < W - 1)
+    if BF16_STATE:
+        tl.store(states + tap[None, :], bf16_rne(shifted), mask=tap[None, :] < W - 1)
     else:
         tl.store(states + tap[None, :], shifted.to(state_ptr.dtype.element_ty), mask=tap[None, :] < W - 1)
     y = acc / (1.0 + tl.exp(-acc))  # SiLU
