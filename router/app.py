@@ -68,7 +68,9 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
         timeout = httpx.Timeout(None, connect=settings.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         async with httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits) as client:
-            upstream = UpstreamPool(settings.connect_timeout_s) if transport is None else HttpxUpstream(client)
+            upstream = UpstreamPool(settings.connect_timeout_s,
+                                    max_connections_per_origin=settings.upstream_max_connections) \
+                if transport is None else HttpxUpstream(client)
             shared = WorkerShared(settings.state_dir, settings.worker_id) if settings.state_dir else None
             state = RouterState(settings=settings, config=config, client=client, upstream=upstream, shared=shared)
             app.state.router = state

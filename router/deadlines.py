@@ -7,6 +7,9 @@ timer armed and disarmed per leg, which showed as about 8% of the router's time 
 are at most `tick_s` late (leg timeouts are seconds; the default tick is 50 ms). A guard left early stays
 in the heap until it is popped or the heap is compacted (when most of its entries are such guards), so
 memory stays proportional to the legs in flight.
+
+Deadlines are on `time.monotonic()` and the event loop is looked up once, not per guard: on Python 3.11
+every `asyncio.get_running_loop()` (also inside `asyncio.current_task()`) makes a getpid system call.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time
 
 
 class Guard:
@@ -26,7 +30,7 @@ class Guard:
         self.is_fired = False
 
     async def __aenter__(self) -> Guard:
-        self.task = asyncio.current_task()
+        self.task = asyncio.current_task(self.deadlines.loop())
         self.deadlines.add(self)
         return self
 
@@ -48,6 +52,7 @@ class Deadlines:
         self._heap: list[tuple[float, int, Guard]] = []
         self._seq = itertools.count()
         self._ticker: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.num_done = 0
         """Heap entries whose guard exited before its deadline."""
 
@@ -55,13 +60,19 @@ class Deadlines:
         if self._ticker is not None:
             self._ticker.cancel()
 
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The router's event loop (looked up again only once the one known is closed)."""
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
     def within(self, seconds: float) -> Guard:
-        return Guard(self, asyncio.get_running_loop().time() + seconds)
+        return Guard(self, time.monotonic() + seconds)
 
     def add(self, guard: Guard) -> None:
         heapq.heappush(self._heap, (guard.when, next(self._seq), guard))
         if self._ticker is None or self._ticker.done():
-            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+            self._ticker = self.loop().create_task(self._tick())
 
     def expire(self, now: float) -> None:
         """Cancel every task whose guard is still open past its deadline."""
@@ -75,10 +86,9 @@ class Deadlines:
                 guard.task.cancel()
 
     async def _tick(self) -> None:
-        loop = asyncio.get_running_loop()
         while self._heap:
             await asyncio.sleep(self.tick_s)
-            self.expire(loop.time())
+            self.expire(time.monotonic())
             if self.num_done > 1024 and 2 * self.num_done > len(self._heap):
                 self._heap = [entry for entry in self._heap if not entry[2].is_done]
                 heapq.heapify(self._heap)

@@ -83,6 +83,7 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.loop = asyncio.get_running_loop()  # once per connection: on Python 3.11 each lookup is a getpid call
         if len(self.server.connections) >= self.server.limits.max_connections:
             self._refuse(503, "too many connections; retry later")
             return
@@ -108,7 +109,7 @@ class Connection(asyncio.Protocol):
 
     async def drain(self) -> None:
         while self.is_write_paused and not self.is_closed:
-            self.drain_waiter = asyncio.get_running_loop().create_future()
+            self.drain_waiter = self.loop.create_future()
             await self.drain_waiter
 
     def write(self, data: bytes) -> None:
@@ -174,7 +175,7 @@ class Connection(asyncio.Protocol):
         self.pending.append(Request(self.parser.get_method(), self.url, self.headers, b"".join(self.body),
                                     self.parser.should_keep_alive(), self.is_too_large, time.monotonic()))
         if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self.run())
+            self.task = self.loop.create_task(self.run())
 
     async def run(self) -> None:
         try:

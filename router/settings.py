@@ -77,6 +77,9 @@ class Settings(BaseSettings):
 
     max_connections: int = Field(default=20_000, ge=1)
     """Open client connections per worker process; a connection beyond it gets 503 and is closed."""
+    upstream_max_connections: int = Field(default=0, ge=0)
+    """Connections per worker process to one node (P and D legs; 0: no bound). A leg beyond it waits, first
+    come first served, for one of them to come back, within the leg's own timeout (router/upstream.py)."""
 
     peer_urls: list[str] = Field(default_factory=list)
     """Other router replicas (base URLs) that admin drains are broadcast to (router/peers.py)."""

@@ -6,6 +6,13 @@ concurrency rose. Here each origin (host, port) keeps a LIFO stack of idle conne
 (O(1), dropping any the peer closed meanwhile) or opens a new one, and a response that ended cleanly with
 keep-alive pushes its connection back. Nothing scans the pool.
 
+Connections per origin are bounded (`max_connections_per_origin`; 0: no bound), as production proxies bound
+theirs: beyond the bound a request waits, first come first served, for a connection to come back (handed to
+it directly, never parked idle meanwhile) or to close (its slot is handed over: the waiter opens a new one).
+A waiter that is cancelled (its leg's deadline, a client that left) takes nothing with it: whatever was
+handed to it in the meantime goes to the next waiter or back to the pool. `queued_total` counts the
+requests that waited.
+
 A response exposes what the router reads (httpx's names, so an `httpx.Response` satisfies the same
 `UpstreamResponse` protocol in in-process tests): `status_code`, `headers` (lower-cased names), `aread()`,
 `aiter_raw()` (body bytes as they arrive, chunked encoding removed; what arrived together comes as one
@@ -18,6 +25,7 @@ closed it while idle) is sent once more on a fresh connection.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -64,18 +72,23 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, pool: UpstreamPool, origin: tuple[str, int]) -> None:
         self.pool, self.origin = pool, origin
+        self.loop = asyncio.get_running_loop()
+        """Looked up once per connection: on Python 3.11 each lookup is a getpid system call."""
         self.transport: asyncio.Transport | None = None
         self.response: Response | None = None
         self.parser = httptools.HttpResponseParser(self)
         """One parser for the connection's successive responses; its callbacks go to `response`."""
         self.is_lost = False
         self.is_reused = False
+        self.is_counted = False
+        """Holds one of its origin's slots (from its opening until it is lost or closed)."""
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def connection_lost(self, exc) -> None:
         self.is_lost = True
+        self.pool.forget(self)
         if self.response is not None:
             self.response.fail(UpstreamError(f"connection closed by {self.origin[0]}:{self.origin[1]}"))
 
@@ -93,6 +106,7 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.is_lost = True
+        self.pool.forget(self)
         if self.transport is not None:
             self.transport.close()
 
@@ -160,7 +174,7 @@ class Response:
             waiter.set_result(None)
 
     async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self.conn.loop.create_future()
         try:
             await self._waiter
         finally:
@@ -227,64 +241,136 @@ class Response:
             conn.close()
 
 
-class UpstreamPool:
-    """Keep-alive connections per origin; `send` is the only entry point."""
+class Origin:
+    """One (host, port): its idle connections, how many are open, and the requests waiting for one."""
 
-    def __init__(self, connect_timeout_s: float, max_idle_per_origin: int = 512) -> None:
+    __slots__ = ("key", "host_line", "idle", "num_open", "waiters")
+
+    def __init__(self, key: tuple[str, int]) -> None:
+        self.key = key
+        self.host_line = f"Host: {key[0]}:{key[1]}\r\n".encode()
+        self.idle: list[Connection] = []
+        self.num_open = 0
+        """Connections that hold a slot: being opened, carrying a response, or idle."""
+        self.waiters: deque[asyncio.Future] = deque()
+        """Requests waiting for a slot; each future gets a Connection to reuse, or None: open one."""
+
+
+class UpstreamPool:
+    """Keep-alive connections per origin, at most `max_connections_per_origin` each (0: no bound); `send` is
+    the only entry point."""
+
+    def __init__(self, connect_timeout_s: float, max_idle_per_origin: int = 512,
+                 max_connections_per_origin: int = 0) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_idle_per_origin = max_idle_per_origin
-        self._idle: dict[tuple[str, int], list[Connection]] = {}
-        self._origins: dict[str, tuple[tuple[str, int], bytes]] = {}
+        self.max_connections_per_origin = max_connections_per_origin
+        self.queued_total = 0
+        """Requests that waited for a connection because their origin was at its bound."""
+        self._by_key: dict[tuple[str, int], Origin] = {}
+        self._by_url: dict[str, Origin] = {}
 
-    def _origin(self, url: str) -> tuple[tuple[str, int], bytes]:
-        known = self._origins.get(url)
+    def origin(self, url: str) -> Origin:
+        known = self._by_url.get(url)
         if known is None:
             parts = urlsplit(url)
             if parts.scheme != "http" or not parts.hostname:
                 raise UpstreamError(f"only http:// origins are supported, got {url!r}")
-            port = parts.port or 80
-            known = ((parts.hostname, port), f"Host: {parts.hostname}:{port}\r\n".encode())
-            self._origins[url] = known
+            key = (parts.hostname, parts.port or 80)
+            known = self._by_key.get(key) or self._by_key.setdefault(key, Origin(key))
+            self._by_url[url] = known
         return known
 
-    async def _connect(self, origin: tuple[str, int]) -> Connection:
+    async def _connect(self, origin: Origin) -> Connection:
+        """Open a connection in a slot the caller holds; the slot is handed on when opening fails."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: Connection(self, origin), *origin)
-        except (OSError, TimeoutError) as exc:
-            raise UpstreamConnectError(f"cannot connect to {origin[0]}:{origin[1]}: {type(exc).__name__} {exc}") \
-                from None
+                _, conn = await loop.create_connection(lambda: Connection(self, origin.key), *origin.key)
+        except BaseException as exc:
+            self._free_slot(origin)
+            if isinstance(exc, (OSError, TimeoutError)):
+                raise UpstreamConnectError(f"cannot connect to {origin.key[0]}:{origin.key[1]}: "
+                                           f"{type(exc).__name__} {exc}") from None
+            raise
+        if conn.is_lost:  # closed by the peer before this request could use it
+            self._free_slot(origin)
+            raise UpstreamConnectError(f"cannot connect to {origin.key[0]}:{origin.key[1]}: closed at once")
+        conn.is_counted = True
         return conn
 
-    def _acquire_idle(self, origin: tuple[str, int]) -> Connection | None:
-        stack = self._idle.get(origin)
-        while stack:
-            conn = stack.pop()
-            if not conn.is_lost and not conn.transport.is_closing():
-                conn.is_reused = True
-                return conn
-        return None
+    async def acquire(self, origin: Origin, is_idle_allowed: bool = True) -> Connection:
+        """A connection of `origin` for one request: an idle one, a new one while under the bound, else the
+        first one handed over once the requests ahead of this one got theirs."""
+        if is_idle_allowed and not origin.waiters:
+            stack = origin.idle
+            while stack:
+                conn = stack.pop()
+                if not conn.is_lost and not conn.transport.is_closing():
+                    conn.is_reused = True
+                    return conn
+        bound = self.max_connections_per_origin
+        if not bound or origin.num_open < bound:
+            origin.num_open += 1
+            return await self._connect(origin)
+        self.queued_total += 1
+        waiter = asyncio.get_running_loop().create_future()
+        origin.waiters.append(waiter)
+        try:
+            conn = await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # handed over as this request was cancelled
+                handed = waiter.result()
+                self.release(handed) if handed is not None else self._free_slot(origin)
+            raise
+        if conn is None:
+            return await self._connect(origin)
+        if conn.is_lost:  # closed while handed over: its slot went on already
+            return await self.acquire(origin, is_idle_allowed)
+        conn.is_reused = True
+        return conn
 
     def release(self, conn: Connection) -> None:
+        """A connection whose response ended cleanly: to the first waiter, else onto the idle stack."""
         if conn.is_lost:
             return
-        stack = self._idle.setdefault(conn.origin, [])
+        origin = self._by_key[conn.origin]
+        waiters = origin.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
+        stack = origin.idle
         if len(stack) >= self.max_idle_per_origin:
             conn.close()
         else:
             stack.append(conn)
 
+    def forget(self, conn: Connection) -> None:
+        """A connection closed (by either side): its slot goes to the first waiter or is freed."""
+        if conn.is_counted:
+            conn.is_counted = False
+            self._free_slot(self._by_key[conn.origin])
+
+    def _free_slot(self, origin: Origin) -> None:
+        waiters = origin.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot stays counted: the waiter opens a connection in it
+                return
+        origin.num_open -= 1
+
     async def send(self, url: str, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
-        origin, host_line = self._origin(url)
-        head = [b"POST ", path.encode(), b" HTTP/1.1\r\n", host_line,
+        origin = self.origin(url)
+        head = [b"POST ", path.encode(), b" HTTP/1.1\r\n", origin.host_line,
                 b"Content-Type: application/json\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
         for name, value in headers.items():
             head += [name.encode(), b": ", value.encode(), b"\r\n"]
         request = b"".join(head) + b"\r\n" + body
         for attempt in range(2):
-            conn = self._acquire_idle(origin) if attempt == 0 else None
-            conn = conn or await self._connect(origin)
+            conn = await self.acquire(origin, is_idle_allowed=attempt == 0)
             response = Response(conn)
             conn.response = response
             conn.transport.write(request)
@@ -293,18 +379,22 @@ class UpstreamPool:
                 return response
             except UpstreamError:
                 response._finish()
-                if not conn.is_reused or response._has_headers:
+                if attempt == 1 or not conn.is_reused or response._has_headers:
                     raise
             except BaseException:
                 response._finish()
                 raise
         raise AssertionError("unreachable")
 
+    def num_open(self, url: str) -> int:
+        """Connections of `url`'s origin that hold a slot (being opened, busy or idle)."""
+        return self.origin(url).num_open
+
     def close(self) -> None:
-        for stack in self._idle.values():
-            for conn in stack:
+        for origin in self._by_key.values():
+            for conn in origin.idle:
                 conn.close()
-        self._idle.clear()
+            origin.idle.clear()
 
 
 class HttpxUpstream:

@@ -1,5 +1,6 @@
 """The upstream pool (router/upstream.py) against real sockets on 127.0.0.1: keep-alive reuse, streamed
-bodies, `connection: close`, a reused connection the peer dropped, cancellation and refused connections."""
+bodies, `connection: close`, a reused connection the peer dropped, cancellation and refused connections,
+and the bound on connections per origin (waiters served in order, slots handed over, cancelled waiters)."""
 
 from __future__ import annotations
 
@@ -149,7 +150,7 @@ def test_cancelled_request_closes_its_connection():
                     break
                 await asyncio.sleep(0.02)
             assert server.protocols[0].is_closed_by_peer, "the node must see the connection close (vLLM aborts)"
-            assert not pool._idle.get(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+            assert not pool.origin(url).idle and pool.num_open(url) == 0
 
     run(main())
 
@@ -178,5 +179,146 @@ def test_refused_connection_raises_upstream_error():
         await server.wait_closed()
         with pytest.raises(UpstreamError, match="cannot connect"):
             await UpstreamPool(connect_timeout_s=5).send(f"http://127.0.0.1:{port}", "/x", b"{}", {})
+
+    run(main())
+
+
+class Held(asyncio.Protocol):
+    """Records each request's body in `log` (in arrival order) and answers it once the test calls
+    `answer()` (one pending request per connection at a time)."""
+
+    def __init__(self, log: list[bytes], close: bool = False) -> None:
+        self.log, self.close, self.pending = log, close, False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.log.append(data.rpartition(b"\r\n\r\n")[2])
+        self.pending = True
+
+    def answer(self) -> None:
+        self.pending = False
+        self.transport.write(ok(b"done", b"connection: close\r\n" if self.close else b""))
+
+
+async def until(predicate) -> None:
+    """Yield to the loop until `predicate()` holds (bounded by the test's own timeout)."""
+    async with asyncio.timeout(10):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+async def send_all(pool: UpstreamPool, url: str, bodies: list[bytes]) -> list[asyncio.Task]:
+    """Start one request per body, each once the one before it is sent or waiting (arrival order = list order)."""
+    tasks = []
+    for body in bodies:
+        num_before = pool.queued_total
+        tasks.append(asyncio.create_task(pool.send(url, "/x", body, {})))
+        await until(lambda: pool.queued_total > num_before or pool.num_open(url) > len(tasks) - 1)
+    return tasks
+
+
+def test_bound_queues_requests_beyond_it_and_serves_them_in_order_on_the_same_connections():
+    async def main():
+        log: list[bytes] = []
+        server = Server(lambda: Held(log))
+        async with server as url:
+            pool = UpstreamPool(connect_timeout_s=5, max_connections_per_origin=2)
+            tasks = await send_all(pool, url, [b"r%d" % i for i in range(6)])
+            assert pool.queued_total == 4 and pool.num_open(url) == 2
+            read: set[asyncio.Task] = set()
+            for num_answered in range(6):
+                await until(lambda: sum(p.pending for p in server.protocols) == min(2, 6 - num_answered))
+                next(p for p in server.protocols if p.pending).answer()
+                await until(lambda: sum(t.done() for t in tasks) == num_answered + 1)
+                done = next(t for t in tasks if t.done() and t not in read)
+                read.add(done)
+                assert await done.result().aread() == b"done"  # the connection goes back: to the next waiter
+            assert pool.num_open(url) == 2
+            pool.close()
+        return server, log
+
+    server, log = run(main())
+    assert len(server.protocols) == 2, "never more connections than the bound"
+    assert log == [b"r%d" % i for i in range(6)], "waiting requests go out in the order they arrived"
+
+
+def test_a_closed_connection_hands_its_slot_to_the_next_waiter():
+    async def main():
+        log: list[bytes] = []
+        server = Server(lambda: Held(log, close=True))
+        async with server as url:
+            pool = UpstreamPool(connect_timeout_s=5, max_connections_per_origin=1)
+            tasks = await send_all(pool, url, [b"a", b"b", b"c"])
+            for num_answered in range(3):
+                await until(lambda: any(p.pending for p in server.protocols))
+                next(p for p in server.protocols if p.pending).answer()
+                assert await (await tasks[num_answered]).aread() == b"done"
+            await until(lambda: pool.num_open(url) == 0)
+        return server, log
+
+    server, log = run(main())
+    assert len(server.protocols) == 3 and log == [b"a", b"b", b"c"]
+
+
+def test_a_cancelled_waiter_takes_no_slot_with_it():
+    """One waiter is cancelled while it waits, the next just as the connection is handed to it: the
+    connection goes on to the last waiter either way."""
+    async def main():
+        log: list[bytes] = []
+        server = Server(lambda: Held(log))
+        async with server as url:
+            pool = UpstreamPool(connect_timeout_s=5, max_connections_per_origin=1)
+            first, gone, handed, last = await send_all(pool, url, [b"first", b"gone", b"handed", b"last"])
+            gone.cancel()
+            await until(lambda: server.protocols and server.protocols[0].pending)
+            server.protocols[0].answer()
+            resp = await first
+            await until(lambda: resp.is_complete)
+            assert await resp.aread() == b"done"  # no await inside: the connection is handed to `handed` here,
+            handed.cancel()  # and `handed` is cancelled before it runs again
+            await until(lambda: server.protocols[0].pending)
+            server.protocols[0].answer()
+            assert await (await last).aread() == b"done"
+            assert gone.cancelled() and handed.cancelled() and pool.num_open(url) == 1
+            pool.close()
+        return server, log
+
+    server, log = run(main())
+    assert len(server.protocols) == 1 and log == [b"first", b"last"]
+
+
+def test_no_bound_opens_a_connection_per_concurrent_request():
+    async def main():
+        log: list[bytes] = []
+        server = Server(lambda: Held(log))
+        async with server as url:
+            pool = UpstreamPool(connect_timeout_s=5)
+            tasks = await send_all(pool, url, [b"r%d" % i for i in range(5)])
+            await until(lambda: sum(p.pending for p in server.protocols) == 5)
+            for proto in server.protocols:
+                proto.answer()
+            for task in tasks:
+                await (await task).aread()
+            assert pool.queued_total == 0 and pool.num_open(url) == 5
+            pool.close()
+        return server
+
+    assert len(run(main()).protocols) == 5
+
+
+def test_router_setting_bounds_the_legs_pool():
+    from router.app import create_app  # noqa: PLC0415
+    from router.settings import Settings  # noqa: PLC0415
+    from tests.conftest import free_port  # noqa: PLC0415
+
+    async def main():
+        url = f"http://127.0.0.1:{free_port()}"  # nothing listens: the start-up health round fails fast
+        app = create_app(Settings(prefill_urls=[url], decode_urls=[url], upstream_max_connections=3,
+                                  health_interval_s=3600.0))
+        async with app.router.lifespan_context(app):
+            pool = app.state.router.upstream
+            assert isinstance(pool, UpstreamPool) and pool.max_connections_per_origin == 3
 
     run(main())
