@@ -1,6 +1,8 @@
 """Engine speed. CPU (default): the reference engine's prefill tokens/s by prompt length and decode step time by
 batch size. `--device cuda`: decode step time of the fast path and the reference path on one GPU per
-(model, context, batch), with bytes/FLOPs per step and the HBM-roofline fraction (benchmarks/gpu_decode.py).
+(model, context, batch), with bytes/FLOPs per step and the HBM-roofline fraction (benchmarks/gpu_decode.py), and
+with `--prefill-lengths` prefill time per (model, prompt length) with FLOPs, bytes and the fraction of the bf16
+matmul peak (benchmarks/gpu_prefill.py; `--batches` with no value skips the decode cells).
 
     python benchmarks/engine.py [--model kimi-k3.1-mini] [--prefill 1024 4096 16384] [--batches 1 8 32]
                                 [--context 1024] [--steps 5] [--json PATH]
@@ -81,8 +83,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="cuda: presets or ModelConfig JSON files")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072], help="cuda: cached tokens")
     p.add_argument("--ref-steps", type=int, default=2, help="cuda: timed reference steps per cell")
+    p.add_argument("--prefill-lengths", type=int, nargs="*", default=[],
+                   help="cuda: prompt lengths of the prefill cells (benchmarks/gpu_prefill.py), e.g. 4096 32768 131072")
+    p.add_argument("--ref-max-prefill", type=int, default=32768, help="cuda: longest prompt the reference prefills")
+    p.add_argument("--prefill-repeats", type=int, default=2, help="cuda: timed fast prefills per cell")
     p.add_argument("--no-compile", action="store_true",
-                   help="cuda: skip the fast+compile+graph run (torch.compile of the decode step's torch segments)")
+                   help="cuda: skip the fast+compile+graph decode run and the fast+compile prefill run "
+                        "(torch.compile of the fast path's torch segments)")
     args = p.parse_args(argv)
     if args.device == "cuda":
         return main_cuda(args)
@@ -127,6 +134,11 @@ def main_cuda(args) -> int:  # type: ignore[no-untyped-def]
     sys.modules["gpu_decode"] = gpu  # dataclasses look their module up there
     spec.loader.exec_module(gpu)
     copy_bandwidth_gbps, matmul_tflops, run_cells = gpu.copy_bandwidth_gbps, gpu.matmul_tflops, gpu.run_cells
+    spec = importlib.util.spec_from_file_location("gpu_prefill", Path(__file__).with_name("gpu_prefill.py"))
+    gpu_prefill = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_prefill"] = gpu_prefill
+    spec.loader.exec_module(gpu_prefill)
+    prefill_cells = []
 
     device = torch.device("cuda")
     log = lambda text: print(text, file=sys.stderr, flush=True)
@@ -139,6 +151,10 @@ def main_cuda(args) -> int:  # type: ignore[no-untyped-def]
         with torch.no_grad():
             cells += run_cells(cfg, model, args.contexts, args.batches, args.kernels, max(args.steps, 3),
                                args.ref_steps, device, log, compile_segments=not args.no_compile)
+            if args.prefill_lengths:
+                prefill_cells += gpu_prefill.run_prefill_cells(cfg, model, args.prefill_lengths, args.kernels,
+                                                               args.prefill_repeats, args.ref_max_prefill, device, log,
+                                                               compile_segments=not args.no_compile)
         del model
         torch.cuda.empty_cache()
     ref = {(c.model, c.context, c.batch): c.step_ms for c in cells if c.kernels == "reference"}
@@ -165,6 +181,12 @@ def main_cuda(args) -> int:  # type: ignore[no-untyped-def]
                             "value": head[0]["hbm_roofline_fraction"] if head else None, "goal": 0.5},
                "device": torch.cuda.get_device_name(device), "copy_gbps": round(copy_gbps, 1),
                "bf16_tflops": round(tflops, 1), "cells": rows}
+    if prefill_cells:
+        results["prefill_cells"] = gpu_prefill.print_prefill_table(prefill_cells, copy_gbps, tflops)
+        best = [r["bf16_peak_fraction"] for r in results["prefill_cells"] if r["model"] == "kimi-k3.1-pro-rank"
+                and r["tokens"] == 32768 and r["kernels"] != "reference"]
+        results["prefill_headline"] = {"metric": "prefill_bf16_peak_fraction_32k",
+                                       "value": max(best) if best else None, "goal": 0.3}
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

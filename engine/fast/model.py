@@ -1,9 +1,10 @@
-"""FastModel: what an engine runs with `kernels="fast"`: the reference model's prefill, the fast decode.
+"""FastModel: what an engine runs with `kernels="fast"`: the fast prefill and the fast decode.
 
 It has KimiModel's prefill/decode interface (engine/runner.py calls it like the model). Decode takes the
 request caches the runner built (`engine.cache.RowSequenceCache`: one pool, single rank), builds the step's page
 batch from their block tables and runs `FastDecoder` on the pool's buffer, which must live on the model's device.
-Prefill (and everything else) is the wrapped reference model's.
+Prefill runs `FastPrefiller` when the cache is a single-rank RowSequenceCache whose pool lives on the model's
+device (otherwise, and for everything else, the wrapped reference model's).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from engine.fast.decoder import FastDecoder
 from engine.fast.pages import build_page_batch
+from engine.fast.prefill import FastPrefiller
 from engine.model.model import KimiModel
 
 
@@ -22,9 +24,15 @@ class FastModel:
         self.model = model
         self.layout = layout
         self.decoder = FastDecoder(model, layout, dtype)
+        self.prefiller = FastPrefiller(model, layout, dtype, decoder=self.decoder)
 
     def prefill(self, token_ids: torch.Tensor, cache: Any, start: int = 0, all_logits: bool = False) -> torch.Tensor:
-        return self.model.prefill(token_ids, cache, start, all_logits)
+        pool = getattr(cache, "pool", None)
+        if (not hasattr(cache, "table") or pool is None or pool.layout.dcp_size != 1
+                or pool.buffer.device != self.model.device):
+            return self.model.prefill(token_ids, cache, start, all_logits)
+        return self.prefiller.prefill(pool.buffer, token_ids, cache.table.attn_row_ids, cache.table.kda_row_ids,
+                                      start, all_logits)
 
     def decode(self, token_ids: torch.Tensor, positions: list[int], caches: list[Any]) -> torch.Tensor:
         pool = caches[0].pool

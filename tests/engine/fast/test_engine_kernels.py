@@ -1,8 +1,9 @@
 """The engine's `kernels` choice: defaults, the refusal of `fast` on CPU outside the interpreter, and greedy
-generation with `kernels="fast"` (fast decode, reference prefill) against the reference engine on mini.
+generation with `kernels="fast"` (fast prefill and fast decode) against the reference engine on mini.
 
-Agreement is reported, not required to be total: the fast path decodes in bf16, so greedy tokens may part where
-the reference's top two logits are close; the first token (reference prefill in both) must agree."""
+Agreement is reported, not required to be total: the fast path prefills and decodes in bf16, so greedy tokens
+(the first one included, which the fast prefill gives) may part where the reference's top two logits are close;
+tests/engine/fast/test_prefill.py checks the prefill's first token where the margin is clear."""
 
 from __future__ import annotations
 
@@ -45,5 +46,4 @@ def test_fast_engine_greedy_tokens_agree_with_reference() -> None:
     agree = sum(a == b for r in ref for a, b in zip(ref[r], fast[r]))
     total = sum(len(v) for v in ref.values())
     print(f"greedy agreement fast vs reference: {agree}/{total}")
-    assert all(ref[r][0] == fast[r][0] for r in ref)
     assert agree >= total // 2
