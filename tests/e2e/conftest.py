@@ -77,8 +77,11 @@ VLLM_CONFIG = {
     "vllm": {"max_model_len": 1024, "served_model_name": SERVED_MODEL,
              "extra_args": ["--dtype", "float32", "--seed", "0", "--max-num-seqs", "8", "--no-enable-prefix-caching",
                             "--enable-prompt-tokens-details", "--enforce-eager"]},
-    # connect_timeout_s: both vLLM servers busy-poll the two cores the router shares with them.
-    "router": {"port": None, "settings": {"disagg_min_uncached_tokens": 1, "connect_timeout_s": 30.0}},
+    # Both vLLM servers busy-poll the two cores the router shares with them: connects and /health probes can
+    # stall for seconds, so the router connects within 30 s, waits 10 s per probe and takes an instance out
+    # only after five missed probes in a row (as tests/router/test_vllm_e2e.py), not the default two.
+    "router": {"port": None, "settings": {"disagg_min_uncached_tokens": 1, "connect_timeout_s": 30.0,
+                                          "health_timeout_s": 10.0, "unhealthy_threshold": 5}},
     "pools": [{"name": "prefill", "role": "prefill", "cores": [0]},
               {"name": "tp", "role": "decode", "cores": [1]}],
 }
