@@ -167,13 +167,15 @@ def time_fast(cfg: ModelConfig, batch: int, context: int, steps: int, decoders: 
             torch.cuda.synchronize(device)
             start = time.perf_counter()
             if runner is None:
-                decoder.decode(buffer, tokens, build_page_batch(layout, attn, kda, [position] * batch, device))
+                logits = decoder.decode(buffer, tokens, build_page_batch(layout, attn, kda, [position] * batch, device))
             else:
-                runner.step(tokens, torch.full((batch,), position, dtype=torch.int32))
+                logits = runner.step(tokens, torch.full((batch,), position, dtype=torch.int32))
             torch.cuda.synchronize(device)
             if step >= 2:
                 times.append(time.perf_counter() - start)
             position += 1
+        if not bool(torch.isfinite(logits).all()):  # timed steps of a broken computation must not pass unnoticed
+            log(f"  {name}: the last timed step's logits are not all finite")
         if runner is not None:  # the graph alone, inputs already in place
             for _ in range(steps):
                 torch.cuda.synchronize(device)
