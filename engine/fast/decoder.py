@@ -40,24 +40,9 @@ from engine.model.kda import KDA
 from engine.model.mla import MLA
 from engine.model.model import KimiModel
 from engine.model.moe import DenseMLP, MoE
-from engine.model.numerics import FP8_DTYPE, FP8_MAX
+from engine.model.numerics import FP8_DTYPE, fp8_quantize_rowwise, fp8_quantize_static, rms_norm
 
 BF16 = torch.bfloat16
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return out if weight is None else out * weight
-
-
-def _l2(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
-
-
-def _fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """engine.model.numerics.fp8_quantize_rowwise as e4m3 values (fp8 dtype) and fp32 scales."""
-    scale = x.abs().amax(-1).clamp_min(1e-4) / FP8_MAX
-    return (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def _lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -72,21 +57,21 @@ def _mla_front(x: torch.Tensor, norm: torch.Tensor, wq_a: torch.Tensor, q_norm: 
     """Mixer norm, queries (absorbed), the new token's latent and index key (FP8 bytes), the index queries and
     head weights of one MLA layer."""
     batch = x.shape[0]
-    h = _rms(x, norm, eps)
-    qr = _rms(_lin(h, wq_a).float(), q_norm, eps)
+    h = rms_norm(x, norm, eps)
+    qr = rms_norm(_lin(h, wq_a).float(), q_norm, eps)
     q = _lin(qr, wq_b).view(batch, heads, -1)
     q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk)  # [H, B, kv]
     q_abs = torch.cat([q_lat.transpose(0, 1), q[..., nope:]], dim=-1)
     kv = _lin(h, wkv_a).float()
-    latent = torch.cat([_rms(kv[:, :kv_rank], kv_norm, eps), kv[:, kv_rank:]], dim=-1)
-    latent_bytes = (latent / latent_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+    latent = torch.cat([rms_norm(kv[:, :kv_rank], kv_norm, eps), kv[:, kv_rank:]], dim=-1)
+    latent_bytes = fp8_quantize_static(latent, latent_scale)
     dim = hadamard.shape[0]
     key = F.layer_norm(_lin(h, idx_wk).float(), (dim,), k_norm_w, k_norm_b, k_eps) @ hadamard
-    key_fp8, key_scale = _fp8_rowwise(key)
+    key_bytes, key_scale = fp8_quantize_rowwise(key)
     qi = _lin(qr, idx_wq).float().view(batch, index_heads, dim) @ hadamard
-    qi_fp8, qi_scale = _fp8_rowwise(qi)
+    qi_bytes, qi_scale = fp8_quantize_rowwise(qi)
     weights = _lin(h, w_proj).float() * (index_heads * dim) ** -0.5 * qi_scale
-    return h, q_abs, latent_bytes, key_fp8.view(torch.uint8), key_scale, qi_fp8.float(), weights
+    return h, q_abs, latent_bytes, key_bytes, key_scale, qi_bytes.view(FP8_DTYPE).float(), weights
 
 
 def _mla_back(x: torch.Tensor, h: torch.Tensor, o_lat: torch.Tensor, w_uv: torch.Tensor, wg: torch.Tensor | None,
@@ -104,7 +89,7 @@ def _kda_front(x: torch.Tensor, norm: torch.Tensor, w_fa: torch.Tensor, w_fb: to
                heads: int) -> tuple[torch.Tensor, ...]:
     """Mixer norm, the gate g [B, H, d], beta [B, H] and the conv input of one KDA layer."""
     batch = x.shape[0]
-    h = _rms(x, norm, eps)
+    h = rms_norm(x, norm, eps)
     raw = _lin(_lin(h, w_fa), w_fb).float()
     g = (lower_bound * torch.sigmoid(rate * (raw + dt_bias))).view(batch, heads, -1)
     beta = torch.sigmoid(_lin(h, w_b).float())
@@ -113,7 +98,7 @@ def _kda_front(x: torch.Tensor, norm: torch.Tensor, w_fa: torch.Tensor, w_fb: to
 
 def _kda_back(x: torch.Tensor, h: torch.Tensor, o: torch.Tensor, o_norm: torch.Tensor, w_g: torch.Tensor,
               wo: torch.Tensor, eps: float) -> torch.Tensor:
-    normed = _rms(o, o_norm, eps).reshape(x.shape[0], -1)
+    normed = rms_norm(o, o_norm, eps).reshape(x.shape[0], -1)
     return x + _lin(normed * torch.sigmoid(_lin(h, w_g).float()), wo).float()
 
 
@@ -123,13 +108,13 @@ def _mlp(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torc
 
 def _ffn_dense(x: torch.Tensor, norm: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                w_down: torch.Tensor, eps: float) -> torch.Tensor:
-    return x + _mlp(_rms(x, norm, eps), w_gate, w_up, w_down)
+    return x + _mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down)
 
 
 def _moe_route(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, bias: torch.Tensor,
                w_down_latent: torch.Tensor, eps: float, top_k: int, scaling: float) -> tuple[torch.Tensor, ...]:
     """FFN norm, routing (fp32: expert ids [B, k] and their weights) and the latent z [B, lat] of a MoE layer."""
-    h = _rms(x, norm, eps)
+    h = rms_norm(x, norm, eps)
     scores = torch.sigmoid(h @ router.t())
     ids = torch.topk(scores + bias, top_k, dim=-1).indices  # [B, k]
     picked = scores.gather(1, ids)
@@ -153,14 +138,14 @@ def _moe_out(x: torch.Tensor, h: torch.Tensor, experts_out: torch.Tensor, weight
              eps: float) -> torch.Tensor:
     """x + the MoE output: `experts_out` is [B, k, lat] per slot (mixed here by `weights`) or [B, lat] mixed."""
     mixed = experts_out if weights is None else (experts_out.float() * weights.unsqueeze(-1)).sum(1)
-    out = _lin(_rms(mixed, latent_norm, eps), w_up_latent).float()
+    out = _lin(rms_norm(mixed, latent_norm, eps), w_up_latent).float()
     if shared is not None:
         out = out + _mlp(h, *shared)
     return x + out
 
 
 def _head(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
-    return _lin(_rms(x, norm, eps), lm_head).float()
+    return _lin(rms_norm(x, norm, eps), lm_head).float()
 
 
 SEGMENTS = ("_mla_front", "_mla_back", "_kda_front", "_kda_back", "_ffn_dense", "_moe_route", "_moe_all_experts",
@@ -185,8 +170,6 @@ class FastDecoder:
         self.model, self.cfg, self.layout, self.dtype = model, model.cfg, layout, dtype
         self.conv_dtype = {4: torch.float32, 2: BF16}[self.cfg.conv_state_bytes]
         self.compiled = compile
-        self._bf16: dict[int, torch.Tensor] = {}  # id(parameter) -> its copy in `dtype` (made once)
-        self._const: dict[int, torch.Tensor] = {}  # id(MLA) -> W_KV_b [H, nope + v, kv_lora] in `dtype`
         self._seg: dict[str, Callable[..., Any]] = {name: globals()[name] for name in SEGMENTS}
         if compile:
             self._seg = {name: torch.compile(fn, dynamic=True) for name, fn in self._seg.items()}
@@ -217,22 +200,12 @@ class FastDecoder:
         self.lm_head = w(model.lm_head.weight)
 
     def _w(self, param: torch.Tensor) -> torch.Tensor:
-        """The copy in `dtype` of a weight matrix (one copy per parameter, shared with engine/fast/prefill.py)."""
-        copy = self._bf16.get(id(param))
-        if copy is None:
-            copy = self._bf16[id(param)] = param.detach().to(self.dtype)
-        return copy
-
-    def _lin(self, x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
-        return _lin(x, self._w(linear.weight))
-
-    def _dense(self, mlp: DenseMLP, h: torch.Tensor) -> torch.Tensor:
-        return _mlp(h, self._w(mlp.w_gate.weight), self._w(mlp.w_up.weight), self._w(mlp.w_down.weight))
+        """The copy in `dtype` of a weight matrix (made once, here; engine/fast/prefill.py runs the same copies)."""
+        return param.detach().to(self.dtype)
 
     def _mla_weights(self, mla: MLA, norm: torch.Tensor) -> dict[str, Any]:
         cfg, w = self.cfg, self._w
         wkv_b = w(mla.wkv_b).view(cfg.num_heads, cfg.qk_nope_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        self._const[id(mla)] = wkv_b
         idx = mla.indexer
         return {
             "front": (norm, w(mla.wq_a.weight), mla.q_norm.weight, w(mla.wq_b.weight),

@@ -4,9 +4,9 @@
 tensors (token ids, page table, positions, KDA rows); `__call__(token_ids, pages)` copies a step's inputs into
 them and replays the graph. A running batch's page table changes only when a request's rows do (a new block
 every `tokens_per_row` tokens), so a steady decode loop loads the table once (`set_pages`, again when rows
-change) and then moves only the token ids and positions per step (`step`). The page table is padded to `num_pages` pages and the indexer scores keys up to
-`num_pages * b0` (past each request's position they are -inf, so the selection is the same), which is what lets
-one graph serve every context up to that width.
+change) and then moves only the token ids and positions per step (`step`). The page table is padded to
+`num_pages` pages and the indexer scores keys up to `num_pages * b0` (past each request's position they are
+-inf, so the selection is the same), which is what lets one graph serve every context up to that width.
 
 Capture runs the step once eagerly first (Triton compilation, cuBLAS workspaces) on the rows of the first
 batch it is given: that step writes those requests' new cache entries and advances their KDA states. Callers
@@ -45,21 +45,15 @@ class GraphedDecode:
             self.logits = decoder.decode(buffer, self.tokens, self.pages)
 
     def _load(self, token_ids: torch.Tensor, pages: PageBatch) -> None:
-        width = pages.subblock_ids.shape[1]
-        if width > self.pages.subblock_ids.shape[1] or pages.subblock_ids.shape[0] != self.tokens.shape[0]:
-            raise ValueError(f"a step of {pages.subblock_ids.shape[0]} requests x {width} pages does not fit the "
-                             f"graph's {tuple(self.pages.subblock_ids.shape)}")
+        self.set_pages(pages)
         self.tokens.copy_(token_ids)
-        self.pages.subblock_ids[:, :width].copy_(pages.subblock_ids)
-        self.pages.positions.copy_(pages.positions)
-        self.pages.kda_row_ids.copy_(pages.kda_row_ids)
 
     def set_pages(self, pages: PageBatch) -> None:
         """Load the batch's page table and KDA rows (positions too); `pages` may cover more tokens than are
         cached yet (rows allocated ahead): keys past each request's position are never read."""
         width = pages.subblock_ids.shape[1]
         if width > self.pages.subblock_ids.shape[1] or pages.subblock_ids.shape[0] != self.tokens.shape[0]:
-            raise ValueError(f"a table of {pages.subblock_ids.shape[0]} requests x {width} pages does not fit the "
+            raise ValueError(f"a step of {pages.subblock_ids.shape[0]} requests x {width} pages does not fit the "
                              f"graph's {tuple(self.pages.subblock_ids.shape)}")
         self.pages.subblock_ids[:, :width].copy_(pages.subblock_ids)
         self.pages.positions.copy_(pages.positions)

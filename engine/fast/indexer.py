@@ -7,10 +7,10 @@ straight from the index page (engine/fast/pages.py addressing: one sub-block id 
 contiguous), and computes
     I[b, t] = scale_t * sum_h w[b, h] * ReLU(q[b, h] . k_t)        for t <= pos[b], -inf after
 with the dots on tensor cores (FP8 x FP8 on CUDA, or both widened to bf16, which is exact; the products are
-exact in the fp32 accumulator; only the sum of d_I products rounds, where the reference sums in float64). `index_topk` then takes the top-k of each row
-(torch.topk: one radix-select kernel) and marks unused slots -1. Selections are returned unsorted: the sparse
-MLA kernel does not depend on the order. Tie-breaking at the k-th score follows torch.topk, not the reference's
-lower-position rule; tests compare sets exactly away from ties.
+exact in the fp32 accumulator; only the sum of d_I products rounds, where the reference sums in float64).
+`index_topk` then takes the top-k of each row (torch.topk: one radix-select kernel) and marks unused slots -1.
+Selections are returned unsorted: the sparse MLA kernel does not depend on the order. Tie-breaking at the k-th
+score follows torch.topk, not the reference's lower-position rule; tests compare sets exactly away from ties.
 """
 
 from __future__ import annotations

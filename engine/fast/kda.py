@@ -4,9 +4,10 @@
 of the fp32 state from the request's KDA row (`layout.kda_recurrent_offset`), applies
     S <- Diag(exp g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
 (the reference engine.model.kda.kda_recurrent_step) and stores S back into the row, so the state never leaves
-the pool. `kda_conv_step` gathers the conv state [3, d, W-1] of each head from the rows, runs the depthwise
-causal conv + SiLU in the reference's term order and writes the shifted window back (fp32 or bf16 state, as
-`conv_state_bytes` says).
+the pool. `kda_conv_qkv_rows` (Triton, what the decode step runs) reads the conv state [3, d, W-1] of each head
+from the rows, runs the depthwise causal conv + SiLU and the q/k L2 norms, and writes the shifted window back
+(fp32 or bf16 state, as `conv_state_bytes` says); `kda_conv_step` is the same conv in torch, in the reference's
+term order (the kernel's reference in the tests).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def kda_conv_qkv_rows(buffer: torch.Tensor, layout: RowLayout, rows: torch.Tenso
     batch = x.shape[0]
     heads, width = layout.kda_heads_per_gpu, weight.shape[1]
     dim = x.shape[1] // (3 * heads)
-    size = torch.tensor([], dtype=conv_dtype).element_size()
+    size = conv_dtype.itemsize
     assert layout.row_bytes % size == 0 and layout.kda_head_bytes % size == 0 and dim & (dim - 1) == 0
     y = torch.empty(3, batch, heads, dim, dtype=torch.float32, device=buffer.device)
     _kda_conv_kernel[(batch, heads, 3)](

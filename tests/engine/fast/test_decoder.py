@@ -17,12 +17,27 @@ import pytest
 import torch
 
 from engine.cache import RowPool, RowSequenceCache
+from engine.fast.decoder import FastDecoder
+from engine.fast.graphs import GraphedDecode
 from engine.fast.model import FastModel
+from engine.fast.pages import build_page_batch
 from engine.layout import plan_layout
 from engine.model.config import get_preset
 from engine.model.weights import build_model
 
 MINI = get_preset("kimi-k3.1-mini")
+
+
+def _prefilled(model, pool: RowPool, lengths: list[int], spare: int,  # type: ignore[no-untyped-def]
+               gen: torch.Generator) -> list:
+    """One request per length, with `spare` more tokens of rows, its random prompt prefilled by the reference."""
+    tables = []
+    with torch.no_grad():
+        for n in lengths:
+            table = pool.allocate_request(n + spare)
+            model.prefill(torch.randint(0, 256, (n,), generator=gen), RowSequenceCache(pool, table))
+            tables.append(table)
+    return tables
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -31,13 +46,7 @@ def test_fast_decode_matches_reference_logits(dtype, device) -> None:  # type: i
     layout = plan_layout(MINI)
     pool = RowPool(layout, MINI, 16)
     lengths = [40, 300, 520]  # one under top-k (256), two over
-    gen = torch.Generator().manual_seed(0)
-    tables = []
-    with torch.no_grad():
-        for n in lengths:
-            table = pool.allocate_request(n + 4)
-            model.prefill(torch.randint(0, 256, (n,), generator=gen), RowSequenceCache(pool, table))
-            tables.append(table)
+    tables = _prefilled(model, pool, lengths, 4, torch.Generator().manual_seed(0))
     ref_pool = copy.deepcopy(pool)
     tokens = torch.tensor([65, 66, 67])
     with torch.no_grad():
@@ -61,22 +70,13 @@ def test_graphed_steps_equal_eager_steps(compiled) -> None:  # type: ignore[no-u
     """GraphedDecode over a table loaded once (`set_pages`), then `step` with advancing positions: the same
     logits and the same pool bytes as eager decode steps (bit for bit with eager segments; compiled segments
     within bf16 rounding of the eager ones)."""
-    from engine.fast.decoder import FastDecoder
-    from engine.fast.graphs import GraphedDecode
-    from engine.fast.pages import build_page_batch
-
     device = torch.device("cuda")
     model = build_model(MINI, device=device)
     layout = plan_layout(MINI)
     pool = RowPool(layout, MINI, 24, device=device)
     lengths = [40, 300, 700]  # under and over top-k (256)
     gen = torch.Generator().manual_seed(1)
-    tables = []
-    with torch.no_grad():
-        for n in lengths:
-            table = pool.allocate_request(n + 8)
-            model.prefill(torch.randint(0, 256, (n,), generator=gen), RowSequenceCache(pool, table))
-            tables.append(table)
+    tables = _prefilled(model, pool, lengths, 8, gen)
     attn, kda = [t.attn_row_ids for t in tables], [t.kda_row_ids for t in tables]
     full = build_page_batch(layout, attn, kda, [n + 7 for n in lengths], device)
     eager_buffer, scratch = pool.buffer.clone(), pool.buffer.clone()
