@@ -43,7 +43,7 @@ import torch
 
 from engine.cache import BlockTable, RowPool
 from engine.prefix_cache import CachedTail, PrefixCache
-from engine.fast.backend import resolve_kernels
+from engine.fast.backend import fast_unsupported, resolve_kernels
 from engine.layout import RowLayout, plan_layout
 from engine.model.config import ModelConfig, get_preset
 from engine.model.model import KimiModel
@@ -91,7 +91,8 @@ class EngineConfig:
     prefilled (at least scheduler.MIN_CHUNK). None: every prompt prefills in one step."""
     kernels: str | None = None
     """Kernel set: "reference" (engine/model/) or "fast" (engine/fast/: Triton decode over the packed rows, single
-    rank); None or "auto": fast on CUDA, reference on CPU. "fast" on CPU is refused unless TRITON_INTERPRET=1."""
+    rank); None or "auto": fast on CUDA where the engine supports it (engine/fast/backend.py), else reference.
+    "fast" where it cannot run is refused with the reason (on CPU: unless TRITON_INTERPRET=1)."""
     """How long rows stay out of the pool after an export or import is given up (lease expired, aborted): a
     remote READ posted before may still target them until the reader's transfer timeout."""
 
@@ -175,9 +176,10 @@ class Engine:
         self.layout: RowLayout = plan_layout(self.model_config, tp_size=config.tp_size, dcp_size=config.dcp_size,
                                              subblock_tokens=config.subblock_tokens, block_size=config.block_size)
         self.pool = RowPool(self.layout, self.model_config, config.num_rows, device=config.device)
-        self.kernels = resolve_kernels(config.kernels, getattr(self.model, "device", "cpu"))
+        self.kernels = resolve_kernels(config.kernels, getattr(self.model, "device", "cpu"),
+                                       self._fast_unsupported(model, make_cache))
         if self.kernels == "fast":
-            self.model = self._fast_model(model is not None or make_cache is not None)
+            self.model = self._fast_model()
         if config.max_step_tokens is not None and config.max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be positive, got {config.max_step_tokens}")
         self.fingerprint = weights_fingerprint(config, self.layout.fingerprint)
@@ -190,13 +192,23 @@ class Engine:
         """Session key -> (block keys of its last finished turn (prompt + answer), that turn's tails), most recent
         last."""
 
-    def _fast_model(self, wrapped: bool) -> Any:
-        from engine.fast.model import FastModel
+    def _fast_unsupported(self, model: Any, make_cache: Any) -> str | None:
+        """Why this engine cannot run the fast kernels (None: it can). A passed-in wrapper (engine/parallel/spmd.py)
+        says for itself (`fast_unsupported()`) and is switched by `fast_kernels(layout)`."""
+        if make_cache is not None:
+            return "the engine was given its own cache views (make_cache: a DCP pool)"
+        if model is None or isinstance(model, KimiModel):
+            return fast_unsupported(self.config.tp_size, self.config.dcp_size)
+        if not hasattr(model, "fast_kernels"):
+            return f"the engine's model ({type(model).__name__}) has no fast path"
+        return model.fast_unsupported()
 
-        if wrapped or self.config.tp_size != 1 or self.config.dcp_size != 1:
-            raise ValueError("kernels='fast' serves the single-rank engine (no SPMD model, tp_size = dcp_size = 1) "
-                             "so far; use kernels='reference'")
-        return FastModel(self.model, self.layout)
+    def _fast_model(self) -> Any:
+        if isinstance(self.model, KimiModel):
+            from engine.fast.model import FastModel
+
+            return FastModel(self.model, self.layout)
+        return self.model.fast_kernels(self.layout)
 
     # ---- requests ----
     def _make_request(self, request_id: str, prompt: list[int] | tuple[int, ...], sampling: SamplingParams,

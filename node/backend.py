@@ -7,6 +7,8 @@ the round's time that every rank shares), import (`allocate_for_import`,
 external writes into `engine.pool.buffer`, then `start_decode` with the prefill node's first token). With W ranks
 the model is SPMD over the rank group: `TPModel` (heads split) or, on a DCP pool, `DCPModel` (cache split by token).
 `config.device` "cuda": weights, the row pool and every intermediate on the rank's own GPU (`ctx.device`).
+`config.kernels` ("auto" | "reference" | "fast"): the engine's kernel set (engine/fast/backend.py; node/runtime.py
+`node_kernels`): auto is fast on a CUDA rank of a single-rank node, reference otherwise.
 Also `load_tokenizer`, the server-side tokenizer matching the engine's (byte-level, BOS first, chat template).
 """
 
@@ -97,11 +99,14 @@ class ReferenceBackend:
                              f"{ctx.world_size} ranks")
         seed = DEFAULT_SEED if config.seed is None else config.seed
         device = _rank_device(getattr(config, "device", "cpu"), ctx)
-        # kernels: the reference set on every device (the fast decode serves a single unwrapped rank only so far)
+        # kernels (node setting `kernels`, default auto): the engine resolves them (engine/fast/backend.py): fast
+        # where it supports them (a CUDA device, one rank: TimedModel over FastModel, fast prefill and decode), else
+        # reference; on CPU auto is reference, and an explicit fast where unsupported raises here, naming why
         engine_config = EngineConfig(model=config.model, seed=seed, num_rows=config.num_rows,
                                      max_batch=config.max_num_seqs, tp_size=config.tp_size,
                                      dcp_size=config.dcp_size, block_size=config.block_size,
-                                     quarantine_s=config.kv.timeout_s, device=str(device), kernels="reference",
+                                     quarantine_s=config.kv.timeout_s, device=str(device),
+                                     kernels=getattr(config, "kernels", "auto"),
                                      prefix_cache=getattr(config, "prefix_cache", True),
                                      max_step_tokens=getattr(config, "max_step_tokens", None))
         make_cache = None
@@ -117,6 +122,7 @@ class ReferenceBackend:
         self.engine = Engine(engine_config, model=model, make_cache=make_cache, clock=lambda: self._now)
         self.layout = self.engine.layout
         self.model_config = self.engine.model_config
+        self.kernels = self.engine.kernels
         self._first_tokens: dict[str, TokenEvent] = {}
         self._rank = ctx.rank
         self._cache_sig: tuple | None = None

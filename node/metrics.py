@@ -42,6 +42,8 @@ class CacheInfo:
     tp_size: int
     dcp_size: int
     engine: str = "reference"
+    kernels: str = "reference"
+    """The kernel set the ranks' engines run (node setting `kernels`, resolved): "reference" or "fast"."""
 
 
 class NodeMetrics:
@@ -65,7 +67,7 @@ class NodeMetrics:
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Used rows / all rows (0..1).", m, registry=reg)
         self.cache_info = Gauge("vllm:cache_config_info", "Static cache configuration.",
                                 ["block_size", "cache_dtype", "num_gpu_blocks", "layout_fingerprint", "tp_size",
-                                 "dcp_size", "engine"], registry=reg)
+                                 "dcp_size", "engine", "kernels"], registry=reg)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", m, registry=reg)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", m, registry=reg)
         self.request_success = Counter("vllm:request_success", "Finished requests.", ["model_name", "finished_reason"],
@@ -138,7 +140,7 @@ class NodeMetrics:
         self.cache_info.labels(
             block_size=str(info.block_size), cache_dtype=info.cache_dtype, num_gpu_blocks=str(info.num_gpu_blocks),
             layout_fingerprint=info.layout_fingerprint, tp_size=str(info.tp_size), dcp_size=str(info.dcp_size),
-            engine=info.engine,
+            engine=info.engine, kernels=info.kernels,
         ).set(1)
         self.rows_total.labels(role=self.role).set(info.num_gpu_blocks)
         if info.dcp_size > 1:  # the merge a DCP pool runs exists (at 0) before its first decode step

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ from node.settings import NodeSettings
 from node.textgen import Limits
 
 WORKER_FACTORY = "node.worker:build_worker"
+log = logging.getLogger("pdcluster.node")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class WorkerConfig:
     """The engine's prefix cache (engine/prefix_cache.py) on or off."""
     max_step_tokens: int | None = None
     """Chunked prefill's per-step token budget (None: whole prompts)."""
+    kernels: str = "auto"
+    """Kernel set of the rank engines: "auto", "reference" or "fast" (`node_kernels`)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,8 @@ class RankInfo:
     """kv_transfer.transport.RankEndpoint of this rank's registered pool (None without a transport)."""
     tcp_fallback: bool = False
     """UCX can only move this pool's bytes over TCP (kv_transfer.ucx_env.detect_tcp_fallback)."""
+    kernels: str = "reference"
+    """The kernel set this rank's engine runs ("reference" | "fast")."""
 
 
 def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_shard_min_tokens: int = 1
@@ -71,7 +77,17 @@ def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_sh
                         max_num_seqs=settings.max_num_seqs, engine_id=settings.engine_id,
                         token_shard_min_tokens=token_shard_min_tokens, backend=settings.backend,
                         transport=settings.transport, kv=settings.kv, device=settings.device,
-                        prefix_cache=settings.prefix_cache, max_step_tokens=settings.max_step_tokens)
+                        prefix_cache=settings.prefix_cache, max_step_tokens=settings.max_step_tokens,
+                        kernels=settings.kernels)
+
+
+def node_kernels(kernels: str, device: str, world_size: int, dcp_size: int = 1) -> str:
+    """The kernel set the ranks of a node run: `kernels` ("auto" | "reference" | "fast") on `device` with
+    `world_size` ranks (DCP over `dcp_size`). `auto`: fast where the engine supports it (cuda, single rank),
+    else reference; `fast` where unsupported raises ValueError naming the reason (engine/fast/backend.py)."""
+    from engine.fast.backend import fast_unsupported, resolve_kernels
+
+    return resolve_kernels(kernels, device, fast_unsupported(tp_size=world_size, dcp_size=dcp_size))
 
 
 TOKENIZER_PROBE = "pdcluster tokenizer probe: Hello, world! 123 \u00e9\u4e2d\U0001f600"
@@ -100,10 +116,11 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int)
     executor = Executor(spec)
     executor.start(timeout_s=settings.start_timeout_s)
     head: RankInfo = executor.startup_info[0]
+    log.info("%s node: %d rank(s) on %s, kernels %s", config.role, world_size, config.device, head.kernels)
     metrics = NodeMetrics(settings.model, config.role)
     metrics.set_cache_info(CacheInfo(block_size=head.block_size, cache_dtype=head.cache_dtype,
                                      num_gpu_blocks=head.num_rows, layout_fingerprint=head.layout_fingerprint,
-                                     tp_size=config.tp_size, dcp_size=config.dcp_size))
+                                     tp_size=config.tp_size, dcp_size=config.dcp_size, kernels=head.kernels))
     metrics.set_load(0, 0, 0, head.num_rows)
     metrics.ucx_tcp_fallback.set(float(any(info.tcp_fallback for info in executor.startup_info)))
     limits = Limits(max_context=settings.max_context or model_cfg.max_context,

@@ -52,6 +52,11 @@ class NodeSettings(BaseSettings):
     """What the ranks compute on: `cpu` (gloo group), or `cuda`: rank r binds the node's local GPU r
     (CUDA_VISIBLE_DEVICES picks the node's GPUs), builds weights, row pool and intermediates there, NCCL group,
     the pool registered with NIXL as VRAM."""
+    kernels: Literal["auto", "reference", "fast"] = "auto"
+    """Kernel set of the ranks' engines (engine/fast/backend.py): `reference` (engine/model/, fp32: served
+    log-probs equal teacher forcing bit for bit), `fast` (engine/fast/, bf16 + Triton, CUDA), `auto`: `fast` where
+    the node's engine supports it (device cuda and a single-rank node), else `reference` (always on CPU).
+    `fast` where it is not supported refuses to start, naming the reason."""
     pin_cores: bool = True
     backend: str = "reference"
     """Engine backend of the ranks: "reference" (engine/), or "module:function" of another backend factory."""
@@ -104,6 +109,13 @@ class NodeSettings(BaseSettings):
     @property
     def public_host(self) -> str:
         return self.advertise_host or self.host
+
+    def resolved_kernels(self, world_size: int, dcp_size: int = 1) -> str:
+        """The kernel set this node's ranks run (W = `world_size` ranks, DCP over `dcp_size` of them); raises
+        ValueError naming the reason when `kernels` is `fast` and the node cannot run it."""
+        from node.runtime import node_kernels
+
+        return node_kernels(self.kernels, self.device, world_size, dcp_size)
 
     def handoff_secret(self) -> ClusterSecret | None:
         """The cluster secret (from `cluster_secret` or `cluster_secret_file`); None only with `insecure_handoffs`.

@@ -120,7 +120,8 @@ class RankWorker:
                         layout_fingerprint=layout.fingerprint,
                         cache_dtype=f"{layout.latent_format}+{layout.index_key_format}",
                         kda_groups=layout.kda_groups, endpoint=endpoint,
-                        tcp_fallback=bool(self.transport and self.transport.tcp_fallback))
+                        tcp_fallback=bool(self.transport and self.transport.tcp_fallback),
+                        kernels=getattr(self.backend, "kernels", "reference"))
 
     def begin_round(self, now: float) -> None:
         self.backend.begin_round(now)

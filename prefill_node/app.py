@@ -50,6 +50,7 @@ async def _sweep(table: ExportTable, every_s: float) -> None:
 
 def create_app(settings: Settings) -> FastAPI:
     settings.handoff_secret()  # no secret and not insecure: refuse to start (the message names the settings)
+    settings.resolved_kernels(settings.tp)  # kernels=fast where the ranks cannot run it: refuse to start, saying why
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

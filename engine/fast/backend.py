@@ -1,8 +1,10 @@
 """The engine's kernel choice: `reference` (engine/model/, fp32, plain PyTorch) or `fast` (engine/fast/, Triton).
 
-Default (`None` / `"auto"`): `fast` on CUDA, `reference` elsewhere. `fast` on a CPU device is refused unless the
-Triton interpreter is on (`TRITON_INTERPRET=1`, how the CPU tests run the kernels); the interpreter flag is read
-here and nowhere else in the package.
+`auto` (or None) picks `fast` where the engine supports it (a CUDA device and an engine shape the fast set
+covers: `fast_unsupported` says why not), else `reference`; so on CPU `auto` is always `reference`. An explicit
+`fast` where it is not supported is refused with the reason (never a silent fallback). `fast` on a CPU device
+runs only under the Triton interpreter (`TRITON_INTERPRET=1`, how the CPU tests run the kernels); the
+interpreter flag is read here and nowhere else in the package.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import torch
 
 KERNELS = ("reference", "fast")
+CHOICES = ("auto", *KERNELS)
 
 
 def interpreter_active() -> bool:
@@ -19,19 +22,33 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def resolve_kernels(choice: str | None, device: torch.device | str) -> str:
-    """The kernel set an engine on `device` runs: `choice`, or the device's default when None/"auto"."""
+def fast_unsupported(tp_size: int = 1, dcp_size: int = 1) -> str | None:
+    """Why an engine of this parallel shape cannot run the fast set (None: it can)."""
+    if dcp_size > 1:
+        return f"the fast kernels do not cover the DCP decode (dcp_size={dcp_size})"
+    if tp_size > 1:
+        return f"the fast kernels serve a single-rank engine only (tp_size={tp_size})"
+    return None
+
+
+def resolve_kernels(choice: str | None, device: torch.device | str, unsupported: str | None = None) -> str:
+    """The kernel set an engine on `device` runs. `choice`: "reference", "fast", or None/"auto" (fast on CUDA
+    where supported, else reference); `unsupported`: why this engine cannot run the fast set (None: it can).
+    Raises ValueError naming the reason when `fast` is asked for where it cannot run."""
     device = torch.device(device)
     if choice in (None, "auto"):
-        return "fast" if device.type == "cuda" else "reference"
+        return "fast" if device.type == "cuda" and unsupported is None else "reference"
     if choice not in KERNELS:
-        raise ValueError(f"unknown kernels {choice!r}; choose one of: {', '.join(KERNELS)}")
-    if choice == "fast" and device.type != "cuda" and not interpreter_active():
+        raise ValueError(f"unknown kernels {choice!r}; choose one of: {', '.join(CHOICES)}")
+    if choice == "reference":
+        return choice
+    if device.type != "cuda" and not interpreter_active():
         raise ValueError(f"kernels='fast' needs a CUDA device (this engine runs on {device.type}); use "
-                         "kernels='reference' on CPU (tests run the fast kernels with TRITON_INTERPRET=1)")
-    if choice == "fast":
-        try:
-            import triton  # noqa: F401
-        except ImportError as exc:
-            raise ValueError("kernels='fast' needs the triton package") from exc
+                         "kernels='reference' or 'auto' on CPU (tests run the fast kernels with TRITON_INTERPRET=1)")
+    if unsupported is not None:
+        raise ValueError(f"kernels='fast' cannot run here: {unsupported}; use kernels='reference' or 'auto'")
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise ValueError("kernels='fast' needs the triton package") from exc
     return choice

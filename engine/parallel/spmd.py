@@ -24,6 +24,17 @@ class TimedModel:
         self.timings.append(("prefill", "single", time.perf_counter() - started))
         return logits
 
+    def fast_unsupported(self) -> str | None:
+        """Why this wrapper cannot run the fast kernels (None: it can; engine/fast/backend.py)."""
+        return None
+
+    def fast_kernels(self, layout: Any) -> "TimedModel":
+        """Switch to the fast kernel set (engine/fast/): the wrapped model becomes a FastModel over `layout`."""
+        from engine.fast.model import FastModel
+
+        self.model = FastModel(self.model, layout)
+        return self
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
 
@@ -57,6 +68,14 @@ class TPModel(TimedModel):
         from engine.parallel.dcp_decode import parallel_decode
 
         return parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="tp").logits
+
+    def fast_unsupported(self) -> str | None:
+        from engine.fast.backend import fast_unsupported
+
+        return fast_unsupported(tp_size=self.ctx.world_size)
+
+    def fast_kernels(self, layout: Any) -> "TimedModel":
+        raise ValueError(self.fast_unsupported())
 
 
 class DCPModel(TPModel):
@@ -117,6 +136,11 @@ class DCPModel(TPModel):
         self.merge_bytes += result.stats.merge_bytes
         self.merge_fallbacks += result.stats.merge_fallback_rows
         return result.logits
+
+    def fast_unsupported(self) -> str | None:
+        from engine.fast.backend import fast_unsupported
+
+        return fast_unsupported(tp_size=self.ctx.world_size, dcp_size=self.ctx.world_size)
 
     def make_cache(self, pool: Any, table: Any) -> Any:
         from engine.cache import DCPRowCache

@@ -36,6 +36,8 @@ def gpu_cluster(tmp_path_factory: pytest.TempPathFactory, repo_root) -> Iterator
 
     data = yaml.safe_load(GPU1_CONFIG_PATH.read_text())
     data["router"] = {"port": None, "settings": ROUTER_SETTINGS}
+    for pool in data["pools"]:  # single-rank CUDA nodes default to the fast kernels; the oracle is the reference
+        pool["settings"] = {**pool.get("settings", {}), "kernels": "reference"}
     config = parse_config(data, "tests/gpu")
     handle = ClusterHandle(Cluster(config, tmp_path_factory.mktemp("gpu-logs"), python=sys.executable).start())
     try:

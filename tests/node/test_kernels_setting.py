@@ -1,0 +1,86 @@
+"""The node setting `kernels` (auto | reference | fast): how a node resolves it (auto is fast only on a CUDA rank of
+a single-rank node, so on CPU every node keeps the reference set), the flag and environment that carry it to the
+ranks, and the refusal, at start and naming the reason, of an explicit `fast` where the node cannot run it.
+A node serving with `fast` end to end (CPU, Triton interpreter) is tests/node/test_fast_node.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from pydantic import ValidationError
+
+from decode_node.cli import main as decode_main
+from engine.parallel.groups import ParallelContext
+from engine.parallel.spmd import TimedModel
+from node.backend import build_backend
+from node.cli import add_common_flags, settings_fields
+from node.runtime import WorkerConfig, node_kernels, worker_config
+from prefill_node.cli import main as prefill_main
+from prefill_node.settings import Settings as PrefillSettings
+from decode_node.settings import Settings as DecodeSettings
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def test_auto_is_fast_only_on_a_single_cuda_rank(no_interpreter) -> None:
+    assert node_kernels("auto", "cpu", 1) == "reference"
+    assert node_kernels("auto", "cpu", 2) == "reference"
+    assert node_kernels("auto", "cuda", 1) == "fast"
+    assert node_kernels("auto", "cuda", 2, 2) == "reference"  # DCP pool
+    assert node_kernels("reference", "cuda", 1) == "reference"
+    assert node_kernels("reference", "cpu", 4, 4) == "reference"
+
+
+def test_explicit_fast_where_unsupported_is_refused_with_the_reason(no_interpreter) -> None:
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        node_kernels("fast", "cpu", 1)
+    with pytest.raises(ValueError, match=r"do not cover the DCP decode \(dcp_size=2\)"):
+        node_kernels("fast", "cuda", 2, 2)
+    with pytest.raises(ValueError, match="unknown kernels 'triton'"):
+        node_kernels("triton", "cuda", 1)
+
+
+def test_flag_and_environment_carry_kernels_to_the_ranks(monkeypatch) -> None:
+    assert PrefillSettings().kernels == "auto"
+    assert worker_config(PrefillSettings(), "prefill").kernels == "auto"
+    monkeypatch.setenv("DECODE_KERNELS", "reference")
+    assert worker_config(DecodeSettings(), "decode").kernels == "reference"
+    with pytest.raises(ValidationError):
+        PrefillSettings(kernels="triton")
+    parser = argparse.ArgumentParser()
+    add_common_flags(parser)
+    fields = settings_fields(vars(parser.parse_args(["--kernels", "fast"])))
+    assert fields["kernels"] == "fast"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kernels", "triton"])
+
+
+def test_nodes_refuse_to_start_with_fast_where_unsupported(no_interpreter, capsys) -> None:
+    """Exit 2 before any rank starts, the message naming why (no silent fallback to the reference set)."""
+    with pytest.raises(SystemExit) as exited:
+        prefill_main(["--kernels", "fast", "--insecure-handoffs"])  # device cpu, no interpreter
+    assert exited.value.code == 2
+    assert "kernels='fast' needs a CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        decode_main(["--kernels", "fast", "--dcp", "2", "--device", "cuda", "--insecure-handoffs"])
+    assert exited.value.code == 2
+    assert "do not cover the DCP decode (dcp_size=2)" in capsys.readouterr().err
+
+
+def _config(**kw) -> WorkerConfig:  # type: ignore[no-untyped-def]
+    return WorkerConfig(model="kimi-k3.1-mini", role="decode", seed=None, num_rows=8, block_size=None, tp_size=1,
+                        dcp_size=1, max_num_seqs=2, engine_id="test", transport=False, **kw)
+
+
+def test_cpu_backend_keeps_the_reference_set(no_interpreter) -> None:
+    from engine.model.model import KimiModel
+
+    backend = build_backend(_config(), ParallelContext.single())
+    assert backend.kernels == "reference" == backend.engine.kernels
+    assert isinstance(backend.engine.model, TimedModel) and isinstance(backend.engine.model.model, KimiModel)
+    with pytest.raises(ValueError, match="kernels='fast' needs a CUDA device"):
+        build_backend(_config(kernels="fast"), ParallelContext.single())
