@@ -177,7 +177,8 @@ class Engine:
                                              subblock_tokens=config.subblock_tokens, block_size=config.block_size)
         self.pool = RowPool(self.layout, self.model_config, config.num_rows, device=config.device)
         self.kernels = resolve_kernels(config.kernels, getattr(self.model, "device", "cpu"),
-                                       self._fast_unsupported(model, make_cache))
+                                       self._fast_unsupported(model, make_cache),
+                                       auto_fast=getattr(model, "fast_by_default", True))
         if self.kernels == "fast":
             self.model = self._fast_model()
         if config.max_step_tokens is not None and config.max_step_tokens < 1:
@@ -195,13 +196,13 @@ class Engine:
     def _fast_unsupported(self, model: Any, make_cache: Any) -> str | None:
         """Why this engine cannot run the fast kernels (None: it can). A passed-in wrapper (engine/parallel/spmd.py)
         says for itself (`fast_unsupported()`) and is switched by `fast_kernels(layout)`."""
+        if model is not None and hasattr(model, "fast_kernels"):
+            return model.fast_unsupported()
         if make_cache is not None:
             return "the engine was given its own cache views (make_cache: a DCP pool)"
         if model is None or isinstance(model, KimiModel):
             return fast_unsupported(self.config.tp_size, self.config.dcp_size)
-        if not hasattr(model, "fast_kernels"):
-            return f"the engine's model ({type(model).__name__}) has no fast path"
-        return model.fast_unsupported()
+        return f"the engine's model ({type(model).__name__}) has no fast path"
 
     def _fast_model(self) -> Any:
         if isinstance(self.model, KimiModel):

@@ -8,7 +8,8 @@ external writes into `engine.pool.buffer`, then `start_decode` with the prefill 
 the model is SPMD over the rank group: `TPModel` (heads split) or, on a DCP pool, `DCPModel` (cache split by token).
 `config.device` "cuda": weights, the row pool and every intermediate on the rank's own GPU (`ctx.device`).
 `config.kernels` ("auto" | "reference" | "fast"): the engine's kernel set (engine/fast/backend.py; node/runtime.py
-`node_kernels`): auto is fast on a CUDA rank of a single-rank node, reference otherwise.
+`node_kernels`): auto is fast on a CUDA rank of a single-rank node, reference otherwise; fast on W > 1 TP ranks
+is the fast TP decode with the reference SPMD prefill; DCP pools refuse fast.
 Also `load_tokenizer`, the server-side tokenizer matching the engine's (byte-level, BOS first, chat template).
 """
 
@@ -99,9 +100,11 @@ class ReferenceBackend:
                              f"{ctx.world_size} ranks")
         seed = DEFAULT_SEED if config.seed is None else config.seed
         device = _rank_device(getattr(config, "device", "cpu"), ctx)
-        # kernels (node setting `kernels`, default auto): the engine resolves them (engine/fast/backend.py): fast
-        # where it supports them (a CUDA device, one rank: TimedModel over FastModel, fast prefill and decode), else
-        # reference; on CPU auto is reference, and an explicit fast where unsupported raises here, naming why
+        # kernels (node setting `kernels`, default auto), resolved by the engine (engine/fast/backend.py): auto is
+        # fast on a CUDA rank of a single-rank node (TimedModel over FastModel: fast prefill and decode), else
+        # reference (always on CPU). Explicit fast also runs on a TP group (TPModel: the fast TP decode of
+        # engine/parallel/fast_tp.py, the reference SPMD prefill, logged at start); on a DCP pool, or on CPU
+        # without the Triton interpreter, it raises here naming why
         engine_config = EngineConfig(model=config.model, seed=seed, num_rows=config.num_rows,
                                      max_batch=config.max_num_seqs, tp_size=config.tp_size,
                                      dcp_size=config.dcp_size, block_size=config.block_size,

@@ -46,7 +46,7 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
                         help="cpu (default) or cuda: rank r on the node's GPU r, row pool in VRAM, NCCL group")
     parser.add_argument("--kernels", choices=["auto", "reference", "fast"],
                         help="kernel set: auto (default: fast on cuda for a single-rank node, else reference), "
-                        "reference, or fast (Triton, cuda; refused where the node's engine does not support it)")
+                        "reference, or fast (Triton, cuda; TP: fast decode, reference prefill; refused on DCP)")
     parser.add_argument("--metrics-port", type=int, help="serve GET /metrics on this port too (for monitoring)")
     parser.add_argument("--cluster-secret-file", help="file holding the cluster secret that signs hand-offs "
                         "(the secret itself only by environment, never a flag: it would show in ps)")

@@ -54,9 +54,9 @@ class NodeSettings(BaseSettings):
     the pool registered with NIXL as VRAM."""
     kernels: Literal["auto", "reference", "fast"] = "auto"
     """Kernel set of the ranks' engines (engine/fast/backend.py): `reference` (engine/model/, fp32: served
-    log-probs equal teacher forcing bit for bit), `fast` (engine/fast/, bf16 + Triton, CUDA), `auto`: `fast` where
-    the node's engine supports it (device cuda and a single-rank node), else `reference` (always on CPU).
-    `fast` where it is not supported refuses to start, naming the reason."""
+    log-probs equal teacher forcing bit for bit), `fast` (engine/fast/, bf16 + Triton, CUDA; on a TP node the
+    fast decode with the reference SPMD prefill), `auto`: `fast` on a single-rank node on device cuda, else
+    `reference` (always on CPU). `fast` where it is not supported (DCP) refuses to start, naming the reason."""
     pin_cores: bool = True
     backend: str = "reference"
     """Engine backend of the ranks: "reference" (engine/), or "module:function" of another backend factory."""

@@ -1,7 +1,8 @@
 """The engine's kernel choice: `reference` (engine/model/, fp32, plain PyTorch) or `fast` (engine/fast/, Triton).
 
 `auto` (or None) picks `fast` where the engine supports it (a CUDA device and an engine shape the fast set
-covers: `fast_unsupported` says why not), else `reference`; so on CPU `auto` is always `reference`. An explicit
+covers: `fast_unsupported` says why not) and its model wants it by default (a single rank; the fast TP decode
+runs only when asked for), else `reference`; so on CPU `auto` is always `reference`. An explicit
 `fast` where it is not supported is refused with the reason (never a silent fallback). `fast` on a CPU device
 runs only under the Triton interpreter (`TRITON_INTERPRET=1`, how the CPU tests run the kernels); the
 interpreter flag is read here and nowhere else in the package.
@@ -23,21 +24,24 @@ def interpreter_active() -> bool:
 
 
 def fast_unsupported(tp_size: int = 1, dcp_size: int = 1) -> str | None:
-    """Why an engine of this parallel shape cannot run the fast set (None: it can)."""
+    """Why an engine of this parallel shape cannot run the fast set (None: it can). `tp_size` > 1 is the plain
+    engine's (no SPMD model); a TP group runs the fast decode through engine/parallel/spmd.py `TPModel`."""
     if dcp_size > 1:
         return f"the fast kernels do not cover the DCP decode (dcp_size={dcp_size})"
     if tp_size > 1:
-        return f"the fast kernels serve a single-rank engine only (tp_size={tp_size})"
+        return (f"the fast kernels need the TP SPMD model for tp_size={tp_size} (engine/parallel/spmd.py "
+                "TPModel); a plain engine runs them single-rank only")
     return None
 
 
-def resolve_kernels(choice: str | None, device: torch.device | str, unsupported: str | None = None) -> str:
+def resolve_kernels(choice: str | None, device: torch.device | str, unsupported: str | None = None,
+                    auto_fast: bool = True) -> str:
     """The kernel set an engine on `device` runs. `choice`: "reference", "fast", or None/"auto" (fast on CUDA
-    where supported, else reference); `unsupported`: why this engine cannot run the fast set (None: it can).
-    Raises ValueError naming the reason when `fast` is asked for where it cannot run."""
+    where supported and `auto_fast`, else reference); `unsupported`: why this engine cannot run the fast set
+    (None: it can). Raises ValueError naming the reason when `fast` is asked for where it cannot run."""
     device = torch.device(device)
     if choice in (None, "auto"):
-        return "fast" if device.type == "cuda" and unsupported is None else "reference"
+        return "fast" if device.type == "cuda" and unsupported is None and auto_fast else "reference"
     if choice not in KERNELS:
         raise ValueError(f"unknown kernels {choice!r}; choose one of: {', '.join(CHOICES)}")
     if choice == "reference":

@@ -35,16 +35,23 @@ class FastModel:
                                       start, all_logits)
 
     def decode(self, token_ids: torch.Tensor, positions: list[int], caches: list[Any]) -> torch.Tensor:
-        pool = caches[0].pool
-        if any(c.pool is not pool for c in caches) or not hasattr(caches[0], "table"):
-            raise ValueError("the fast decode runs one single-rank row pool (RowSequenceCache) per batch")
-        device = self.model.device
-        if pool.buffer.device != device:
-            raise ValueError(f"the fast decode needs the pool on the model's device ({device}), it is on "
-                             f"{pool.buffer.device}")
-        pages = build_page_batch(self.layout, [c.table.attn_row_ids for c in caches],
-                                 [c.table.kda_row_ids for c in caches], positions, device)
-        return self.decoder.decode(pool.buffer, token_ids.to(device), pages)
+        return decode_on_pool(self.decoder, self.layout, token_ids, positions, caches)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
+
+
+def decode_on_pool(decoder: FastDecoder, layout: Any, token_ids: torch.Tensor, positions: list[int],
+                   caches: list[Any]) -> torch.Tensor:
+    """One fast decode step of `decoder` over the requests of `caches` (RowSequenceCaches of one row pool on the
+    decoder's device): the step's page batch from their block tables, then the step -> logits [B, V]."""
+    pool = caches[0].pool
+    if any(c.pool is not pool for c in caches) or not hasattr(caches[0], "table"):
+        raise ValueError("the fast decode runs one row pool of RowSequenceCaches per batch")
+    device = decoder.model.device
+    if pool.buffer.device != device:
+        raise ValueError(f"the fast decode needs the pool on the model's device ({device}), it is on "
+                         f"{pool.buffer.device}")
+    pages = build_page_batch(layout, [c.table.attn_row_ids for c in caches], [c.table.kda_row_ids for c in caches],
+                             positions, device)
+    return decoder.decode(pool.buffer, token_ids.to(device), pages)

@@ -6,8 +6,11 @@ its `model`; the model itself never imports parallel code.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
+
+log = logging.getLogger("pdcluster.engine")
 
 
 class TimedModel:
@@ -50,6 +53,8 @@ class TPModel(TimedModel):
         self.ctx, self.token_threshold = ctx, token_threshold
         self.cfg = model.cfg
         self.alltoall_bytes = 0
+        self.fast_decoder: Any = None
+        """The fast TP decode step (`fast_kernels`), or None: the reference TP decode."""
 
     def prefill(self, token_ids: Any, cache: Any, start: int = 0, all_logits: bool = False) -> Any:
         from engine.parallel.prefill import PrefillBatch, choose_mode, parallel_prefill
@@ -65,17 +70,34 @@ class TPModel(TimedModel):
         return result.logits
 
     def decode(self, token_ids: Any, positions: list[int], caches: list[Any]) -> Any:
+        if self.fast_decoder is not None:
+            from engine.fast.model import decode_on_pool
+
+            return decode_on_pool(self.fast_decoder, self.fast_decoder.layout, token_ids, positions, caches)
         from engine.parallel.dcp_decode import parallel_decode
 
         return parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="tp").logits
 
-    def fast_unsupported(self) -> str | None:
-        from engine.fast.backend import fast_unsupported
+    fast_by_default = False
+    """`auto` keeps the reference set on a TP group: the fast TP decode runs only when asked for."""
 
-        return fast_unsupported(tp_size=self.ctx.world_size)
+    def fast_unsupported(self) -> str | None:
+        return None
 
     def fast_kernels(self, layout: Any) -> "TimedModel":
-        raise ValueError(self.fast_unsupported())
+        """The fast decode over the TP group (engine/parallel/fast_tp.py: KDA heads and experts split over the
+        ranks); prefill stays the reference SPMD prefill (token- or head-sharded), logged here."""
+        reason = self.fast_unsupported()
+        if reason is not None:
+            raise ValueError(f"kernels='fast' cannot run here: {reason}")
+        from engine.parallel.fast_tp import TPFastDecoder
+
+        self.fast_decoder = TPFastDecoder(self.model, layout, self.ctx)
+        if self.ctx.rank == 0:
+            log.warning("kernels=fast on %d TP ranks: decode runs the fast kernels (engine/parallel/fast_tp.py); "
+                        "prefill runs the reference SPMD prefill (no multi-rank fast prefill yet)",
+                        self.ctx.world_size)
+        return self
 
 
 class DCPModel(TPModel):
@@ -140,7 +162,7 @@ class DCPModel(TPModel):
     def fast_unsupported(self) -> str | None:
         from engine.fast.backend import fast_unsupported
 
-        return fast_unsupported(tp_size=self.ctx.world_size, dcp_size=self.ctx.world_size)
+        return fast_unsupported(dcp_size=self.ctx.world_size)
 
     def make_cache(self, pool: Any, table: Any) -> Any:
         from engine.cache import DCPRowCache

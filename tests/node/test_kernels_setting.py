@@ -1,7 +1,9 @@
 """The node setting `kernels` (auto | reference | fast): how a node resolves it (auto is fast only on a CUDA rank of
-a single-rank node, so on CPU every node keeps the reference set), the flag and environment that carry it to the
-ranks, and the refusal, at start and naming the reason, of an explicit `fast` where the node cannot run it.
-A node serving with `fast` end to end (CPU, Triton interpreter) is tests/node/test_fast_node.py."""
+a single-rank node, so on CPU every node keeps the reference set; explicit fast also runs a TP node's decode), the
+flag and environment that carry it to the ranks, and the refusal, at start and naming the reason, of an explicit
+`fast` where the node cannot run it (DCP, CPU without the interpreter).
+A node serving with `fast` end to end (CPU, Triton interpreter) is tests/node/test_fast_node.py; the TP fast
+decode on 2 ranks is tests/engine/fast/test_tp_decode.py."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ def test_auto_is_fast_only_on_a_single_cuda_rank(no_interpreter) -> None:
     assert node_kernels("auto", "cpu", 1) == "reference"
     assert node_kernels("auto", "cpu", 2) == "reference"
     assert node_kernels("auto", "cuda", 1) == "fast"
+    assert node_kernels("auto", "cuda", 2) == "reference"  # TP: the fast TP decode only when asked for
+    assert node_kernels("fast", "cuda", 2) == "fast"
     assert node_kernels("auto", "cuda", 2, 2) == "reference"  # DCP pool
     assert node_kernels("reference", "cuda", 1) == "reference"
     assert node_kernels("reference", "cpu", 4, 4) == "reference"

@@ -1,0 +1,144 @@
+"""The fast decode step (engine/fast/decoder.py) inside the TP decode: W ranks, one batch, SPMD.
+
+`TPFastDecoder(model, layout, ctx)` is a `FastDecoder` whose step every rank of `ctx` runs on the same batch (the
+rows are replicated, as in the reference TP decode, engine/parallel/dcp_decode.py), splitting what the
+reference TP splits:
+- MLA + DSA indexer: replicated. Every rank holds the whole attention rows of its requests (the TP pool
+  replicates the latent) and runs the single-rank fast MLA step (`FastDecoder._mla`).
+- KDA: heads sharded as engine/parallel/kda_shard.py shards them for the reference: rank r owns heads
+  [r*H/W, (r+1)*H/W) and its pool's KDA rows hold only those heads (layout tp_size = W). The rank's copies of the
+  head-wise projections (w_fb, w_b, w_qkv rows, the gate rate and bias, the conv taps) are sliced to its heads,
+  so the fast conv and recurrent kernels run on the rank's KDA rows unchanged; one all-gather of o [B, H/W, d]
+  restores every head before the output norm, gate and projection, which run whole on every rank.
+- MoE: expert parallel with the dataflow of engine/parallel/tp.py `ExpertParallelMoE`: rank r keeps experts
+  [r*E/W, (r+1)*E/W) (bf16 copies of those only); every rank routes its rows, sends each row's latent z (with its
+  expert ids) to the ranks owning one of its experts (all_to_all), each owner runs its experts on the
+  (row, slot) pairs it owns - few pairs: each pair reads its own expert in place (`expert_gemv`), else batched
+  GEMMs over the rank's experts - and the per-slot outputs travel back (all_to_all). Each (row, slot) output
+  comes from exactly one rank: the combine selects it, then mixes the slots in ascending slot order.
+  Shared expert, latent projections and router run whole on every rank.
+Token-wise linears run with their full weights on every rank (no cross-rank partial sums), so every rank ends
+the step with the same logits. The step synchronises with the host (the all_to_all sizes): it is not captured
+into CUDA graphs. World size 1 is the single-rank FastDecoder's step with the MoE through the same exchange
+code (a no-op exchange).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.fast.decoder import BF16, FastDecoder
+from engine.fast.expert_gemv import expert_gemv
+from engine.fast.kda import kda_conv_qkv_rows, kda_recurrent_step_rows
+from engine.fast.pages import PageBatch
+from engine.layout import RowLayout
+from engine.model.kda import KDA
+from engine.model.model import KimiModel
+from engine.parallel.comm import all_gather_stack, all_to_all_list
+from engine.parallel.groups import ParallelContext
+from engine.parallel.kda_shard import head_range, qkv_channels
+
+
+def _moe_local_experts(z: torch.Tensor, local: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                       w2: torch.Tensor) -> torch.Tensor:
+    """Every expert of this rank on every (row, slot) pair it owns, then each pair's own: z [m, lat] (one row per
+    pair), local [m] (the pair's expert among this rank's) -> [m, lat] fp32."""
+    experts = w1.shape[0]
+    zb = z.unsqueeze(0).expand(experts, -1, -1)  # [E/W, m, lat]
+    hidden = F.silu(torch.bmm(zb, w1.transpose(1, 2))) * torch.bmm(zb, w3.transpose(1, 2))
+    out = torch.bmm(hidden, w2.transpose(1, 2))  # [E/W, m, lat]
+    return out[local, torch.arange(z.shape[0], device=z.device)].float()
+
+
+class TPFastDecoder(FastDecoder):
+    def __init__(self, model: KimiModel, layout: RowLayout, ctx: ParallelContext, dtype: torch.dtype = BF16,
+                 compile: bool = False) -> None:
+        cfg = model.cfg
+        world = ctx.world_size
+        if cfg.num_experts % world:
+            raise ValueError(f"{cfg.num_experts} experts do not split over {world} ranks")
+        if layout.kda_heads_per_gpu * world != cfg.kda_num_heads:
+            raise ValueError(f"the pool's KDA rows hold {layout.kda_heads_per_gpu} heads; {world} TP ranks own "
+                             f"{cfg.kda_num_heads // world} each (plan the layout with tp_size={world})")
+        self.ctx = ctx
+        self.heads = head_range(cfg, world, ctx.rank)
+        self.per_rank = cfg.num_experts // world
+        self.first = ctx.rank * self.per_rank
+        super().__init__(model, layout, dtype, compile)
+        local = torch.compile(_moe_local_experts, dynamic=True) if compile else _moe_local_experts
+        self._seg["_moe_local_experts"] = local
+        own = slice(self.first, self.first + self.per_rank)
+        for layer in self.layers:
+            if not layer.dense:  # keep only this rank's experts (clone: drop the full copies)
+                for name in ("w1", "w3", "w2"):
+                    layer.ffn[name] = layer.ffn[name][own].clone()
+
+    def _kda_weights(self, kda: KDA, norm: torch.Tensor) -> dict[str, Any]:
+        """The single-rank weights with the head-wise projections cut to this rank's heads."""
+        cfg, w = self.cfg, self._w
+        lo, hi = self.heads
+        d = kda.head_dim
+        span = slice(lo * d, hi * d)
+        channels = qkv_channels(cfg, lo, hi).to(kda.w_qkv.weight.device)
+        return {
+            "front": (norm, w(kda.w_fa.weight), w(kda.w_fb.weight[span]).contiguous(),
+                      torch.exp(kda.A_log[lo:hi]).repeat_interleave(d), kda.dt_bias[span].contiguous(),
+                      w(kda.w_b.weight[lo:hi]).contiguous(), w(kda.w_qkv.weight[channels]).contiguous()),
+            "front_const": dict(eps=cfg.rms_eps, lower_bound=cfg.kda_gate_lower_bound, heads=hi - lo),
+            "conv_weight": kda.conv_weight[channels].detach().float().contiguous(),
+            "o_norm": kda.o_norm, "w_g": w(kda.w_g.weight), "wo": w(kda.wo.weight),
+        }
+
+    def _kda(self, m: dict[str, Any], x: torch.Tensor, buffer: torch.Tensor, pages: PageBatch,
+             index: int) -> torch.Tensor:
+        h, g, beta, conv_in = self._seg["_kda_front"](x, *m["front"], **m["front_const"])
+        group, layer_in_group = divmod(index, self.layout.kda_layers_per_group)
+        rows = pages.kda_row_ids[:, group].contiguous()
+        q, k, v = kda_conv_qkv_rows(buffer, self.layout, rows, layer_in_group, conv_in, m["conv_weight"],
+                                    self.conv_dtype)
+        o = kda_recurrent_step_rows(buffer, self.layout, rows, layer_in_group, q, k, v, g, beta)  # own heads
+        batch = x.shape[0]
+        o_all = all_gather_stack(self.ctx, o).permute(1, 0, 2, 3).reshape(batch, self.cfg.kda_num_heads, -1)
+        return self._seg["_kda_back"](x, h, o_all, m["o_norm"], m["w_g"], m["wo"], self.cfg.rms_eps)
+
+    def _moe(self, f: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+        cfg, seg, ctx = self.cfg, self._seg, self.ctx
+        h, ids, weights, z = seg["_moe_route"](x, f["norm"], f["router"], f["bias"], f["w_down_latent"],
+                                               cfg.rms_eps, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        batch, top_k = ids.shape
+        lat = z.shape[1]
+        owner = ids // self.per_rank  # [B, k]
+        wanted = [(owner == r).any(1).nonzero().flatten() for r in range(ctx.world_size)]
+        # z travels as fp32 (exact for bf16 and fp32 z) with its expert ids beside it (exact below 2^24)
+        payload = [torch.cat([z[rows].float(), ids[rows].float()], dim=1) for rows in wanted]
+        received = all_to_all_list(ctx, payload)
+        results = [self._run_experts(p[:, :lat].to(z.dtype), p[:, lat:].long(), f) for p in received]
+        returned = all_to_all_list(ctx, results)
+        slots = torch.zeros(batch, top_k, lat, dtype=torch.float32, device=x.device)
+        for r, rows in enumerate(wanted):
+            mine = owner[rows] == r
+            slots[rows] = torch.where(mine[..., None], returned[r], slots[rows])
+        mixed = slots[:, 0] * weights[:, 0:1]
+        for j in range(1, top_k):
+            mixed = mixed + slots[:, j] * weights[:, j : j + 1]
+        return seg["_moe_out"](x, h, mixed, None, f["latent_norm"], f["w_up_latent"], f["shared"], cfg.rms_eps)
+
+    def _run_experts(self, z: torch.Tensor, ids: torch.Tensor, f: dict[str, Any]) -> torch.Tensor:
+        """Rows received from one rank: z [n, lat], ids [n, k] -> [n, k, lat] fp32, the outputs of the (row, slot)
+        pairs whose expert is this rank's (zeros elsewhere)."""
+        out = torch.zeros(ids.shape[0], ids.shape[1], z.shape[1], dtype=torch.float32, device=z.device)
+        owned = (ids >= self.first) & (ids < self.first + self.per_rank)
+        rows, cols = owned.nonzero(as_tuple=True)
+        pairs = rows.shape[0]
+        if pairs == 0:
+            return out
+        local = ids[rows, cols] - self.first
+        if pairs < self.per_rank and self.dtype == BF16:  # few pairs: each reads its own expert in place
+            got = expert_gemv(z[rows], local[:, None], f["w1"], f["w3"], f["w2"])[:, 0].float()
+        else:
+            got = self._seg["_moe_local_experts"](z[rows], local, f["w1"], f["w3"], f["w2"])
+        out[rows, cols] = got
+        return out

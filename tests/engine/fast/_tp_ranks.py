@@ -1,0 +1,68 @@
+"""What the ranks of the fast TP decode tests run (importable by spawned children; they inherit TRITON_INTERPRET
+from the test process, set by this folder's conftest when there is no GPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.parallel.groups import ParallelContext
+
+
+def prefill_rows(ctx: ParallelContext, model, layout, prompts: list[torch.Tensor], spare: int):  # type: ignore[no-untyped-def]
+    """A row pool of `layout` with each prompt prefilled by the reference (SPMD over `ctx`: the token-sharded
+    prefill a TP node runs, which gives the single-rank bits), `spare` more tokens of rows each."""
+    from engine.cache import RowPool, RowSequenceCache
+    from engine.parallel.prefill import PrefillBatch, parallel_prefill
+
+    pool = RowPool(layout, model.cfg, 4 * len(prompts) + 4)
+    tables = []
+    with torch.no_grad():
+        for p in prompts:
+            table = pool.allocate_request(p.numel() + spare)
+            cache = RowSequenceCache(pool, table)
+            if ctx.is_single:
+                model.prefill(p, cache)
+            else:
+                parallel_prefill(ctx, model, PrefillBatch((p,), (0,)), [cache], "token")
+            tables.append(table)
+    return pool, tables
+
+
+def greedy_decode(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], first: list[int], steps: int,
+                  dtype: torch.dtype) -> dict:
+    """Prefill (reference), then `steps` greedy steps of the fast TP decode (TPFastDecoder) on this rank."""
+    from engine.cache import RowSequenceCache
+    from engine.fast.model import decode_on_pool
+    from engine.layout import plan_layout
+    from engine.model.weights import build_model
+    from engine.parallel.fast_tp import TPFastDecoder
+
+    model = build_model(cfg)
+    layout = plan_layout(cfg, tp_size=ctx.world_size)
+    pool, tables = prefill_rows(ctx, model, layout, prompts, steps + 1)
+    decoder = TPFastDecoder(model, layout, ctx, dtype)
+    caches = [RowSequenceCache(pool, t) for t in tables]
+    tokens, positions, logits = [list(first)], [p.numel() for p in prompts], []
+    for _ in range(steps):
+        out = decode_on_pool(decoder, layout, torch.tensor(tokens[-1]), positions, caches)
+        logits.append(out)
+        tokens.append(out.argmax(-1).tolist())
+        positions = [n + 1 for n in positions]
+    experts = [layer.ffn["w1"].shape[0] for layer in decoder.layers if not layer.dense]
+    return {"tokens": tokens, "logits": logits, "experts": experts}
+
+
+def engine_generate(ctx: ParallelContext, cfg_name: str, prompt: list[int], max_tokens: int) -> dict:
+    """A TP engine as a node builds it (TPModel over the rank group) with kernels="fast": greedy generation."""
+    from engine.engine import Engine, EngineConfig
+    from engine.model.config import get_preset
+    from engine.model.weights import build_model
+    from engine.parallel.spmd import TPModel
+    from engine.sampling import SamplingParams
+
+    model = TPModel(build_model(get_preset(cfg_name)), ctx, 1)
+    engine = Engine(EngineConfig(model=cfg_name, num_rows=16, tp_size=ctx.world_size, kernels="fast",
+                                 prefix_cache=False), model=model)
+    result = engine.generate("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return {"kernels": engine.kernels, "fast": model.fast_decoder is not None, "tokens": result.token_ids,
+            "logprobs": result.logprobs}
