@@ -27,7 +27,8 @@ def all_gather_varlen(ctx: ParallelContext, tensor: torch.Tensor) -> list[torch.
     """Rows of different counts per rank along dim 0 -> the list of every rank's tensor, rank order."""
     if ctx.is_single:
         return [tensor]
-    sizes = all_gather_stack(ctx, torch.tensor([tensor.shape[0]], dtype=torch.int64))[:, 0].tolist()
+    count = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)  # NCCL: sizes on the GPU too
+    sizes = all_gather_stack(ctx, count)[:, 0].tolist()
     longest = max(sizes)
     padded = torch.zeros((longest,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     padded[: tensor.shape[0]] = tensor
@@ -45,7 +46,7 @@ def all_to_all_list(ctx: ParallelContext, chunks: list[torch.Tensor]) -> list[to
     if ctx.is_single:
         return [chunks[0]]
     assert len(chunks) == ctx.world_size
-    send_sizes = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64)
+    send_sizes = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64, device=chunks[0].device)
     sizes = all_gather_stack(ctx, send_sizes)                                 # [src, dst]
     recv_sizes = sizes[:, ctx.rank].tolist()
     longest = int(sizes.max())
