@@ -90,9 +90,10 @@ class EngineConfig:
     """Chunked prefill: tokens one step computes, running decodes first, then a chunk of the prompt being
     prefilled (at least scheduler.MIN_CHUNK). None: every prompt prefills in one step."""
     kernels: str | None = None
-    """Kernel set: "reference" (engine/model/) or "fast" (engine/fast/: Triton decode over the packed rows, single
-    rank); None or "auto": fast on CUDA where the engine supports it (engine/fast/backend.py), else reference.
-    "fast" where it cannot run is refused with the reason (on CPU: unless TRITON_INTERPRET=1)."""
+    """Kernel set: "reference" (engine/model/) or "fast" (engine/fast/: Triton decode over the packed rows; one rank,
+    or a passed-in TP `TPModel`: the fast TP decode with the reference SPMD prefill); None or "auto": fast on CUDA
+    for a single-rank engine (engine/fast/backend.py), else reference. "fast" where it cannot run (DCP, CPU
+    without TRITON_INTERPRET=1) is refused with the reason."""
     """How long rows stay out of the pool after an export or import is given up (lease expired, aborted): a
     remote READ posted before may still target them until the reader's transfer timeout."""
 

@@ -46,7 +46,8 @@ class TPModel(TimedModel):
     """A full model replica whose prefill and decode run SPMD over the rank group (engine/parallel):
     prefill token-sharded (steps of at least `token_threshold` tokens) or head-sharded, decode with KDA
     heads split and the attention heads split (TP). Logits are identical on every rank, so every rank's
-    scheduler samples the same tokens. The pool's KDA rows hold this rank's heads (layout tp_size = W)."""
+    scheduler samples the same tokens. The pool's KDA rows hold this rank's heads (layout tp_size = W).
+    With `fast_kernels(layout)` (an engine with kernels="fast") decode runs `fast_tp.TPFastDecoder` instead."""
 
     def __init__(self, model: Any, ctx: Any, token_threshold: int) -> None:
         super().__init__(model)
