@@ -2,7 +2,7 @@
 
 Sources (static YAML, the CLI quick start, Kubernetes discovery) call `upsert` / `remove`; the health
 checker updates facts and health; request handling bumps in-flight counters. Policies never read this
-mutable state directly: `snapshot()` hands them frozen `InstanceView`s. What only changes with specs,
+mutable state directly: `snapshot()` hands them `InstanceView`s (copies, never changed once built). What only changes with specs,
 facts or health (geometry, the compat matrix, compatible pairs, served model ids) is recomputed in
 `recompute_matrix()` (every source and the health checker call it on a change), never per request;
 `version` counts those recomputations so callers can cache what they derive from them.
@@ -37,9 +37,11 @@ class InstanceState:
     """geometry_of(self) as of the last recompute_matrix()."""
 
 
-@dataclass(frozen=True)
+# Not frozen: built per request, and a frozen dataclass's __init__ (object.__setattr__ per field) costs about
+# twice a plain one on the hot path. Nothing mutates it once built (changes go through dataclasses.replace).
+@dataclass
 class InstanceView:
-    """Frozen per-request view of one instance, what placement and compat see."""
+    """Per-request view of one instance (a copy), what placement and compat see."""
 
     name: str
     role: str
