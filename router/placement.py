@@ -222,11 +222,12 @@ def place(shape: RequestShape, session: SessionRecord | None, pools: list[PoolVi
           resumable: Mapping[str, int] | None = None) -> Placement:
     held = held or {}
     resumable = held if resumable is None else resumable
-    decodes = [v for v in instances if v.role == "decode" and v.is_usable and v.name not in blocked]
+    decodes = [v for v in instances if v.role == "decode" and v.is_healthy and not v.is_draining
+               and v.name not in blocked]
     prefills = [v for v in instances if v.role == "prefill"]
-    live_pools = [p for p in pools if any(d.pool == p.name for d in decodes)]
+    decode_pools = {d.pool for d in decodes}
+    live_pools = [p for p in pools if p.name in decode_pools]
     projected = projected_context(shape, session)
-    by_name = {d.name: d for d in decodes}
 
     def pick(candidates: list[InstanceView]) -> InstanceView:
         if hash_sessions and shape.session_id:
@@ -242,8 +243,9 @@ def place(shape: RequestShape, session: SessionRecord | None, pools: list[PoolVi
         holder = best_holder(held, [d for d in decodes if d.pool == pool.name])
         if holder is not None:
             decode, reason = holder, f"holds {held[holder.name]} tokens of the session"
-        elif session and session.decode in by_name and by_name[session.decode].pool == pool.name:
-            decode, reason = by_name[session.decode], "sticky"
+        elif session and (sticky := next((d for d in decodes if d.name == session.decode), None)) is not None \
+                and sticky.pool == pool.name:
+            decode, reason = sticky, "sticky"
         else:
             decode = pick([d for d in decodes if d.pool == pool.name])
             reason = f"session's instance unusable or unknown; least-loaded in pool {pool.name}"
