@@ -1,8 +1,9 @@
 """Streaming relay: D's SSE bytes go to the client as they arrive (no buffering, no re-encoding).
 
 A side parser (`StreamAccounting`) splits the bytes into SSE events only to time them: first token,
-gaps between token-bearing events, and the final usage; each event's JSON is read with orjson (about a
-microsecond for a token event). Error events have their messages scrubbed of internal names on the way
+gaps between token-bearing events, and the final usage. A plain token event (one compact `data:` line with
+non-empty text or content and no usage or error key: what engines stream per token) is recognised from its
+bytes; every other event's JSON is read with orjson. Error events have their messages scrubbed of internal names on the way
 (the only bytes the relay may change). `ended_at` marks when D's stream ended, closing the D leg's time.
 When the stream ends early (idle timeout, upstream error) the client gets an OpenAI error event and
 `[DONE]`; when the client goes away the upstream connection is closed and both legs are aborted. Cleanup
@@ -56,7 +57,9 @@ class StreamAccounting:
             self.buffer = chunk
             return
         self.buffer = chunk[end + 2:]
-        num = sum(self._event(event) for event in chunk[:end].split(b"\n\n"))
+        num = 0
+        for event in chunk[:end].split(b"\n\n"):
+            num += 1 if _is_plain_token_event(event) else self._event(event)
         if num:
             self.token_times.append(now)
             self.token_counts.append(num)
@@ -112,6 +115,23 @@ class StreamAccounting:
 
     def itls(self) -> list[float]:
         return [gap for gap, num in self.itl_counts() for _ in range(num)]
+
+
+def _has_text(event: bytes, key: bytes) -> bool:
+    """`key` (e.g. b'"text":"') followed by at least one character of its string value."""
+    at = event.find(key)
+    return at >= 0 and event[at + len(key) : at + len(key) + 1] not in (b'"', b"")
+
+
+def _is_plain_token_event(event: bytes) -> bool:
+    """An event the side parser need not read as JSON: one `data: ` line carrying a choice's non-empty `text`
+    (completions) or delta `content` (chat), and no `usage` or `error` key. What an engine streams per token
+    looks like this (compact JSON); anything else (usage, error, role-only or tool-call deltas, spaced JSON,
+    several lines) goes through `_event`. Inside JSON strings quotes are escaped, so a pattern like `"usage"`
+    or `"text":"` in the bytes can only be a key, never part of a value."""
+    return (event.startswith(b"data: {") and b"\n" not in event and b'"usage"' not in event
+            and b'"error"' not in event
+            and (_has_text(event, b'"text":"') or _has_text(event, b'"content":"')))
 
 
 class IdleWatchdog:

@@ -13,13 +13,40 @@ from router.local_metrics import HistogramChild
 from router.relay import StreamAccounting
 
 
-def _event(payload) -> bytes:
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+def _event(payload, compact: bool = False) -> bytes:
+    """One SSE event; `compact` as engines write it (no spaces: what the relay's byte-level fast path reads)."""
+    text = json.dumps(payload, separators=(",", ":")) if compact else json.dumps(payload)
+    return b"data: " + text.encode() + b"\n\n"
+
+
+TRICKY_TEXTS = ['"quoted"', '"usage"', '{"error": 1}', '\\"text\\":\\"', 'a"b', '"', "\\", "é ☃"]
+
+
+def tricky(rng: random.Random, i: int) -> bytes:
+    """Compact events whose values hold the byte patterns the fast path looks for, or that it must leave to the
+    JSON reading (usage with text, role-only, empty content)."""
+    text = rng.choice(TRICKY_TEXTS)
+    return rng.choice([
+        _event({"id": "x", "choices": [{"index": 0, "text": text}]}, True),
+        _event({"id": "x", "choices": [{"index": 0, "delta": {"content": text}}]}, True),
+        _event({"id": "x", "choices": [{"index": 0, "text": f"t{i}"}], "usage": {"prompt_tokens": 3,
+                                                                                 "completion_tokens": i}}, True),
+        _event({"id": "x", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, True),
+        _event({"id": "x", "choices": [{"index": 0, "delta": {"reasoning_content": text}}]}, True),
+        _event({"id": "x", "choices": [{"index": 0, "text": "", "logprobs": {"text_offset": [0]}}]}, True),
+        _event({"id": "x", "choices": [{"index": 0, "text": text}], "error": {"message": f"late {i}"}}, True),
+        b'data: {"choices":[{"text":"a"}]}\ndata: {"choices":[{"text":"b"}]}\n\n',  # two tokens in one event
+        b': a comment {"choices":[{"text":"a"}]}\n\n',  # not data
+    ])
 
 
 def stream(rng: random.Random) -> bytes:
     events = [_event({"id": "x", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})]
     for i in range(rng.randint(1, 40)):
+        if rng.random() < 0.4:  # compact: the form engines stream
+            events.append(_event({"id": "x", "choices": [{"index": 0, "text": f"t{i} "}]}, True)
+                          if rng.random() < 0.6 else tricky(rng, i))
+            continue
         kind = rng.random()
         if kind < 0.6:
             events.append(_event({"id": "x", "choices": [{"index": 0, "text": f"t{i} "}]}))
@@ -40,8 +67,9 @@ def stream(rng: random.Random) -> bytes:
         else:
             events.append(b"data: not json\n\n")
     if rng.random() < 0.3:
-        events.append(_event({"error": {"message": "boom", "type": "x"}}))
-    events.append(_event({"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 7}}))
+        events.append(_event({"error": {"message": "boom", "type": "x"}}, rng.random() < 0.5))
+    if rng.random() < 0.7:  # else the last usage, if any, is one that came with a token (continuous usage)
+        events.append(_event({"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 7}}))
     events.append(b"data: [DONE]\n\n")
     return b"".join(events)
 
