@@ -10,17 +10,18 @@ reference TP splits:
   head-wise projections (w_fb, w_b, w_qkv rows, the gate rate and bias, the conv taps) are sliced to its heads,
   so the fast conv and recurrent kernels run on the rank's KDA rows unchanged; one all-gather of o [B, H/W, d]
   restores every head before the output norm, gate and projection, which run whole on every rank.
-- MoE: expert parallel with the dataflow of engine/parallel/tp.py `ExpertParallelMoE`: rank r keeps experts
-  [r*E/W, (r+1)*E/W) (bf16 copies of those only); every rank routes its rows, sends each row's latent z (with its
-  expert ids) to the ranks owning one of its experts (all_to_all), each owner runs its experts on the
-  (row, slot) pairs it owns - few pairs: each pair reads its own expert in place (`expert_gemv`), else batched
-  GEMMs over the rank's experts - and the per-slot outputs travel back (all_to_all). Each (row, slot) output
-  comes from exactly one rank: the combine selects it, then mixes the slots in ascending slot order.
+- MoE: expert parallel. Rank r keeps experts [r*E/W, (r+1)*E/W) (bf16 copies of those only). The rows are
+  replicated, so every rank already holds every row's routing and latent z: each rank runs its experts on the
+  (row, slot) pairs they own - few pairs: each pair reads its own expert in place (`expert_gemv`), else batched
+  GEMMs over the rank's experts - and one all-gather of the per-slot outputs [B, k, lat] lets every rank select
+  each (row, slot) output from its owner's share, then mix the slots in ascending slot order, as
+  engine/parallel/tp.py `ExpertParallelMoE` combines. (That module's all_to_all of the latents to the owners
+  suits rows that differ per rank; with replicated rows it would run each pair once per rank.)
   Shared expert, latent projections and router run whole on every rank.
 Token-wise linears run with their full weights on every rank (no cross-rank partial sums), so every rank ends
-the step with the same logits. The step synchronises with the host (the all_to_all sizes): it is not captured
-into CUDA graphs. World size 1 is the single-rank FastDecoder's step with the MoE through the same exchange
-code (a no-op exchange).
+the step with the same logits. The step synchronises with the host (which pairs a rank owns): it is not
+captured into CUDA graphs. World size 1 is the single-rank FastDecoder's step with the MoE through the same
+code (a no-op gather).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from engine.fast.pages import PageBatch
 from engine.layout import RowLayout
 from engine.model.kda import KDA
 from engine.model.model import KimiModel
-from engine.parallel.comm import all_gather_stack, all_to_all_list
+from engine.parallel.comm import all_gather_stack
 from engine.parallel.groups import ParallelContext
 from engine.parallel.kda_shard import head_range, qkv_channels
 
@@ -109,26 +110,18 @@ class TPFastDecoder(FastDecoder):
         h, ids, weights, z = seg["_moe_route"](x, f["norm"], f["router"], f["bias"], f["w_down_latent"],
                                                cfg.rms_eps, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
         batch, top_k = ids.shape
-        lat = z.shape[1]
-        owner = ids // self.per_rank  # [B, k]
-        wanted = [(owner == r).any(1).nonzero().flatten() for r in range(ctx.world_size)]
-        # z travels as fp32 (exact for bf16 and fp32 z) with its expert ids beside it (exact below 2^24)
-        payload = [torch.cat([z[rows].float(), ids[rows].float()], dim=1) for rows in wanted]
-        received = all_to_all_list(ctx, payload)
-        results = [self._run_experts(p[:, :lat].to(z.dtype), p[:, lat:].long(), f) for p in received]
-        returned = all_to_all_list(ctx, results)
-        slots = torch.zeros(batch, top_k, lat, dtype=torch.float32, device=x.device)
-        for r, rows in enumerate(wanted):
-            mine = owner[rows] == r
-            slots[rows] = torch.where(mine[..., None], returned[r], slots[rows])
+        own = self._run_experts(z, ids, f)  # [B, k, lat] fp32: this rank's pairs, zeros elsewhere
+        gathered = all_gather_stack(ctx, own)  # [W, B, k, lat]
+        owner = (ids // self.per_rank).view(1, batch, top_k, 1).expand(1, batch, top_k, own.shape[2])
+        slots = gathered.gather(0, owner).squeeze(0)  # each (row, slot) from the rank owning its expert
         mixed = slots[:, 0] * weights[:, 0:1]
         for j in range(1, top_k):
             mixed = mixed + slots[:, j] * weights[:, j : j + 1]
         return seg["_moe_out"](x, h, mixed, None, f["latent_norm"], f["w_up_latent"], f["shared"], cfg.rms_eps)
 
     def _run_experts(self, z: torch.Tensor, ids: torch.Tensor, f: dict[str, Any]) -> torch.Tensor:
-        """Rows received from one rank: z [n, lat], ids [n, k] -> [n, k, lat] fp32, the outputs of the (row, slot)
-        pairs whose expert is this rank's (zeros elsewhere)."""
+        """z [n, lat], ids [n, k] -> [n, k, lat] fp32: the outputs of the (row, slot) pairs whose expert is this
+        rank's (zeros elsewhere)."""
         out = torch.zeros(ids.shape[0], ids.shape[1], z.shape[1], dtype=torch.float32, device=z.device)
         owned = (ids >= self.first) & (ids < self.first + self.per_rank)
         rows, cols = owned.nonzero(as_tuple=True)
