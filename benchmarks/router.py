@@ -5,7 +5,8 @@ Fake vLLM-protocol engines (tests/router/wire_fake.py: `/v1/models`, `/metrics` 
 256) run in their own process. Each contender is started in turn on the same port, alternating the order
 per round: vllm-router 0.1.17 with `--policy round_robin` (the anchor: two legs per request, like ours),
 vllm-router with its default `cache_aware` policy (which also calls `/v1/completions/render` on P and D
-for every request: four upstream calls), our router, and optionally our router at an older git revision.
+for every request: four upstream calls), our router, optionally our router at an older git revision, and
+`floor` (benchmarks/router_floor.py: the two legs in Python with none of the router's features; `--only ... floor`).
 Each is driven by
 - wrk (C; one thread) at 1, 16, 64 and 256 connections, non-streaming: req/s, mean and p99 latency, each point
   after `--warmup` seconds of the same load (discarded), so that opening the routers' upstream connections for a
@@ -169,6 +170,9 @@ async def compare_clients(url: str, num_requests: int = 4000) -> None:
 
 
 def contender_command(name: str, tree: Path, port: int, p_url: str, d_url: str, workers: int) -> list[str]:
+    if name == "floor":  # two legs and nothing else (benchmarks/router_floor.py)
+        return [sys.executable, str(ROOT / "benchmarks" / "router_floor.py"), "--port", str(port), "--prefill", p_url,
+                "--decode", d_url, "--workers", str(workers)]
     if name.startswith("vllm-router"):
         policy = ["--policy", "round_robin"] if name == "vllm-router" else []
         return [str(BIN / "vllm-router"), "--vllm-pd-disaggregation", *policy, "--prefill", p_url, "--decode", d_url,
@@ -270,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="our router's worker processes")
     parser.add_argument("--baseline-rev", help="also run our router as of this git revision")
     parser.add_argument("--only", nargs="+", choices=["vllm-router", "vllm-router+cache_aware", "pdcluster",
-                                                      "baseline"],
+                                                      "baseline", "floor"],
                         help="run only these contenders (ratios need vllm-router and pdcluster)")
     parser.add_argument("--port", type=int, default=18500)
     parser.add_argument("--json", type=Path)
@@ -289,12 +293,14 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         script = tmp / "post.lua"
         script.write_text(WRK_LUA % body(16, False).decode())
-        trees = {"vllm-router": ROOT, "vllm-router+cache_aware": ROOT, "pdcluster": ROOT}
+        trees = {"vllm-router": ROOT, "vllm-router+cache_aware": ROOT, "pdcluster": ROOT, "floor": ROOT}
         if args.baseline_rev:
             trees[f"pdcluster@{args.baseline_rev[:7]}"] = baseline_tree(args.baseline_rev, tmp)
         if args.only:
             trees = {k: v for k, v in trees.items() if k in args.only
                      or ("baseline" in args.only and "@" in k)}
+        else:
+            trees.pop("floor")
         fakes = start_fakes([args.port + 1, args.port + 2])
         rounds = []
         try:
