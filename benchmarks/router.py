@@ -12,7 +12,10 @@ Each is driven by
   after `--warmup` seconds of the same load (discarded), so that opening the routers' upstream connections for a
   higher concurrency is not billed to that point's short window;
 - 64 concurrent SSE streams x 256 tokens (an asyncio client on uvloop + httptools): chunks/s, TTFT p50/p99.
-Every run checks that the engines saw as many P legs as D legs (both routers run both legs).
+Every run checks that the engines saw as many P legs as D legs (both routers run both legs). By default each
+contender runs its whole sweep in turn; with `--per-point` every contender (started afresh) runs one load point
+before any runs the next, so that the windows a ratio compares are seconds apart rather than minutes (this VM's
+speed drifts by up to ~1.8x within minutes).
 The `direct` row (client -> D engine, one leg) is the load generators' and fakes' own ceiling.
 
     python benchmarks/router.py [--duration 5] [--rounds 2] [--workers 2] [--baseline-rev REV] [--json out.json]
@@ -206,22 +209,29 @@ def legs(engine_url: str) -> tuple[int, int]:
     return int(stats["requests"]), int(stats["render"])
 
 
-def measure(name: str, url: str, p_url: str, d_url: str, args, script: Path) -> dict:
+POINTS = (*(f"c{c}" for c in CONNECTIONS), "stream")
+
+
+def measure(name: str, url: str, p_url: str, d_url: str, args, script: Path,
+            points: tuple[str, ...] = POINTS) -> dict:
     row: dict = {}
     (p0, pr0), (d0, dr0) = legs(p_url), legs(d_url)
     if args.warmup <= 0:  # with --warmup every point warms itself up
         subprocess.run(["wrk", "-t1", "-c16", "-d1s", "-s", str(script), f"{url}/v1/completions"], capture_output=True)
-    for c in CONNECTIONS:
+    for point in points:
+        if point == "stream":
+            row["stream"] = uvloop.run(drive_streams(url, 64, args.duration, 256))
+            continue
+        c = int(point[1:])
         if args.warmup > 0:  # discarded: the upstream pools open their connections for this load here
             run_wrk(url, c, args.warmup, script)
-        row[f"c{c}"] = run_wrk(url, c, args.duration, script)
-    row["stream"] = uvloop.run(drive_streams(url, 64, args.duration, 256))
+        row[point] = run_wrk(url, c, args.duration, script)
     (p1, pr1), (d1, dr1) = legs(p_url), legs(d_url)
     num_p, num_d = p1 - p0, d1 - d0
     row["legs"] = {"prefill": num_p, "decode": num_d, "render": pr1 - pr0 + dr1 - dr0}
-    print(f"{name}: " + ", ".join(f"c={c} {row[f'c{c}']['req_per_s']:,.0f} req/s" for c in CONNECTIONS)
-          + f", SSE {row['stream']['chunks_per_s']:,.0f} chunks/s", flush=True)
-    in_flight = sum(CONNECTIONS) + 64  # requests cut off at the end of each load point
+    print(f"{name}: " + ", ".join(f"c={p[1:]} {row[p]['req_per_s']:,.0f} req/s" if p != "stream"
+                                  else f"SSE {row['stream']['chunks_per_s']:,.0f} chunks/s" for p in points), flush=True)
+    in_flight = sum(int(p[1:]) for p in points if p != "stream") + 64 * ("stream" in points)  # cut off at ends
     if name != "direct" and abs(num_p - num_d) > in_flight + 0.01 * num_d:
         raise RuntimeError(f"{name}: {num_p} P legs but {num_d} D legs: not every request ran both legs")
     return row
@@ -276,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=["vllm-router", "vllm-router+cache_aware", "pdcluster",
                                                       "baseline", "floor"],
                         help="run only these contenders (ratios need vllm-router and pdcluster)")
+    parser.add_argument("--per-point", action="store_true",
+                        help="alternate the contenders at each load point (each restarted per point) instead of "
+                             "running each one's whole sweep in turn")
     parser.add_argument("--port", type=int, default=18500)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--clients", action="store_true", help="compare upstream HTTP clients instead")
@@ -307,17 +320,20 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.rounds):
                 order = list(trees) if i % 2 == 0 else list(reversed(trees))
                 rnd = {"direct": measure("direct", d_url, p_url, d_url, args, script)} if i == 0 else {}
-                for name in order:
-                    env = {**os.environ, "PYTHONPATH": str(trees[name])}
-                    cmd = contender_command(name, trees[name], args.port, p_url, d_url, args.workers)
-                    proc = subprocess.Popen(cmd, cwd=trees[name], env=env, stdout=subprocess.DEVNULL,
-                                            stderr=open(tmp / f"{name.replace('/', '_')}.log", "a"))
-                    try:
-                        wait_ready(url, name, proc)
-                        rnd[name] = measure(name, url, p_url, d_url, args, script)
-                    finally:
-                        proc.terminate()
-                        proc.wait(timeout=30)
+                # --per-point: every contender (restarted) at one load point before the next point, so that the
+                # windows compared are seconds apart, not minutes
+                for points in ([(p,) for p in POINTS] if args.per_point else [POINTS]):
+                    for name in order:
+                        env = {**os.environ, "PYTHONPATH": str(trees[name])}
+                        cmd = contender_command(name, trees[name], args.port, p_url, d_url, args.workers)
+                        proc = subprocess.Popen(cmd, cwd=trees[name], env=env, stdout=subprocess.DEVNULL,
+                                                stderr=open(tmp / f"{name.replace('/', '_')}.log", "a"))
+                        try:
+                            wait_ready(url, name, proc)
+                            rnd.setdefault(name, {}).update(measure(name, url, p_url, d_url, args, script, points))
+                        finally:
+                            proc.terminate()
+                            proc.wait(timeout=30)
                 rounds.append(rnd)
         finally:
             fakes.terminate()
