@@ -279,4 +279,8 @@ class FastDecoder:
         q, k, v = kda_conv_qkv_rows(buffer, self.layout, rows, layer_in_group, conv_in, m["conv_weight"],
                                     self.conv_dtype)
         o = kda_recurrent_step_rows(buffer, self.layout, rows, layer_in_group, q, k, v, g, beta)
-        return self._seg["_kda_back"](x, h, o, m["o_norm"], m["w_g"], m["wo"], self.cfg.rms_eps)
+        return self._seg["_kda_back"](x, h, self._all_heads(o), m["o_norm"], m["w_g"], m["wo"], self.cfg.rms_eps)
+
+    def _all_heads(self, o: torch.Tensor) -> torch.Tensor:
+        """The KDA output of every head from this decoder's heads (all of them on one rank)."""
+        return o

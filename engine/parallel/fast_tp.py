@@ -33,8 +33,6 @@ import torch.nn.functional as F
 
 from engine.fast.decoder import BF16, FastDecoder
 from engine.fast.expert_gemv import expert_gemv
-from engine.fast.kda import kda_conv_qkv_rows, kda_recurrent_step_rows
-from engine.fast.pages import PageBatch
 from engine.layout import RowLayout
 from engine.model.kda import KDA
 from engine.model.model import KimiModel
@@ -93,17 +91,10 @@ class TPFastDecoder(FastDecoder):
             "o_norm": kda.o_norm, "w_g": w(kda.w_g.weight), "wo": w(kda.wo.weight),
         }
 
-    def _kda(self, m: dict[str, Any], x: torch.Tensor, buffer: torch.Tensor, pages: PageBatch,
-             index: int) -> torch.Tensor:
-        h, g, beta, conv_in = self._seg["_kda_front"](x, *m["front"], **m["front_const"])
-        group, layer_in_group = divmod(index, self.layout.kda_layers_per_group)
-        rows = pages.kda_row_ids[:, group].contiguous()
-        q, k, v = kda_conv_qkv_rows(buffer, self.layout, rows, layer_in_group, conv_in, m["conv_weight"],
-                                    self.conv_dtype)
-        o = kda_recurrent_step_rows(buffer, self.layout, rows, layer_in_group, q, k, v, g, beta)  # own heads
-        batch = x.shape[0]
-        o_all = all_gather_stack(self.ctx, o).permute(1, 0, 2, 3).reshape(batch, self.cfg.kda_num_heads, -1)
-        return self._seg["_kda_back"](x, h, o_all, m["o_norm"], m["w_g"], m["wo"], self.cfg.rms_eps)
+    def _all_heads(self, o: torch.Tensor) -> torch.Tensor:
+        """o [B, H/W, d] of this rank's heads -> [B, H, d] (one all-gather, heads in rank order)."""
+        batch = o.shape[0]
+        return all_gather_stack(self.ctx, o).permute(1, 0, 2, 3).reshape(batch, self.cfg.kda_num_heads, -1)
 
     def _moe(self, f: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
         cfg, seg, ctx = self.cfg, self._seg, self.ctx
