@@ -2,7 +2,8 @@
 
 `FastDecoder(model, layout).decode(buffer, token_ids, pages) -> logits [B, V] fp32` runs the same layer stack as
 `KimiModel.decode` (engine/model/model.py) with one forward over the batch and no Python loop over requests:
-token-wise linears are bf16 GEMMs (a bf16 copy of every matrix is made once); norms, gates, routing and the
+token-wise linears are bf16 GEMMs (a bf16 copy of every matrix is made once; up to GEMV_MAX_ROWS requests
+on CUDA, `gemv.gemv` matrix-vector kernels); norms, gates, routing and the
 FP8 quantisation of the new cache entries run in fp32; the residual stream stays fp32. Per layer:
 - MLA: projections, the new token's latent and index key written into its page (`pages.write_token`), the
   indexer (`indexer.select`: in-kernel FP8 keys, scores, top-k) and sparse MLA in absorbed form
@@ -31,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.fast.expert_gemv import expert_gemv
+from engine.fast.gemv import GEMV_MAX_ROWS, gemv
+from engine.fast.gemv import supports as gemv_supports
 from engine.fast.indexer import select
 from engine.fast.kda import kda_conv_qkv_rows, kda_recurrent_step_rows
 from engine.fast.mla import sparse_mla_decode
@@ -46,80 +49,98 @@ BF16 = torch.bfloat16
 
 
 def _lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T in w's dtype: `gemv` for a CUDA batch of up to GEMV_MAX_ROWS rows of bf16 (weight-streaming
+    matrix-vector products), else F.linear."""
+    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and w.dtype == BF16 and gemv_supports(w.shape[1]):
+        return gemv(x, w)
     return F.linear(x.to(w.dtype), w)
 
 
-def _mla_front(x: torch.Tensor, norm: torch.Tensor, wq_a: torch.Tensor, q_norm: torch.Tensor, wq_b: torch.Tensor,
-               w_uk: torch.Tensor, wkv_a: torch.Tensor, kv_norm: torch.Tensor, idx_wk: torch.Tensor,
-               k_norm_w: torch.Tensor, k_norm_b: torch.Tensor, hadamard: torch.Tensor, idx_wq: torch.Tensor,
-               w_proj: torch.Tensor, eps: float, k_eps: float, latent_scale: float, heads: int, nope: int,
-               kv_rank: int, index_heads: int) -> tuple[torch.Tensor, ...]:
-    """Mixer norm, queries (absorbed), the new token's latent and index key (FP8 bytes), the index queries and
-    head weights of one MLA layer."""
+def _mla_front(x: torch.Tensor, norm: torch.Tensor, w_h: torch.Tensor, q_norm: torch.Tensor, w_qr: torch.Tensor,
+               w_uk: torch.Tensor, kv_norm: torch.Tensor, k_norm_w: torch.Tensor, k_norm_b: torch.Tensor,
+               hadamard: torch.Tensor, eps: float, k_eps: float, latent_scale: float, heads: int, nope: int,
+               kv_rank: int, index_heads: int, h_split: list[int], qr_split: list[int]) -> tuple[torch.Tensor, ...]:
+    """Queries (absorbed), the new token's latent and index key (FP8 bytes), the index queries and head weights
+    and the output gate (None without one) of one MLA layer. `w_h` is every projection of the normed input
+    stacked (wq_a, wkv_a, the indexer's wk and w_proj, then wg where the layer has one; sizes `h_split`) and
+    `w_qr` the two of the query latent (wq_b, the indexer's wq; `qr_split`): one linear each."""
     batch = x.shape[0]
     h = rms_norm(x, norm, eps)
-    qr = rms_norm(_lin(h, wq_a).float(), q_norm, eps)
-    q = _lin(qr, wq_b).view(batch, heads, -1)
+    parts = _lin(h, w_h).split(h_split, dim=-1)
+    q_a, kv, idx_k, idx_w = parts[:4]
+    gate = torch.sigmoid(parts[4].float()) if len(parts) > 4 else None
+    qr = rms_norm(q_a.float(), q_norm, eps)
+    q, qi = _lin(qr, w_qr).split(qr_split, dim=-1)
+    q = q.reshape(batch, heads, -1)
     q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk)  # [H, B, kv]
     q_abs = torch.cat([q_lat.transpose(0, 1), q[..., nope:]], dim=-1)
-    kv = _lin(h, wkv_a).float()
+    kv = kv.float()
     latent = torch.cat([rms_norm(kv[:, :kv_rank], kv_norm, eps), kv[:, kv_rank:]], dim=-1)
     latent_bytes = fp8_quantize_static(latent, latent_scale)
     dim = hadamard.shape[0]
-    key = F.layer_norm(_lin(h, idx_wk).float(), (dim,), k_norm_w, k_norm_b, k_eps) @ hadamard
+    key = F.layer_norm(idx_k.float(), (dim,), k_norm_w, k_norm_b, k_eps) @ hadamard
     key_bytes, key_scale = fp8_quantize_rowwise(key)
-    qi = _lin(qr, idx_wq).float().view(batch, index_heads, dim) @ hadamard
+    qi = qi.float().reshape(batch, index_heads, dim) @ hadamard
     qi_bytes, qi_scale = fp8_quantize_rowwise(qi)
-    weights = _lin(h, w_proj).float() * (index_heads * dim) ** -0.5 * qi_scale
-    return h, q_abs, latent_bytes, key_bytes, key_scale, qi_bytes.view(FP8_DTYPE).float(), weights
+    weights = idx_w.float() * (index_heads * dim) ** -0.5 * qi_scale
+    return gate, q_abs, latent_bytes, key_bytes, key_scale, qi_bytes.view(FP8_DTYPE).float(), weights
 
 
-def _mla_back(x: torch.Tensor, h: torch.Tensor, o_lat: torch.Tensor, w_uv: torch.Tensor, wg: torch.Tensor | None,
+def _mla_back(x: torch.Tensor, gate: torch.Tensor | None, o_lat: torch.Tensor, w_uv: torch.Tensor,
               wo: torch.Tensor) -> torch.Tensor:
     """x + W_O(gate * W_UV o^lat) of one MLA layer."""
     o = torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv)  # [H, B, v]
     o = o.transpose(0, 1).reshape(x.shape[0], -1)
-    if wg is not None:
-        o = o * torch.sigmoid(_lin(h, wg).float()).to(o.dtype)
+    if gate is not None:
+        o = o * gate.to(o.dtype)
     return x + _lin(o, wo).float()
 
 
-def _kda_front(x: torch.Tensor, norm: torch.Tensor, w_fa: torch.Tensor, w_fb: torch.Tensor, rate: torch.Tensor,
-               dt_bias: torch.Tensor, w_b: torch.Tensor, w_qkv: torch.Tensor, eps: float, lower_bound: float,
-               heads: int) -> tuple[torch.Tensor, ...]:
-    """Mixer norm, the gate g [B, H, d], beta [B, H] and the conv input of one KDA layer."""
+def _kda_front(x: torch.Tensor, norm: torch.Tensor, w_h: torch.Tensor, w_fb: torch.Tensor, rate: torch.Tensor,
+               dt_bias: torch.Tensor, eps: float, lower_bound: float, heads: int,
+               h_split: list[int]) -> tuple[torch.Tensor, ...]:
+    """The output gate, the decay gate g [B, H, d], beta [B, H] and the conv input of one KDA layer. `w_h` is
+    every projection of the normed input stacked (w_fa, w_b, w_qkv, w_g; sizes `h_split`): one linear."""
     batch = x.shape[0]
     h = rms_norm(x, norm, eps)
-    raw = _lin(_lin(h, w_fa), w_fb).float()
+    f_a, b, qkv, gate = _lin(h, w_h).split(h_split, dim=-1)
+    raw = _lin(f_a, w_fb).float()
     g = (lower_bound * torch.sigmoid(rate * (raw + dt_bias))).view(batch, heads, -1)
-    beta = torch.sigmoid(_lin(h, w_b).float())
-    return h, g, beta, _lin(h, w_qkv)
+    beta = torch.sigmoid(b.float())
+    return torch.sigmoid(gate.float()), g, beta, qkv.contiguous()
 
 
-def _kda_back(x: torch.Tensor, h: torch.Tensor, o: torch.Tensor, o_norm: torch.Tensor, w_g: torch.Tensor,
-              wo: torch.Tensor, eps: float) -> torch.Tensor:
+def _kda_back(x: torch.Tensor, gate: torch.Tensor, o: torch.Tensor, o_norm: torch.Tensor, wo: torch.Tensor,
+              eps: float) -> torch.Tensor:
     normed = rms_norm(o, o_norm, eps).reshape(x.shape[0], -1)
-    return x + _lin(normed * torch.sigmoid(_lin(h, w_g).float()), wo).float()
+    return x + _lin(normed * gate, wo).float()
 
 
-def _mlp(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    return _lin(F.silu(_lin(h, w_gate)) * _lin(h, w_up), w_down).float()
+def _mlp_act(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a stacked [gate | up] projection output."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
-def _ffn_dense(x: torch.Tensor, norm: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-               w_down: torch.Tensor, eps: float) -> torch.Tensor:
-    return x + _mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down)
+def _ffn_dense(x: torch.Tensor, norm: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+               eps: float) -> torch.Tensor:
+    return x + _lin(_mlp_act(_lin(rms_norm(x, norm, eps), w_gate_up)), w_down).float()
 
 
 def _moe_route(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, bias: torch.Tensor,
-               w_down_latent: torch.Tensor, eps: float, top_k: int, scaling: float) -> tuple[torch.Tensor, ...]:
-    """FFN norm, routing (fp32: expert ids [B, k] and their weights) and the latent z [B, lat] of a MoE layer."""
+               w_h: torch.Tensor, eps: float, top_k: int, scaling: float,
+               latent: int) -> tuple[torch.Tensor, ...]:
+    """Routing (fp32: expert ids [B, k] and their weights), the latent z [B, latent] and the shared expert's
+    activation (None without one) of a MoE layer. `w_h` stacks the projections of the normed input
+    (w_down_latent, then the shared expert's gate and up): one linear."""
     h = rms_norm(x, norm, eps)
     scores = torch.sigmoid(h @ router.t())
     ids = torch.topk(scores + bias, top_k, dim=-1).indices  # [B, k]
     picked = scores.gather(1, ids)
     weights = picked / picked.sum(-1, keepdim=True) * scaling
-    return h, ids, weights, _lin(h, w_down_latent)
+    projected = _lin(h, w_h)
+    shared = _mlp_act(projected[:, latent:]) if projected.shape[1] > latent else None
+    return shared, ids, weights, projected[:, :latent].contiguous()
 
 
 def _moe_all_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
@@ -133,14 +154,15 @@ def _moe_all_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     return torch.einsum("ebl,be->bl", out.float(), dense_w)
 
 
-def _moe_out(x: torch.Tensor, h: torch.Tensor, experts_out: torch.Tensor, weights: torch.Tensor | None,
-             latent_norm: torch.Tensor, w_up_latent: torch.Tensor, shared: tuple[torch.Tensor, ...] | None,
+def _moe_out(x: torch.Tensor, shared: torch.Tensor | None, experts_out: torch.Tensor, weights: torch.Tensor | None,
+             latent_norm: torch.Tensor, w_up_latent: torch.Tensor, shared_down: torch.Tensor | None,
              eps: float) -> torch.Tensor:
-    """x + the MoE output: `experts_out` is [B, k, lat] per slot (mixed here by `weights`) or [B, lat] mixed."""
+    """x + the MoE output: `experts_out` is [B, k, lat] per slot (mixed here by `weights`) or [B, lat] mixed;
+    `shared` the shared expert's activation (`_moe_route`) and `shared_down` its down projection."""
     mixed = experts_out if weights is None else (experts_out.float() * weights.unsqueeze(-1)).sum(1)
     out = _lin(rms_norm(mixed, latent_norm, eps), w_up_latent).float()
     if shared is not None:
-        out = out + _mlp(h, *shared)
+        out = out + _lin(shared, shared_down).float()
     return x + out
 
 
@@ -184,16 +206,18 @@ class FastDecoder:
                 kind, index = "kda", model.kda_index[layer_id]
             ffn, dense = layer.ffn, isinstance(layer.ffn, DenseMLP)
             if dense:
-                weights = {"norm": layer.ffn_norm.weight, "w_gate": w(ffn.w_gate.weight), "w_up": w(ffn.w_up.weight),
+                weights = {"norm": layer.ffn_norm.weight, "w_gate_up": self._stack(ffn.w_gate.weight, ffn.w_up.weight),
                            "w_down": w(ffn.w_down.weight)}
             else:
                 assert isinstance(ffn, MoE)
-                shared = None if ffn.shared is None else (w(ffn.shared.w_gate.weight), w(ffn.shared.w_up.weight),
-                                                          w(ffn.shared.w_down.weight))
+                projections = [ffn.w_down_latent.weight]
+                if ffn.shared is not None:
+                    projections += [ffn.shared.w_gate.weight, ffn.shared.w_up.weight]
                 weights = {"norm": layer.ffn_norm.weight, "router": ffn.router.weight, "bias": ffn.correction_bias,
-                           "w_down_latent": w(ffn.w_down_latent.weight), "w1": w(ffn.w1), "w3": w(ffn.w3),
-                           "w2": w(ffn.w2), "latent_norm": ffn.latent_norm.weight,
-                           "w_up_latent": w(ffn.w_up_latent.weight), "shared": shared}
+                           "w_h": self._stack(*projections), "latent": ffn.w_down_latent.weight.shape[0],
+                           "w1": w(ffn.w1), "w3": w(ffn.w3), "w2": w(ffn.w2), "latent_norm": ffn.latent_norm.weight,
+                           "w_up_latent": w(ffn.w_up_latent.weight),
+                           "shared_down": None if ffn.shared is None else w(ffn.shared.w_down.weight)}
             self.layers.append(_LayerWeights(kind, index, mixer, weights, dense))
         self.embed = model.embed
         self.final_norm = model.final_norm.weight
@@ -203,34 +227,49 @@ class FastDecoder:
         """The copy in `dtype` of a weight matrix (made once, here; engine/fast/prefill.py runs the same copies)."""
         return param.detach().to(self.dtype)
 
+    def _stack(self, *params: torch.Tensor) -> torch.Tensor:
+        """Matrices that read the same input, stacked along the output features in `dtype`: one linear reads
+        them all (at decode batch sizes one weight stream instead of several short ones); the segments split
+        its output."""
+        return torch.cat([p.detach().to(self.dtype) for p in params], dim=0).contiguous()
+
     def _mla_weights(self, mla: MLA, norm: torch.Tensor) -> dict[str, Any]:
         cfg, w = self.cfg, self._w
         wkv_b = w(mla.wkv_b).view(cfg.num_heads, cfg.qk_nope_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         idx = mla.indexer
+        on_h = [mla.wq_a.weight, mla.wkv_a.weight, idx.wk.weight, idx.w_proj.weight]
+        if mla.wg is not None:
+            on_h.append(mla.wg.weight)
+        on_qr = [mla.wq_b.weight, idx.wq.weight]
         return {
-            "front": (norm, w(mla.wq_a.weight), mla.q_norm.weight, w(mla.wq_b.weight),
-                      wkv_b[:, : cfg.qk_nope_dim].contiguous(), w(mla.wkv_a.weight), mla.kv_norm.weight,
-                      w(idx.wk.weight), idx.k_norm.weight, idx.k_norm.bias, idx.hadamard, w(idx.wq.weight),
-                      w(idx.w_proj.weight)),
+            "front": (norm, self._stack(*on_h), mla.q_norm.weight, self._stack(*on_qr),
+                      wkv_b[:, : cfg.qk_nope_dim].contiguous(), mla.kv_norm.weight, idx.k_norm.weight,
+                      idx.k_norm.bias, idx.hadamard),
             "front_const": dict(eps=cfg.rms_eps, k_eps=idx.k_norm.eps, latent_scale=mla.latent_scale,
                                 heads=cfg.num_heads, nope=cfg.qk_nope_dim, kv_rank=cfg.kv_lora_rank,
-                                index_heads=cfg.index_num_heads),
+                                index_heads=cfg.index_num_heads, h_split=[p.shape[0] for p in on_h],
+                                qr_split=[p.shape[0] for p in on_qr]),
             "w_uv": wkv_b[:, cfg.qk_nope_dim :].transpose(1, 2).contiguous(),  # [H, kv, v]
-            "wg": None if mla.wg is None else w(mla.wg.weight),
             "wo": w(mla.wo.weight),
             "softmax_scale": mla.softmax_scale,
             "latent_scale": mla.latent_scale,
         }
 
     def _kda_weights(self, kda: KDA, norm: torch.Tensor) -> dict[str, Any]:
-        cfg, w = self.cfg, self._w
+        return self._kda_pack(kda, norm, kda.w_fb.weight, torch.exp(kda.A_log).repeat_interleave(kda.head_dim),
+                              kda.dt_bias, kda.w_b.weight, kda.w_qkv.weight, kda.conv_weight, kda.num_heads)
+
+    def _kda_pack(self, kda: KDA, norm: torch.Tensor, w_fb: torch.Tensor, rate: torch.Tensor, dt_bias: torch.Tensor,
+                  w_b: torch.Tensor, w_qkv: torch.Tensor, conv_weight: torch.Tensor, heads: int) -> dict[str, Any]:
+        """A KDA layer's tensors for the segments, from its head-wise parts (all heads here; one rank's heads in
+        engine/parallel/fast_tp.py)."""
+        on_h = [kda.w_fa.weight, w_b, w_qkv, kda.w_g.weight]
         return {
-            "front": (norm, w(kda.w_fa.weight), w(kda.w_fb.weight),
-                      torch.exp(kda.A_log).repeat_interleave(kda.head_dim), kda.dt_bias, w(kda.w_b.weight),
-                      w(kda.w_qkv.weight)),
-            "front_const": dict(eps=cfg.rms_eps, lower_bound=cfg.kda_gate_lower_bound, heads=kda.num_heads),
-            "conv_weight": kda.conv_weight.detach().float().contiguous(),
-            "o_norm": kda.o_norm, "w_g": w(kda.w_g.weight), "wo": w(kda.wo.weight),
+            "front": (norm, self._stack(*on_h), self._w(w_fb).contiguous(), rate, dt_bias.contiguous()),
+            "front_const": dict(eps=self.cfg.rms_eps, lower_bound=self.cfg.kda_gate_lower_bound, heads=heads,
+                                h_split=[p.shape[0] for p in on_h]),
+            "conv_weight": conv_weight.detach().float().contiguous(),
+            "o_norm": kda.o_norm, "wo": self._w(kda.wo.weight),
         }
 
     @torch.no_grad()
@@ -246,40 +285,41 @@ class FastDecoder:
                 x = self._kda(layer.mixer, x, buffer, pages, layer.index)
             f = layer.ffn
             if layer.dense:
-                x = seg["_ffn_dense"](x, f["norm"], f["w_gate"], f["w_up"], f["w_down"], cfg.rms_eps)
+                x = seg["_ffn_dense"](x, f["norm"], f["w_gate_up"], f["w_down"], cfg.rms_eps)
             else:
                 x = self._moe(f, x)
         return seg["_head"](x, self.final_norm, self.lm_head, cfg.rms_eps)
 
     def _moe(self, f: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
         cfg, seg = self.cfg, self._seg
-        h, ids, weights, z = seg["_moe_route"](x, f["norm"], f["router"], f["bias"], f["w_down_latent"],
-                                               cfg.rms_eps, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        shared, ids, weights, z = seg["_moe_route"](x, f["norm"], f["router"], f["bias"], f["w_h"], cfg.rms_eps,
+                                                    cfg.num_experts_per_tok, cfg.routed_scaling_factor, f["latent"])
         if x.shape[0] * cfg.num_experts_per_tok < cfg.num_experts and self.dtype == BF16:
             out = expert_gemv(z, ids, f["w1"], f["w3"], f["w2"])  # few tokens: each slot reads its own expert
         else:
             out, weights = seg["_moe_all_experts"](z, ids, weights, f["w1"], f["w3"], f["w2"]), None
-        return seg["_moe_out"](x, h, out, weights, f["latent_norm"], f["w_up_latent"], f["shared"], cfg.rms_eps)
+        return seg["_moe_out"](x, shared, out, weights, f["latent_norm"], f["w_up_latent"], f["shared_down"],
+                               cfg.rms_eps)
 
     def _mla(self, m: dict[str, Any], x: torch.Tensor, buffer: torch.Tensor, pages: PageBatch,
              index: int) -> torch.Tensor:
         cfg = self.cfg
-        h, q_abs, latent, key, key_scale, qi, weights = self._seg["_mla_front"](x, *m["front"], **m["front_const"])
+        gate, q_abs, latent, key, key_scale, qi, weights = self._seg["_mla_front"](x, *m["front"], **m["front_const"])
         write_token(buffer, self.layout, pages, index, latent, key, key_scale)
         selected = select(buffer, self.layout, pages, index, qi, weights, cfg.index_topk)
         o_lat = sparse_mla_decode(buffer, self.layout, pages, index, q_abs, selected, m["softmax_scale"],
                                   m["latent_scale"], cfg.kv_lora_rank)
-        return self._seg["_mla_back"](x, h, o_lat, m["w_uv"], m["wg"], m["wo"])
+        return self._seg["_mla_back"](x, gate, o_lat, m["w_uv"], m["wo"])
 
     def _kda(self, m: dict[str, Any], x: torch.Tensor, buffer: torch.Tensor, pages: PageBatch,
              index: int) -> torch.Tensor:
-        h, g, beta, conv_in = self._seg["_kda_front"](x, *m["front"], **m["front_const"])
+        gate, g, beta, conv_in = self._seg["_kda_front"](x, *m["front"], **m["front_const"])
         group, layer_in_group = divmod(index, self.layout.kda_layers_per_group)
         rows = pages.kda_row_ids[:, group].contiguous()
         q, k, v = kda_conv_qkv_rows(buffer, self.layout, rows, layer_in_group, conv_in, m["conv_weight"],
                                     self.conv_dtype)
         o = kda_recurrent_step_rows(buffer, self.layout, rows, layer_in_group, q, k, v, g, beta)
-        return self._seg["_kda_back"](x, h, self._all_heads(o), m["o_norm"], m["w_g"], m["wo"], self.cfg.rms_eps)
+        return self._seg["_kda_back"](x, gate, self._all_heads(o), m["o_norm"], m["wo"], self.cfg.rms_eps)
 
     def _all_heads(self, o: torch.Tensor) -> torch.Tensor:
         """The KDA output of every head from this decoder's heads (all of them on one rank)."""

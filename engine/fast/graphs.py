@@ -26,6 +26,10 @@ class GraphedDecode:
                  kda_groups: int, first: PageBatch, first_tokens: torch.Tensor) -> None:
         device = buffer.device
         b0 = decoder.layout.subblock_tokens
+        # The graph reads the decoder's weight copies and writes `buffer` at the addresses captured below: both
+        # must live as long as the graph (a decoder dropped after capture would leave the replays reading freed
+        # memory that later allocations overwrite).
+        self.decoder, self.buffer = decoder, buffer
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)
         self.pages = PageBatch(
             subblock_ids=torch.zeros(batch, num_pages, dtype=torch.int32, device=device),

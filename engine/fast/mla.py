@@ -85,15 +85,17 @@ def choose_splits(batch: int, num_heads: int, topk: int, num_sms: int = 132) -> 
 
 def sparse_mla_decode(buffer: torch.Tensor, layout: RowLayout, pages: PageBatch, dsa_layer: int,
                       q_absorbed: torch.Tensor, selected: torch.Tensor, softmax_scale: float, latent_scale: float,
-                      kv_lora_rank: int, num_splits: int | None = None) -> torch.Tensor:
+                      kv_lora_rank: int, num_splits: int | None = None, block_n: int = BLOCK_N,
+                      num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """q_absorbed [B, H, kv_lora + rope] (any float; used as bf16), selected [B, k] int32 (-1 = unused) ->
-    o^lat [B, H, kv_lora] float32."""
+    o^lat [B, H, kv_lora] float32. `block_n` (keys per tile), `num_warps`, `num_stages`: the kernel's launch
+    shape (defaults: the decode step's)."""
     batch, num_heads, width = q_absorbed.shape
     rope = width - kv_lora_rank
     topk = selected.shape[1]
     assert rope & (rope - 1) == 0 and kv_lora_rank & (kv_lora_rank - 1) == 0
     splits = choose_splits(batch, num_heads, topk) if num_splits is None else num_splits
-    per_split = triton.cdiv(triton.cdiv(topk, splits), BLOCK_N) * BLOCK_N
+    per_split = triton.cdiv(triton.cdiv(topk, splits), block_n) * block_n
     q = q_absorbed.to(torch.bfloat16).contiguous()
     partial = torch.empty(batch, num_heads, splits, kv_lora_rank, dtype=torch.float32, device=buffer.device)
     lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=buffer.device)
@@ -102,9 +104,10 @@ def sparse_mla_decode(buffer: torch.Tensor, layout: RowLayout, pages: PageBatch,
         q, buffer.view(-1).view(FP8_DTYPE), pages.subblock_ids, selected.contiguous(), partial, lse,
         pages.subblock_ids.stride(0), topk, num_heads, topk, per_split, dsa_layer * layout.layer_stride,
         layout.subblock_bytes, layout.latent_bytes, softmax_scale * latent_scale * LOG2E,
-        C=kv_lora_rank, R=rope, B0=layout.subblock_tokens, BH=BLOCK_H, BN=BLOCK_N, SPLITS=splits,
+        C=kv_lora_rank, R=rope, B0=layout.subblock_tokens, BH=BLOCK_H, BN=block_n, SPLITS=splits,
         ALIGN=byte_alignment(layout.subblock_bytes, layout.layer_stride, layout.latent_bytes),
-        INTERPRET=interpreter_active(), num_warps=8 if kv_lora_rank >= 256 else 4,
+        INTERPRET=interpreter_active(), num_warps=num_warps or (8 if kv_lora_rank >= 256 else 4),
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if splits == 1:
         return partial[:, :, 0] * latent_scale

@@ -79,20 +79,22 @@ class FastPrefiller:
                 x = self._kda(layer.mixer, x, buffer, row, layer.index)
             f = layer.ffn
             if layer.dense:
-                x = seg["_ffn_dense"](x, f["norm"], f["w_gate"], f["w_up"], f["w_down"], cfg.rms_eps)
+                x = seg["_ffn_dense"](x, f["norm"], f["w_gate_up"], f["w_down"], cfg.rms_eps)
             else:
-                h, ids, weights, z = seg["_moe_route"](x, f["norm"], f["router"], f["bias"], f["w_down_latent"],
-                                                      cfg.rms_eps, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+                shared, ids, weights, z = seg["_moe_route"](x, f["norm"], f["router"], f["bias"], f["w_h"],
+                                                           cfg.rms_eps, cfg.num_experts_per_tok,
+                                                           cfg.routed_scaling_factor, f["latent"])
                 mixed = grouped_experts(z, ids, weights, f["w1"], f["w3"], f["w2"])  # [T, lat] fp32
-                x = seg["_moe_out"](x, h, mixed, None, f["latent_norm"], f["w_up_latent"], f["shared"], cfg.rms_eps)
+                x = seg["_moe_out"](x, shared, mixed, None, f["latent_norm"], f["w_up_latent"], f["shared_down"],
+                                    cfg.rms_eps)
         rows = x if all_logits else x[-1:]
         return seg["_head"](rows, dec.final_norm, dec.lm_head, cfg.rms_eps)
 
     def _mla(self, m: dict, x: torch.Tensor, buffer: torch.Tensor, subblocks: torch.Tensor, start: int,
              index: int) -> torch.Tensor:
         cfg, num_tokens = self.cfg, x.shape[0]
-        h, q_abs, latent, key, key_scale, qi, weights = self.decoder._seg["_mla_front"](x, *m["front"],
-                                                                                        **m["front_const"])
+        gate, q_abs, latent, key, key_scale, qi, weights = self.decoder._seg["_mla_front"](x, *m["front"],
+                                                                                           **m["front_const"])
         write_tokens(buffer, self.layout, subblocks, index, start, latent, key, key_scale)
         del latent, key
         selected = prefill_select(buffer, self.layout, subblocks, index, start, qi, weights, cfg.index_topk)
@@ -100,11 +102,11 @@ class FastPrefiller:
         selected = selected[:, : min(cfg.index_topk, start + num_tokens)]  # slots past the last key stay unused
         o_lat = sparse_mla_prefill(buffer, self.layout, subblocks, index, q_abs, selected, m["softmax_scale"],
                                    m["latent_scale"], cfg.kv_lora_rank)
-        return self.decoder._seg["_mla_back"](x, h, o_lat, m["w_uv"], m["wg"], m["wo"])
+        return self.decoder._seg["_mla_back"](x, gate, o_lat, m["w_uv"], m["wo"])
 
     def _kda(self, m: dict, x: torch.Tensor, buffer: torch.Tensor, row: int, index: int) -> torch.Tensor:
         num_tokens = x.shape[0]
-        h, g, beta, conv_in = self.decoder._seg["_kda_front"](x, *m["front"], **m["front_const"])
+        gate, g, beta, conv_in = self.decoder._seg["_kda_front"](x, *m["front"], **m["front_const"])
         recurrent, conv = kda_state_views(buffer, self.layout, row, index % self.layout.kda_layers_per_group,
                                           self.conv_dtype)
         heads, dim = g.shape[1], g.shape[2]
@@ -112,4 +114,4 @@ class FastPrefiller:
         q, k, v = y.view(num_tokens, 3, heads, dim).unbind(1)
         o, final = kda_prefill_core(l2_normalize(q) * dim**-0.5, l2_normalize(k), v, g, beta, recurrent)
         recurrent.copy_(final)
-        return self.decoder._seg["_kda_back"](x, h, o, m["o_norm"], m["w_g"], m["wo"], self.cfg.rms_eps)
+        return self.decoder._seg["_kda_back"](x, gate, o, m["o_norm"], m["wo"], self.cfg.rms_eps)

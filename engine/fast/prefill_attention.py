@@ -17,7 +17,8 @@ each query's top-k with torch.topk (`indexer.index_topk`: queries with pos + 1 <
 Ties at the k-th score follow torch.topk, not the reference's lower-position rule.
 
 `sparse_mla_prefill`: the decode kernel (`mla._sparse_mla_kernel`, absorbed form) with one query token per
-"request": the page table is the request's own, repeated with a row stride of 0.
+"request": the page table is the request's own, repeated with a row stride of 0; launched with the prefill's
+own tile shape (PREFILL_MLA_*).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from engine.model.mla import sparse_mla
 from engine.model.numerics import FP8_DTYPE, fp8_to_float
 
 BLOCK_Q = 64
+PREFILL_MLA_BLOCK_N, PREFILL_MLA_WARPS, PREFILL_MLA_STAGES = 64, 4, 2
+"""Launch shape of the sparse MLA kernel in a prefill (one query token per program, T programs): 64-key tiles,
+4 warps, 2 stages took 35.2 ms for 32K tokens of K3.1 Pro shapes on an H200 against 45.6 ms with the decode
+step's 32 keys and 8 warps (benchmarks/RESULTS.md, 2026-12-03 late)."""
 BLOCK_K = 128
 SCORE_BYTES = 1 << 30
 """Upper bound of one query chunk's fp32 score matrix [chunk, keys]."""
@@ -172,7 +177,8 @@ def sparse_mla_prefill(buffer: torch.Tensor, layout: RowLayout, subblock_ids: to
                       positions=subblock_ids.new_zeros(num_tokens), kda_row_ids=subblock_ids.new_zeros(0, 0).long(),
                       attn_row_ids=subblock_ids.new_zeros(0, 0).long(), max_len=0)
     return sparse_mla_decode(buffer, layout, pages, dsa_layer, q_absorbed, selected, softmax_scale, latent_scale,
-                             kv_lora_rank, num_splits=1)
+                             kv_lora_rank, num_splits=1, block_n=PREFILL_MLA_BLOCK_N, num_warps=PREFILL_MLA_WARPS,
+                             num_stages=PREFILL_MLA_STAGES)
 
 
 def naive_prefill_index_scores(index_keys: torch.Tensor, index_scale: torch.Tensor, q: torch.Tensor,

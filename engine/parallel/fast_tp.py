@@ -77,19 +77,13 @@ class TPFastDecoder(FastDecoder):
 
     def _kda_weights(self, kda: KDA, norm: torch.Tensor) -> dict[str, Any]:
         """The single-rank weights with the head-wise projections cut to this rank's heads."""
-        cfg, w = self.cfg, self._w
         lo, hi = self.heads
         d = kda.head_dim
         span = slice(lo * d, hi * d)
-        channels = qkv_channels(cfg, lo, hi).to(kda.w_qkv.weight.device)
-        return {
-            "front": (norm, w(kda.w_fa.weight), w(kda.w_fb.weight[span]).contiguous(),
-                      torch.exp(kda.A_log[lo:hi]).repeat_interleave(d), kda.dt_bias[span].contiguous(),
-                      w(kda.w_b.weight[lo:hi]).contiguous(), w(kda.w_qkv.weight[channels]).contiguous()),
-            "front_const": dict(eps=cfg.rms_eps, lower_bound=cfg.kda_gate_lower_bound, heads=hi - lo),
-            "conv_weight": kda.conv_weight[channels].detach().float().contiguous(),
-            "o_norm": kda.o_norm, "w_g": w(kda.w_g.weight), "wo": w(kda.wo.weight),
-        }
+        channels = qkv_channels(self.cfg, lo, hi).to(kda.w_qkv.weight.device)
+        return self._kda_pack(kda, norm, kda.w_fb.weight[span], torch.exp(kda.A_log[lo:hi]).repeat_interleave(d),
+                              kda.dt_bias[span], kda.w_b.weight[lo:hi], kda.w_qkv.weight[channels],
+                              kda.conv_weight[channels], hi - lo)
 
     def _all_heads(self, o: torch.Tensor) -> torch.Tensor:
         """o [B, H/W, d] of this rank's heads -> [B, H, d] (one all-gather, heads in rank order)."""
@@ -98,8 +92,8 @@ class TPFastDecoder(FastDecoder):
 
     def _moe(self, f: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
         cfg, seg, ctx = self.cfg, self._seg, self.ctx
-        h, ids, weights, z = seg["_moe_route"](x, f["norm"], f["router"], f["bias"], f["w_down_latent"],
-                                               cfg.rms_eps, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        shared, ids, weights, z = seg["_moe_route"](x, f["norm"], f["router"], f["bias"], f["w_h"], cfg.rms_eps,
+                                                    cfg.num_experts_per_tok, cfg.routed_scaling_factor, f["latent"])
         batch, top_k = ids.shape
         own = self._run_experts(z, ids, f)  # [B, k, lat] fp32: this rank's pairs, zeros elsewhere
         gathered = all_gather_stack(ctx, own)  # [W, B, k, lat]
@@ -108,7 +102,8 @@ class TPFastDecoder(FastDecoder):
         mixed = slots[:, 0] * weights[:, 0:1]
         for j in range(1, top_k):
             mixed = mixed + slots[:, j] * weights[:, j : j + 1]
-        return seg["_moe_out"](x, h, mixed, None, f["latent_norm"], f["w_up_latent"], f["shared"], cfg.rms_eps)
+        return seg["_moe_out"](x, shared, mixed, None, f["latent_norm"], f["w_up_latent"], f["shared_down"],
+                               cfg.rms_eps)
 
     def _run_experts(self, z: torch.Tensor, ids: torch.Tensor, f: dict[str, Any]) -> torch.Tensor:
         """z [n, lat], ids [n, k] -> [n, k, lat] fp32: the outputs of the (row, slot) pairs whose expert is this

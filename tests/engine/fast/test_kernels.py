@@ -196,3 +196,33 @@ def test_expert_gemv_matches_per_slot_reference(device) -> None:  # type: ignore
     got = expert_gemv(*(t.to(device) for t in (z, ids, w1, w3, w2))).float().cpu()
     want = naive_expert_gemv(z, ids, w1, w3, w2)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 100, 384), (1, 40, 4096), (1, 8450, 256), (2, 8300, 128),
+                                             (3, 64, 4096), (8, 257, 1536), (5, 16, 5120)],
+                         ids=["one-row", "one-row-split-k", "one-row-one-slice", "rows-one-slice", "split-k",
+                              "eight-rows", "few-features-long-k"])
+def test_gemv_matches_float64_reference(rows, n, k, device) -> None:  # type: ignore[no-untyped-def]
+    """The few-row linear: within one bf16 rounding of the float64 sum of the same bf16 products (the kernel sums
+    in fp32, then rounds once), shapes not multiples of its blocks, one and several K slices; the split-K sum
+    does not depend on scheduling (two calls are bit-equal)."""
+    from engine.fast.gemv import GEMV_MAX_ROWS, gemv, naive_gemv, plan
+
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen).mul(k**-0.5).to(torch.bfloat16)
+    got = gemv(x.to(device), w.to(device))
+    want = naive_gemv(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float().cpu(), want.float(), rtol=2**-7, atol=1e-3)
+    assert torch.equal(gemv(x.to(device), w.to(device)), got)
+    wide = torch.zeros(rows, k + 256)
+    wide[:, 128 : 128 + k] = x  # a column slice (rows strided), as a split of a fused projection's output
+    assert torch.equal(gemv(wide.to(device)[:, 128 : 128 + k], w.to(device)), got)
+    assert torch.equal(gemv(x.to(device).to(torch.bfloat16), w.to(device)), got)  # bf16 input: the same rounding
+    if k >= 4096:
+        assert plan(rows, n, k)[2] > 1  # the case exercises the K slices and their ordered sum
+    with pytest.raises(ValueError, match="gemv takes"):
+        gemv(torch.zeros(GEMV_MAX_ROWS + 1, k, device=device), w.to(device))
+    with pytest.raises(ValueError, match="gemv takes"):
+        gemv(torch.zeros(rows, 100, device=device), torch.zeros(n, 100, dtype=torch.bfloat16, device=device))
