@@ -56,6 +56,33 @@ def _lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(w.dtype), w)
 
 
+def _lin_split(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """x @ w^T of a stacked weight, split into its parts' outputs: one linear at decode batch sizes (one
+    weight stream, `gemv`), one GEMM per part above them (prefill: contiguous outputs, the GEMM shapes of the
+    unstacked matrices; the parts are views of `w`)."""
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return list(_lin(x, w).split(sizes, dim=-1))
+    return [_lin(x, part) for part in w.split(sizes, dim=0)]
+
+
+def _route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]:
+    """Router scores (fp32 sigmoid) and the top-k expert ids by score + bias, best first. Up to GEMV_MAX_ROWS
+    rows the dot products and the selection (k rounds of arg-max, each taking the first of equal maxima) are
+    elementwise work and reductions that torch.compile fuses into the segment's kernels; larger batches use a
+    matmul and torch.topk."""
+    if h.shape[0] > GEMV_MAX_ROWS:
+        scores = torch.sigmoid(h @ router.t())
+        return scores, torch.topk(scores + bias, top_k, dim=-1).indices
+    scores = torch.sigmoid((h.unsqueeze(1) * router.unsqueeze(0)).sum(-1))  # [B, E]
+    left = scores + bias
+    picks = []
+    for _ in range(top_k):
+        best = left.argmax(dim=-1, keepdim=True)
+        picks.append(best)
+        left = left.scatter(1, best, float("-inf"))
+    return scores, torch.cat(picks, dim=1)
+
+
 def _mla_front(x: torch.Tensor, norm: torch.Tensor, w_h: torch.Tensor, q_norm: torch.Tensor, w_qr: torch.Tensor,
                w_uk: torch.Tensor, kv_norm: torch.Tensor, k_norm_w: torch.Tensor, k_norm_b: torch.Tensor,
                hadamard: torch.Tensor, eps: float, k_eps: float, latent_scale: float, heads: int, nope: int,
@@ -66,11 +93,11 @@ def _mla_front(x: torch.Tensor, norm: torch.Tensor, w_h: torch.Tensor, q_norm: t
     `w_qr` the two of the query latent (wq_b, the indexer's wq; `qr_split`): one linear each."""
     batch = x.shape[0]
     h = rms_norm(x, norm, eps)
-    parts = _lin(h, w_h).split(h_split, dim=-1)
+    parts = _lin_split(h, w_h, h_split)
     q_a, kv, idx_k, idx_w = parts[:4]
     gate = torch.sigmoid(parts[4].float()) if len(parts) > 4 else None
     qr = rms_norm(q_a.float(), q_norm, eps)
-    q, qi = _lin(qr, w_qr).split(qr_split, dim=-1)
+    q, qi = _lin_split(qr, w_qr, qr_split)
     q = q.reshape(batch, heads, -1)
     q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk)  # [H, B, kv]
     q_abs = torch.cat([q_lat.transpose(0, 1), q[..., nope:]], dim=-1)
@@ -103,7 +130,7 @@ def _kda_front(x: torch.Tensor, norm: torch.Tensor, w_h: torch.Tensor, w_fb: tor
     every projection of the normed input stacked (w_fa, w_b, w_qkv, w_g; sizes `h_split`): one linear."""
     batch = x.shape[0]
     h = rms_norm(x, norm, eps)
-    f_a, b, qkv, gate = _lin(h, w_h).split(h_split, dim=-1)
+    f_a, b, qkv, gate = _lin_split(h, w_h, h_split)
     raw = _lin(f_a, w_fb).float()
     g = (lower_bound * torch.sigmoid(rate * (raw + dt_bias))).view(batch, heads, -1)
     beta = torch.sigmoid(b.float())
@@ -116,15 +143,12 @@ def _kda_back(x: torch.Tensor, gate: torch.Tensor, o: torch.Tensor, o_norm: torc
     return x + _lin(normed * gate, wo).float()
 
 
-def _mlp_act(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a stacked [gate | up] projection output."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def _ffn_dense(x: torch.Tensor, norm: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                eps: float) -> torch.Tensor:
-    return x + _lin(_mlp_act(_lin(rms_norm(x, norm, eps), w_gate_up)), w_down).float()
+    """x + the dense MLP; `w_gate_up` stacks its gate and up projections."""
+    inter = w_gate_up.shape[0] // 2
+    gate, up = _lin_split(rms_norm(x, norm, eps), w_gate_up, [inter, inter])
+    return x + _lin(F.silu(gate) * up, w_down).float()
 
 
 def _moe_route(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, bias: torch.Tensor,
@@ -134,13 +158,13 @@ def _moe_route(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, bias: 
     activation (None without one) of a MoE layer. `w_h` stacks the projections of the normed input
     (w_down_latent, then the shared expert's gate and up): one linear."""
     h = rms_norm(x, norm, eps)
-    scores = torch.sigmoid(h @ router.t())
-    ids = torch.topk(scores + bias, top_k, dim=-1).indices  # [B, k]
+    scores, ids = _route(h, router, bias, top_k)  # [B, E], [B, k]
     picked = scores.gather(1, ids)
     weights = picked / picked.sum(-1, keepdim=True) * scaling
-    projected = _lin(h, w_h)
-    shared = _mlp_act(projected[:, latent:]) if projected.shape[1] > latent else None
-    return shared, ids, weights, projected[:, :latent].contiguous()
+    inter = (w_h.shape[0] - latent) // 2
+    parts = _lin_split(h, w_h, [latent, inter, inter] if inter else [latent])
+    shared = F.silu(parts[1]) * parts[2] if inter else None
+    return shared, ids, weights, parts[0].contiguous()
 
 
 def _moe_all_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
