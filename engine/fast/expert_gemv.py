@@ -28,8 +28,8 @@ def _gate_up_kernel(z_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, top_k, inter, lat,
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     token = pair // top_k
     base = expert * inter * lat + rows[:, None].to(tl.int64) * lat
-    acc1 = tl.zeros([BI, BK], tl.float32)  # products summed along K in registers, reduced once at the end
-    acc3 = tl.zeros([BI, BK], tl.float32)
+    acc1 = tl.zeros([BI], tl.float32)
+    acc3 = tl.zeros([BI], tl.float32)
     for k0 in range(0, lat, BK):
         k = k0 + tl.arange(0, BK)
         kmask = k < lat
@@ -37,10 +37,8 @@ def _gate_up_kernel(z_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, top_k, inter, lat,
         mask = (rows[:, None] < inter) & kmask[None, :]
         w1 = tl.load(w1_ptr + base + k[None, :], mask=mask, other=0.0).to(tl.float32)
         w3 = tl.load(w3_ptr + base + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc1 += w1 * z[None, :]
-        acc3 += w3 * z[None, :]
-    acc1 = tl.sum(acc1, axis=1)
-    acc3 = tl.sum(acc3, axis=1)
+        acc1 += tl.sum(w1 * z[None, :], axis=1)
+        acc3 += tl.sum(w3 * z[None, :], axis=1)
     hidden = acc1 / (1.0 + tl.exp(-acc1)) * acc3
     tl.store(h_ptr + pair * inter + rows, bf16_rne(hidden), mask=rows < inter)
 
@@ -51,14 +49,13 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, inter, lat, BL: tl.constexpr, 
     rows = tl.program_id(1) * BL + tl.arange(0, BL)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     base = expert * lat * inter + rows[:, None].to(tl.int64) * inter
-    acc = tl.zeros([BL, BK], tl.float32)
+    acc = tl.zeros([BL], tl.float32)
     for k0 in range(0, inter, BK):
         k = k0 + tl.arange(0, BK)
         kmask = k < inter
         h = tl.load(h_ptr + pair * inter + k, mask=kmask, other=0.0).to(tl.float32)
         w = tl.load(w2_ptr + base + k[None, :], mask=(rows[:, None] < lat) & kmask[None, :], other=0.0)
-        acc += w.to(tl.float32) * h[None, :]
-    acc = tl.sum(acc, axis=1)
+        acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
     tl.store(out_ptr + pair * lat + rows, bf16_rne(acc), mask=rows < lat)
 
 
@@ -73,7 +70,7 @@ def expert_gemv(z: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w3: torch.
     flat = ids.reshape(-1).contiguous()
     bi, bl = 8, 16
     _gate_up_kernel[(pairs, triton.cdiv(inter, bi))](z.contiguous(), flat, w1, w3, hidden, top_k, inter, lat,
-                                                      BI=bi, BK=256, num_warps=4)
+                                                      BI=bi, BK=512, num_warps=4)
     _down_kernel[(pairs, triton.cdiv(lat, bl))](hidden, flat, w2, out, inter, lat, BL=bl, BK=128, num_warps=4)
     return out
 

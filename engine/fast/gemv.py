@@ -18,6 +18,8 @@ its reference.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,21 @@ from engine.fast.dot import mm
 GEMV_MAX_ROWS = 8
 """Batches up to this many rows take `gemv`; larger ones are GEMMs (F.linear)."""
 BM = 16  # rows padded to one tensor-core tile (batches of 2-8)
+
+
+def _tuning(text: str) -> dict[str, int]:
+    """The launch parameters: defaults, overridden by `PDCLUSTER_GEMV_TUNE` ("one_bn=32,warps=8", a
+    benchmark knob for sweeps on a new GPU; unknown names are an error)."""
+    tune = {"one_bn": 8, "one_bk": 512, "one_per_sm": 2, "dot_per_sm": 2, "warps": 4, "stages": 4}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in tune or not value.strip().isdigit():
+            raise ValueError(f"PDCLUSTER_GEMV_TUNE: {item!r} is not one of {sorted(tune)}=<int>")
+        tune[name] = int(value)
+    return tune
+
+
+TUNE = _tuning(os.environ.get("PDCLUSTER_GEMV_TUNE", ""))
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -87,15 +104,16 @@ def _gemv_kernel(x_ptr, w_ptr, part_ptr, out_ptr, count_ptr, M, N, k_per_split, 
 
 
 def plan(rows: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int, int]:
-    """(BN, BK, K slices) of a call: 16 features per program for one row (64 with tensor-core dots), 256- or
-    128-wide K chunks, and the fewest K slices (each a whole number of chunks) giving about four programs per
-    SM for one row (two with dots): enough loads in flight to stream the matrix at HBM speed (H200 sweep in
-    benchmarks/RESULTS.md, 2026-12-03 late)."""
+    """(BN, BK, K slices) of a call (defaults in `TUNE`): 8 features per program for one row (64 with
+    tensor-core dots), 512-wide K chunks for one row where K allows (else 256, 128; 128 with dots), and the
+    fewest K slices (each a whole number of chunks) giving about two programs per SM: enough loads in flight
+    to stream the matrix at HBM speed. The one-row defaults won a sweep of 72 settings on the whole graphed
+    decode step (one H200; benchmarks/RESULTS.md, 2026-12-04)."""
     one = rows == 1
-    bn = 16 if one else 64
-    want = (4 if one else 2) * num_sms
+    bn = TUNE["one_bn"] if one else 64
+    want = (TUNE["one_per_sm"] if one else TUNE["dot_per_sm"]) * num_sms
     blocks = triton.cdiv(n, bn)
-    for bk in ((256, 128) if one else (128,)):
+    for bk in ((TUNE["one_bk"], 256, 128) if one else (128,)):
         if k % bk:
             continue
         chunks = k // bk
@@ -128,7 +146,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _gemv_kernel[(blocks, splits)](
         x, w, part, out, _counters(x.device, blocks), rows, n, k // splits, x.stride(0), w.stride(0),
         SPLITS=splits, ONE_ROW=rows == 1, BM=BM, BN=bn, BK=bk, INTERPRET=interpreter_active(),
-        num_warps=4, num_stages=3,
+        num_warps=TUNE["warps"], num_stages=TUNE["stages"],
     )
     return out
 
