@@ -56,11 +56,17 @@ def _lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(w.dtype), w)
 
 
+STACKED_MAX_ROWS = 256
+"""Up to this many rows a stacked weight is one linear; above, one GEMM per part (see `_lin_split`)."""
+
+
 def _lin_split(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     """x @ w^T of a stacked weight, split into its parts' outputs: one linear at decode batch sizes (one
-    weight stream, `gemv`), one GEMM per part above them (prefill: contiguous outputs, the GEMM shapes of the
-    unstacked matrices; the parts are views of `w`)."""
-    if x.shape[0] <= GEMV_MAX_ROWS:
+    weight stream: `gemv` up to GEMV_MAX_ROWS rows, one GEMM to STACKED_MAX_ROWS), one GEMM per part above
+    (long prefills: contiguous outputs, the GEMM shapes of the unstacked matrices; the parts are views of
+    `w`). On one H200 the stacked form made the b32 decode step ~8% faster and a 32K-token prefill ~10%
+    slower (benchmarks/RESULTS.md, 2026-12-04)."""
+    if x.shape[0] <= STACKED_MAX_ROWS:
         return list(_lin(x, w).split(sizes, dim=-1))
     return [_lin(x, part) for part in w.split(sizes, dim=0)]
 

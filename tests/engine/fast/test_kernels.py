@@ -226,3 +226,15 @@ def test_gemv_matches_float64_reference(rows, n, k, device) -> None:  # type: ig
         gemv(torch.zeros(GEMV_MAX_ROWS + 1, k, device=device), w.to(device))
     with pytest.raises(ValueError, match="gemv takes"):
         gemv(torch.zeros(rows, 100, device=device), torch.zeros(n, 100, dtype=torch.bfloat16, device=device))
+
+
+def test_gemv_tuning_knob_rejects_unknown_settings() -> None:
+    """PDCLUSTER_GEMV_TUNE overrides the launch defaults by name; a misspelt name or a non-integer is an error,
+    not a setting silently ignored."""
+    from engine.fast.gemv import _tuning
+
+    assert _tuning("")["one_bn"] == 8
+    assert _tuning("one_bn=32, warps=8") | {} == dict(_tuning(""), one_bn=32, warps=8)
+    for bad in ("one_bm=32", "warps=eight", "warps"):
+        with pytest.raises(ValueError, match="PDCLUSTER_GEMV_TUNE"):
+            _tuning(bad)
