@@ -33,8 +33,8 @@ BM = 16  # rows padded to one tensor-core tile (batches of 2-8)
 
 
 def _tuning(text: str) -> dict[str, int]:
-    """The launch parameters: defaults, overridden by `PDCLUSTER_GEMV_TUNE` ("one_bn=32,warps=8", a
-    benchmark knob for sweeps on a new GPU; unknown names are an error)."""
+    """The launch parameters: defaults, overridden by `PDCLUSTER_GEMV_TUNE` ("one_bn=32,warps=8": what
+    benchmarks/gemv_sweep.py finds best on a new GPU; unknown names are an error)."""
     tune = {"one_bn": 8, "one_bk": 512, "one_per_sm": 2, "dot_per_sm": 2, "warps": 4, "stages": 4}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = item.partition("=")

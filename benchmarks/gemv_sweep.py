@@ -1,0 +1,121 @@
+"""Sweep the one-row `gemv` launch parameters (engine/fast/gemv.py `TUNE`) on a whole decode step, one GPU.
+
+A `FastDecoder(compile=True)` step of `--batch` requests at `--context` cached tokens is captured as a CUDA graph
+once per setting (the segments are compiled once: `gemv` is a custom op that reads `TUNE` when it launches, so a
+new capture takes the new launch parameters) and replayed; the table gives the median replay per setting
+(BN x BK x programs per SM x warps x stages), the default measured first and last. The best setting is what
+`PDCLUSTER_GEMV_TUNE` should say on this GPU (it is written to `--best PATH` in that form).
+    python benchmarks/gemv_sweep.py [--model benchmarks/k31_pro_rank.json] [--context 32768] [--batch 1]
+                                    [--replays 25] [--budget-s 150] [--best best.txt] [--json PATH]
+Headline: gemv_sweep_best_step_ms (lower is better; goal: below the default's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import engine.fast.gemv as gemv_module  # noqa: E402
+from engine.fast.decoder import FastDecoder  # noqa: E402
+from engine.fast.graphs import GraphedDecode  # noqa: E402
+from engine.fast.pages import build_page_batch  # noqa: E402
+from engine.layout import plan_layout  # noqa: E402
+from engine.model.config import preset_or_file  # noqa: E402
+from engine.model.weights import build_model  # noqa: E402
+
+GRID = {"one_bn": (16, 32, 8), "one_bk": (256, 512), "one_per_sm": (2, 4, 8), "warps": (4, 8), "stages": (3, 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="benchmarks/k31_pro_rank.json")
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--replays", type=int, default=25)
+    p.add_argument("--budget-s", type=float, default=150.0, help="stop trying new settings after this long")
+    p.add_argument("--best", type=Path, help="write the best setting here, as PDCLUSTER_GEMV_TUNE takes it")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("gemv_sweep needs a CUDA device")
+    spec = importlib.util.spec_from_file_location("gpu_decode", Path(__file__).with_name("gpu_decode.py"))
+    gpu = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_decode"] = gpu
+    spec.loader.exec_module(gpu)
+    device = torch.device("cuda")
+    cfg = preset_or_file(args.model)
+    model = build_model(cfg, device=device)
+    layout = plan_layout(cfg)
+    batch, context = args.batch, args.context
+    capacity = context + 64
+    default = dict(gemv_module.TUNE)
+    rows: list[dict] = []
+    with torch.no_grad():
+        decoder = FastDecoder(model, layout, compile=True)
+        buffer, attn, kda = gpu.fast_pool(cfg, layout, batch, capacity, device)
+        num_pages = -(-capacity // layout.subblock_tokens)
+        first = build_page_batch(layout, attn, kda, [context] * batch, device)
+
+        def replay_ms(tune: dict) -> tuple[float, bool]:
+            gemv_module.TUNE.clear()
+            gemv_module.TUNE.update(tune)
+            runner = GraphedDecode(decoder, buffer, batch, num_pages, layout.kda_groups, first,
+                                   torch.zeros(batch, dtype=torch.int64, device=device))
+            runner.set_pages(build_page_batch(layout, attn, kda, [capacity - 1] * batch, device))
+            for _ in range(3):
+                runner.step(torch.randint(0, cfg.vocab_size, (batch,), device=device),
+                            torch.full((batch,), context + 1, dtype=torch.int32))
+            times = []
+            for _ in range(args.replays):
+                torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                runner.graph.replay()
+                torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+            finite = bool(torch.isfinite(runner.logits).all())
+            del runner
+            return statistics.median(times) * 1e3, finite
+
+        started = time.time()
+        first_ms, _ = replay_ms(default)
+        for values in itertools.product(*GRID.values()):
+            if time.time() - started > args.budget_s:
+                break
+            tune = dict(default, **dict(zip(GRID, values)))
+            ms, finite = replay_ms(tune)
+            rows.append({"tune": tune, "ms": ms, "finite": finite})
+            print(f"{ms:8.3f} ms  finite={finite}  " + " ".join(f"{k}={tune[k]}" for k in GRID), flush=True)
+        last_ms, _ = replay_ms(default)
+        gemv_module.TUNE.clear()
+        gemv_module.TUNE.update(default)
+    good = sorted((r for r in rows if r["finite"]), key=lambda r: r["ms"])
+    if not good:
+        raise SystemExit("no setting gave finite logits")
+    best = good[0]
+    text = ",".join(f"{k}={v}" for k, v in best["tune"].items())
+    print(f"{torch.cuda.get_device_name(device)}: {cfg.name}, batch {batch}, context {context}")
+    print(f"default {first_ms:.3f} / {last_ms:.3f} ms (first / last); best {best['ms']:.3f} ms: {text}")
+    if args.best:
+        args.best.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "headline": {"metric": "gemv_sweep_best_step_ms", "value": best["ms"],
+                         "goal": f"below the default's {min(first_ms, last_ms):.3f} ms"},
+            "device": torch.cuda.get_device_name(device), "model": cfg.name, "batch": batch, "context": context,
+            "default": {"tune": default, "first_ms": first_ms, "last_ms": last_ms}, "settings": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
