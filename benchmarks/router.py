@@ -25,6 +25,9 @@ The `direct` row (client -> D engine, one leg) is the load generators' and fakes
     python benchmarks/router.py [--duration 5] [--rounds 2] [--workers 2] [--baseline-rev REV] [--json out.json]
 Headline: router_pd_throughput_ratio_c64 = ours / vllm-router (round_robin) req/s at 64 connections, worst round.
     python benchmarks/router.py --clients    upstream HTTP clients (ours, aiohttp, httpx) against one fake P
+    python benchmarks/router.py --alternate 64 256 [--pairs 5] [--only ...] [--json out.json]
+        pairs of windows at 64 then 256 connections in one process per contender (and `direct`): the median and
+        spread of c256 / c64 req/s; headline router_throughput_ratio_c256_over_c64_median (ours).
 """
 
 from __future__ import annotations
@@ -288,6 +291,26 @@ def baseline_tree(rev: str, tmp: Path) -> Path:
     return tree
 
 
+def alternate(name: str, url: str, args, script: Path) -> list[dict]:
+    """`--pairs` pairs of windows at the two `--alternate` loads, low then high, in one process of a contender:
+    how its throughput moves from the lower load to the higher with the VM's drift spread over both."""
+    low, high = args.alternate
+    pairs = []
+    for _ in range(args.pairs):
+        pair = {}
+        for c in (low, high):
+            def one(c: int = c) -> dict:
+                if args.warmup > 0:
+                    run_wrk(url, c, args.warmup, script)
+                return run_wrk(url, c, args.duration, script)
+            pair[f"c{c}"] = windowed(one, args.max_steal, args.steal_retries)
+        pair["ratio"] = pair[f"c{high}"]["req_per_s"] / pair[f"c{low}"]["req_per_s"]
+        print(f"{name}: c={low} {pair[f'c{low}']['req_per_s']:,.0f} req/s, c={high} {pair[f'c{high}']['req_per_s']:,.0f}"
+              f" req/s, ratio {pair['ratio']:.3f}", flush=True)
+        pairs.append(pair)
+    return pairs
+
+
 def print_table(rounds: list[dict]) -> None:
     head = f"{'round':<5} {'contender':<24}" + "".join(f"{f'c={c} req/s (mean ms)':>23}" for c in CONNECTIONS)
     print(head + f"{'SSE chunks/s (TTFT p50/p99 ms)':>34}   max steal % (re-measured windows)")
@@ -316,6 +339,39 @@ def ratios(rnd: dict, ours: str = "pdcluster", anchor: str = "vllm-router") -> d
     return out
 
 
+def _with_contender(name: str, trees: dict, args, tmp: Path, url: str, p_url: str, d_url: str, work):  # type: ignore[no-untyped-def]
+    """Start contender `name` on the benchmark port, run `work()` once it answers, stop it."""
+    env = {**os.environ, "PYTHONPATH": str(trees[name])}
+    cmd = contender_command(name, trees[name], args.port, p_url, d_url, args.workers)
+    proc = subprocess.Popen(cmd, cwd=trees[name], env=env, stdout=subprocess.DEVNULL,
+                            stderr=open(tmp / f"{name.replace('/', '_')}.log", "a"))
+    try:
+        wait_ready(url, name, proc)
+        return work()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def report_alternate(results: dict[str, list[dict]], args) -> int:  # type: ignore[no-untyped-def]
+    low, high = args.alternate
+    print(f"{'contender':<24} {'median c' + str(high) + '/c' + str(low):>16} {'min':>7} {'max':>7} "
+          f"{'pairs >= 0.98':>14}")
+    summary = {}
+    for name, pairs in results.items():
+        r = sorted(p["ratio"] for p in pairs)
+        med = r[len(r) // 2] if len(r) % 2 else (r[len(r) // 2 - 1] + r[len(r) // 2]) / 2
+        summary[name] = {"median": med, "min": r[0], "max": r[-1], "held": sum(x >= 0.98 for x in r), "pairs": len(r)}
+        print(f"{name:<24} {med:>16.3f} {r[0]:>7.3f} {r[-1]:>7.3f} {summary[name]['held']:>9}/{len(r)}")
+    if args.json:
+        head = summary.get("pdcluster", next(iter(summary.values())))
+        args.json.write_text(json.dumps({
+            "headline": {"metric": f"router_throughput_ratio_c{high}_over_c{low}_median", "value": head["median"],
+                         "goal": ">= 1.0 (throughput does not fall as connections rise)"},
+            "summary": summary, "pairs": results, "args": {k: str(v) for k, v in vars(args).items()}}, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per load point")
@@ -336,7 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=18500)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--clients", action="store_true", help="compare upstream HTTP clients instead")
+    parser.add_argument("--alternate", type=int, nargs=2, metavar=("LOW", "HIGH"),
+                        help="instead of the sweep: --pairs pairs of windows at LOW then HIGH connections in one "
+                             "process per contender (median and spread of HIGH / LOW req/s)")
+    parser.add_argument("--pairs", type=int, default=5, help="window pairs per contender with --alternate")
     args = parser.parse_args(argv)
+    if args.alternate and (args.alternate[0] >= args.alternate[1] or args.alternate[0] < 1 or args.pairs < 1):
+        parser.error("--alternate takes LOW < HIGH, both >= 1, and --pairs >= 1")
     if args.clients:
         fakes = start_fakes([args.port + 1])
         try:
@@ -361,6 +423,12 @@ def main(argv: list[str] | None = None) -> int:
         fakes = start_fakes([args.port + 1, args.port + 2])
         rounds = []
         try:
+            if args.alternate:  # `direct` first: the load generator and the fakes' own move between the loads
+                results = {"direct": alternate("direct", d_url, args, script)}
+                for name in trees:
+                    results[name] = _with_contender(name, trees, args, tmp, url, p_url, d_url,
+                                                    lambda name=name: alternate(name, url, args, script))
+                return report_alternate(results, args)
             for i in range(args.rounds):
                 order = list(trees) if i % 2 == 0 else list(reversed(trees))
                 rnd = {"direct": measure("direct", d_url, p_url, d_url, args, script)} if i == 0 else {}
@@ -368,16 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                 # windows compared are seconds apart, not minutes
                 for points in ([(p,) for p in POINTS] if args.per_point else [POINTS]):
                     for name in order:
-                        env = {**os.environ, "PYTHONPATH": str(trees[name])}
-                        cmd = contender_command(name, trees[name], args.port, p_url, d_url, args.workers)
-                        proc = subprocess.Popen(cmd, cwd=trees[name], env=env, stdout=subprocess.DEVNULL,
-                                                stderr=open(tmp / f"{name.replace('/', '_')}.log", "a"))
-                        try:
-                            wait_ready(url, name, proc)
-                            rnd.setdefault(name, {}).update(measure(name, url, p_url, d_url, args, script, points))
-                        finally:
-                            proc.terminate()
-                            proc.wait(timeout=30)
+                        rnd.setdefault(name, {}).update(_with_contender(
+                            name, trees, args, tmp, url, p_url, d_url,
+                            lambda name=name, points=points: measure(name, url, p_url, d_url, args, script, points)))
                 rounds.append(rnd)
         finally:
             fakes.terminate()

@@ -2,9 +2,8 @@
 
 `FastDecoder(model, layout).decode(buffer, token_ids, pages) -> logits [B, V] fp32` runs the same layer stack as
 `KimiModel.decode` (engine/model/model.py) with one forward over the batch and no Python loop over requests:
-token-wise linears are bf16 GEMMs (a bf16 copy of every matrix is made once; up to GEMV_MAX_ROWS requests
-on CUDA, `gemv.gemv` matrix-vector kernels); norms, gates, routing and the
-FP8 quantisation of the new cache entries run in fp32; the residual stream stays fp32. Per layer:
+token-wise linears are bf16 GEMMs (a bf16 copy of every matrix is made once; matrices that read the same
+input are stacked into one); norms, gates, routing and the FP8 quantisation of the new cache entries run in fp32; the residual stream stays fp32. Per layer:
 - MLA: projections, the new token's latent and index key written into its page (`pages.write_token`), the
   indexer (`indexer.select`: in-kernel FP8 keys, scores, top-k) and sparse MLA in absorbed form
   (`mla.sparse_mla_decode`), W_UV and W_O as batched GEMMs over heads;
@@ -21,10 +20,19 @@ The torch work between the kernels is written as pure functions of tensors (the 
 Triton kernels that read and write the row pool stay outside the compiled graphs. `compile=False` runs the
 same functions eagerly (the CPU tests, and the reference for the compiled path).
 Everything stays on the device; the step has no host synchronisation (the page batch is built beforehand).
+
+Linears of up to GEMV_MAX_ROWS rows on CUDA run `gemv.gemv` (one weight-streaming kernel each) where the
+launch cost is paid once: inside compiled segments and in steps run under `gemv_kernels()` (what
+graphs.GraphedDecode does for its warm-up and capture). A plain eager step launches every kernel from Python
+each time, and there cuBLAS (F.linear) launches cheaper than the custom op and Triton's launcher: on one H200
+the eager pro-rank b1 step took ~13 ms with F.linear (2026-12-03) and 21-25 ms with gemv (2026-12-04; runs of
+different days, not side by side: benchmarks/RESULTS.md), while the graphed step went from 1.88 to 1.50 ms.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -48,10 +56,27 @@ from engine.model.numerics import FP8_DTYPE, fp8_quantize_rowwise, fp8_quantize_
 BF16 = torch.bfloat16
 
 
+_GEMV_STEPS = [False]
+
+
+@contextlib.contextmanager
+def gemv_kernels() -> Iterator[None]:
+    """Steps run inside this block take `gemv` for their few-row linears even when eager (see the module doc):
+    for a step that is captured into a CUDA graph, and for the eager run before the capture that compiles the
+    same kernels."""
+    before = _GEMV_STEPS[0]
+    _GEMV_STEPS[0] = True
+    try:
+        yield
+    finally:
+        _GEMV_STEPS[0] = before
+
+
 def _lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w^T in w's dtype: `gemv` for a CUDA batch of up to GEMV_MAX_ROWS rows of bf16 (weight-streaming
-    matrix-vector products), else F.linear."""
-    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and w.dtype == BF16 and gemv_supports(w.shape[1]):
+    matrix-vector products) in compiled segments and under `gemv_kernels()`, else F.linear."""
+    if (x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and w.dtype == BF16 and gemv_supports(w.shape[1])
+            and (torch.compiler.is_compiling() or _GEMV_STEPS[0])):
         return gemv(x, w)
     return F.linear(x.to(w.dtype), w)
 

@@ -8,7 +8,9 @@ change) and then moves only the token ids and positions per step (`step`). The p
 `num_pages` pages and the indexer scores keys up to `num_pages * b0` (past each request's position they are
 -inf, so the selection is the same), which is what lets one graph serve every context up to that width.
 
-Capture runs the step once eagerly first (Triton compilation, cuBLAS workspaces) on the rows of the first
+Warm-up and capture run under `decoder.gemv_kernels()` (few-row linears as `gemv` kernels, which pay
+their launch cost once in a graph). Capture runs the step once eagerly first (Triton compilation, cuBLAS
+workspaces) on the rows of the first
 batch it is given: that step writes those requests' new cache entries and advances their KDA states. Callers
 capture on scratch rows (the benchmark does; the engine does not use graphs yet).
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.fast.decoder import FastDecoder
+from engine.fast.decoder import FastDecoder, gemv_kernels
 from engine.fast.pages import PageBatch
 
 
@@ -41,11 +43,11 @@ class GraphedDecode:
         self._load(first_tokens, first)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), gemv_kernels():  # the kernels the capture records, compiled here
             decoder.decode(buffer, self.tokens, self.pages)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph), gemv_kernels():
             self.logits = decoder.decode(buffer, self.tokens, self.pages)
 
     def _load(self, token_ids: torch.Tensor, pages: PageBatch) -> None:
