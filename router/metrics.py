@@ -29,6 +29,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled", "shed")
 """`shed`: answered 429/503 with Retry-After, by the router's admission cap or a node's own."""
 TIMED_LEGS = ("prefill", "decode", "first_decode")
+OBSERVED_LEGS = ("prefill", "kv_transfer", "first_decode")
+"""The legs `pdcluster_leg_duration_seconds` observes (router/service.py `finish`)."""
 
 
 class RouterMetrics:
@@ -86,9 +88,12 @@ class RouterMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def prime(self, pools: list[str]) -> None:
-        """Create every counter child whose labels are known in advance, at 0, so panels and ratios over
-        them are never empty on a healthy cluster."""
+    def prime(self, pools: list[str], models: tuple[str, ...] | list[str] = ()) -> None:
+        """Create every counter and histogram child whose labels are known in advance (pools, the served model
+        ids), at 0, so panels and ratios over them are never empty on a healthy cluster, and so that rate()
+        counts a series' first requests: a child created by its first observation is first scraped with
+        that count already in it, which rate() cannot see as an increase (a burst that ends within one scrape
+        interval would leave every latency panel without data)."""
         for leg in TIMED_LEGS:
             self.leg_timeouts.labels(leg)
             self.retries.labels(leg)
@@ -97,6 +102,12 @@ class RouterMetrics:
                 self.requests.labels(outcome, pool)
             for counter in (self.prompt_tokens, self.cached_prompt_tokens, self.prefill_skipped):
                 counter.labels(pool)
+            for leg in OBSERVED_LEGS:
+                self.leg.labels(leg, pool)
+            self.overhead.labels(pool)
+            for model in models:
+                for histogram in (self.ttft, self.tpot, self.itl, self.e2e):
+                    histogram.labels(pool, model)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

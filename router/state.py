@@ -146,7 +146,7 @@ class RouterState:
                 self.breakers.link(p, d).allows(now) and self.breakers.instance(p).allows(now)
             m.pair_healthy.labels(p, d).set(1 if usable else 0)
         counts = self.sessions.count_by_pool(now)
-        m.prime([pool.name for pool in self.pool_specs()])
+        m.prime([pool.name for pool in self.pool_specs()], sorted(self.registry.served_model_ids()))
         self.admission.publish([pool.name for pool in self.pool_specs()])
         for pool in self.pool_specs():
             m.active_sessions.labels(pool.name).set(counts.get(pool.name, 0))
