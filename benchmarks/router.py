@@ -237,8 +237,7 @@ def windowed(run, max_steal: float, retries: int) -> dict:
         result = run()
         after = cpu_ticks()
         total = max(1, after[0] - before[0])
-        result.update(idle_pct=100 * (after[1] - before[1]) / total, steal_pct=100 * (after[2] - before[2]) / total,
-                      attempts=attempt)
+        result.update(idle_pct=100 * (after[1] - before[1]) / total, steal_pct=100 * (after[2] - before[2]) / total)
         if best is None or result["steal_pct"] < best["steal_pct"]:
             best = result
         if result["steal_pct"] <= max_steal:
@@ -305,8 +304,9 @@ def alternate(name: str, url: str, args, script: Path) -> list[dict]:
                 return run_wrk(url, c, args.duration, script)
             pair[f"c{c}"] = windowed(one, args.max_steal, args.steal_retries)
         pair["ratio"] = pair[f"c{high}"]["req_per_s"] / pair[f"c{low}"]["req_per_s"]
-        print(f"{name}: c={low} {pair[f'c{low}']['req_per_s']:,.0f} req/s, c={high} {pair[f'c{high}']['req_per_s']:,.0f}"
-              f" req/s, ratio {pair['ratio']:.3f}", flush=True)
+        lo_rps, hi_rps = pair[f"c{low}"]["req_per_s"], pair[f"c{high}"]["req_per_s"]
+        print(f"{name}: c={low} {lo_rps:,.0f} req/s, c={high} {hi_rps:,.0f} req/s, ratio {pair['ratio']:.3f}",
+              flush=True)
         pairs.append(pair)
     return pairs
 
@@ -339,7 +339,8 @@ def ratios(rnd: dict, ours: str = "pdcluster", anchor: str = "vllm-router") -> d
     return out
 
 
-def _with_contender(name: str, trees: dict, args, tmp: Path, url: str, p_url: str, d_url: str, work):  # type: ignore[no-untyped-def]
+def _with_contender(name: str, trees: dict, args, tmp: Path, url: str, p_url: str, d_url: str,  # type: ignore[no-untyped-def]
+                    work):
     """Start contender `name` on the benchmark port, run `work()` once it answers, stop it."""
     env = {**os.environ, "PYTHONPATH": str(trees[name])}
     cmd = contender_command(name, trees[name], args.port, p_url, d_url, args.workers)

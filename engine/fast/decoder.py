@@ -3,7 +3,8 @@
 `FastDecoder(model, layout).decode(buffer, token_ids, pages) -> logits [B, V] fp32` runs the same layer stack as
 `KimiModel.decode` (engine/model/model.py) with one forward over the batch and no Python loop over requests:
 token-wise linears are bf16 GEMMs (a bf16 copy of every matrix is made once; matrices that read the same
-input are stacked into one); norms, gates, routing and the FP8 quantisation of the new cache entries run in fp32; the residual stream stays fp32. Per layer:
+input are stacked into one); norms, gates, routing and the FP8 quantisation of the new cache entries run in
+fp32; the residual stream stays fp32. Per layer:
 - MLA: projections, the new token's latent and index key written into its page (`pages.write_token`), the
   indexer (`indexer.select`: in-kernel FP8 keys, scores, top-k) and sparse MLA in absorbed form
   (`mla.sparse_mla_decode`), W_UV and W_O as batched GEMMs over heads;
@@ -286,7 +287,7 @@ class FastDecoder:
         """Matrices that read the same input, stacked along the output features in `dtype`: one linear reads
         them all (at decode batch sizes one weight stream instead of several short ones); the segments split
         its output."""
-        return torch.cat([p.detach().to(self.dtype) for p in params], dim=0).contiguous()
+        return torch.cat([self._w(p) for p in params], dim=0)
 
     def _mla_weights(self, mla: MLA, norm: torch.Tensor) -> dict[str, Any]:
         cfg, w = self.cfg, self._w

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from engine.fast.backend import interpreter_active
-from engine.fast.dot import mm
+from engine.fast.dot import bf16_rne, mm
 
 GEMV_MAX_ROWS = 8
 """Batches up to this many rows take `gemv`; larger ones are GEMMs (F.linear)."""
@@ -49,15 +49,6 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
-def _round_bf16(v):
-    """fp32 -> the nearest bf16 value (ties to even), kept in fp32: F.linear's rounding of its input, done on
-    the bits so that the GPU and the Triton interpreter (whose casts truncate) round alike."""
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, part_ptr, out_ptr, count_ptr, M, N, k_per_split, x_stride, w_stride,
                  SPLITS: tl.constexpr, ONE_ROW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  INTERPRET: tl.constexpr):
@@ -73,7 +64,7 @@ def _gemv_kernel(x_ptr, w_ptr, part_ptr, out_ptr, count_ptr, M, N, k_per_split, 
         for k0 in range(k_first, k_first + k_per_split, BK):
             rk = k0 + tl.arange(0, BK)
             w = tl.load(w_rows + rk[None, :], mask=nmask[:, None], other=0.0)
-            xk = _round_bf16(tl.load(x_ptr + rk).to(tl.float32))
+            xk = bf16_rne(tl.load(x_ptr + rk)).to(tl.float32)  # F.linear's rounding of its input
             acc1 += w.to(tl.float32) * xk[None, :]
         acc = tl.sum(acc1, axis=1)[None, :]  # [1, BN]
         rows = tl.arange(0, 1)
@@ -83,7 +74,7 @@ def _gemv_kernel(x_ptr, w_ptr, part_ptr, out_ptr, count_ptr, M, N, k_per_split, 
             rk = k0 + tl.arange(0, BK)
             w = tl.load(w_rows + rk[None, :], mask=nmask[:, None], other=0.0)  # [BN, BK]
             x = tl.load(x_ptr + rm[:, None] * x_stride + rk[None, :], mask=rm[:, None] < M, other=0.0)
-            acc += mm(_round_bf16(x.to(tl.float32)).to(tl.bfloat16), tl.trans(w), INTERPRET)  # exact cast
+            acc += mm(bf16_rne(x), tl.trans(w), INTERPRET)
         rows = rm
     mask = (rows[:, None] < M) & nmask[None, :]
     if SPLITS == 1:
@@ -154,12 +145,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("pdcluster::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS; fp32 or bf16, its rows may be strided), w [N, K] bf16 (rows contiguous)
-    -> x @ w^T [M, N] bf16: x rounded to bf16 as it is loaded (no copy kernel), fp32 accumulation, one rounding at the end, as
-    F.linear(x.to(w.dtype), w)."""
+    -> x @ w^T [M, N] bf16: x rounded to bf16 as it is loaded (no copy kernel), fp32 accumulation, one
+    rounding at the end, as F.linear(x.to(w.dtype), w)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.shape[0] > GEMV_MAX_ROWS \
             or not supports(x.shape[1]):
-        raise ValueError(f"gemv takes x [M <= {GEMV_MAX_ROWS}, K (a multiple of 128)] and w [N, K], got {tuple(x.shape)} and "
-                         f"{tuple(w.shape)}")
+        raise ValueError(f"gemv takes x [M <= {GEMV_MAX_ROWS}, K (a multiple of 128)] and w [N, K], got "
+                         f"{tuple(x.shape)} and {tuple(w.shape)}")
     if w.stride(1) != 1 or w.dtype != torch.bfloat16:
         raise ValueError(f"gemv needs a bf16 weight with contiguous rows, got {w.dtype} strides {w.stride()}")
     if x.stride(1) != 1:
