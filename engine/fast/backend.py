@@ -23,6 +23,19 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def launch_tuning(env_name: str, defaults: dict[str, int], text: str) -> dict[str, int]:
+    """A kernel's launch parameters: `defaults`, overridden by `text` (the value of the environment variable
+    `env_name`, "name=int,name=int": what a sweep in benchmarks/gemv_sweep.py finds best on another GPU). An
+    unknown name or a value that is not an integer is an error naming `env_name`."""
+    tune = dict(defaults)
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in tune or not value.strip().isdigit():
+            raise ValueError(f"{env_name}: {item!r} is not one of {sorted(tune)}=<int>")
+        tune[name] = int(value)
+    return tune
+
+
 def fast_unsupported(tp_size: int = 1, dcp_size: int = 1) -> str | None:
     """Why an engine of this parallel shape cannot run the fast set (None: it can). `tp_size` > 1 is the plain
     engine's (no SPMD model); a TP group runs the fast decode through engine/parallel/spmd.py `TPModel`."""

@@ -45,7 +45,7 @@ from engine.fast.gemv import GEMV_MAX_ROWS, gemv
 from engine.fast.gemv import supports as gemv_supports
 from engine.fast.indexer import select
 from engine.fast.kda import kda_conv_qkv_rows, kda_recurrent_step_rows
-from engine.fast.mla import sparse_mla_decode
+from engine.fast.mla import merge_splits, sparse_mla_decode
 from engine.fast.pages import PageBatch, write_token
 from engine.layout import RowLayout
 from engine.model.kda import KDA
@@ -107,11 +107,12 @@ def _route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int
         return scores, torch.topk(scores + bias, top_k, dim=-1).indices
     scores = torch.sigmoid((h.unsqueeze(1) * router.unsqueeze(0)).sum(-1))  # [B, E]
     left = scores + bias
+    experts = torch.arange(left.shape[1], device=left.device)
     picks = []
-    for _ in range(top_k):
+    for _ in range(top_k):  # element-wise masking between the rounds (no scatter): one fusable chain
         best = left.argmax(dim=-1, keepdim=True)
         picks.append(best)
-        left = left.scatter(1, best, float("-inf"))
+        left = torch.where(experts == best, float("-inf"), left)
     return scores, torch.cat(picks, dim=1)
 
 
@@ -153,6 +154,12 @@ def _mla_back(x: torch.Tensor, gate: torch.Tensor | None, o_lat: torch.Tensor, w
     if gate is not None:
         o = o * gate.to(o.dtype)
     return x + _lin(o, wo).float()
+
+
+def _mla_back_splits(x: torch.Tensor, gate: torch.Tensor | None, partial: torch.Tensor, lse: torch.Tensor,
+                     latent_scale: float, w_uv: torch.Tensor, wo: torch.Tensor) -> torch.Tensor:
+    """`_mla_back` of the sparse MLA's unmerged splits: their merge fuses into this segment's kernels."""
+    return _mla_back(x, gate, merge_splits(partial, lse, latent_scale), w_uv, wo)
 
 
 def _kda_front(x: torch.Tensor, norm: torch.Tensor, w_h: torch.Tensor, w_fb: torch.Tensor, rate: torch.Tensor,
@@ -226,8 +233,8 @@ def _head(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float
     return _lin(rms_norm(x, norm, eps), lm_head).float()
 
 
-SEGMENTS = ("_mla_front", "_mla_back", "_kda_front", "_kda_back", "_ffn_dense", "_moe_route", "_moe_all_experts",
-            "_moe_out", "_head")
+SEGMENTS = ("_mla_front", "_mla_back", "_mla_back_splits", "_kda_front", "_kda_back", "_ffn_dense", "_moe_route",
+            "_moe_all_experts", "_moe_out", "_head")
 
 
 @dataclass
@@ -363,9 +370,9 @@ class FastDecoder:
         gate, q_abs, latent, key, key_scale, qi, weights = self._seg["_mla_front"](x, *m["front"], **m["front_const"])
         write_token(buffer, self.layout, pages, index, latent, key, key_scale)
         selected = select(buffer, self.layout, pages, index, qi, weights, cfg.index_topk)
-        o_lat = sparse_mla_decode(buffer, self.layout, pages, index, q_abs, selected, m["softmax_scale"],
-                                  m["latent_scale"], cfg.kv_lora_rank)
-        return self._seg["_mla_back"](x, gate, o_lat, m["w_uv"], m["wo"])
+        partial, lse = sparse_mla_decode(buffer, self.layout, pages, index, q_abs, selected, m["softmax_scale"],
+                                         m["latent_scale"], cfg.kv_lora_rank, merge=False)
+        return self._seg["_mla_back_splits"](x, gate, partial, lse, m["latent_scale"], m["w_uv"], m["wo"])
 
     def _kda(self, m: dict[str, Any], x: torch.Tensor, buffer: torch.Tensor, pages: PageBatch,
              index: int) -> torch.Tensor:

@@ -13,11 +13,22 @@ batched GEMMs over all experts serve better.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from engine.fast.backend import launch_tuning
 from engine.fast.dot import bf16_rne
+
+TUNE = launch_tuning("PDCLUSTER_EXPERT_TUNE", {
+    "gu_bi": 1, "gu_bk": 1024, "gu_warps": 4, "gu_stages": 2,  # gate/up: rows per program, K chunk, launch
+    "dn_bl": 16, "dn_bk": 128, "dn_warps": 4, "dn_stages": 3,  # down: output rows per program, K chunk, launch
+}, os.environ.get("PDCLUSTER_EXPERT_TUNE", ""))
+"""Launch parameters; `PDCLUSTER_EXPERT_TUNE` overrides them by name. The gate/up defaults won a sweep of 48
+settings (`benchmarks/gemv_sweep.py --kernel expert-gate-up`, the whole graphed pro-rank b1 / 32K step on one
+H200): 1.430 ms against 1.468-1.480 ms for the previous 8 rows x 512 (benchmarks/RESULTS.md, 2026-12-04)."""
 
 
 @triton.jit
@@ -68,10 +79,13 @@ def expert_gemv(z: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w3: torch.
     hidden = torch.empty(pairs, inter, dtype=torch.bfloat16, device=z.device)
     out = torch.empty(batch, top_k, lat, dtype=torch.bfloat16, device=z.device)
     flat = ids.reshape(-1).contiguous()
-    bi, bl = 8, 16
-    _gate_up_kernel[(pairs, triton.cdiv(inter, bi))](z.contiguous(), flat, w1, w3, hidden, top_k, inter, lat,
-                                                      BI=bi, BK=512, num_warps=4)
-    _down_kernel[(pairs, triton.cdiv(lat, bl))](hidden, flat, w2, out, inter, lat, BL=bl, BK=128, num_warps=4)
+    t = TUNE
+    _gate_up_kernel[(pairs, triton.cdiv(inter, t["gu_bi"]))](
+        z.contiguous(), flat, w1, w3, hidden, top_k, inter, lat, BI=t["gu_bi"], BK=t["gu_bk"],
+        num_warps=t["gu_warps"], num_stages=t["gu_stages"])
+    _down_kernel[(pairs, triton.cdiv(lat, t["dn_bl"]))](
+        hidden, flat, w2, out, inter, lat, BL=t["dn_bl"], BK=t["dn_bk"], num_warps=t["dn_warps"],
+        num_stages=t["dn_stages"])
     return out
 
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.fast.backend import interpreter_active
+from engine.fast.backend import interpreter_active, launch_tuning
 from engine.fast.dot import bf16_rne, mm
 
 GEMV_MAX_ROWS = 8
@@ -35,13 +35,8 @@ BM = 16  # rows padded to one tensor-core tile (batches of 2-8)
 def _tuning(text: str) -> dict[str, int]:
     """The launch parameters: defaults, overridden by `PDCLUSTER_GEMV_TUNE` ("one_bn=32,warps=8": what
     benchmarks/gemv_sweep.py finds best on a new GPU; unknown names are an error)."""
-    tune = {"one_bn": 8, "one_bk": 512, "one_per_sm": 2, "dot_per_sm": 2, "warps": 4, "stages": 4}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, value = item.partition("=")
-        if name not in tune or not value.strip().isdigit():
-            raise ValueError(f"PDCLUSTER_GEMV_TUNE: {item!r} is not one of {sorted(tune)}=<int>")
-        tune[name] = int(value)
-    return tune
+    defaults = {"one_bn": 8, "one_bk": 512, "one_per_sm": 2, "dot_per_sm": 2, "warps": 4, "stages": 4}
+    return launch_tuning("PDCLUSTER_GEMV_TUNE", defaults, text)
 
 
 TUNE = _tuning(os.environ.get("PDCLUSTER_GEMV_TUNE", ""))

@@ -71,10 +71,13 @@ def byte_alignment(*offsets: int) -> int:
 
 
 def pad_heads(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, H_I, D] (e4m3 values), weights [B, H_I] -> bf16 q and fp32 weights with heads padded to >= 16
-    (tensor-core tiles), padded heads weighted 0."""
+    """q [B, H_I, D] (e4m3 values), weights [B, H_I] -> q and fp32 weights with heads padded to a power of two
+    >= 16 (tensor-core tiles), padded heads weighted 0 (bf16 q then); a head count that needs no padding
+    returns q as it is (the caller casts it once)."""
     batch, heads, dim = q.shape
     padded = max(16, triton.next_power_of_2(heads))
+    if padded == heads:
+        return q, weights.float()
     q_out = q.new_zeros(batch, padded, dim, dtype=torch.bfloat16)
     q_out[:, :heads] = q
     w_out = weights.new_zeros(batch, padded, dtype=torch.float32)
@@ -103,8 +106,8 @@ def index_scores(buffer: torch.Tensor, layout: RowLayout, pages: PageBatch, dsa_
     assert dim & (dim - 1) == 0 and entry % 4 == 0 and layout.subblock_bytes % 4 == 0 and entry >= dim + 4
     if fp8_dot is None:
         fp8_dot = buffer.is_cuda and not interpreter_active()
-    if fp8_dot:
-        qp = qp.to(FP8_DTYPE)
+    qp = qp.to(FP8_DTYPE if fp8_dot else torch.bfloat16).contiguous()  # e4m3 values: exact either way
+    wp = wp.contiguous()
     b0 = layout.subblock_tokens
     num_pages = min(pages.subblock_ids.shape[1], -(-num_keys // b0))
     out = torch.empty(batch, num_keys, dtype=torch.float32, device=buffer.device)

@@ -25,6 +25,8 @@ from engine.model.numerics import FP8_DTYPE, fp8_to_float
 
 BLOCK_H = 16
 BLOCK_N = 32
+MIN_SPLIT_KEYS = 128
+"""Fewest selected keys a split of one request scores (`choose_splits`)."""
 LOG2E = 1.4426950408889634
 
 
@@ -77,19 +79,21 @@ def _sparse_mla_kernel(q_ptr, pool_ptr, sb_ptr, sel_ptr, o_ptr, lse_ptr,
 
 
 def choose_splits(batch: int, num_heads: int, topk: int, num_sms: int = 132) -> int:
-    """Key splits per request: about two programs per SM, at least 128 keys per split."""
+    """Key splits per request: about two programs per SM, at least MIN_SPLIT_KEYS keys per split."""
     programs = batch * triton.cdiv(num_heads, BLOCK_H)
-    splits = max(1, min(triton.cdiv(2 * num_sms, programs), topk // 128))
+    splits = max(1, min(triton.cdiv(2 * num_sms, programs), topk // MIN_SPLIT_KEYS))
     return triton.next_power_of_2(splits) if splits > 1 else 1
 
 
 def sparse_mla_decode(buffer: torch.Tensor, layout: RowLayout, pages: PageBatch, dsa_layer: int,
                       q_absorbed: torch.Tensor, selected: torch.Tensor, softmax_scale: float, latent_scale: float,
                       kv_lora_rank: int, num_splits: int | None = None, block_n: int = BLOCK_N,
-                      num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, num_stages: int | None = None,
+                      merge: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q_absorbed [B, H, kv_lora + rope] (any float; used as bf16), selected [B, k] int32 (-1 = unused) ->
     o^lat [B, H, kv_lora] float32. `block_n` (keys per tile), `num_warps`, `num_stages`: the kernel's launch
-    shape (defaults: the decode step's)."""
+    shape (defaults: the decode step's). `merge=False` returns the splits unmerged, (partial [B, H, S, kv_lora],
+    lse [B, H, S]), for `merge_splits` to run elsewhere (inside a compiled segment: engine/fast/decoder.py)."""
     batch, num_heads, width = q_absorbed.shape
     rope = width - kv_lora_rank
     topk = selected.shape[1]
@@ -109,7 +113,15 @@ def sparse_mla_decode(buffer: torch.Tensor, layout: RowLayout, pages: PageBatch,
         INTERPRET=interpreter_active(), num_warps=num_warps or (8 if kv_lora_rank >= 256 else 4),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
-    if splits == 1:
+    if not merge:
+        return partial, lse
+    return merge_splits(partial, lse, latent_scale)
+
+
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, latent_scale: float) -> torch.Tensor:
+    """The splits of `sparse_mla_decode` (partial [B, H, S, C] normalised per split, lse [B, H, S] base 2; -inf
+    for a split without keys) merged by their log-sum-exp -> o^lat [B, H, C] fp32, times `latent_scale`."""
+    if partial.shape[2] == 1:
         return partial[:, :, 0] * latent_scale
     top = lse.amax(-1, keepdim=True)
     weight = torch.exp2(lse - torch.where(top == float("-inf"), 0.0, top))  # [B, H, S]

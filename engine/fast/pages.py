@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from engine.layout import RowLayout
 
@@ -67,14 +69,37 @@ def token_byte_offsets(layout: RowLayout, pages: PageBatch, dsa_layer: int, toke
     return base + (tokens % b0) * layout.latent_bytes
 
 
+@triton.jit
+def _write_token_kernel(pool8_ptr, pool32_ptr, sb_ptr, pos_ptr, lat_ptr, key_ptr, scale_ptr, sb_stride,
+                        layer_base, subblock_bytes, latent_bytes, index_base, index_bytes,
+                        B0: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    pos = tl.load(pos_ptr + b)
+    sb = tl.load(sb_ptr + b * sb_stride + pos // B0).to(tl.int64)
+    page = sb * subblock_bytes + layer_base
+    slot = (pos % B0).to(tl.int64)
+    cols = tl.arange(0, BC)
+    latent = tl.load(lat_ptr + b * C + cols, mask=cols < C)
+    tl.store(pool8_ptr + page + slot * latent_bytes + cols, latent, mask=cols < C)
+    entry = page + index_base + slot * index_bytes
+    dims = tl.arange(0, D)
+    tl.store(pool8_ptr + entry + dims, tl.load(key_ptr + b * D + dims))
+    tl.store(pool32_ptr + (entry + D) // 4, tl.load(scale_ptr + b))
+
+
 def write_token(buffer: torch.Tensor, layout: RowLayout, pages: PageBatch, dsa_layer: int, latent: torch.Tensor,
                 index_key: torch.Tensor, index_scale: torch.Tensor) -> None:
     """Store each request's new token (at pages.positions) in DSA layer `dsa_layer`: latent [B, C] uint8,
-    index_key [B, D] uint8, index_scale [B] float32 (as engine.cache.RowPool.write_attention_tokens)."""
+    index_key [B, D] uint8, index_scale [B] float32 (the bytes engine.cache.RowPool.write_attention_tokens
+    writes). One Triton program per request: its latent row, then its index entry [key bytes | fp32 scale]."""
+    batch, width = latent.shape
+    dim = index_key.shape[1]
+    assert dim & (dim - 1) == 0 and (layout.latent_page_bytes + dim) % 4 == 0 and layout.index_bytes % 4 == 0
+    assert layout.subblock_bytes % 4 == 0 and layout.layer_stride % 4 == 0
     flat = buffer.view(-1)
-    pos = pages.positions.long().unsqueeze(1)
-    lat_off = token_byte_offsets(layout, pages, dsa_layer, pos, index=False)  # [B, 1]
-    idx_off = token_byte_offsets(layout, pages, dsa_layer, pos, index=True)
-    entry = torch.cat([index_key, index_scale.contiguous().view(torch.uint8).view(-1, 4)], dim=1)
-    flat[lat_off + torch.arange(latent.shape[1], device=flat.device)] = latent
-    flat[idx_off + torch.arange(entry.shape[1], device=flat.device)] = entry
+    _write_token_kernel[(batch,)](
+        flat, flat.view(torch.float32), pages.subblock_ids, pages.positions, latent.contiguous(),
+        index_key.contiguous(), index_scale.float().contiguous(), pages.subblock_ids.stride(0),
+        dsa_layer * layout.layer_stride, layout.subblock_bytes, layout.latent_bytes, layout.latent_page_bytes,
+        layout.index_bytes, B0=layout.subblock_tokens, C=width, BC=triton.next_power_of_2(width), D=dim,
+        num_warps=1)
