@@ -25,8 +25,9 @@ from engine.model.numerics import FP8_DTYPE, fp8_to_float
 
 BLOCK_H = 16
 BLOCK_N = 32
-MIN_SPLIT_KEYS = 128
-"""Fewest selected keys a split of one request scores (`choose_splits`)."""
+MIN_SPLIT_KEYS = 64
+"""Fewest selected keys a split of one request scores (`choose_splits`). On one H200 (pro-rank b1 / 32K graphed
+step) 64 took the kernel from 21 to 12 us per DSA layer against 128 (32: no faster); benchmarks/RESULTS.md."""
 LOG2E = 1.4426950408889634
 
 
