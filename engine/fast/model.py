@@ -5,6 +5,14 @@ request caches the runner built (`engine.cache.RowSequenceCache`: one pool, sing
 batch from their block tables and runs `FastDecoder` on the pool's buffer, which must live on the model's device.
 Prefill runs `FastPrefiller` when the cache is a single-rank RowSequenceCache whose pool lives on the model's
 device (otherwise, and for everything else, the wrapped reference model's).
+
+On CUDA (`graphs` default) the decoder's torch segments run through torch.compile and decode steps replay CUDA
+graphs (engine/fast/graphs.py `DecodeGraphs`: one per batch bucket and page-table bucket, captured on first use,
+so the first step of a new shape pays its capture and the first step of all pays the compilation). Each pool
+gives one scratch request (one attention row and its KDA rows, taken from the pool at its first graphed step)
+for the padding slots. A batch above the largest bucket, or a step when the pool has no rows left for the
+scratch request, decodes eagerly. On one H200 the pro-rank b1 / 32K step takes ~17 ms eagerly and ~1.3 ms
+graphed (benchmarks/RESULTS.md, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -13,18 +21,29 @@ from typing import Any
 
 import torch
 
+from engine.cache import OutOfRows
+from engine.fast.backend import interpreter_active
 from engine.fast.decoder import FastDecoder
-from engine.fast.pages import build_page_batch
+from engine.fast.pages import PageBatch, build_page_batch
 from engine.fast.prefill import FastPrefiller
 from engine.model.model import KimiModel
 
 
 class FastModel:
-    def __init__(self, model: KimiModel, layout: Any, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, model: KimiModel, layout: Any, dtype: torch.dtype = torch.bfloat16,
+                 graphs: bool | None = None) -> None:
+        """`graphs`: compiled segments and CUDA-graphed decode steps (default: on a CUDA device outside the Triton
+        interpreter; True elsewhere is an error)."""
+        cuda = model.device.type == "cuda" and not interpreter_active()
+        if graphs and not cuda:
+            raise ValueError(f"CUDA graphs need a CUDA device (the model is on {model.device.type}"
+                             f"{', under the Triton interpreter' if interpreter_active() else ''})")
+        self.graphs = cuda if graphs is None else graphs
         self.model = model
         self.layout = layout
-        self.decoder = FastDecoder(model, layout, dtype)
+        self.decoder = FastDecoder(model, layout, dtype, compile=self.graphs)
         self.prefiller = FastPrefiller(model, layout, dtype, decoder=self.decoder)
+        self._graphs: dict[tuple[int, int], Any] = {}  # (pool id, buffer address) -> DecodeGraphs
 
     def prefill(self, token_ids: torch.Tensor, cache: Any, start: int = 0, all_logits: bool = False) -> torch.Tensor:
         pool = getattr(cache, "pool", None)
@@ -35,7 +54,31 @@ class FastModel:
                                       start, all_logits)
 
     def decode(self, token_ids: torch.Tensor, positions: list[int], caches: list[Any]) -> torch.Tensor:
-        return decode_on_pool(self.decoder, self.layout, token_ids, positions, caches)
+        if not self.graphs:
+            return decode_on_pool(self.decoder, self.layout, token_ids, positions, caches)
+        pages = page_batch_on_pool(self.decoder, self.layout, positions, caches)
+        pool = caches[0].pool
+        tokens = token_ids.to(self.model.device)
+        graphs = self._graphs_for(pool)
+        logits = None if graphs is None else graphs.decode(tokens, pages)
+        return self.decoder.decode(pool.buffer, tokens, pages) if logits is None else logits
+
+    def _graphs_for(self, pool: Any) -> Any:
+        """The pool's DecodeGraphs (made with its scratch request on first use); None while the pool has no rows
+        for the scratch request."""
+        from engine.fast.graphs import DecodeGraphs
+
+        key = (id(pool), pool.buffer.data_ptr())
+        graphs = self._graphs.get(key)
+        if graphs is None:
+            try:
+                scratch = pool.allocate_request(1)
+            except OutOfRows:
+                return None
+            graphs = self._graphs[key] = DecodeGraphs(self.decoder, pool.buffer, scratch.attn_row_ids[0],
+                                                      list(scratch.kda_row_ids))
+            graphs.scratch_table = scratch  # held for the pool's life: its rows stay out of use
+        return graphs
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
@@ -45,6 +88,13 @@ def decode_on_pool(decoder: FastDecoder, layout: Any, token_ids: torch.Tensor, p
                    caches: list[Any]) -> torch.Tensor:
     """One fast decode step of `decoder` over the requests of `caches` (RowSequenceCaches of one row pool on the
     decoder's device): the step's page batch from their block tables, then the step -> logits [B, V]."""
+    pages = page_batch_on_pool(decoder, layout, positions, caches)
+    return decoder.decode(caches[0].pool.buffer, token_ids.to(decoder.model.device), pages)
+
+
+def page_batch_on_pool(decoder: FastDecoder, layout: Any, positions: list[int], caches: list[Any]) -> PageBatch:
+    """The step's page batch from the block tables of `caches` (RowSequenceCaches of one row pool on the
+    decoder's device)."""
     pool = caches[0].pool
     if any(c.pool is not pool for c in caches) or not hasattr(caches[0], "table"):
         raise ValueError("the fast decode runs one row pool of RowSequenceCaches per batch")
@@ -52,6 +102,5 @@ def decode_on_pool(decoder: FastDecoder, layout: Any, token_ids: torch.Tensor, p
     if pool.buffer.device != device:
         raise ValueError(f"the fast decode needs the pool on the model's device ({device}), it is on "
                          f"{pool.buffer.device}")
-    pages = build_page_batch(layout, [c.table.attn_row_ids for c in caches], [c.table.kda_row_ids for c in caches],
-                             positions, device)
-    return decoder.decode(pool.buffer, token_ids.to(device), pages)
+    return build_page_batch(layout, [c.table.attn_row_ids for c in caches], [c.table.kda_row_ids for c in caches],
+                            positions, device)

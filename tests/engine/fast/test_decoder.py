@@ -98,3 +98,46 @@ def test_graphed_steps_equal_eager_steps(compiled) -> None:  # type: ignore[no-u
         else:
             assert torch.equal(got, want)
             assert torch.equal(scratch, eager_buffer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and torch.compile of the segments need a GPU")
+def test_engine_graphed_steps_match_eager_steps() -> None:
+    """FastModel's CUDA-graphed decode (engine/fast/graphs.py DecodeGraphs) against its eager decode on a copy of
+    the pool: batches of 3, 2 and 1 requests (padded to the buckets 4, 2, 1) over two page-table buckets (16 and
+    32 pages), then a batch above the buckets (eager). Logits within bf16 rounding of the eager steps' (the
+    graphs run compiled segments and `gemv`), greedy tokens equal where the eager top-2 margin is clear, and
+    rows outside the requests' and the scratch request's are never written."""
+    from engine.fast.graphs import DecodeGraphs
+
+    device = torch.device("cuda")
+    model = build_model(MINI, device=device)
+    layout = plan_layout(MINI)
+    pool = RowPool(layout, MINI, 48, device=device)
+    lengths = [40, 300, 700, 1100]  # 1, 5, 11 and 18 pages: page buckets 16 and 32
+    gen = torch.Generator().manual_seed(2)
+    tables = _prefilled(model, pool, lengths, 8, gen)
+    eager_pool = copy.deepcopy(pool)
+    graphed, eager = FastModel(model, layout, graphs=True), FastModel(model, layout, graphs=False)
+    assert graphed.graphs and not eager.graphs
+    used = {r for t in tables for r in (*t.attn_row_ids, *t.kda_row_ids)}
+    next_pos = list(lengths)
+    for batch in ([0, 1, 2], [3, 0], [1], [0, 1, 2, 3]):
+        tokens = torch.randint(0, MINI.vocab_size, (len(batch),), generator=gen)
+        positions = [next_pos[i] for i in batch]
+        want = eager.decode(tokens, positions, [RowSequenceCache(eager_pool, tables[i]) for i in batch])
+        if len(batch) == 4:  # above the buckets of this test: the eager path
+            graphed._graphs_for(pool).batch_buckets = (1, 2)
+        got = graphed.decode(tokens, positions, [RowSequenceCache(pool, tables[i]) for i in batch])
+        span = float(want.max() - want.min())
+        torch.testing.assert_close(got, want, rtol=0, atol=0.05 * span)
+        top2 = want.topk(2, dim=-1).values
+        sure = (top2[:, 0] - top2[:, 1]) > 0.1 * span
+        assert torch.equal(got.argmax(-1)[sure], want.argmax(-1)[sure])
+        for i in batch:
+            next_pos[i] += 1
+    graphs = graphed._graphs_for(pool)
+    assert isinstance(graphs, DecodeGraphs) and set(graphs.graphs) == {(4, 16), (2, 32), (1, 16)}
+    scratch = set(graphs.scratch_table.attn_row_ids) | set(graphs.scratch_table.kda_row_ids)
+    untouched = [r for r in range(pool.num_rows) if r not in used and r not in scratch]
+    assert untouched and torch.equal(pool.buffer[untouched], eager_pool.buffer[untouched])
