@@ -105,9 +105,12 @@ def test_graphed_steps_equal_eager_steps(compiled) -> None:  # type: ignore[no-u
 def test_engine_graphed_steps_match_eager_steps() -> None:
     """FastModel's CUDA-graphed decode (engine/fast/graphs.py DecodeGraphs) against its eager decode on a copy of
     the pool: batches of 3, 2 and 1 requests (padded to the buckets 4, 2, 1) over two page-table buckets (16 and
-    32 pages), then a batch above the buckets (eager). Logits within bf16 rounding of the eager steps' (the
-    graphs run compiled segments and `gemv`), greedy tokens equal where the eager top-2 margin is clear, and
-    rows outside the requests' and the scratch request's are never written."""
+    32 pages), then a batch above the buckets (eager). The eager steps take the graphs' `gemv` kernels
+    (`gemv_kernels()`), so what differs is the compiled segments' rounding: logits within 5% of their range,
+    greedy tokens equal where the eager top-2 margin is clear, and rows outside the requests' and the scratch
+    request's are never written. (Against F.linear eager steps, 1.4% of the logits of this random-weight model
+    moved by up to 9% of the range on an H200: bf16 rounding that flips a near-tie of the routing or the
+    indexer.)"""
     from engine.fast.graphs import DecodeGraphs
 
     device = torch.device("cuda")
@@ -125,7 +128,8 @@ def test_engine_graphed_steps_match_eager_steps() -> None:
     for batch in ([0, 1, 2], [3, 0], [1], [0, 1, 2, 3]):
         tokens = torch.randint(0, MINI.vocab_size, (len(batch),), generator=gen)
         positions = [next_pos[i] for i in batch]
-        want = eager.decode(tokens, positions, [RowSequenceCache(eager_pool, tables[i]) for i in batch])
+        with gemv_kernels():  # the linears' kernels the graphs recorded, launched eagerly
+            want = eager.decode(tokens, positions, [RowSequenceCache(eager_pool, tables[i]) for i in batch])
         if len(batch) == 4:  # above the buckets of this test: the eager path
             graphed._graphs_for(pool).batch_buckets = (1, 2)
         got = graphed.decode(tokens, positions, [RowSequenceCache(pool, tables[i]) for i in batch])
