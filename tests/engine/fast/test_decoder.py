@@ -103,15 +103,16 @@ def test_graphed_steps_equal_eager_steps(compiled) -> None:  # type: ignore[no-u
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and torch.compile of the segments need a GPU")
 def test_engine_graphed_steps_match_eager_steps() -> None:
-    """FastModel's CUDA-graphed decode (engine/fast/graphs.py DecodeGraphs) against its eager decode on a copy of
-    the pool: batches of 3, 2 and 1 requests (padded to the buckets 4, 2, 1) over two page-table buckets (16 and
-    32 pages), then a batch above the buckets (eager). The eager steps take the graphs' `gemv` kernels
-    (`gemv_kernels()`), so what differs is the compiled segments' rounding: logits within 5% of their range,
-    greedy tokens equal where the eager top-2 margin is clear, and rows outside the requests' and the scratch
-    request's are never written. (Against F.linear eager steps, 1.4% of the logits of this random-weight model
-    moved by up to 9% of the range on an H200: bf16 rounding that flips a near-tie of the routing or the
-    indexer.)"""
+    """FastModel's CUDA-graphed decode (engine/fast/graphs.py DecodeGraphs) against the same compiled decoder
+    stepped eagerly on a copy of the pool: batches of 3, 2 and 1 requests (padded to the buckets 4, 2, 1) over
+    two page-table buckets (16 and 32 pages), then a batch above the buckets (eager). What the graphs add is the
+    padding, the buckets and the scratch request: logits within 2% of their range (a padded batch sums some
+    reductions in another order; 0.6% at most on an H200), greedy tokens equal where the top-2 margin is clear,
+    and rows outside the requests' and the scratch request's never written. (Compiled against uncompiled
+    segments is the graphed-step test above; on this pool one request's logits move by ~9% of the range there,
+    a near-tie of the random-weight model's routing or indexer that bf16 rounding flips.)"""
     from engine.fast.graphs import DecodeGraphs
+    from engine.fast.model import page_batch_on_pool
 
     device = torch.device("cuda")
     model = build_model(MINI, device=device)
@@ -121,22 +122,25 @@ def test_engine_graphed_steps_match_eager_steps() -> None:
     gen = torch.Generator().manual_seed(2)
     tables = _prefilled(model, pool, lengths, 8, gen)
     eager_pool = copy.deepcopy(pool)
-    graphed, eager = FastModel(model, layout, graphs=True), FastModel(model, layout, graphs=False)
-    assert graphed.graphs and not eager.graphs
+    graphed = FastModel(model, layout, graphs=True)
+    assert graphed.graphs and not FastModel(model, layout, graphs=False).graphs
+    eager = FastDecoder(model, layout, compile=True)
     used = {r for t in tables for r in (*t.attn_row_ids, *t.kda_row_ids)}
     next_pos = list(lengths)
     for batch in ([0, 1, 2], [3, 0], [1], [0, 1, 2, 3]):
         tokens = torch.randint(0, MINI.vocab_size, (len(batch),), generator=gen)
         positions = [next_pos[i] for i in batch]
-        with gemv_kernels():  # the linears' kernels the graphs recorded, launched eagerly
-            want = eager.decode(tokens, positions, [RowSequenceCache(eager_pool, tables[i]) for i in batch])
+        eager_caches = [RowSequenceCache(eager_pool, tables[i]) for i in batch]
+        with torch.no_grad():
+            want = eager.decode(eager_pool.buffer, tokens.to(device),
+                                page_batch_on_pool(eager, layout, positions, eager_caches))
         if len(batch) == 4:  # above the buckets of this test: the eager path
             graphed._graphs_for(pool).batch_buckets = (1, 2)
         got = graphed.decode(tokens, positions, [RowSequenceCache(pool, tables[i]) for i in batch])
         span = float(want.max() - want.min())
-        torch.testing.assert_close(got, want, rtol=0, atol=0.05 * span)
+        torch.testing.assert_close(got, want, rtol=0, atol=0.02 * span, msg=lambda m: f"batch {batch}: {m}")
         top2 = want.topk(2, dim=-1).values
-        sure = (top2[:, 0] - top2[:, 1]) > 0.1 * span
+        sure = (top2[:, 0] - top2[:, 1]) > 0.05 * span
         assert torch.equal(got.argmax(-1)[sure], want.argmax(-1)[sure])
         for i in batch:
             next_pos[i] += 1
