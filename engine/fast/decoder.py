@@ -97,12 +97,18 @@ def _lin_split(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list[torch
     return [_lin(x, part) for part in w.split(sizes, dim=0)]
 
 
+ROUTE_FUSED_MAX_ROWS = 64
+"""Up to this many rows `_route` computes the router dots and the top-k inside the compiled segment. On one H200
+the graphed pro-rank b32 / 128K step took 2.503 ms with 64 against 2.633 ms with 8 (an fp32 GEMM, torch.topk's
+sort and gather kernels per MoE layer; benchmarks/RESULTS.md, 2026-12-04)."""
+
+
 def _route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]:
-    """Router scores (fp32 sigmoid) and the top-k expert ids by score + bias, best first. Up to GEMV_MAX_ROWS
-    rows the dot products and the selection (k rounds of arg-max, each taking the first of equal maxima) are
+    """Router scores (fp32 sigmoid) and the top-k expert ids by score + bias, best first. Up to
+    ROUTE_FUSED_MAX_ROWS rows the dot products and the selection (k rounds of arg-max, each taking the first of equal maxima) are
     elementwise work and reductions that torch.compile fuses into the segment's kernels; larger batches use a
     matmul and torch.topk."""
-    if h.shape[0] > GEMV_MAX_ROWS:
+    if h.shape[0] > ROUTE_FUSED_MAX_ROWS:
         scores = torch.sigmoid(h @ router.t())
         return scores, torch.topk(scores + bias, top_k, dim=-1).indices
     scores = torch.sigmoid((h.unsqueeze(1) * router.unsqueeze(0)).sum(-1))  # [B, E]
