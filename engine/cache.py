@@ -86,6 +86,7 @@ class RowPool:
         self._free = list(range(num_rows))
         heapq.heapify(self._free)
         self._used: set[int] = set()
+        self._reserved: list[int] = []
         self._quarantine: list[_Quarantined] = []
         self.spare = None
         """The prefix cache (engine/prefix_cache.PrefixCache) whose unreferenced blocks make room on demand."""
@@ -94,6 +95,11 @@ class RowPool:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        """Rows requests can have: all but those `reserve_request` set aside."""
+        return self.num_rows - len(self._reserved)
 
     @property
     def num_quarantined(self) -> int:
@@ -168,6 +174,16 @@ class RowPool:
         table = BlockTable(self.allocate(num_attn), self.allocate(num_kda))
         if zero_kda:
             self.buffer[table.kda_row_ids] = 0
+        return table
+
+    def reserve_request(self, num_tokens: int) -> BlockTable:
+        """Rows of a request of num_tokens set aside for the engine's own use for the pool's life (the padding
+        slots of the fast decode's CUDA graphs, engine/fast/graphs.py): they leave the capacity (`num_usable`)
+        instead of counting as used, and cannot be freed."""
+        table = self.allocate_request(num_tokens)
+        rows = [*table.attn_row_ids, *table.kda_row_ids]
+        self._used.difference_update(rows)
+        self._reserved.extend(rows)
         return table
 
     def extend(self, table: BlockTable, num_tokens: int) -> None:

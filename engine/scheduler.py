@@ -136,9 +136,9 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         num_attn, num_kda = self.pool.rows_for(req.capacity)
-        if num_attn + num_kda > self.pool.num_rows:
+        if num_attn + num_kda > self.pool.num_usable:
             raise ValueError(f"request {req.request_id!r} needs {num_attn + num_kda} rows for {req.capacity} tokens;"
-                             f" the pool has {self.pool.num_rows}")
+                             f" the pool has {self.pool.num_usable}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
 

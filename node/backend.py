@@ -199,7 +199,7 @@ class ReferenceBackend:
 
     def stats(self) -> RankStats:
         sched = self.engine.scheduler
-        total = self.engine.config.num_rows
+        total = self.engine.pool.num_usable  # config.num_rows less rows the engine set aside for itself
         model = self.engine.model
         counters: tuple[tuple[str, float], ...] = ()
         if isinstance(model, TPModel):

@@ -10,7 +10,8 @@ On CUDA (`graphs` default) the decoder's torch segments run through torch.compil
 graphs (engine/fast/graphs.py `DecodeGraphs`: one per batch bucket and page-table bucket, captured on first use,
 so the first step of a new shape pays its capture and the first step of all pays the compilation). Each pool
 gives one scratch request (one attention row and its KDA rows, taken from the pool at its first graphed step)
-for the padding slots. A batch above the largest bucket, or a step when the pool has no rows left for the
+for the padding slots (`RowPool.reserve_request`: the pool's capacity, `num_usable`, shrinks by those rows). A
+batch above the largest bucket, or a step when the pool has no rows left for the
 scratch request, decodes eagerly. On one H200 the pro-rank b1 / 32K step takes ~17 ms eagerly and ~1.3 ms
 graphed (benchmarks/RESULTS.md, 2026-12-04).
 """
@@ -72,12 +73,12 @@ class FastModel:
         graphs = self._graphs.get(key)
         if graphs is None:
             try:
-                scratch = pool.allocate_request(1)
+                scratch = pool.reserve_request(1)  # out of the capacity for good, never counted as used
             except OutOfRows:
                 return None
             graphs = self._graphs[key] = DecodeGraphs(self.decoder, pool.buffer, scratch.attn_row_ids[0],
                                                       list(scratch.kda_row_ids))
-            graphs.scratch_table = scratch  # held for the pool's life: its rows stay out of use
+            graphs.scratch_table = scratch
         return graphs
 
     def __getattr__(self, name: str) -> Any:

@@ -40,6 +40,24 @@ def test_allocation_is_lowest_first_and_frees_back(pool: RowPool) -> None:
         pool.free([15])
 
 
+def test_reserved_rows_leave_the_capacity_and_cannot_be_freed(pool: RowPool) -> None:
+    """`reserve_request` (the fast decode's graph padding rows): out of the capacity, not counted as used, never
+    freed; an engine then refuses a request that needs more than the rows left."""
+    from engine.engine import Engine, EngineConfig
+    from engine.sampling import SamplingParams
+
+    table = pool.reserve_request(1)  # 1 attention row + 2 KDA groups
+    assert pool.num_usable == 13 and pool.num_free == 13 and pool.num_available == 13
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(table.row_ids)
+    assert pool.allocate(13) == list(range(3, 16))
+    engine = Engine(EngineConfig(num_rows=8))
+    engine.pool.reserve_request(1)
+    with pytest.raises(ValueError, match="the pool has 5"):
+        engine.scheduler.add(engine._make_request("big", [1] * 8,
+                                                  SamplingParams(max_tokens=4 * engine.layout.tokens_per_row)))
+
+
 def test_attention_bytes_round_trip_at_page_addresses(pool: RowPool) -> None:
     gen = torch.Generator().manual_seed(0)
     table = pool.allocate_request(2100)
