@@ -103,8 +103,8 @@ class ReferenceBackend:
         # kernels (node setting `kernels`, default auto), resolved by the engine (engine/fast/backend.py): auto is
         # fast on a CUDA rank of a single-rank node (TimedModel over FastModel: fast prefill and decode), else
         # reference (always on CPU). Explicit fast also runs on a TP group (TPModel: the fast TP decode of
-        # engine/parallel/fast_tp.py, the reference SPMD prefill, logged at start); on a DCP pool, or on CPU
-        # without the Triton interpreter, it raises here naming why
+        # engine/parallel/fast_tp.py) and a DCP pool (DCPModel: engine/parallel/fast_dcp.py), each with the
+        # reference SPMD prefill, logged at start; on CPU without the Triton interpreter it raises here naming why
         engine_config = EngineConfig(model=config.model, seed=seed, num_rows=config.num_rows,
                                      max_batch=config.max_num_seqs, tp_size=config.tp_size,
                                      dcp_size=config.dcp_size, block_size=config.block_size,

@@ -81,14 +81,14 @@ def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_sh
                         kernels=settings.kernels)
 
 
-def node_kernels(kernels: str, device: str, world_size: int, dcp_size: int = 1) -> str:
+def node_kernels(kernels: str, device: str, world_size: int) -> str:
     """The kernel set the ranks of a node run: `kernels` ("auto" | "reference" | "fast") on `device` with
-    `world_size` ranks (DCP over `dcp_size`). `auto`: fast on a single-rank cuda node, else reference; `fast`
-    runs single-rank and TP nodes (TP: the fast decode, the reference SPMD prefill: engine/parallel/spmd.py);
-    where unsupported (DCP, CPU without the Triton interpreter) it raises ValueError naming the reason."""
-    from engine.fast.backend import fast_unsupported, resolve_kernels
+    `world_size` ranks. `auto`: fast on a single-rank cuda node, else reference; `fast` runs single-rank, TP and
+    DCP nodes (multi-rank: the fast decode, the reference SPMD prefill: engine/parallel/spmd.py); where
+    unsupported (CPU without the Triton interpreter) it raises ValueError naming the reason."""
+    from engine.fast.backend import resolve_kernels
 
-    return resolve_kernels(kernels, device, fast_unsupported(dcp_size=dcp_size), auto_fast=world_size == 1)
+    return resolve_kernels(kernels, device, None, auto_fast=world_size == 1)
 
 
 TOKENIZER_PROBE = "pdcluster tokenizer probe: Hello, world! 123 \u00e9\u4e2d\U0001f600"

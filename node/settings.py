@@ -110,12 +110,12 @@ class NodeSettings(BaseSettings):
     def public_host(self) -> str:
         return self.advertise_host or self.host
 
-    def resolved_kernels(self, world_size: int, dcp_size: int = 1) -> str:
-        """The kernel set this node's ranks run (W = `world_size` ranks, DCP over `dcp_size` of them); raises
-        ValueError naming the reason when `kernels` is `fast` and the node cannot run it."""
+    def resolved_kernels(self, world_size: int) -> str:
+        """The kernel set this node's ranks run (W = `world_size` ranks); raises ValueError naming the reason when
+        `kernels` is `fast` and the node cannot run it."""
         from node.runtime import node_kernels
 
-        return node_kernels(self.kernels, self.device, world_size, dcp_size)
+        return node_kernels(self.kernels, self.device, world_size)
 
     def handoff_secret(self) -> ClusterSecret | None:
         """The cluster secret (from `cluster_secret` or `cluster_secret_file`); None only with `insecure_handoffs`.

@@ -40,7 +40,8 @@ def fast_unsupported(tp_size: int = 1, dcp_size: int = 1) -> str | None:
     """Why an engine of this parallel shape cannot run the fast set (None: it can). `tp_size` > 1 is the plain
     engine's (no SPMD model); a TP group runs the fast decode through engine/parallel/spmd.py `TPModel`."""
     if dcp_size > 1:
-        return f"the fast kernels do not cover the DCP decode (dcp_size={dcp_size})"
+        return (f"the fast kernels need the DCP SPMD model for dcp_size={dcp_size} (engine/parallel/spmd.py "
+                "DCPModel); a plain engine runs them single-rank only")
     if tp_size > 1:
         return (f"the fast kernels need the TP SPMD model for tp_size={tp_size} (engine/parallel/spmd.py "
                 "TPModel); a plain engine runs them single-rank only")

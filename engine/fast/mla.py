@@ -130,6 +130,20 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, latent_scale: float) 
     return merged * latent_scale
 
 
+def merge_splits_lse(partial: torch.Tensor, lse: torch.Tensor,
+                     latent_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_splits` with the merged log-sum-exp: (o^lat [B, H, C], lse [B, H]) where lse is the natural log of
+    sum_j exp(s_j) over every key of every split, s_j = (q~ . c~_j) * softmax_scale * latent_scale as the
+    reference scores (the kernel's lse is base 2 of s_j * log2(e)); -inf with no keys. What a DCP rank's partial
+    attention gives the cross-rank merge (engine/parallel/dcp_attention.py)."""
+    top = lse.amax(-1, keepdim=True)
+    weight = torch.exp2(lse - torch.where(top == float("-inf"), 0.0, top))  # [B, H, S]
+    total = weight.sum(-1)
+    merged = (partial * weight.unsqueeze(-1)).sum(2) / total.unsqueeze(-1).clamp_min(1e-30)
+    lse2 = torch.where(total > 0, top.squeeze(-1) + torch.log2(total.clamp_min(1e-30)), float("-inf"))
+    return merged * latent_scale, lse2 / LOG2E
+
+
 def naive_sparse_mla_decode(latent_bytes: torch.Tensor, q_absorbed: torch.Tensor, selected: torch.Tensor,
                             softmax_scale: float, latent_scale: float, kv_lora_rank: int) -> torch.Tensor:
     """Reference: engine.model.mla.sparse_mla_gathered on the dequantized latents (uint8 [B, L, C+R]) of the

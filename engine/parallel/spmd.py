@@ -111,7 +111,8 @@ class DCPModel(TPModel):
     KDA heads are split as under TP. A local prefill (colocated requests, the `recompute` load-failure policy)
     runs the SPMD prefill into a temporary whole-sequence cache of the request, then keeps this rank's share;
     a prefill that resumes at `start` > 0 (a chunk, a prefix-cache hit) first all-gathers every rank's owned
-    rows of positions 0..start-1 into that cache and copies in the rank's KDA state."""
+    rows of positions 0..start-1 into that cache and copies in the rank's KDA state.
+    With `fast_kernels(layout)` decode runs `fast_dcp.DCPFastDecoder` (partial attention merged by log-sum-exp)."""
 
     def __init__(self, model: Any, ctx: Any, token_threshold: int, merge: str = "compact",
                  attention: str = "exact") -> None:
@@ -152,6 +153,14 @@ class DCPModel(TPModel):
             whole.write_kda(i, cache.read_kda(i))
 
     def decode(self, token_ids: Any, positions: list[int], caches: list[Any]) -> Any:
+        if self.fast_decoder is not None:
+            from engine.parallel.fast_dcp import decode_on_dcp_pool
+
+            logits = decode_on_dcp_pool(self.fast_decoder, token_ids, positions, caches)
+            self.merge_bytes, self.fast_decoder.merge_bytes = self.merge_bytes + self.fast_decoder.merge_bytes, 0
+            self.merge_fallbacks += self.fast_decoder.merge_fallback_rows
+            self.fast_decoder.merge_fallback_rows = 0
+            return logits
         from engine.parallel.dcp_decode import parallel_decode
 
         result = parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="dcp",
@@ -160,10 +169,20 @@ class DCPModel(TPModel):
         self.merge_fallbacks += result.stats.merge_fallback_rows
         return result.logits
 
-    def fast_unsupported(self) -> str | None:
-        from engine.fast.backend import fast_unsupported
+    def fast_kernels(self, layout: Any) -> "TimedModel":
+        """The fast decode over the DCP group (engine/parallel/fast_dcp.py: the cache split by token, the
+        partial attentions merged by log-sum-exp; KDA heads and experts split as in the fast TP decode); prefill
+        stays the reference SPMD prefill, logged here with the attention mode."""
+        from engine.parallel.fast_dcp import DCPFastDecoder
 
-        return fast_unsupported(dcp_size=self.ctx.world_size)
+        self.fast_decoder = DCPFastDecoder(self.model, layout, self.ctx)
+        if self.ctx.rank == 0:
+            log.warning("kernels=fast on %d DCP ranks: decode runs the fast kernels (engine/parallel/fast_dcp.py) "
+                        "and merges the ranks' partial attention by log-sum-exp%s; prefill runs the reference "
+                        "SPMD prefill (no multi-rank fast prefill yet)", self.ctx.world_size,
+                        " (attention='exact', bitwise single-rank logits, is the reference kernels' mode)"
+                        if self.attention == "exact" else "")
+        return self
 
     def make_cache(self, pool: Any, table: Any) -> Any:
         from engine.cache import DCPRowCache

@@ -1,9 +1,9 @@
 """The node setting `kernels` (auto | reference | fast): how a node resolves it (auto is fast only on a CUDA rank of
 a single-rank node, so on CPU every node keeps the reference set; explicit fast also runs a TP node's decode), the
 flag and environment that carry it to the ranks, and the refusal, at start and naming the reason, of an explicit
-`fast` where the node cannot run it (DCP, CPU without the interpreter).
+`fast` where the node cannot run it (CPU without the interpreter).
 A node serving with `fast` end to end (CPU, Triton interpreter) is tests/node/test_fast_node.py; the TP fast
-decode on 2 ranks is tests/engine/fast/test_tp_decode.py."""
+decode on 2 ranks is tests/engine/fast/test_tp_decode.py, the DCP one tests/engine/fast/test_dcp_decode.py."""
 
 from __future__ import annotations
 
@@ -36,16 +36,13 @@ def test_auto_is_fast_only_on_a_single_cuda_rank(no_interpreter) -> None:
     assert node_kernels("auto", "cuda", 2) == "reference"  # TP: the fast TP decode only when asked for
     if importlib.util.find_spec("triton") is not None:  # fast also needs the triton package
         assert node_kernels("fast", "cuda", 2) == "fast"
-    assert node_kernels("auto", "cuda", 2, 2) == "reference"  # DCP pool
     assert node_kernels("reference", "cuda", 1) == "reference"
-    assert node_kernels("reference", "cpu", 4, 4) == "reference"
+    assert node_kernels("reference", "cpu", 4) == "reference"
 
 
 def test_explicit_fast_where_unsupported_is_refused_with_the_reason(no_interpreter) -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):
         node_kernels("fast", "cpu", 1)
-    with pytest.raises(ValueError, match=r"do not cover the DCP decode \(dcp_size=2\)"):
-        node_kernels("fast", "cuda", 2, 2)
     with pytest.raises(ValueError, match="unknown kernels 'triton'"):
         node_kernels("triton", "cuda", 1)
 
@@ -72,9 +69,9 @@ def test_nodes_refuse_to_start_with_fast_where_unsupported(no_interpreter, capsy
     assert exited.value.code == 2
     assert "kernels='fast' needs a CUDA device" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exited:
-        decode_main(["--kernels", "fast", "--dcp", "2", "--device", "cuda", "--insecure-handoffs"])
+        decode_main(["--kernels", "fast", "--dcp", "2", "--insecure-handoffs"])  # DCP runs fast, but on CUDA
     assert exited.value.code == 2
-    assert "do not cover the DCP decode (dcp_size=2)" in capsys.readouterr().err
+    assert "kernels='fast' needs a CUDA device" in capsys.readouterr().err
 
 
 def _config(**kw) -> WorkerConfig:  # type: ignore[no-untyped-def]

@@ -66,3 +66,50 @@ def engine_generate(ctx: ParallelContext, cfg_name: str, prompt: list[int], max_
     result = engine.generate("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return {"kernels": engine.kernels, "fast": model.fast_decoder is not None, "tokens": result.token_ids,
             "logprobs": result.logprobs}
+
+
+def dcp_greedy_decode(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], first: list[int], steps: int,
+                      dtype: torch.dtype) -> dict:
+    """Prefill (the reference DCP node's: DCPModel.prefill keeps this rank's share), then `steps` greedy steps of
+    the fast DCP decode (DCPFastDecoder) on this rank."""
+    from engine.cache import DCPRowCache, RowPool
+    from engine.layout import plan_layout
+    from engine.model.weights import build_model
+    from engine.parallel.fast_dcp import DCPFastDecoder, decode_on_dcp_pool
+    from engine.parallel.spmd import DCPModel
+
+    model = build_model(cfg)
+    layout = plan_layout(cfg, tp_size=ctx.world_size, dcp_size=ctx.world_size)
+    pool = RowPool(layout, cfg, 4 * len(prompts) + 4)
+    wrapper = DCPModel(model, ctx, 1)
+    caches = []
+    with torch.no_grad():
+        for p in prompts:
+            cache = DCPRowCache(pool, pool.allocate_request(p.numel() + steps + 1), ctx.rank)
+            wrapper.prefill(p, cache)
+            caches.append(cache)
+    decoder = DCPFastDecoder(model, layout, ctx, dtype)
+    tokens, positions, logits = [list(first)], [p.numel() for p in prompts], []
+    for _ in range(steps):
+        out = decode_on_dcp_pool(decoder, torch.tensor(tokens[-1]), positions, caches)
+        logits.append(out)
+        tokens.append(out.argmax(-1).tolist())
+        positions = [n + 1 for n in positions]
+    return {"tokens": tokens, "logits": logits, "merge_bytes": decoder.merge_bytes}
+
+
+def dcp_engine_generate(ctx: ParallelContext, cfg_name: str, prompt: list[int], max_tokens: int) -> dict:
+    """A DCP engine as a decode node builds it (DCPModel over the rank group, its DCPRowCaches) with
+    kernels="fast": greedy generation."""
+    from engine.engine import Engine, EngineConfig
+    from engine.model.config import get_preset
+    from engine.model.weights import build_model
+    from engine.parallel.spmd import DCPModel
+    from engine.sampling import SamplingParams
+
+    model = DCPModel(build_model(get_preset(cfg_name)), ctx, 1)
+    engine = Engine(EngineConfig(model=cfg_name, num_rows=16, tp_size=ctx.world_size, dcp_size=ctx.world_size,
+                                 kernels="fast", prefix_cache=False), model=model, make_cache=model.make_cache)
+    result = engine.generate("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return {"kernels": engine.kernels, "fast": model.fast_decoder is not None, "tokens": result.token_ids,
+            "logprobs": result.logprobs, "merge_bytes": model.merge_bytes}
