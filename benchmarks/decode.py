@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda needs --backend nccl")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kernels", default="reference", choices=["reference", "fast"],
-                        help="fast: the fast TP / DCP decoders over packed row pools (CPU: only under TRITON_INTERPRET=1)")
+                        help="fast: the fast TP / DCP decoders over packed row pools "
+                             "(CPU: only under TRITON_INTERPRET=1)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if (args.device == "cuda") != (args.backend == "nccl"):

@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "headline": {"metric": "gemv_sweep_best_step_ms", "value": best["ms"],
                          "goal": f"below the default's {min(first_ms, last_ms):.3f} ms"},
-            "device": torch.cuda.get_device_name(device), "kernel": args.kernel, "model": cfg.name, "batch": batch, "context": context,
+            "device": torch.cuda.get_device_name(device), "kernel": args.kernel, "model": cfg.name, "batch": batch,
+            "context": context,
             "default": {"tune": default, "first_ms": first_ms, "last_ms": last_ms}, "settings": rows}, indent=2))
     return 0
 

@@ -105,9 +105,9 @@ sort and gather kernels per MoE layer; benchmarks/RESULTS.md, 2026-12-04)."""
 
 def _route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]:
     """Router scores (fp32 sigmoid) and the top-k expert ids by score + bias, best first. Up to
-    ROUTE_FUSED_MAX_ROWS rows the dot products and the selection (k rounds of arg-max, each taking the first of equal maxima) are
-    elementwise work and reductions that torch.compile fuses into the segment's kernels; larger batches use a
-    matmul and torch.topk."""
+    ROUTE_FUSED_MAX_ROWS rows the dot products and the selection (k rounds of arg-max, each taking the first of
+    equal maxima) are elementwise work and reductions that torch.compile fuses into the segment's kernels;
+    larger batches (prefill) use a matmul and torch.topk."""
     if h.shape[0] > ROUTE_FUSED_MAX_ROWS:
         scores = torch.sigmoid(h @ router.t())
         return scores, torch.topk(scores + bias, top_k, dim=-1).indices

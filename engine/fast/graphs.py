@@ -26,7 +26,6 @@ share one memory pool (they replay one at a time on one stream); each step retur
 from __future__ import annotations
 
 import torch
-
 import triton
 
 from engine.fast.decoder import FastDecoder, gemv_kernels
@@ -38,7 +37,8 @@ MIN_PAGE_BUCKET = 16
 
 class GraphedDecode:
     def __init__(self, decoder: FastDecoder, buffer: torch.Tensor, batch: int, num_pages: int,
-                 kda_groups: int, first: PageBatch, first_tokens: torch.Tensor, pool=None) -> None:  # type: ignore[no-untyped-def]
+                 kda_groups: int, first: PageBatch, first_tokens: torch.Tensor,
+                 pool: tuple[int, int] | None = None) -> None:
         device = buffer.device
         b0 = decoder.layout.subblock_tokens
         # The graph reads the decoder's weight copies and writes `buffer` at the addresses captured below: both
@@ -127,8 +127,8 @@ class DecodeGraphs:
         kda[:batch] = pages.kda_row_ids
         tokens = torch.zeros(size, dtype=torch.int64, device=device)
         tokens[:batch] = token_ids
-        padded = PageBatch(subblock_ids=sb, positions=positions, kda_row_ids=kda,
-                           attn_row_ids=pages.attn_row_ids[:0], max_len=num_pages * self.decoder.layout.subblock_tokens)
+        padded = PageBatch(subblock_ids=sb, positions=positions, kda_row_ids=kda, attn_row_ids=pages.attn_row_ids[:0],
+                           max_len=num_pages * self.decoder.layout.subblock_tokens)
         return tokens, padded
 
     def decode(self, token_ids: torch.Tensor, pages: PageBatch) -> torch.Tensor | None:

@@ -63,7 +63,8 @@ def build_page_batch(layout: RowLayout, attn_rows: list[list[int]], kda_rows: li
         kda_row_ids=torch.tensor(kda_rows, dtype=torch.int64).to(device),
         attn_row_ids=rows.to(device),
         max_len=max_len,
-        write_positions=None if write_positions is None else torch.tensor(write_positions, dtype=torch.int32).to(device),
+        write_positions=(None if write_positions is None
+                         else torch.tensor(write_positions, dtype=torch.int32).to(device)),
     )
 
 
