@@ -451,6 +451,15 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def warm_up(self) -> list[int]:
+        """Before the first request: the model's one-time costs where it has them (FastModel with CUDA graphs:
+        the torch.compile of its segments and the decode graph of each batch bucket up to max_batch; rows
+        used meanwhile are freed). Returns the batch sizes warmed up ([] where there is nothing to do)."""
+        warm = getattr(self.model, "warm_up", None)
+        if warm is None or not getattr(self.model, "graphs", False):
+            return []
+        return warm(self.pool, self.config.max_batch)
+
     @property
     def num_free_rows(self) -> int:
         return self.pool.num_free

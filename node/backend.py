@@ -15,6 +15,8 @@ Also `load_tokenizer`, the server-side tokenizer matching the engine's (byte-lev
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +128,11 @@ class ReferenceBackend:
         self.layout = self.engine.layout
         self.model_config = self.engine.model_config
         self.kernels = self.engine.kernels
+        started = time.perf_counter()
+        warmed = self.engine.warm_up()  # before the rank reports in: compilation and decode graphs (fast, CUDA)
+        if warmed and ctx.rank == 0:
+            logging.getLogger("pdcluster.node").info("fast kernels warmed up in %.1f s (decode graphs for batches "
+                                                     "%s)", time.perf_counter() - started, warmed)
         self._first_tokens: dict[str, TokenEvent] = {}
         self._rank = ctx.rank
         self._cache_sig: tuple | None = None

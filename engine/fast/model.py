@@ -7,8 +7,8 @@ Prefill runs `FastPrefiller` when the cache is a single-rank RowSequenceCache wh
 device (otherwise, and for everything else, the wrapped reference model's).
 
 On CUDA (`graphs` default) the decoder's torch segments run through torch.compile and decode steps replay CUDA
-graphs (engine/fast/graphs.py `DecodeGraphs`: one per batch bucket and page-table bucket, captured on first use,
-so the first step of a new shape pays its capture and the first step of all pays the compilation). Each pool
+graphs (engine/fast/graphs.py `DecodeGraphs`: one per batch bucket and page-table bucket, captured on first use;
+`warm_up`, which a node runs at start, pays the compilation and the captures of the common shapes). Each pool
 gives one scratch request (one attention row and its KDA rows, taken from the pool at its first graphed step)
 for the padding slots (`RowPool.reserve_request`: the pool's capacity, `num_usable`, shrinks by those rows). A
 batch above the largest bucket, or a step when the pool has no rows left for the
@@ -63,6 +63,27 @@ class FastModel:
         graphs = self._graphs_for(pool)
         logits = None if graphs is None else graphs.decode(tokens, pages)
         return self.decoder.decode(pool.buffer, tokens, pages) if logits is None else logits
+
+    def warm_up(self, pool: Any, max_batch: int, prompt_tokens: int = 16) -> list[int]:
+        """Pay the one-time costs before serving: the segments' compilation (graphs on) and the decode graphs of
+        every batch bucket up to `max_batch` at the smallest page-table bucket. One dummy request's rows
+        (allocated here, freed at the end) are prefilled with `prompt_tokens` zeros and decoded at each bucket
+        size, the request in every slot (what those steps write is discarded with the rows). Returns the batch
+        sizes decoded."""
+        from engine.cache import RowSequenceCache
+        from engine.fast.graphs import BATCH_BUCKETS
+
+        sizes = [b for b in BATCH_BUCKETS if b <= max(1, max_batch)]
+        table = pool.allocate_request(prompt_tokens + 1)
+        try:
+            cache = RowSequenceCache(pool, table)
+            with torch.no_grad():
+                self.prefill(torch.zeros(prompt_tokens, dtype=torch.int64), cache)
+                for size in sizes:
+                    self.decode(torch.zeros(size, dtype=torch.int64), [prompt_tokens] * size, [cache] * size)
+        finally:
+            pool.free(table.row_ids)
+        return sizes
 
     def _graphs_for(self, pool: Any) -> Any:
         """The pool's DecodeGraphs (made with its scratch request on first use); None while the pool has no rows

@@ -149,3 +149,19 @@ def test_engine_graphed_steps_match_eager_steps() -> None:
     scratch = set(graphs.scratch_table.attn_row_ids) | set(graphs.scratch_table.kda_row_ids)
     untouched = [r for r in range(pool.num_rows) if r not in used and r not in scratch]
     assert untouched and torch.equal(pool.buffer[untouched], eager_pool.buffer[untouched])
+
+
+def test_warm_up_decodes_each_bucket_and_frees_its_rows(device) -> None:  # type: ignore[no-untyped-def]
+    """FastModel.warm_up (what a CUDA node runs before its first request: compilation and one decode graph per
+    batch bucket) on a pool that already serves a request: it decodes the bucket sizes up to max_batch, frees
+    every row it took and leaves the serving request's rows as they were. (Here without graphs, through the
+    Triton interpreter on CPU: the same prefill and decode calls.)"""
+    model = build_model(MINI).to(device)
+    layout = plan_layout(MINI)
+    pool = RowPool(layout, MINI, 16, device=device)
+    table = pool.allocate_request(40)
+    pool.buffer[table.attn_row_ids] = 7  # a serving request's bytes
+    before, free = pool.buffer.clone(), pool.num_free
+    fast = FastModel(model, layout, graphs=False)
+    assert fast.warm_up(pool, max_batch=3) == [1, 2]
+    assert pool.num_free == free and torch.equal(pool.buffer[table.row_ids], before[table.row_ids])
