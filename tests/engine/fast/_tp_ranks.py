@@ -69,9 +69,9 @@ def engine_generate(ctx: ParallelContext, cfg_name: str, prompt: list[int], max_
 
 
 def dcp_greedy_decode(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], first: list[int], steps: int,
-                      dtype: torch.dtype) -> dict:
+                      dtype: torch.dtype, interleave: int) -> dict:
     """Prefill (the reference DCP node's: DCPModel.prefill keeps this rank's share), then `steps` greedy steps of
-    the fast DCP decode (DCPFastDecoder) on this rank."""
+    the fast DCP decode (DCPFastDecoder) on this rank; tokens owned in runs of `interleave`."""
     from engine.cache import DCPRowCache, RowPool
     from engine.layout import plan_layout
     from engine.model.weights import build_model
@@ -79,7 +79,7 @@ def dcp_greedy_decode(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], fi
     from engine.parallel.spmd import DCPModel
 
     model = build_model(cfg)
-    layout = plan_layout(cfg, tp_size=ctx.world_size, dcp_size=ctx.world_size)
+    layout = plan_layout(cfg, tp_size=ctx.world_size, dcp_size=ctx.world_size, dcp_interleave=interleave)
     pool = RowPool(layout, cfg, 4 * len(prompts) + 4)
     wrapper = DCPModel(model, ctx, 1)
     caches = []
@@ -95,7 +95,8 @@ def dcp_greedy_decode(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], fi
         logits.append(out)
         tokens.append(out.argmax(-1).tolist())
         positions = [n + 1 for n in positions]
-    return {"tokens": tokens, "logits": logits, "merge_bytes": decoder.merge_bytes}
+    owned = [c.read_owned(0, p.numel()).latent.shape[0] for c, p in zip(caches, prompts)]
+    return {"tokens": tokens, "logits": logits, "merge_bytes": decoder.merge_bytes, "owned": owned}
 
 
 def dcp_engine_generate(ctx: ParallelContext, cfg_name: str, prompt: list[int], max_tokens: int) -> dict:

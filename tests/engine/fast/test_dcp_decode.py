@@ -1,6 +1,8 @@
 """The fast decode inside the DCP decode (engine/parallel/fast_dcp.py) on 2 gloo ranks, CPU, Triton interpreter,
-kimi-k3.1-mini (2 MLA layers, top-k 256; prompts of 300 and 40 tokens, token interleave: each rank owns every
-other token, so the 300-token request's top-k is a real merge of both ranks' candidates):
+kimi-k3.1-mini (2 MLA layers, top-k 256; prompts of 300 and 40 tokens), tokens owned in runs of 64 (the
+sub-block, the finest interleave the row layout takes): the 300-token request's keys sit on both ranks (172 and
+128), so its top-k is a merge of both ranks' candidates; the 40-token request's all on rank 0 (rank 1 attends
+over nothing and contributes an empty partial):
 
 - fp32 weights and activations: every step's logits within 1% of their range of the single-rank FastDecoder's
   (what differs: the top-k order, the keys split over two ranks, so the MLA kernel's bf16 probabilities are
@@ -34,8 +36,9 @@ def pool2():
 
 
 def test_two_rank_fast_dcp_decode_matches_single_rank_fp32(pool2) -> None:
-    results = pool2.run(_tp_ranks.dcp_greedy_decode, MINI, _prompts(), FIRST, STEPS, torch.float32)
+    results = pool2.run(_tp_ranks.dcp_greedy_decode, MINI, _prompts(), FIRST, STEPS, torch.float32, 64)
     want_tokens, want_logits = _single_rank_fast(torch.float32)
+    assert [r["owned"] for r in results] == [[172, 40], [128, 0]]
     for res in results:
         assert res["tokens"] == want_tokens
         assert res["merge_bytes"] > 0
