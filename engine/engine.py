@@ -451,14 +451,15 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def warm_up(self) -> list[int]:
+    def warm_up(self, decode: bool = True) -> list[int] | None:
         """Before the first request: the model's one-time costs where it has them (FastModel with CUDA graphs:
-        the torch.compile of its segments and the decode graph of each batch bucket up to max_batch; rows
-        used meanwhile are freed). Returns the batch sizes warmed up ([] where there is nothing to do)."""
+        the torch.compile of its segments and, with `decode`, the decode graph of each batch bucket up to
+        max_batch; rows used meanwhile are freed). Returns the batch sizes decoded, None where there was
+        nothing to do."""
         warm = getattr(self.model, "warm_up", None)
         if warm is None or not getattr(self.model, "graphs", False):
-            return []
-        return warm(self.pool, self.config.max_batch)
+            return None
+        return warm(self.pool, self.config.max_batch if decode else 0)
 
     @property
     def num_free_rows(self) -> int:

@@ -129,8 +129,9 @@ class ReferenceBackend:
         self.model_config = self.engine.model_config
         self.kernels = self.engine.kernels
         started = time.perf_counter()
-        warmed = self.engine.warm_up()  # before the rank reports in: compilation and decode graphs (fast, CUDA)
-        if warmed and ctx.rank == 0:
+        # before the rank reports in: compilation and (not on a prefill node) decode graphs (fast, CUDA)
+        warmed = self.engine.warm_up(decode=config.role != "prefill")
+        if warmed is not None and ctx.rank == 0:
             logging.getLogger("pdcluster.node").info("fast kernels warmed up in %.1f s (decode graphs for batches "
                                                      "%s)", time.perf_counter() - started, warmed)
         self._first_tokens: dict[str, TokenEvent] = {}

@@ -66,14 +66,14 @@ class FastModel:
 
     def warm_up(self, pool: Any, max_batch: int, prompt_tokens: int = 16) -> list[int]:
         """Pay the one-time costs before serving: the segments' compilation (graphs on) and the decode graphs of
-        every batch bucket up to `max_batch` at the smallest page-table bucket. One dummy request's rows
-        (allocated here, freed at the end) are prefilled with `prompt_tokens` zeros and decoded at each bucket
-        size, the request in every slot (what those steps write is discarded with the rows). Returns the batch
-        sizes decoded."""
+        every batch bucket up to `max_batch` at the smallest page-table bucket (`max_batch` 0: the prefill
+        only, for a node that does not decode). One dummy request's rows (allocated here, freed at the end) are
+        prefilled with `prompt_tokens` zeros and decoded at each bucket size, the request in every slot (what
+        those steps write is discarded with the rows). Returns the batch sizes decoded."""
         from engine.cache import RowSequenceCache
         from engine.fast.graphs import BATCH_BUCKETS
 
-        sizes = [b for b in BATCH_BUCKETS if b <= max(1, max_batch)]
+        sizes = [b for b in BATCH_BUCKETS if b <= max_batch]
         table = pool.allocate_request(prompt_tokens + 1)
         try:
             cache = RowSequenceCache(pool, table)

@@ -165,3 +165,4 @@ def test_warm_up_decodes_each_bucket_and_frees_its_rows(device) -> None:  # type
     fast = FastModel(model, layout, graphs=False)
     assert fast.warm_up(pool, max_batch=3) == [1, 2]
     assert pool.num_free == free and torch.equal(pool.buffer[table.row_ids], before[table.row_ids])
+    assert fast.warm_up(pool, max_batch=0) == [] and pool.num_free == free  # a prefill node: the prefill only
