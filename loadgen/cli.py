@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from pathlib import Path
 
@@ -102,6 +103,9 @@ def main(argv: list[str]) -> int:
         return 2
     args = build_parser(settings).parse_args(argv)
     args.command = ["pdcluster", "loadgen", *argv]
+    # SIGINT stops a run and keeps the partial level, also when a shell started this as a background job: it
+    # starts those with SIGINT ignored, which asyncio.run would leave so (it only takes over the default handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return asyncio.run(main_run(args))
     except KeyboardInterrupt:
