@@ -20,7 +20,6 @@ import argparse
 import importlib.util
 import itertools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,8 +32,6 @@ import torch  # noqa: E402
 import engine.fast.expert_gemv as expert_module  # noqa: E402
 import engine.fast.gemv as gemv_module  # noqa: E402
 from engine.fast.decoder import FastDecoder  # noqa: E402
-from engine.fast.graphs import GraphedDecode  # noqa: E402
-from engine.fast.pages import build_page_batch  # noqa: E402
 from engine.layout import plan_layout  # noqa: E402
 from engine.model.config import preset_or_file  # noqa: E402
 from engine.model.weights import build_model  # noqa: E402
@@ -71,35 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(cfg, device=device)
     layout = plan_layout(cfg)
     batch, context = args.batch, args.context
-    capacity = context + 64
     table, grid = KERNELS[args.kernel]
     default = dict(table)
     rows: list[dict] = []
     with torch.no_grad():
-        decoder = FastDecoder(model, layout, compile=True)
-        buffer, attn, kda = gpu.fast_pool(cfg, layout, batch, capacity, device)
-        num_pages = -(-capacity // layout.subblock_tokens)
-        first = build_page_batch(layout, attn, kda, [context] * batch, device)
+        bench = gpu.GraphedStepBench(FastDecoder(model, layout, compile=True), cfg, batch, context, device)
 
         def replay_ms(tune: dict) -> tuple[float, bool]:
             table.clear()
             table.update(tune)
-            runner = GraphedDecode(decoder, buffer, batch, num_pages, layout.kda_groups, first,
-                                   torch.zeros(batch, dtype=torch.int64, device=device))
-            runner.set_pages(build_page_batch(layout, attn, kda, [capacity - 1] * batch, device))
-            for _ in range(3):
-                runner.step(torch.randint(0, cfg.vocab_size, (batch,), device=device),
-                            torch.full((batch,), context + 1, dtype=torch.int32))
-            times = []
-            for _ in range(args.replays):
-                torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                runner.graph.replay()
-                torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - start)
+            runner = bench.capture()
+            ms = bench.replay_ms(runner, args.replays)
             finite = bool(torch.isfinite(runner.logits).all())
             del runner
-            return statistics.median(times) * 1e3, finite
+            return ms, finite
 
         started = time.time()
         first_ms, _ = replay_ms(default)

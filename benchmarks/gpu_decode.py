@@ -139,6 +139,43 @@ def fast_pool(cfg: ModelConfig, layout: RowLayout, batch: int, capacity: int, de
 FAST_RUNS = ("fast", "fast+graph", "fast+compile+graph")
 
 
+class GraphedStepBench:
+    """The graphed step of `decoder` for `batch` requests at `context` cached tokens on one `fast_pool`, for the
+    scripts that capture it again and again (benchmarks/gemv_sweep.py, profile_step.py): `capture()` makes a
+    GraphedDecode with the launch parameters and module constants in effect now (table loaded once, three
+    warm-up steps); `replay_ms(runner, n)` is the median of n replays alone (inputs in place)."""
+
+    def __init__(self, decoder: FastDecoder, cfg: ModelConfig, batch: int, context: int,
+                 device: torch.device) -> None:
+        self.decoder, self.cfg, self.batch, self.context, self.device = decoder, cfg, batch, context, device
+        layout = decoder.layout
+        self.capacity = context + 64
+        self.buffer, self.attn, self.kda = fast_pool(cfg, layout, batch, self.capacity, device)
+        self.num_pages = -(-self.capacity // layout.subblock_tokens)
+        self.first = build_page_batch(layout, self.attn, self.kda, [context] * batch, device)
+
+    def capture(self) -> GraphedDecode:
+        layout, batch, device = self.decoder.layout, self.batch, self.device
+        runner = GraphedDecode(self.decoder, self.buffer, batch, self.num_pages, layout.kda_groups, self.first,
+                               torch.zeros(batch, dtype=torch.int64, device=device))
+        runner.set_pages(build_page_batch(layout, self.attn, self.kda, [self.capacity - 1] * batch, device))
+        for _ in range(3):
+            runner.step(torch.randint(0, self.cfg.vocab_size, (batch,), device=device),
+                        torch.full((batch,), self.context + 1, dtype=torch.int32))
+        return runner
+
+    @staticmethod
+    def replay_ms(runner: GraphedDecode, replays: int) -> float:
+        times = []
+        for _ in range(replays):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            runner.graph.replay()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+
 def time_fast(cfg: ModelConfig, batch: int, context: int, steps: int, decoders: dict[str, FastDecoder],
               device: torch.device, log=print) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """ms per step of each fast run on one pool (benchmark data; the graphs are captured on its rows):

@@ -26,7 +26,6 @@ import importlib.util
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -38,7 +37,6 @@ import torch.nn.functional as F  # noqa: E402
 from engine.fast.decoder import FastDecoder, gemv_kernels  # noqa: E402
 from engine.fast.gemv import GEMV_MAX_ROWS, gemv  # noqa: E402
 from engine.fast.graphs import GraphedDecode  # noqa: E402
-from engine.fast.pages import build_page_batch  # noqa: E402
 from engine.layout import plan_layout  # noqa: E402
 from engine.model.config import preset_or_file  # noqa: E402
 from engine.model.weights import build_model  # noqa: E402
@@ -128,17 +126,6 @@ def overrides(spec: str):  # type: ignore[no-untyped-def]
             setter(key, old)
 
 
-def replay_ms(runner: GraphedDecode, replays: int) -> float:
-    times = []
-    for _ in range(replays):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        runner.graph.replay()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def time_linears(decoder: FastDecoder, batch: int, device: torch.device, copy_gbps: float) -> list[dict]:
     """Each distinct weight shape of the step's linears timed alone, L2 cold (see the module doc)."""
     shapes = collections.Counter()
@@ -198,24 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(cfg, device=device)
     layout = plan_layout(cfg)
     batch, context = args.batch, args.context
-    capacity = context + 64
     with torch.no_grad():
         decoder = FastDecoder(model, layout, compile=True)
-        buffer, attn, kda = gpu.fast_pool(cfg, layout, batch, capacity, device)
-        num_pages = -(-capacity // layout.subblock_tokens)
-        first = build_page_batch(layout, attn, kda, [context] * batch, device)
+        bench = gpu.GraphedStepBench(decoder, cfg, batch, context, device)
         results = []
         for spec in ["", *args.variant]:
             with overrides(spec):
-                runner = GraphedDecode(decoder, buffer, batch, num_pages, layout.kda_groups, first,
-                                       torch.zeros(batch, dtype=torch.int64, device=device))
-                runner.set_pages(build_page_batch(layout, attn, kda, [capacity - 1] * batch, device))
-                for _ in range(3):
-                    runner.step(torch.randint(0, cfg.vocab_size, (batch,), device=device),
-                                torch.full((batch,), context + 1, dtype=torch.int32))
+                runner = bench.capture()
                 torch.cuda.synchronize()
                 rows, totals = profile_replays(runner, args.replays)
-                totals["replay_ms"] = replay_ms(runner, 3 * args.replays)
+                totals["replay_ms"] = bench.replay_ms(runner, 3 * args.replays)
                 totals["finite"] = bool(torch.isfinite(runner.logits).all())
                 results.append({"variant": spec or "(tree)", "rows": rows, "totals": totals})
                 del runner

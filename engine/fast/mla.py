@@ -124,10 +124,7 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, latent_scale: float) 
     for a split without keys) merged by their log-sum-exp -> o^lat [B, H, C] fp32, times `latent_scale`."""
     if partial.shape[2] == 1:
         return partial[:, :, 0] * latent_scale
-    top = lse.amax(-1, keepdim=True)
-    weight = torch.exp2(lse - torch.where(top == float("-inf"), 0.0, top))  # [B, H, S]
-    merged = (partial * weight.unsqueeze(-1)).sum(2) / weight.sum(-1, keepdim=True).clamp_min(1e-30)
-    return merged * latent_scale
+    return merge_splits_lse(partial, lse, latent_scale)[0]
 
 
 def merge_splits_lse(partial: torch.Tensor, lse: torch.Tensor,

@@ -77,7 +77,7 @@ def dcp_page_batch(decoder: FastDecoder, dcp: DCPLayout, rank: int, positions: l
     for pos in positions:
         local = dcp.num_local(rank, pos + 1)  # owned tokens among 0..pos
         attend.append(local - 1)
-        write.append(local - 1 if int(dcp.owner(torch.tensor(pos))) == rank else -1)
+        write.append(local - 1 if dcp.owner(pos) == rank else -1)
     return build_page_batch(decoder.layout, [c.table.attn_row_ids for c in caches],
                             [c.table.kda_row_ids for c in caches], attend, decoder.model.device, write)
 
