@@ -10,6 +10,10 @@ rank, = TTFT without HTTP), with the head/token ratios. The append case prefills
 
     python benchmarks/prefill.py [--world-sizes 2 4] [--lengths 4096 16384 32768] [--json PATH]
     python benchmarks/prefill.py --backend nccl --device cuda --world-sizes 2 --lengths 16384 32768 65536
+    python benchmarks/prefill.py --kernels fast --backend nccl --device cuda --world-sizes 1 2 ...
+
+`--kernels fast` runs engine/parallel/fast_prefill.py instead (bf16, the Triton indexer and sparse MLA reading
+the packed rows, fla-core's chunk KDA on CUDA, compiled segments) into each rank's row pool.
 
 Headline: attention-module speed-up of token-sharded over head-sharded at W=2, 16K (goal >= 1.6x).
 `--model` takes a preset name or a ModelConfig JSON file. On CUDA, times are taken after a device synchronise.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +54,10 @@ class Row:
         return self.head_total_s / self.token_total_s
 
 
-def rank_run(ctx, preset: str, new_tokens: int, prefix: int, seed: int, modes: list[str]) -> dict:
+def rank_run(ctx, preset: str, new_tokens: int, prefix: int, seed: int, modes: list[str],
+             kernels: str = "reference") -> dict:
+    if kernels == "fast":
+        return fast_rank_run(ctx, preset, new_tokens, prefix, seed, modes)
     import torch
 
     from engine.model.config import preset_or_file
@@ -75,8 +83,54 @@ def rank_run(ctx, preset: str, new_tokens: int, prefix: int, seed: int, modes: l
     return out
 
 
+_FAST: dict = {}
+"""Per rank process: the fast prefiller of (model, world size), built once (weights, bf16 copies, compiled
+segments) and reused by every row."""
+
+
+def fast_rank_run(ctx, preset: str, new_tokens: int, prefix: int, seed: int, modes: list[str]) -> dict:
+    """The fast SPMD prefill (engine/parallel/fast_prefill.py) into the rank's row pool on its device: the prefix
+    token-sharded (untimed), then the new tokens in each mode from the same rows (restored between modes)."""
+    import torch
+
+    from engine.cache import RowPool
+    from engine.layout import plan_layout
+    from engine.model.config import preset_or_file
+    from engine.model.weights import build_model
+    from engine.parallel.fast_prefill import TPFastPrefiller
+    from engine.parallel.fast_tp import TPFastDecoder
+
+    cfg = preset_or_file(preset)
+    key = (preset, ctx.world_size)
+    if key not in _FAST:
+        torch.manual_seed(seed)
+        model = build_model(cfg, device=ctx.device)
+        layout = plan_layout(cfg, tp_size=ctx.world_size)
+        decoder = TPFastDecoder(model, layout, ctx, compile=ctx.device.type == "cuda")
+        _FAST.clear()
+        _FAST[key] = (layout, TPFastPrefiller(decoder))
+    layout, prefiller = _FAST[key]
+    pool = RowPool(layout, cfg, sum(layout.rows_per_request(prefix + new_tokens)), device=ctx.device)
+    table = pool.allocate_request(prefix + new_tokens)
+    tokens = torch.randint(0, 256, (prefix + new_tokens,), generator=torch.Generator().manual_seed(seed))
+    rows = table.attn_row_ids + table.kda_row_ids
+    if prefix:
+        prefiller.prefill(pool.buffer, tokens[:prefix], table.attn_row_ids, table.kda_row_ids, 0, "token")
+    saved = pool.buffer[rows].clone()
+    out = {}
+    for mode in modes:
+        pool.buffer[rows] = saved
+        res = prefiller.prefill(pool.buffer, tokens[prefix:], table.attn_row_ids, table.kda_row_ids, prefix, mode)
+        out[mode] = {"attention_s": res.stats.attention_s, "total_s": res.stats.total_s,
+                     "bytes": res.stats.exchange_bytes, "first_token": int(res.logits[0].argmax())}
+    del pool, saved
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def measure(pool, args, case: str, new_tokens: int, prefix: int) -> Row:
-    results = pool.run(rank_run, args.model, new_tokens, prefix, args.seed, ["head", "token"])
+    results = pool.run(rank_run, args.model, new_tokens, prefix, args.seed, ["head", "token"], args.kernels)
     if len({r[m]["first_token"] for r in results for m in ("head", "token")}) != 1:
         raise SystemExit(f"first token differs between modes for {case} {new_tokens}")
     worst = {m: {k: max(r[m][k] for r in results) for k in ("attention_s", "total_s", "bytes")}
@@ -97,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda needs --backend nccl")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed prompt of this many tokens first (default: 2048 on cuda, 0 on cpu)")
+    parser.add_argument("--kernels", default="reference", choices=["reference", "fast"],
+                        help="reference: engine/parallel/prefill.py (fp32); fast: engine/parallel/fast_prefill.py "
+                             "(bf16, Triton kernels, compiled segments on CUDA) into row pools")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -104,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda goes with --backend nccl (one GPU per rank), --device cpu with gloo")
     if args.warmup is None:
         args.warmup = 2048 if args.device == "cuda" else 0
+    if args.kernels == "fast" and args.device == "cpu":  # the Triton kernels on CPU: the interpreter (slow)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
     from engine.parallel.groups import RankPool
 
@@ -118,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.prefix:
                 rows.append(measure(pool, args, "append", args.append, args.prefix))
                 print(f"done {rows[-1]}", file=sys.stderr, flush=True)
-    print(f"{args.model}, {args.backend} ranks on {args.device}; times are the slowest rank's, seconds")
+    print(f"{args.model}, {args.kernels} kernels, {args.backend} ranks on {args.device}; times are the slowest "
+          "rank's, seconds")
     print(f"{'W':>2} {'case':<7} {'new':>6} {'cached':>6} {'attn head':>9} {'attn token':>10} {'attn x':>6} "
           f"{'TTFT head':>9} {'TTFT token':>10} {'TTFT x':>6} {'MiB token':>9} {'MiB head':>8}")
     for r in rows:
@@ -132,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             "headline": {"metric": "prefill_attention_speedup_token_over_head_W2_16K",
                          "value": head[0].attention_speedup if head else None, "goal": 1.6},
             "ttft_speedup_W2_16K": head[0].ttft_speedup if head else None,
-            "model": args.model, "backend": args.backend, "device": args.device,
+            "model": args.model, "kernels": args.kernels, "backend": args.backend, "device": args.device,
             "rows": [dict(asdict(r), attention_speedup=r.attention_speedup, ttft_speedup=r.ttft_speedup)
                      for r in rows]}, indent=2))
     return 0

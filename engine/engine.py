@@ -91,9 +91,9 @@ class EngineConfig:
     prefilled (at least scheduler.MIN_CHUNK). None: every prompt prefills in one step."""
     kernels: str | None = None
     """Kernel set: "reference" (engine/model/) or "fast" (engine/fast/: Triton decode over the packed rows; one rank,
-    or a passed-in TP `TPModel`: the fast TP decode with the reference SPMD prefill); None or "auto": fast on CUDA
-    for a single-rank engine (engine/fast/backend.py), else reference. "fast" where it cannot run (DCP, CPU
-    without TRITON_INTERPRET=1) is refused with the reason."""
+    or a passed-in `TPModel`: the fast SPMD prefill and TP decode; a `DCPModel`: the fast DCP decode); None or
+    "auto": fast on CUDA for a single-rank engine (engine/fast/backend.py), else reference. "fast" where it cannot
+    run (CPU without TRITON_INTERPRET=1) is refused with the reason."""
     """How long rows stay out of the pool after an export or import is given up (lease expired, aborted): a
     remote READ posted before may still target them until the reader's transfer timeout."""
 

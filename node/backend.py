@@ -9,7 +9,8 @@ the model is SPMD over the rank group: `TPModel` (heads split) or, on a DCP pool
 `config.device` "cuda": weights, the row pool and every intermediate on the rank's own GPU (`ctx.device`).
 `config.kernels` ("auto" | "reference" | "fast"): the engine's kernel set (engine/fast/backend.py; node/runtime.py
 `node_kernels`): auto is fast on a CUDA rank of a single-rank node, reference otherwise; fast on W > 1 TP ranks
-is the fast TP decode with the reference SPMD prefill; DCP pools refuse fast.
+is the fast SPMD prefill and the fast TP decode; on a DCP pool the fast DCP decode (its local prefill the
+reference one).
 Also `load_tokenizer`, the server-side tokenizer matching the engine's (byte-level, BOS first, chat template).
 """
 
@@ -104,9 +105,10 @@ class ReferenceBackend:
         device = _rank_device(getattr(config, "device", "cpu"), ctx)
         # kernels (node setting `kernels`, default auto), resolved by the engine (engine/fast/backend.py): auto is
         # fast on a CUDA rank of a single-rank node (TimedModel over FastModel: fast prefill and decode), else
-        # reference (always on CPU). Explicit fast also runs on a TP group (TPModel: the fast TP decode of
-        # engine/parallel/fast_tp.py) and a DCP pool (DCPModel: engine/parallel/fast_dcp.py), each with the
-        # reference SPMD prefill, logged at start; on CPU without the Triton interpreter it raises here naming why
+        # reference (always on CPU). Explicit fast also runs on a TP group (TPModel: the fast SPMD prefill and TP
+        # decode of engine/parallel/fast_prefill.py and fast_tp.py) and a DCP pool (DCPModel: the fast decode of
+        # engine/parallel/fast_dcp.py, the reference local prefill, logged at start); on CPU without the Triton
+        # interpreter it raises here naming why
         engine_config = EngineConfig(model=config.model, seed=seed, num_rows=config.num_rows,
                                      max_batch=config.max_num_seqs, tp_size=config.tp_size,
                                      dcp_size=config.dcp_size, block_size=config.block_size,

@@ -84,7 +84,8 @@ def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_sh
 def node_kernels(kernels: str, device: str, world_size: int) -> str:
     """The kernel set the ranks of a node run: `kernels` ("auto" | "reference" | "fast") on `device` with
     `world_size` ranks. `auto`: fast on a single-rank cuda node, else reference; `fast` runs single-rank, TP and
-    DCP nodes (multi-rank: the fast decode, the reference SPMD prefill: engine/parallel/spmd.py); where
+    DCP nodes (TP: the fast SPMD prefill and decode; DCP: the fast decode, the reference local prefill:
+    engine/parallel/spmd.py); where
     unsupported (CPU without the Triton interpreter) it raises ValueError naming the reason."""
     from engine.fast.backend import resolve_kernels
 

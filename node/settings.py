@@ -55,8 +55,9 @@ class NodeSettings(BaseSettings):
     kernels: Literal["auto", "reference", "fast"] = "auto"
     """Kernel set of the ranks' engines (engine/fast/backend.py): `reference` (engine/model/, fp32: served
     log-probs equal teacher forcing bit for bit), `fast` (engine/fast/, bf16 + Triton, CUDA; on a TP node the
-    fast decode with the reference SPMD prefill), `auto`: `fast` on a single-rank node on device cuda, else
-    `reference` (always on CPU). `fast` where it is not supported (DCP) refuses to start, naming the reason."""
+    fast SPMD prefill and decode, on a DCP node the fast decode with the reference local prefill), `auto`: `fast`
+    on a single-rank node on device cuda, else `reference` (always on CPU). `fast` where it is not supported (CPU
+    without the Triton interpreter) refuses to start, naming the reason."""
     pin_cores: bool = True
     backend: str = "reference"
     """Engine backend of the ranks: "reference" (engine/), or "module:function" of another backend factory."""

@@ -53,6 +53,19 @@ def grouped_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     return mixed
 
 
+def expert_pairs(z: torch.Tensor, local_ids: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                 w2: torch.Tensor) -> torch.Tensor:
+    """One expert output per (token, slot) pair: z [n, latent] (one row per pair), local_ids [n] into the experts
+    of w1/w3/w2 -> [n, latent] in z's dtype (the grouped GEMMs of `grouped_experts` with one slot per row; the
+    expert-parallel prefill runs the pairs a rank owns, engine/parallel/fast_prefill.py)."""
+    out = z.new_empty(z.shape[0], w2.shape[1])
+    chunk = TOKEN_CHUNK * 8  # pairs: the packed buffer of TOKEN_CHUNK tokens of 8 slots
+    for lo in range(0, z.shape[0], chunk):
+        hi = min(lo + chunk, z.shape[0])
+        out[lo:hi] = _grouped_chunk(z[lo:hi], local_ids[lo:hi, None], w1, w3, w2)[:, 0]
+    return out
+
+
 def naive_grouped_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
                           w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Reference: a loop over the experts used, each on its gathered tokens, in fp32, then the weighted sum."""

@@ -114,17 +114,21 @@ def _prefill_index_kernel(pool8_ptr, pool32_ptr, sb_ptr, q_ptr, w_ptr, out_ptr,
 
 def prefill_index_scores(buffer: torch.Tensor, layout: RowLayout, subblock_ids: torch.Tensor, dsa_layer: int,
                          first_pos: int, q: torch.Tensor, weights: torch.Tensor,
-                         fp8_dot: bool | None = None) -> torch.Tensor:
-    """Scores [Tq, first_pos + Tq] of queries at positions first_pos.. against the request's keys 0.. read from
+                         fp8_dot: bool | None = None, num_keys: int | None = None) -> torch.Tensor:
+    """Scores [Tq, num_keys] of queries at positions first_pos.. against the request's keys 0.. read from
     the pages, -inf past each query's position. q [Tq, H_I, D] e4m3-valued, weights [Tq, H_I]. `fp8_dot`
-    (default: on CUDA) multiplies e4m3 queries and keys on the FP8 tensor cores (the same exact products)."""
+    (default: on CUDA) multiplies e4m3 queries and keys on the FP8 tensor cores (the same exact products).
+    `num_keys` (default first_pos + Tq, the keys the queries can see) may be larger: the columns past every
+    query's position are -inf, no dots run for them."""
     qp, wp = pad_heads(q, weights)
     if fp8_dot is None:
         fp8_dot = buffer.is_cuda and not interpreter_active()
     if fp8_dot:
         qp = qp.to(FP8_DTYPE)
     num_queries, heads, dim = qp.shape
-    num_keys = first_pos + num_queries
+    num_keys = first_pos + num_queries if num_keys is None else num_keys
+    if num_keys < first_pos + num_queries:
+        raise ValueError(f"{num_keys} key columns cannot hold queries up to position {first_pos + num_queries - 1}")
     assert dim & (dim - 1) == 0 and layout.index_bytes % 4 == 0 and layout.subblock_bytes % 4 == 0
     out = torch.empty(num_queries, num_keys, dtype=torch.float32, device=buffer.device)
     flat = buffer.view(-1)
@@ -147,9 +151,12 @@ def query_chunk(num_keys: int, score_bytes: int = SCORE_BYTES) -> int:
 
 def prefill_select(buffer: torch.Tensor, layout: RowLayout, subblock_ids: torch.Tensor, dsa_layer: int,
                    start: int, q: torch.Tensor, weights: torch.Tensor, topk: int,
-                   score_bytes: int = SCORE_BYTES) -> torch.Tensor:
+                   score_bytes: int = SCORE_BYTES, num_keys: int | None = None) -> torch.Tensor:
     """The indexer of a prefill of T tokens at positions start..start+T-1 -> [T, k] int32 selected positions
-    (unsorted, -1 padded). Queries whose position + 1 <= k need no scores: they keep every earlier key."""
+    (unsorted, -1 padded). Queries whose position + 1 <= k need no scores: they keep every earlier key.
+    `num_keys` (default start + T): the width of the score rows top-k runs on. Which of several keys with equal
+    scores top-k keeps depends on that width, so a query scored in a piece of the prompt (the token-sharded
+    prefill) gets the selection of the one-shot prefill when its rows are as wide: the prompt's key count."""
     num_tokens = q.shape[0]
     device = buffer.device
     out = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
@@ -159,9 +166,11 @@ def prefill_select(buffer: torch.Tensor, layout: RowLayout, subblock_ids: torch.
     if full_until:
         out[:full_until] = index_topk(positions.new_empty(full_until, 0).float(), positions[:full_until], topk)
         lo = full_until
+    width = start + num_tokens if num_keys is None else num_keys
     while lo < num_tokens:
-        hi = min(num_tokens, lo + query_chunk(start + num_tokens, score_bytes))
-        scores = prefill_index_scores(buffer, layout, subblock_ids, dsa_layer, start + lo, q[lo:hi], weights[lo:hi])
+        hi = min(num_tokens, lo + query_chunk(width, score_bytes))
+        scores = prefill_index_scores(buffer, layout, subblock_ids, dsa_layer, start + lo, q[lo:hi], weights[lo:hi],
+                                      num_keys=width)
         out[lo:hi] = index_topk(scores, positions[lo:hi], topk)
         lo = hi
     return out

@@ -47,7 +47,8 @@ class TPModel(TimedModel):
     prefill token-sharded (steps of at least `token_threshold` tokens) or head-sharded, decode with KDA
     heads split and the attention heads split (TP). Logits are identical on every rank, so every rank's
     scheduler samples the same tokens. The pool's KDA rows hold this rank's heads (layout tp_size = W).
-    With `fast_kernels(layout)` (an engine with kernels="fast") decode runs `fast_tp.TPFastDecoder` instead."""
+    With `fast_kernels(layout)` (an engine with kernels="fast") decode runs `fast_tp.TPFastDecoder` and prefill
+    `fast_prefill.TPFastPrefiller` (same modes, fast kernels) instead."""
 
     def __init__(self, model: Any, ctx: Any, token_threshold: int) -> None:
         super().__init__(model)
@@ -56,6 +57,15 @@ class TPModel(TimedModel):
         self.alltoall_bytes = 0
         self.fast_decoder: Any = None
         """The fast TP decode step (`fast_kernels`), or None: the reference TP decode."""
+        self.fast_prefiller: Any = None
+        """The fast SPMD prefill (`fast_kernels`), or None: the reference SPMD prefill."""
+
+    def _on_fast_pool(self, cache: Any) -> bool:
+        """The cache is a request's rows in a single-rank-layout pool on the model's device (what the fast prefill
+        writes into); anything else (a DCP node's whole-sequence scratch cache) runs the reference prefill."""
+        pool = getattr(cache, "pool", None)
+        return (hasattr(cache, "table") and pool is not None and pool.layout.dcp_size == 1
+                and pool.buffer.device == self.model.device)
 
     def prefill(self, token_ids: Any, cache: Any, start: int = 0, all_logits: bool = False) -> Any:
         from engine.parallel.prefill import PrefillBatch, choose_mode, parallel_prefill
@@ -65,7 +75,11 @@ class TPModel(TimedModel):
         # mode is equal within fp32 only, and a prompt's tail chunk must give the bits of the one-shot prefill
         mode = "token" if start else choose_mode(batch, self.token_threshold)
         started = time.perf_counter()
-        result = parallel_prefill(self.ctx, self.model, batch, [cache], mode, all_logits=all_logits)
+        if self.fast_prefiller is not None and self._on_fast_pool(cache):
+            result = self.fast_prefiller.prefill(cache.pool.buffer, token_ids, cache.table.attn_row_ids,
+                                                 cache.table.kda_row_ids, start, mode, all_logits)
+        else:
+            result = parallel_prefill(self.ctx, self.model, batch, [cache], mode, all_logits=all_logits)
         self.timings.append(("prefill", f"{mode}_sharded", time.perf_counter() - started))
         self.alltoall_bytes += result.stats.exchange_bytes
         return result.logits
@@ -87,17 +101,16 @@ class TPModel(TimedModel):
 
     def fast_kernels(self, layout: Any) -> "TimedModel":
         """The fast decode over the TP group (engine/parallel/fast_tp.py: KDA heads and experts split over the
-        ranks); prefill stays the reference SPMD prefill (token- or head-sharded), logged here."""
+        ranks) and the fast SPMD prefill (engine/parallel/fast_prefill.py: token- or head-sharded as the
+        reference chooses)."""
         reason = self.fast_unsupported()
         if reason is not None:
             raise ValueError(f"kernels='fast' cannot run here: {reason}")
+        from engine.parallel.fast_prefill import TPFastPrefiller
         from engine.parallel.fast_tp import TPFastDecoder
 
         self.fast_decoder = TPFastDecoder(self.model, layout, self.ctx)
-        if self.ctx.rank == 0:
-            log.warning("kernels=fast on %d TP ranks: decode runs the fast kernels (engine/parallel/fast_tp.py); "
-                        "prefill runs the reference SPMD prefill (no multi-rank fast prefill yet)",
-                        self.ctx.world_size)
+        self.fast_prefiller = TPFastPrefiller(self.fast_decoder)
         return self
 
 
@@ -172,14 +185,15 @@ class DCPModel(TPModel):
     def fast_kernels(self, layout: Any) -> "TimedModel":
         """The fast decode over the DCP group (engine/parallel/fast_dcp.py: the cache split by token, the
         partial attentions merged by log-sum-exp; KDA heads and experts split as in the fast TP decode); prefill
-        stays the reference SPMD prefill, logged here with the attention mode."""
+        stays the reference SPMD prefill into a whole-sequence cache (the fast prefill writes whole rows), logged
+        here with the attention mode."""
         from engine.parallel.fast_dcp import DCPFastDecoder
 
         self.fast_decoder = DCPFastDecoder(self.model, layout, self.ctx)
         if self.ctx.rank == 0:
             log.warning("kernels=fast on %d DCP ranks: decode runs the fast kernels (engine/parallel/fast_dcp.py) "
                         "and merges the ranks' partial attention by log-sum-exp%s; prefill runs the reference "
-                        "SPMD prefill (no multi-rank fast prefill yet)", self.ctx.world_size,
+                        "SPMD prefill (the fast prefill writes whole rows; a DCP pool splits them by token)", self.ctx.world_size,
                         " (attention='exact', bitwise single-rank logits, is the reference kernels' mode)"
                         if self.attention == "exact" else "")
         return self

@@ -65,7 +65,7 @@ def engine_generate(ctx: ParallelContext, cfg_name: str, prompt: list[int], max_
                                  prefix_cache=False), model=model)
     result = engine.generate("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return {"kernels": engine.kernels, "fast": model.fast_decoder is not None, "tokens": result.token_ids,
-            "logprobs": result.logprobs}
+            "logprobs": result.logprobs, "fast_prefills": model.fast_prefiller.steps}
 
 
 def dcp_greedy_decode(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], first: list[int], steps: int,
@@ -114,3 +114,31 @@ def dcp_engine_generate(ctx: ParallelContext, cfg_name: str, prompt: list[int], 
     result = engine.generate("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return {"kernels": engine.kernels, "fast": model.fast_decoder is not None, "tokens": result.token_ids,
             "logprobs": result.logprobs, "merge_bytes": model.merge_bytes}
+
+
+def fast_prefill(ctx: ParallelContext, cfg, prompt: torch.Tensor, mode: str, dtype: torch.dtype,
+                 split: int = 0) -> dict:
+    """The fast SPMD prefill (TPFastPrefiller) of one prompt on this rank, every token's logits; `split` > 0:
+    the first `split` tokens in one step (token mode), the rest as a resumed step in `mode`."""
+    from engine.cache import RowPool
+    from engine.fast.prefill_kda import kda_state_views
+    from engine.layout import plan_layout
+    from engine.model.weights import build_model
+    from engine.parallel.fast_prefill import TPFastPrefiller
+    from engine.parallel.fast_tp import TPFastDecoder
+
+    model = build_model(cfg)
+    layout = plan_layout(cfg, tp_size=ctx.world_size)
+    pool = RowPool(layout, cfg, 8)
+    table = pool.allocate_request(prompt.numel())
+    prefiller = TPFastPrefiller(TPFastDecoder(model, layout, ctx, dtype))
+    args = (pool.buffer, table.attn_row_ids, table.kda_row_ids)
+    logits, exchanged = [], 0
+    for lo, hi, step_mode in ((0, split, "token"), (split, prompt.numel(), mode)):
+        if hi > lo:
+            res = prefiller.prefill(args[0], prompt[lo:hi], args[1], args[2], lo, step_mode, all_logits=True)
+            logits.append(res.logits)
+            exchanged += res.stats.exchange_bytes
+    recurrent, conv = kda_state_views(pool.buffer, layout, table.kda_row_ids[0], 0, prefiller.conv_dtype)
+    return {"logits": torch.cat(logits), "recurrent": recurrent.clone(), "conv": conv.clone(),
+            "attention_rows": pool.buffer[table.attn_row_ids].clone(), "exchange_bytes": exchanged}

@@ -1,0 +1,263 @@
+"""The fast prefill (engine/fast/prefill.py) inside the W-rank SPMD prefill: token-sharded or head-sharded.
+
+`TPFastPrefiller(decoder)` runs on every rank of the decoder's group (a `fast_tp.TPFastDecoder`: its weights,
+its compiled segments, its rank's experts) what engine/parallel/prefill.py runs for the reference, with the same
+data movement (all_gather / all_to_all only, never a cross-rank partial sum) and the fast kernels of the
+single-rank `FastPrefiller` in place of the reference ops:
+
+- rows: a rank runs the token-local work (norms, projections, MoE routing, the residual stream) on its own
+  tokens of the request: the zigzag split (pieces r and 2W-1-r) in token mode, one contiguous run in head mode
+  (engine/parallel/shard_plan.py);
+- MLA + DSA: the new tokens' FP8 latents and FP8 index keys + scales are all-gathered (one uint8 gather) and
+  every rank writes all of them into its pool (a TP pool replicates the attention rows). Token mode: each rank
+  runs the causal indexer (`prefill_select`, Triton scores from the FP8 pages + top-k) and the sparse MLA
+  (`sparse_mla_prefill`) for its own queries, all heads, one contiguous piece at a time; the queries are born on
+  their rank, nothing else moves. Head mode (the baseline, what plain TP does): the absorbed queries go
+  all-to-all (own tokens, all heads) -> (all tokens, own heads), the indexer queries are all-gathered, every
+  rank runs the whole indexer and the sparse MLA for its H/W heads, and o^lat goes back all-to-all;
+- KDA (both modes): the projections run with the full weights on the rank's tokens (this prefiller keeps a copy
+  of the full-head front weights of each KDA layer beside the decoder's head-cut ones, W > 1 only), all-to-all
+  #1 sends each rank its heads' (q|k|v conv input, g, beta) of every token, the rank runs the conv and the
+  chunked recurrence (fla-core's chunk_kda on CUDA) on its heads from and into its pool's KDA rows (which hold
+  its heads), all-to-all #2 returns o, and the output norm, gate and projection run on the rank's tokens;
+- MoE: expert parallel over the decoder's expert split. Each rank routes its rows, sends each row's latent z and
+  expert ids to the ranks owning any of its chosen experts (all-to-all), every owner runs its experts on the
+  (row, slot) pairs it owns as grouped GEMMs (engine/fast/moe.py `expert_pairs`) and returns the per-pair
+  outputs (all-to-all), and the rank mixes each row's slots as the single-rank prefill does;
+- logits: the last token's on the rank that owns it, shared by one gather (`all_logits`: every rank's rows,
+  gathered in position order).
+
+Every rank ends with the same logits. World size 1 runs the single-rank computation (the collectives are
+no-ops). A step resuming at `start` > 0 reads the earlier keys from the pages and the KDA state from the rows.
+The attention time (indexer + sparse MLA; the device synchronised before and after) and the bytes this rank put
+into collectives are reported as engine/parallel/prefill.py reports them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from engine.fast.decoder import FastDecoder
+from engine.fast.moe import expert_pairs
+from engine.fast.prefill import request_subblocks
+from engine.fast.prefill_attention import prefill_select, sparse_mla_prefill, write_tokens
+from engine.fast.prefill_kda import kda_conv_prefill, kda_prefill_core, kda_state_views
+from engine.model.kda import l2_normalize
+from engine.parallel.comm import all_gather_varlen, all_to_all_list
+from engine.parallel.fast_tp import TPFastDecoder
+from engine.parallel.kda_shard import head_range, qkv_channels
+from engine.parallel.prefill import MODES, PrefillResult, PrefillStats
+from engine.parallel.shard_plan import ShardPlan, all_plans, scatter_to_global
+
+
+def contiguous_runs(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Ascending offsets -> runs (first row, first offset, length) of consecutive offsets."""
+    values = offsets.tolist()
+    runs: list[tuple[int, int, int]] = []
+    for row, off in enumerate(values):
+        if runs and runs[-1][1] + runs[-1][2] == off:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((row, off, 1))
+    return runs
+
+
+class TPFastPrefiller:
+    def __init__(self, decoder: TPFastDecoder) -> None:
+        self.decoder, self.ctx = decoder, decoder.ctx
+        self.model, self.cfg, self.layout = decoder.model, decoder.cfg, decoder.layout
+        self.conv_dtype = decoder.conv_dtype
+        self.steps = 0
+        """Prefill steps run."""
+        self.full_kda: dict[int, dict[str, Any]] = {}
+        """Per KDA layer: the front weights of every head (the decoder's are cut to this rank's heads)."""
+        for layer_id, layer in enumerate(self.model.layers):
+            if not layer.is_mla:
+                index = self.model.kda_index[layer_id]
+                self.full_kda[index] = (decoder.layers[layer_id].mixer if self.ctx.is_single else
+                                        FastDecoder._kda_weights(decoder, layer.mixer, layer.mixer_norm.weight))
+
+    @torch.no_grad()
+    def prefill(self, buffer: torch.Tensor, token_ids: torch.Tensor, attn_row_ids: list[int],
+                kda_row_ids: list[int], start: int = 0, mode: str = "token", all_logits: bool = False
+                ) -> PrefillResult:
+        """token_ids [T] (the same on every rank) at positions start..start+T-1 of one request whose rows in
+        this rank's pool `buffer` are attn_row_ids / kda_row_ids -> PrefillResult (logits [1, V] fp32, or
+        [T, V] with `all_logits`, equal on every rank). SPMD: every rank calls it with the same request."""
+        if mode not in MODES:
+            raise ValueError(f"prefill mode must be one of {MODES}, got {mode!r}")
+        num_tokens = int(token_ids.shape[0])
+        if num_tokens == 0:
+            raise ValueError("a prefill needs at least one token")
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        if len(kda_row_ids) != self.layout.kda_groups:
+            raise ValueError(f"the request has {len(kda_row_ids)} KDA rows, the layout has {self.layout.kda_groups} "
+                             "groups")
+        if mode == "head" and self.cfg.num_heads % self.ctx.world_size:
+            raise ValueError(f"{self.cfg.num_heads} MLA heads do not split over {self.ctx.world_size} ranks")
+        step = _Step(self, buffer, request_subblocks(self.layout, attn_row_ids, start + num_tokens, buffer.device),
+                     kda_row_ids, start, num_tokens, mode)
+        begin = step.clock()
+        dec, cfg, seg = self.decoder, self.cfg, self.decoder._seg
+        own = token_ids.to(buffer.device)[step.me.offsets[0].to(buffer.device)]
+        x = dec.embed[own].float()
+        for layer in dec.layers:
+            if layer.kind == "mla":
+                x = step.mla(layer.mixer, x, layer.index)
+            else:
+                x = step.kda(layer.mixer, self.full_kda[layer.index], x, layer.index)
+            f = layer.ffn
+            if layer.dense:
+                x = seg["_ffn_dense"](x, f["norm"], f["w_gate_up"], f["w_down"], cfg.rms_eps)
+            else:
+                x = step.moe(f, x)
+        logits = step.logits(x, all_logits)
+        step.stats.total_s = step.clock() - begin
+        self.steps += 1
+        return PrefillResult(logits=logits, mode=mode, stats=step.stats)
+
+
+class _Step:
+    """One prefill step of one request on this rank."""
+
+    def __init__(self, owner: TPFastPrefiller, buffer: torch.Tensor, subblocks: torch.Tensor, kda_row_ids: list[int],
+                 start: int, num_tokens: int, mode: str) -> None:
+        self.p, self.dec, self.cfg, self.ctx, self.layout = owner, owner.decoder, owner.cfg, owner.ctx, owner.layout
+        self.buffer, self.subblocks, self.kda_row_ids = buffer, subblocks, kda_row_ids
+        self.start, self.num_tokens, self.mode = start, num_tokens, mode
+        self.plans = all_plans([num_tokens], self.ctx.world_size, "zigzag" if mode == "token" else "contiguous")
+        self.me: ShardPlan = self.plans[self.ctx.rank]
+        self.rows = self.me.num_rows
+        self.stats = PrefillStats()
+
+    def clock(self) -> float:
+        if self.buffer.is_cuda:
+            torch.cuda.synchronize(self.buffer.device)
+        return time.perf_counter()
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows -> every token's [T, ...] in position order."""
+        self.stats.exchange_bytes += rows.numel() * rows.element_size() * (self.ctx.world_size - 1)
+        return scatter_to_global(all_gather_varlen(self.ctx, rows.contiguous()), self.plans, [self.num_tokens])[0]
+
+    def exchange(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.stats.exchange_bytes += sum(c.numel() * c.element_size() for r, c in enumerate(chunks)
+                                         if r != self.ctx.rank)
+        return all_to_all_list(self.ctx, [c.contiguous() for c in chunks])
+
+    def to_global(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Rows received from every rank (rank order, each in its plan's order) -> [T, ...] in position order."""
+        return scatter_to_global(parts, self.plans, [self.num_tokens])[0]
+
+    def to_owners(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """[T, ...] in position order -> each rank's rows (the chunks of an all-to-all back to the owners)."""
+        return [rows[pl.offsets[0].to(rows.device)] for pl in self.plans]
+
+    # MLA + DSA
+    def mla(self, m: dict[str, Any], x: torch.Tensor, index: int) -> torch.Tensor:
+        cfg = self.cfg
+        gate, q_abs, latent, key, key_scale, qi, weights = self.dec._seg["_mla_front"](x, *m["front"],
+                                                                                     **m["front_const"])
+        entries = self.gather(torch.cat([latent, key, key_scale.contiguous().view(torch.uint8).view(-1, 4)], dim=1))
+        c, d = latent.shape[1], key.shape[1]
+        write_tokens(self.buffer, self.layout, self.subblocks, index, self.start, entries[:, :c],
+                     entries[:, c:c + d], entries[:, c + d:].contiguous().view(torch.float32).view(-1))
+        del latent, key, entries
+        if self.mode == "token":
+            began = self.clock()
+            o_lat = q_abs.new_empty(self.rows, cfg.num_heads, cfg.kv_lora_rank, dtype=torch.float32)
+            for row, off, length in contiguous_runs(self.me.offsets[0]):
+                rows = slice(row, row + length)
+                o_lat[rows] = self.attend(m, index, self.start + off, q_abs[rows], qi[rows], weights[rows])
+            self.stats.attention_s += self.clock() - began
+        else:
+            o_lat = self.head_sharded(m, index, q_abs, qi, weights)
+        return self.dec._seg["_mla_back"](x, gate, o_lat, m["w_uv"], m["wo"])
+
+    def attend(self, m: dict[str, Any], index: int, first: int, q_abs: torch.Tensor, qi: torch.Tensor,
+               weights: torch.Tensor) -> torch.Tensor:
+        """Indexer + sparse MLA of the queries at positions first..first+n-1 -> o^lat [n, heads, kv_lora]."""
+        cfg = self.cfg
+        selected = prefill_select(self.buffer, self.layout, self.subblocks, index, first, qi, weights, cfg.index_topk,
+                                  num_keys=self.start + self.num_tokens)
+        selected = selected[:, : min(cfg.index_topk, first + q_abs.shape[0])]  # slots past the last key stay unused
+        return sparse_mla_prefill(self.buffer, self.layout, self.subblocks, index, q_abs, selected,
+                                  m["softmax_scale"], m["latent_scale"], cfg.kv_lora_rank)
+
+    def head_sharded(self, m: dict[str, Any], index: int, q_abs: torch.Tensor, qi: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+        world = self.ctx.world_size
+        per = self.cfg.num_heads // world
+        q_mine = self.to_global(self.exchange([q_abs[:, r * per:(r + 1) * per] for r in range(world)]))
+        qi_all, w_all = self.gather(qi), self.gather(weights)
+        began = self.clock()
+        o_mine = self.attend(m, index, self.start, q_mine, qi_all, w_all)            # [T, H/W, kv_lora]
+        self.stats.attention_s += self.clock() - began
+        return torch.cat(self.exchange(self.to_owners(o_mine)), dim=1)              # [rows, H, kv_lora]
+
+    # KDA
+    def kda(self, m: dict[str, Any], full: dict[str, Any], x: torch.Tensor, index: int) -> torch.Tensor:
+        cfg, world, d = self.cfg, self.ctx.world_size, self.cfg.kda_head_dim
+        gate, g, beta, conv_in = self.dec._seg["_kda_front"](x, *full["front"], **full["front_const"])
+        sends = []
+        for r in range(world):
+            lo, hi = head_range(cfg, world, r)
+            sends.append(torch.cat([conv_in[:, qkv_channels(cfg, lo, hi).to(x.device)].float(),
+                                    g[:, lo:hi].reshape(self.rows, (hi - lo) * d), beta[:, lo:hi]], dim=1))
+        lo, hi = head_range(cfg, world, self.ctx.rank)
+        heads = hi - lo
+        mine = self.to_global(self.exchange(sends))                                 # [T, own heads' channels]
+        qkv, g_own, beta_own = mine.split([3 * heads * d, heads * d, heads], dim=1)
+        group, layer_in_group = divmod(index, self.layout.kda_layers_per_group)
+        recurrent, conv = kda_state_views(self.buffer, self.layout, self.kda_row_ids[group], layer_in_group,
+                                          self.p.conv_dtype)
+        y = kda_conv_prefill(conv, qkv.to(conv_in.dtype).contiguous(), m["conv_weight"])
+        q, k, v = y.view(self.num_tokens, 3, heads, d).unbind(1)
+        o, final = kda_prefill_core(l2_normalize(q) * d**-0.5, l2_normalize(k), v,
+                                    g_own.reshape(self.num_tokens, heads, d).contiguous(), beta_own.contiguous(),
+                                    recurrent)
+        recurrent.copy_(final)
+        o_own = torch.cat(self.exchange(self.to_owners(o)), dim=1)                  # [rows, H, d]
+        return self.dec._seg["_kda_back"](x, gate, o_own, m["o_norm"], m["wo"], cfg.rms_eps)
+
+    # MoE (expert parallel)
+    def moe(self, f: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+        cfg, dec, world = self.cfg, self.dec, self.ctx.world_size
+        shared, ids, weights, z = dec._seg["_moe_route"](x, f["norm"], f["router"], f["bias"], f["w_h"],
+                                                         cfg.rms_eps, cfg.num_experts_per_tok,
+                                                         cfg.routed_scaling_factor, f["latent"])
+        owner = ids // dec.per_rank                                                 # [rows, k]
+        wanted = [(owner == r).any(1).nonzero().flatten() for r in range(world)]
+        z_in = self.exchange([z[rows] for rows in wanted])
+        ids_in = self.exchange([ids[rows] for rows in wanted])
+        pairs, counts = [], []
+        for zr, ir in zip(z_in, ids_in):
+            mine = (ir >= dec.first) & (ir < dec.first + dec.per_rank)
+            pr, pc = mine.nonzero(as_tuple=True)
+            pairs.append((zr[pr], ir[pr, pc] - dec.first))
+            counts.append(int(pr.shape[0]))
+        out = expert_pairs(torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs]), f["w1"], f["w3"],
+                           f["w2"])
+        returned = self.exchange(list(out.split(counts)))
+        slots = z.new_zeros(ids.shape[0], ids.shape[1], z.shape[1])
+        for r, rows in enumerate(wanted):
+            pr, pc = (owner[rows] == r).nonzero(as_tuple=True)
+            slots[rows[pr], pc] = returned[r]
+        mixed = torch.bmm(weights.float().unsqueeze(1), slots.float()).squeeze(1)   # as grouped_experts mixes
+        return dec._seg["_moe_out"](x, shared, mixed, None, f["latent_norm"], f["w_up_latent"], f["shared_down"],
+                                    cfg.rms_eps)
+
+    # logits
+    def logits(self, x: torch.Tensor, all_logits: bool) -> torch.Tensor:
+        dec, cfg = self.dec, self.cfg
+        if all_logits:
+            return self.gather(dec._seg["_head"](x, dec.final_norm, dec.lm_head, cfg.rms_eps))
+        offsets = self.me.offsets[0]
+        has_last = bool(offsets.numel()) and int(offsets[-1]) == self.num_tokens - 1
+        mine = (dec._seg["_head"](x[-1:], dec.final_norm, dec.lm_head, cfg.rms_eps) if has_last
+                else x.new_zeros(0, cfg.vocab_size))
+        return torch.cat(all_gather_varlen(self.ctx, mine), dim=0)                  # [1, V]: one rank's row
