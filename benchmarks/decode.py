@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda goes with --backend nccl (one GPU per rank), --device cpu with gloo")
     if args.steps < 1 or min(args.contexts) < 1 or min(args.batches) < 1:
         parser.error("--steps, --contexts and --batches must be positive")
+    if args.kernels == "fast" and min(args.world_sizes) < 2:
+        parser.error("--kernels fast compares the fast TP and DCP decoders on W >= 2 ranks (a DCP pool of one rank "
+                     "is the TP pool); the single-rank fast decode is measured by benchmarks/engine.py")
 
     from engine.parallel.groups import RankPool
 

@@ -93,7 +93,6 @@ def fast_rank_run(ctx, preset: str, new_tokens: int, prefix: int, seed: int, mod
     token-sharded (untimed), then the new tokens in each mode from the same rows (restored between modes)."""
     import torch
 
-    from engine.cache import RowPool
     from engine.layout import plan_layout
     from engine.model.config import preset_or_file
     from engine.model.weights import build_model
@@ -110,20 +109,22 @@ def fast_rank_run(ctx, preset: str, new_tokens: int, prefix: int, seed: int, mod
         _FAST.clear()
         _FAST[key] = (layout, TPFastPrefiller(decoder))
     layout, prefiller = _FAST[key]
-    pool = RowPool(layout, cfg, sum(layout.rows_per_request(prefix + new_tokens)), device=ctx.device)
-    table = pool.allocate_request(prefix + new_tokens)
+    # the request's rows as a node's pool holds them (RowPool itself takes the reference engine's fp32 KDA state
+    # only; the fast kernels also read bf16 conv state): attention rows first, then the KDA rows, zeroed
+    num_attn, num_kda = layout.rows_per_request(prefix + new_tokens)
+    buffer = torch.zeros(num_attn + num_kda, layout.row_bytes, dtype=torch.uint8, device=ctx.device)
+    attn, kda = list(range(num_attn)), list(range(num_attn, num_attn + num_kda))
     tokens = torch.randint(0, 256, (prefix + new_tokens,), generator=torch.Generator().manual_seed(seed))
-    rows = table.attn_row_ids + table.kda_row_ids
     if prefix:
-        prefiller.prefill(pool.buffer, tokens[:prefix], table.attn_row_ids, table.kda_row_ids, 0, "token")
-    saved = pool.buffer[rows].clone()
+        prefiller.prefill(buffer, tokens[:prefix], attn, kda, 0, "token")
+    saved = buffer.clone()
     out = {}
     for mode in modes:
-        pool.buffer[rows] = saved
-        res = prefiller.prefill(pool.buffer, tokens[prefix:], table.attn_row_ids, table.kda_row_ids, prefix, mode)
+        buffer.copy_(saved)
+        res = prefiller.prefill(buffer, tokens[prefix:], attn, kda, prefix, mode)
         out[mode] = {"attention_s": res.stats.attention_s, "total_s": res.stats.total_s,
                      "bytes": res.stats.exchange_bytes, "first_token": int(res.logits[0].argmax())}
-    del pool, saved
+    del buffer, saved
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
     return out

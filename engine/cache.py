@@ -74,8 +74,11 @@ class RowPool:
     def __init__(self, layout: RowLayout, cfg: ModelConfig, num_rows: int, device: str | torch.device = "cpu") -> None:
         if cfg.latent_dtype != "fp8" or cfg.index_key_dtype != "fp8" or layout.latent_format != "fp8":
             raise ValueError("the reference engine computes with FP8 latents and FP8 index keys only")
-        if cfg.ssm_state_bytes != 4 or cfg.conv_state_bytes != 4:
-            raise ValueError("the reference engine keeps fp32 KDA state (ssm_state_bytes = conv_state_bytes = 4)")
+        if cfg.ssm_state_bytes != 4 or cfg.conv_state_bytes not in (2, 4):
+            raise ValueError("the row pool keeps the KDA recurrent state in fp32 (ssm_state_bytes = 4) and the conv "
+                             "state in fp32 or bf16 (conv_state_bytes = 4 or 2)")
+        self.conv_dtype = torch.float32 if cfg.conv_state_bytes == 4 else torch.bfloat16
+        """The stored conv state's dtype: read back as fp32, written rounded to it (K3.1 keeps it in bf16)."""
         if num_rows < 1:
             raise ValueError(f"num_rows must be positive, got {num_rows}")
         self.layout = layout
@@ -292,7 +295,7 @@ class RowPool:
         h, d, w = self.layout.kda_heads_per_gpu, self.cfg.kda_head_dim, self.cfg.kda_conv_size - 1
         batch = len(tables)
         rec = self._kda_rows(li, conv=False)[rows].view(torch.float32).view(batch, h, d, d)
-        conv = self._kda_rows(li, conv=True)[rows].view(torch.float32).view(batch, h, 3, d, w)
+        conv = self._kda_rows(li, conv=True)[rows].view(self.conv_dtype).float().view(batch, h, 3, d, w)
         return KDAState(rec, conv.permute(0, 4, 2, 1, 3).reshape(batch, w, 3 * h * d))
 
     def write_kda_batch(self, tables: list[BlockTable], kda_index: int, state: KDAState) -> None:
@@ -301,7 +304,8 @@ class RowPool:
         h, d, w = self.layout.kda_heads_per_gpu, self.cfg.kda_head_dim, self.cfg.kda_conv_size - 1
         batch = len(tables)
         rec = state.recurrent.contiguous().view(torch.uint8).view(batch, h, -1)
-        conv = state.conv.view(batch, w, 3, h, d).permute(0, 3, 2, 4, 1).contiguous().view(torch.uint8)
+        conv = state.conv.view(batch, w, 3, h, d).permute(0, 3, 2, 4, 1).to(self.conv_dtype).contiguous()
+        conv = conv.view(torch.uint8)
         self._kda_rows(li, conv=False)[rows] = rec
         self._kda_rows(li, conv=True)[rows] = conv.view(batch, h, -1)
 
@@ -317,14 +321,15 @@ class RowPool:
         row, li = self._kda_slot(table, kda_index)
         h, d, w = self.layout.kda_heads_per_gpu, self.cfg.kda_head_dim, self.cfg.kda_conv_size - 1
         recurrent = self._kda_view(row, li, conv=False).contiguous().view(torch.float32).view(h, d, d)
-        conv = self._kda_view(row, li, conv=True).contiguous().view(torch.float32).view(h, 3, d, w)
+        conv = self._kda_view(row, li, conv=True).contiguous().view(self.conv_dtype).float().view(h, 3, d, w)
         return KDAState(recurrent, conv.permute(3, 1, 0, 2).reshape(w, 3 * h * d))
 
     def write_kda(self, table: BlockTable, kda_index: int, state: KDAState) -> None:
         row, li = self._kda_slot(table, kda_index)
         h, d, w = self.layout.kda_heads_per_gpu, self.cfg.kda_head_dim, self.cfg.kda_conv_size - 1
         rec = state.recurrent.contiguous().view(torch.uint8).view(h, -1)
-        conv = state.conv.view(w, 3, h, d).permute(2, 1, 3, 0).contiguous().view(torch.uint8).view(h, -1)
+        conv = state.conv.view(w, 3, h, d).permute(2, 1, 3, 0).to(self.conv_dtype).contiguous()
+        conv = conv.view(torch.uint8).view(h, -1)
         self._kda_view(row, li, conv=False).copy_(rec)
         self._kda_view(row, li, conv=True).copy_(conv)
 

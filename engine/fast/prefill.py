@@ -17,7 +17,7 @@ torch.compile as well. Between the segments, per layer:
   chunks (Triton scores from the FP8 pages + torch.topk, `prefill_select`); sparse MLA in absorbed form over
   the selected FP8 latents read from the pages (`sparse_mla_prefill`);
 - KDA: conv over the T tokens from and into the row's conv state, q/k norms, the chunked recurrence (fla-core's
-  chunk_kda on CUDA, prefill_kda.py) from and into the row's recurrent state;
+  chunk_kda on CUDA in the bf16 path, prefill_kda.py) from and into the row's recurrent state;
 - MoE: routed experts as grouped batched GEMMs over tokens sorted by expert (moe.py).
 """
 
@@ -55,6 +55,11 @@ class FastPrefiller:
         self.model, self.cfg, self.layout = model, model.cfg, layout
         self.decoder = decoder if decoder is not None else FastDecoder(model, layout, dtype)
         self.conv_dtype = self.decoder.conv_dtype
+        self.use_fla = None if self.decoder.dtype == BF16 else False
+        """fla-core's chunk_kda (bf16 q, k, v) on CUDA for the bf16 path; fp32 weights and activations (the
+        structure checks) keep the fp32 sequential recurrence: with chunk_kda the fp32 fast prefill of mini's
+        random weights moved 0.4-34% of the logit range away from the reference on one H200, without it
+        0.01-0.17% (2026-12-04)."""
 
     @torch.no_grad()
     def prefill(self, buffer: torch.Tensor, token_ids: torch.Tensor, attn_row_ids: list[int],
@@ -112,6 +117,7 @@ class FastPrefiller:
         heads, dim = g.shape[1], g.shape[2]
         y = kda_conv_prefill(conv, conv_in, m["conv_weight"])
         q, k, v = y.view(num_tokens, 3, heads, dim).unbind(1)
-        o, final = kda_prefill_core(l2_normalize(q) * dim**-0.5, l2_normalize(k), v, g, beta, recurrent)
+        o, final = kda_prefill_core(l2_normalize(q) * dim**-0.5, l2_normalize(k), v, g, beta, recurrent,
+                                    use_fla=self.use_fla)
         recurrent.copy_(final)
         return self.decoder._seg["_kda_back"](x, gate, o, m["o_norm"], m["wo"], self.cfg.rms_eps)

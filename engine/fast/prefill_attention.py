@@ -123,8 +123,7 @@ def prefill_index_scores(buffer: torch.Tensor, layout: RowLayout, subblock_ids: 
     qp, wp = pad_heads(q, weights)
     if fp8_dot is None:
         fp8_dot = buffer.is_cuda and not interpreter_active()
-    if fp8_dot:
-        qp = qp.to(FP8_DTYPE)
+    qp = qp.to(FP8_DTYPE if fp8_dot else torch.bfloat16).contiguous()  # e4m3 values: exact either way
     num_queries, heads, dim = qp.shape
     num_keys = first_pos + num_queries if num_keys is None else num_keys
     if num_keys < first_pos + num_queries:

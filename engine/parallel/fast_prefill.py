@@ -18,7 +18,7 @@ single-rank `FastPrefiller` in place of the reference ops:
 - KDA (both modes): the projections run with the full weights on the rank's tokens (this prefiller keeps a copy
   of the full-head front weights of each KDA layer beside the decoder's head-cut ones, W > 1 only), all-to-all
   #1 sends each rank its heads' (q|k|v conv input, g, beta) of every token, the rank runs the conv and the
-  chunked recurrence (fla-core's chunk_kda on CUDA) on its heads from and into its pool's KDA rows (which hold
+  chunked recurrence (fla-core's chunk_kda on CUDA, bf16 path) on its heads from and into its pool's KDA rows (which hold
   its heads), all-to-all #2 returns o, and the output norm, gate and projection run on the rank's tokens;
 - MoE: expert parallel over the decoder's expert split. Each rank routes its rows, sends each row's latent z and
   expert ids to the ranks owning any of its chosen experts (all-to-all), every owner runs its experts on the
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from engine.fast.decoder import FastDecoder
+from engine.fast.decoder import BF16, FastDecoder
 from engine.fast.moe import expert_pairs
 from engine.fast.prefill import request_subblocks
 from engine.fast.prefill_attention import prefill_select, sparse_mla_prefill, write_tokens
@@ -70,6 +70,7 @@ class TPFastPrefiller:
         self.decoder, self.ctx = decoder, decoder.ctx
         self.model, self.cfg, self.layout = decoder.model, decoder.cfg, decoder.layout
         self.conv_dtype = decoder.conv_dtype
+        self.use_fla = None if decoder.dtype == BF16 else False  # as FastPrefiller.use_fla
         self.steps = 0
         """Prefill steps run."""
         self.full_kda: dict[int, dict[str, Any]] = {}
@@ -219,7 +220,7 @@ class _Step:
         q, k, v = y.view(self.num_tokens, 3, heads, d).unbind(1)
         o, final = kda_prefill_core(l2_normalize(q) * d**-0.5, l2_normalize(k), v,
                                     g_own.reshape(self.num_tokens, heads, d).contiguous(), beta_own.contiguous(),
-                                    recurrent)
+                                    recurrent, use_fla=self.p.use_fla)
         recurrent.copy_(final)
         o_own = torch.cat(self.exchange(self.to_owners(o)), dim=1)                  # [rows, H, d]
         return self.dec._seg["_kda_back"](x, gate, o_own, m["o_norm"], m["wo"], cfg.rms_eps)

@@ -105,6 +105,36 @@ def test_kda_state_round_trips_head_major(pool: RowPool) -> None:
     assert torch.equal(conv[1, :, 0], states[4].conv[0, h * d + 2 * d : h * d + 3 * d])  # k channels of head 2
 
 
+def test_bf16_conv_state_is_stored_rounded_and_read_back_as_fp32() -> None:
+    """A config whose conv state is bf16 (K3.1's conv_state_bytes = 2): the pool stores the conv state rounded to
+    bf16 at the layout's conv offsets (2 bytes a value, the fast kernels' format) and reads it back as fp32; the
+    recurrent state stays fp32 bit for bit; a 3-byte conv state is refused."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, conv_state_bytes=2)
+    pool = RowPool(plan_layout(cfg), cfg, 8)
+    table = pool.allocate_request(10)
+    h, d, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size - 1
+    gen = torch.Generator().manual_seed(2)
+    state = KDAState(torch.randn(h, d, d, generator=gen), torch.randn(w, 3 * h * d, generator=gen))
+    for write, read in ((lambda s: pool.write_kda(table, 3, s), lambda: pool.read_kda(table, 3)),
+                        (lambda s: pool.write_kda_batch([table], 3, KDAState(s.recurrent[None], s.conv[None])),
+                         lambda: (lambda b: KDAState(b.recurrent[0], b.conv[0]))(pool.read_kda_batch([table], 3)))):
+        pool.buffer[table.kda_row_ids] = 0
+        write(state)
+        back = read()
+        assert back.conv.dtype == torch.float32 and torch.equal(back.conv, state.conv.bfloat16().float())
+        assert not torch.equal(back.conv, state.conv)  # the rounding happened
+        assert torch.equal(back.recurrent, state.recurrent)
+    lay, flat = pool.layout, pool.buffer.view(-1)
+    group, layer_in_group = divmod(3, lay.kda_layers_per_group)
+    conv_off = table.kda_row_ids[group] * lay.row_bytes + lay.kda_conv_offset(2, layer_in_group)
+    stored = flat[conv_off : conv_off + lay.kda_conv_bytes].view(torch.bfloat16).view(3, d, w)
+    assert torch.equal(stored[0, :, 0], state.conv[0, 2 * d : 3 * d].bfloat16())  # q channels of head 2
+    with pytest.raises(ValueError, match="conv_state_bytes"):
+        RowPool(plan_layout(CFG), dataclasses.replace(CFG, conv_state_bytes=3), 8)
+
+
 def test_fresh_rows_start_with_zero_kda_state(pool: RowPool) -> None:
     pool.buffer.fill_(7)
     table = pool.allocate_request(10)
