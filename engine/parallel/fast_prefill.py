@@ -13,8 +13,9 @@ single-rank `FastPrefiller` in place of the reference ops:
   runs the causal indexer (`prefill_select`, Triton scores from the FP8 pages + top-k) and the sparse MLA
   (`sparse_mla_prefill`) for its own queries, all heads, one contiguous piece at a time; the queries are born on
   their rank, nothing else moves. Head mode (the baseline, what plain TP does): the absorbed queries go
-  all-to-all (own tokens, all heads) -> (all tokens, own heads), the indexer queries are all-gathered, every
-  rank runs the whole indexer and the sparse MLA for its H/W heads, and o^lat goes back all-to-all;
+  all-to-all (own tokens, all heads) -> (all tokens, own heads), the indexer queries are all-gathered (as FP8
+  bytes: they are e4m3 values) with their head weights, every rank runs the whole indexer and the sparse MLA
+  for its H/W heads, and o^lat goes back all-to-all;
 - KDA (both modes): the projections run with the full weights on the rank's tokens (this prefiller keeps a copy
   of the full-head front weights of each KDA layer beside the decoder's head-cut ones, W > 1 only), all-to-all
   #1 sends each rank its heads' (q|k|v conv input, g, beta) of every token, the rank runs the conv and the
@@ -46,6 +47,7 @@ from engine.fast.prefill import request_subblocks
 from engine.fast.prefill_attention import prefill_select, sparse_mla_prefill, write_tokens
 from engine.fast.prefill_kda import kda_conv_prefill, kda_prefill_core, kda_state_views
 from engine.model.kda import l2_normalize
+from engine.model.numerics import FP8_DTYPE
 from engine.parallel.comm import all_gather_varlen, all_to_all_list
 from engine.parallel.fast_tp import TPFastDecoder
 from engine.parallel.kda_shard import head_range, qkv_channels
@@ -194,7 +196,9 @@ class _Step:
         world = self.ctx.world_size
         per = self.cfg.num_heads // world
         q_mine = self.to_global(self.exchange([q_abs[:, r * per:(r + 1) * per] for r in range(world)]))
-        qi_all, w_all = self.gather(qi), self.gather(weights)
+        # the index queries are e4m3 values: they travel as their FP8 bytes (a quarter of fp32), exactly
+        qi_all = self.gather(qi.to(FP8_DTYPE).view(torch.uint8)).view(FP8_DTYPE).float()
+        w_all = self.gather(weights)
         began = self.clock()
         o_mine = self.attend(m, index, self.start, q_mine, qi_all, w_all)            # [T, H/W, kv_lora]
         self.stats.attention_s += self.clock() - began
