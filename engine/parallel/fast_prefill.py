@@ -19,8 +19,9 @@ single-rank `FastPrefiller` in place of the reference ops:
 - KDA (both modes): the projections run with the full weights on the rank's tokens (this prefiller keeps a copy
   of the full-head front weights of each KDA layer beside the decoder's head-cut ones, W > 1 only), all-to-all
   #1 sends each rank its heads' (q|k|v conv input, g, beta) of every token, the rank runs the conv and the
-  chunked recurrence (fla-core's chunk_kda on CUDA, bf16 path) on its heads from and into its pool's KDA rows (which hold
-  its heads), all-to-all #2 returns o, and the output norm, gate and projection run on the rank's tokens;
+  chunked recurrence (fla-core's chunk_kda on CUDA, bf16 path) on its heads from and into its pool's KDA rows
+  (which hold its heads), all-to-all #2 returns o, and the output norm, gate and projection run on the rank's
+  tokens;
 - MoE: expert parallel over the decoder's expert split. Each rank routes its rows, sends each row's latent z and
   expert ids to the ranks owning any of its chosen experts (all-to-all), every owner runs its experts on the
   (row, slot) pairs it owns as grouped GEMMs (engine/fast/moe.py `expert_pairs`) and returns the per-pair

@@ -193,7 +193,8 @@ class DCPModel(TPModel):
         if self.ctx.rank == 0:
             log.warning("kernels=fast on %d DCP ranks: decode runs the fast kernels (engine/parallel/fast_dcp.py) "
                         "and merges the ranks' partial attention by log-sum-exp%s; prefill runs the reference "
-                        "SPMD prefill (the fast prefill writes whole rows; a DCP pool splits them by token)", self.ctx.world_size,
+                        "SPMD prefill (the fast prefill writes whole rows; a DCP pool splits them by token)",
+                        self.ctx.world_size,
                         " (attention='exact', bitwise single-rank logits, is the reference kernels' mode)"
                         if self.attention == "exact" else "")
         return self
