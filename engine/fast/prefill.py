@@ -48,6 +48,40 @@ def request_subblocks(layout: RowLayout, attn_row_ids: list[int], num_tokens: in
     return (rows * spr + pages % spr).to(torch.int32).to(device)
 
 
+def check_request(layout: RowLayout, num_tokens: int, start: int, kda_row_ids: list[int]) -> None:
+    """The arguments of one request's prefill step, checked (a ValueError naming what is wrong)."""
+    if num_tokens == 0:
+        raise ValueError("a prefill needs at least one token")
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    if len(kda_row_ids) != layout.kda_groups:
+        raise ValueError(f"the request has {len(kda_row_ids)} KDA rows, the layout has {layout.kda_groups} groups")
+
+
+def attend_selected(buffer: torch.Tensor, layout: RowLayout, subblocks: torch.Tensor, index: int, first: int,
+                    q_abs: torch.Tensor, selected: torch.Tensor, m: dict, kv_lora_rank: int) -> torch.Tensor:
+    """Sparse MLA of the queries at positions first..first+n-1 over their selections [n, k] -> o^lat [n, H, kv]
+    (the slots past the last query's key count stay unused and are cut off first)."""
+    selected = selected[:, : min(selected.shape[1], first + q_abs.shape[0])]
+    return sparse_mla_prefill(buffer, layout, subblocks, index, q_abs, selected, m["softmax_scale"],
+                              m["latent_scale"], kv_lora_rank)
+
+
+def kda_prefill_rows(buffer: torch.Tensor, layout: RowLayout, row: int, layer_in_group: int,
+                     conv_dtype: torch.dtype, conv_in: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, use_fla: bool | None) -> torch.Tensor:
+    """One KDA layer's conv and chunked recurrence over T tokens from and into a KDA row: conv_in [T, 3*H*d]
+    (the row's heads), g [T, H, d], beta [T, H] -> o [T, H, d]; the row's conv and recurrent states updated."""
+    num_tokens, heads, dim = g.shape
+    recurrent, conv = kda_state_views(buffer, layout, row, layer_in_group, conv_dtype)
+    y = kda_conv_prefill(conv, conv_in, conv_weight)
+    q, k, v = y.view(num_tokens, 3, heads, dim).unbind(1)
+    o, final = kda_prefill_core(l2_normalize(q) * dim**-0.5, l2_normalize(k), v, g, beta, recurrent,
+                                use_fla=use_fla)
+    recurrent.copy_(final)
+    return o
+
+
 class FastPrefiller:
     def __init__(self, model: KimiModel, layout: RowLayout, dtype: torch.dtype = BF16,
                  decoder: FastDecoder | None = None) -> None:
@@ -66,13 +100,7 @@ class FastPrefiller:
                 kda_row_ids: list[int], start: int = 0, all_logits: bool = False) -> torch.Tensor:
         """token_ids [T] at positions start..start+T-1 -> logits [1, V] (or [T, V]) fp32; see the module doc."""
         cfg, dec, num_tokens = self.cfg, self.decoder, token_ids.shape[0]
-        if num_tokens == 0:
-            raise ValueError("a prefill needs at least one token")
-        if start < 0:
-            raise ValueError(f"start must be >= 0, got {start}")
-        if len(kda_row_ids) != self.layout.kda_groups:
-            raise ValueError(f"the request has {len(kda_row_ids)} KDA rows, the layout has {self.layout.kda_groups} "
-                             "groups")
+        check_request(self.layout, num_tokens, start, kda_row_ids)
         subblocks = request_subblocks(self.layout, attn_row_ids, start + num_tokens, buffer.device)
         seg = dec._seg
         x = dec.embed[token_ids.to(buffer.device)].float()
@@ -97,27 +125,18 @@ class FastPrefiller:
 
     def _mla(self, m: dict, x: torch.Tensor, buffer: torch.Tensor, subblocks: torch.Tensor, start: int,
              index: int) -> torch.Tensor:
-        cfg, num_tokens = self.cfg, x.shape[0]
+        cfg = self.cfg
         gate, q_abs, latent, key, key_scale, qi, weights = self.decoder._seg["_mla_front"](x, *m["front"],
                                                                                            **m["front_const"])
         write_tokens(buffer, self.layout, subblocks, index, start, latent, key, key_scale)
         del latent, key
         selected = prefill_select(buffer, self.layout, subblocks, index, start, qi, weights, cfg.index_topk)
         del qi
-        selected = selected[:, : min(cfg.index_topk, start + num_tokens)]  # slots past the last key stay unused
-        o_lat = sparse_mla_prefill(buffer, self.layout, subblocks, index, q_abs, selected, m["softmax_scale"],
-                                   m["latent_scale"], cfg.kv_lora_rank)
+        o_lat = attend_selected(buffer, self.layout, subblocks, index, start, q_abs, selected, m, cfg.kv_lora_rank)
         return self.decoder._seg["_mla_back"](x, gate, o_lat, m["w_uv"], m["wo"])
 
     def _kda(self, m: dict, x: torch.Tensor, buffer: torch.Tensor, row: int, index: int) -> torch.Tensor:
-        num_tokens = x.shape[0]
         gate, g, beta, conv_in = self.decoder._seg["_kda_front"](x, *m["front"], **m["front_const"])
-        recurrent, conv = kda_state_views(buffer, self.layout, row, index % self.layout.kda_layers_per_group,
-                                          self.conv_dtype)
-        heads, dim = g.shape[1], g.shape[2]
-        y = kda_conv_prefill(conv, conv_in, m["conv_weight"])
-        q, k, v = y.view(num_tokens, 3, heads, dim).unbind(1)
-        o, final = kda_prefill_core(l2_normalize(q) * dim**-0.5, l2_normalize(k), v, g, beta, recurrent,
-                                    use_fla=self.use_fla)
-        recurrent.copy_(final)
+        o = kda_prefill_rows(buffer, self.layout, row, index % self.layout.kda_layers_per_group, self.conv_dtype,
+                             conv_in, m["conv_weight"], g, beta, self.use_fla)
         return self.decoder._seg["_kda_back"](x, gate, o, m["o_norm"], m["wo"], self.cfg.rms_eps)

@@ -44,10 +44,8 @@ import torch
 
 from engine.fast.decoder import BF16, FastDecoder
 from engine.fast.moe import expert_pairs
-from engine.fast.prefill import request_subblocks
-from engine.fast.prefill_attention import prefill_select, sparse_mla_prefill, write_tokens
-from engine.fast.prefill_kda import kda_conv_prefill, kda_prefill_core, kda_state_views
-from engine.model.kda import l2_normalize
+from engine.fast.prefill import attend_selected, check_request, kda_prefill_rows, request_subblocks
+from engine.fast.prefill_attention import prefill_select, write_tokens
 from engine.model.numerics import FP8_DTYPE
 from engine.parallel.comm import all_gather_varlen, all_to_all_list
 from engine.parallel.fast_tp import TPFastDecoder
@@ -94,13 +92,7 @@ class TPFastPrefiller:
         if mode not in MODES:
             raise ValueError(f"prefill mode must be one of {MODES}, got {mode!r}")
         num_tokens = int(token_ids.shape[0])
-        if num_tokens == 0:
-            raise ValueError("a prefill needs at least one token")
-        if start < 0:
-            raise ValueError(f"start must be >= 0, got {start}")
-        if len(kda_row_ids) != self.layout.kda_groups:
-            raise ValueError(f"the request has {len(kda_row_ids)} KDA rows, the layout has {self.layout.kda_groups} "
-                             "groups")
+        check_request(self.layout, num_tokens, start, kda_row_ids)
         if mode == "head" and self.cfg.num_heads % self.ctx.world_size:
             raise ValueError(f"{self.cfg.num_heads} MLA heads do not split over {self.ctx.world_size} ranks")
         step = _Step(self, buffer, request_subblocks(self.layout, attn_row_ids, start + num_tokens, buffer.device),
@@ -185,12 +177,10 @@ class _Step:
     def attend(self, m: dict[str, Any], index: int, first: int, q_abs: torch.Tensor, qi: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
         """Indexer + sparse MLA of the queries at positions first..first+n-1 -> o^lat [n, heads, kv_lora]."""
-        cfg = self.cfg
-        selected = prefill_select(self.buffer, self.layout, self.subblocks, index, first, qi, weights, cfg.index_topk,
-                                  num_keys=self.start + self.num_tokens)
-        selected = selected[:, : min(cfg.index_topk, first + q_abs.shape[0])]  # slots past the last key stay unused
-        return sparse_mla_prefill(self.buffer, self.layout, self.subblocks, index, q_abs, selected,
-                                  m["softmax_scale"], m["latent_scale"], cfg.kv_lora_rank)
+        selected = prefill_select(self.buffer, self.layout, self.subblocks, index, first, qi, weights,
+                                  self.cfg.index_topk, num_keys=self.start + self.num_tokens)
+        return attend_selected(self.buffer, self.layout, self.subblocks, index, first, q_abs, selected, m,
+                               self.cfg.kv_lora_rank)
 
     def head_sharded(self, m: dict[str, Any], index: int, q_abs: torch.Tensor, qi: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor:
@@ -219,14 +209,10 @@ class _Step:
         mine = self.to_global(self.exchange(sends))                                 # [T, own heads' channels]
         qkv, g_own, beta_own = mine.split([3 * heads * d, heads * d, heads], dim=1)
         group, layer_in_group = divmod(index, self.layout.kda_layers_per_group)
-        recurrent, conv = kda_state_views(self.buffer, self.layout, self.kda_row_ids[group], layer_in_group,
-                                          self.p.conv_dtype)
-        y = kda_conv_prefill(conv, qkv.to(conv_in.dtype).contiguous(), m["conv_weight"])
-        q, k, v = y.view(self.num_tokens, 3, heads, d).unbind(1)
-        o, final = kda_prefill_core(l2_normalize(q) * d**-0.5, l2_normalize(k), v,
-                                    g_own.reshape(self.num_tokens, heads, d).contiguous(), beta_own.contiguous(),
-                                    recurrent, use_fla=self.p.use_fla)
-        recurrent.copy_(final)
+        o = kda_prefill_rows(self.buffer, self.layout, self.kda_row_ids[group], layer_in_group, self.p.conv_dtype,
+                             qkv.to(conv_in.dtype).contiguous(), m["conv_weight"],
+                             g_own.reshape(self.num_tokens, heads, d).contiguous(), beta_own.contiguous(),
+                             self.p.use_fla)
         o_own = torch.cat(self.exchange(self.to_owners(o)), dim=1)                  # [rows, H, d]
         return self.dec._seg["_kda_back"](x, gate, o_own, m["o_norm"], m["wo"], cfg.rms_eps)
 

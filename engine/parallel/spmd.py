@@ -94,18 +94,12 @@ class TPModel(TimedModel):
         return parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="tp").logits
 
     fast_by_default = False
-    """`auto` keeps the reference set on a TP group: the fast TP decode runs only when asked for."""
-
-    def fast_unsupported(self) -> str | None:
-        return None
+    """`auto` keeps the reference set on a TP group: the fast TP kernels run only when asked for."""
 
     def fast_kernels(self, layout: Any) -> "TimedModel":
         """The fast decode over the TP group (engine/parallel/fast_tp.py: KDA heads and experts split over the
         ranks) and the fast SPMD prefill (engine/parallel/fast_prefill.py: token- or head-sharded as the
         reference chooses)."""
-        reason = self.fast_unsupported()
-        if reason is not None:
-            raise ValueError(f"kernels='fast' cannot run here: {reason}")
         from engine.parallel.fast_prefill import TPFastPrefiller
         from engine.parallel.fast_tp import TPFastDecoder
 
