@@ -20,7 +20,10 @@ kept), the same rule for every contender: on this VM, steal of 18-21% after heav
 contender runs its whole sweep in turn; with `--per-point` every contender (started afresh) runs one load point
 before any runs the next, so that the windows a ratio compares are seconds apart rather than minutes (this VM's
 speed drifts by up to ~1.8x within minutes).
-The `direct` row (client -> D engine, one leg) is the load generators' and fakes' own ceiling.
+The `direct` row (client -> D engine, one leg) is the load generators' and fakes' own ceiling. The `static` row
+(when `nginx` is installed: one nginx worker answering the D leg's JSON from memory, in C, for every request;
+Debian `nginx-light`) is wrk against the cheapest server this machine can run: how its throughput moves
+between loads with no Python and no upstream at all.
 
     python benchmarks/router.py [--duration 5] [--rounds 2] [--workers 2] [--baseline-rev REV] [--json out.json]
 Headline: router_pd_throughput_ratio_c64 = ours / vllm-router (round_robin) req/s at 64 connections, worst round.
@@ -36,6 +39,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -217,6 +221,8 @@ def legs(engine_url: str) -> tuple[int, int]:
 
 
 POINTS = (*(f"c{c}" for c in CONNECTIONS), "stream")
+REFERENCES = ("direct", "static")
+"""Rows that are not routers: no P legs, so no P/D leg check."""
 
 
 def cpu_ticks() -> tuple[int, int, int]:
@@ -271,7 +277,7 @@ def measure(name: str, url: str, p_url: str, d_url: str, args, script: Path,
     print(f"{name}: " + ", ".join(f"c={p[1:]} {row[p]['req_per_s']:,.0f} req/s" if p != "stream"
                                   else f"SSE {row['stream']['chunks_per_s']:,.0f} chunks/s" for p in points), flush=True)
     in_flight = sum(int(p[1:]) for p in points if p != "stream") + 64 * ("stream" in points)  # cut off at ends
-    if name != "direct" and abs(num_p - num_d) > in_flight + 0.01 * num_d:
+    if name not in REFERENCES and abs(num_p - num_d) > in_flight + 0.01 * num_d:
         raise RuntimeError(f"{name}: {num_p} P legs but {num_d} D legs: not every request ran both legs")
     return row
 
@@ -281,6 +287,53 @@ def start_fakes(ports: list[int]) -> subprocess.Popen:
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready", "fake engines did not start"
     return proc
+
+
+NGINX_CONF = """worker_processes 1;
+daemon off;
+pid %(tmp)s/nginx.pid;
+error_log %(tmp)s/nginx-error.log;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path %(tmp)s;
+  keepalive_requests 1000000000;
+  keepalive_timeout 300s;
+  server {
+    listen 127.0.0.1:%(port)d backlog=4096;
+    location / { default_type application/json; return 200 '%(body)s'; }
+  }
+}
+"""
+
+
+def start_static(port: int, tmp: Path) -> subprocess.Popen | None:
+    """One nginx worker answering the D leg's JSON for every request (no Python, no upstream), or None (with a
+    note) when nginx is not installed."""
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if nginx is None:
+        print("static: nginx not found (apt-get install nginx-light): no static row", flush=True)
+        return None
+    answer = json.dumps({"id": "d", "choices": [{"index": 0, "text": "".join(f"t{i} " for i in range(16)),
+                                                 "finish_reason": "length"}],
+                         "usage": {"prompt_tokens": 100, "completion_tokens": 16, "total_tokens": 116}})
+    conf = tmp / "nginx.conf"
+    conf.write_text(NGINX_CONF % {"tmp": tmp, "port": port, "body": answer})
+    proc = subprocess.Popen([nginx, "-e", str(tmp / "nginx-error.log"), "-p", str(tmp), "-c", str(conf)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"nginx exited with {proc.returncode}: see {tmp / 'nginx-error.log'}")
+        try:
+            reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=body(4, False), timeout=5)
+            if reply.status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise RuntimeError("nginx did not answer within 30 s")
 
 
 def baseline_tree(rev: str, tmp: Path) -> Path:
@@ -318,12 +371,13 @@ def print_table(rounds: list[dict]) -> None:
         for name, row in rnd.items():
             cells = "".join(f"{row[f'c{c}']['req_per_s']:>12,.0f} ({row[f'c{c}']['mean_ms']:6.2f})   "
                             for c in CONNECTIONS)
-            s = row["stream"]
-            windows = [row[p] for p in POINTS]
+            s = row.get("stream")
+            windows = [row[p] for p in POINTS if p in row]
             steal = max(w.get("steal_pct", 0.0) for w in windows)
             again = sum(w.get("attempts", 1) - 1 for w in windows)
-            print(f"{i:<5} {name:<24}{cells}{s['chunks_per_s']:>14,.0f} ({s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f})"
-                  + f"  errors {sum(row[f'c{c}']['errors'] for c in CONNECTIONS) + s['errors']}"
+            sse = f"{s['chunks_per_s']:>14,.0f} ({s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f})" if s else f"{'-':>20}"
+            print(f"{i:<5} {name:<24}{cells}{sse}"
+                  + f"  errors {sum(row[f'c{c}']['errors'] for c in CONNECTIONS) + (s['errors'] if s else 0)}"
                   + f"  steal {steal:.1f} ({again})")
 
 
@@ -422,10 +476,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             trees.pop("floor")
         fakes = start_fakes([args.port + 1, args.port + 2])
+        static = start_static(args.port + 4, tmp)
+        static_url = f"http://127.0.0.1:{args.port + 4}"
         rounds = []
         try:
-            if args.alternate:  # `direct` first: the load generator and the fakes' own move between the loads
+            if args.alternate:  # `direct` and `static` first: the load generator's and the machine's own move
                 results = {"direct": alternate("direct", d_url, args, script)}
+                if static is not None:
+                    results["static"] = alternate("static", static_url, args, script)
                 for name in trees:
                     results[name] = _with_contender(name, trees, args, tmp, url, p_url, d_url,
                                                     lambda name=name: alternate(name, url, args, script))
@@ -433,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.rounds):
                 order = list(trees) if i % 2 == 0 else list(reversed(trees))
                 rnd = {"direct": measure("direct", d_url, p_url, d_url, args, script)} if i == 0 else {}
+                if i == 0 and static is not None:
+                    rnd["static"] = measure("static", static_url, p_url, d_url, args, script, POINTS[:-1])
                 # --per-point: every contender (restarted) at one load point before the next point, so that the
                 # windows compared are seconds apart, not minutes
                 for points in ([(p,) for p in POINTS] if args.per_point else [POINTS]):
@@ -443,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
                 rounds.append(rnd)
         finally:
             fakes.terminate()
+            if static is not None:
+                static.terminate()
+                static.wait(timeout=30)
             if args.baseline_rev:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
                                 str(trees[f"pdcluster@{args.baseline_rev[:7]}"])], capture_output=True)
