@@ -65,7 +65,7 @@ class InstantUpstream:
 
 
 def benchmark_body() -> bytes:
-    spec = importlib.util.spec_from_file_location("router_benchmark", ROOT / "benchmarks" / "router.py")
+    spec = importlib.util.spec_from_file_location("router_load", ROOT / "benchmarks" / "router_load.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.body(16, False)
