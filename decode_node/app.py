@@ -41,7 +41,7 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.tp > 1 and settings.dcp > 1:
         raise ValueError("choose --tp B or --dcp W, not both")
     gate = HandoffGate(settings.handoff_secret())  # no secret and not insecure: refuse to start
-    settings.resolved_kernels(settings.world_size)  # kernels=fast where unsupported: refuse, saying why
+    settings.resolved_kernels(settings.world_size, settings.dcp)  # kernels=fast where unsupported: refuse, saying why
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: weights, row pool and every "
                    "intermediate on that device (the oracle of nodes started with --device cuda)")
     p.add_argument("--kernels", default="reference", choices=["reference", "fast"],
-                   help="reference (default: the kernels the nodes serve with) or fast (Triton decode, CUDA)")
+                   help="reference (default; fp32) or fast (Triton, bf16; CUDA, or CPU under TRITON_INTERPRET=1); "
+                   "what each runs: the kernel table of docs/ARCHITECTURE.md (engine/kernels.py)")
     return p
 
 

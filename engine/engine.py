@@ -43,7 +43,7 @@ import torch
 
 from engine.cache import BlockTable, RowPool
 from engine.prefix_cache import CachedTail, PrefixCache
-from engine.fast.backend import fast_unsupported, resolve_kernels
+from engine.kernels import KernelChoice, interpreter_active, parallelism_of, resolve, triton_installed
 from engine.layout import RowLayout, plan_layout
 from engine.model.config import ModelConfig, get_preset
 from engine.model.model import KimiModel
@@ -177,9 +177,11 @@ class Engine:
         self.layout: RowLayout = plan_layout(self.model_config, tp_size=config.tp_size, dcp_size=config.dcp_size,
                                              subblock_tokens=config.subblock_tokens, block_size=config.block_size)
         self.pool = RowPool(self.layout, self.model_config, config.num_rows, device=config.device)
-        self.kernels = resolve_kernels(config.kernels, getattr(self.model, "device", "cpu"),
-                                       self._fast_unsupported(model, make_cache),
-                                       auto_fast=getattr(model, "fast_by_default", True))
+        self.kernel_choice: KernelChoice = resolve(
+            config.kernels, self._parallelism, getattr(self.model, "device", "cpu"), interpreter_active(),
+            has_triton=triton_installed(), unfit=self._fast_unfit(model, make_cache))
+        """What runs each phase (engine/kernels.py); `kernels` is its set."""
+        self.kernels = self.kernel_choice.kernels
         if self.kernels == "fast":
             self.model = self._fast_model()
         if config.max_step_tokens is not None and config.max_step_tokens < 1:
@@ -194,16 +196,23 @@ class Engine:
         """Session key -> (block keys of its last finished turn (prompt + answer), that turn's tails), most recent
         last."""
 
-    def _fast_unsupported(self, model: Any, make_cache: Any) -> str | None:
-        """Why this engine cannot run the fast kernels (None: it can). A passed-in wrapper (engine/parallel/spmd.py)
-        says for itself (`fast_unsupported()`) and is switched by `fast_kernels(layout)`."""
-        if model is not None and hasattr(model, "fast_kernels"):
-            return model.fast_unsupported()
-        if make_cache is not None:
-            return "the engine was given its own cache views (make_cache: a DCP pool)"
-        if model is None or isinstance(model, KimiModel):
-            return fast_unsupported(self.config.tp_size, self.config.dcp_size)
-        return f"the engine's model ({type(model).__name__}) has no fast path"
+    @property
+    def _parallelism(self) -> str:
+        return parallelism_of(self.config.tp_size, self.config.dcp_size)
+
+    def _fast_unfit(self, model: Any, make_cache: Any) -> str | None:
+        """Why this engine's model cannot switch to the fast set (None: it can): a passed-in wrapper
+        (engine/parallel/spmd.py, switched by `fast_kernels(layout)`) must run the engine's parallelism; the plain
+        model (built here or passed in) runs one rank."""
+        runs = getattr(model, "parallelism", None) if hasattr(model, "fast_kernels") else (
+            "single" if (model is None or isinstance(model, KimiModel)) and make_cache is None else None)
+        name = type(model).__name__
+        if runs is None:
+            return f"the engine's model ({name}{' with its own cache views' if make_cache else ''}) has no fast path"
+        if runs != self._parallelism:
+            return (f"the engine's model ({name}) runs {runs}, the engine {self._parallelism} (tp_size="
+                    f"{self.config.tp_size}, dcp_size={self.config.dcp_size}): pass engine/parallel/spmd.py's wrapper")
+        return None
 
     def _fast_model(self) -> Any:
         if isinstance(self.model, KimiModel):

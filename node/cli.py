@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from engine.kernels import REQUESTS, cli_help
 from kv_transfer.ucx_env import KVTransferSettings
 
 SECTION_SEP = "."
@@ -44,9 +45,7 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
                         help="chunked prefill: tokens per engine step, decodes first (default: whole prompts)")
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         help="cpu (default) or cuda: rank r on the node's GPU r, row pool in VRAM, NCCL group")
-    parser.add_argument("--kernels", choices=["auto", "reference", "fast"],
-                        help="kernel set: auto (default: fast on cuda for a single-rank node, else reference), "
-                        "reference, or fast (Triton, cuda; TP: fast decode, reference prefill; refused on DCP)")
+    parser.add_argument("--kernels", choices=list(REQUESTS), help=cli_help())
     parser.add_argument("--metrics-port", type=int, help="serve GET /metrics on this port too (for monitoring)")
     parser.add_argument("--cluster-secret-file", help="file holding the cluster secret that signs hand-offs "
                         "(the secret itself only by environment, never a flag: it would show in ps)")

@@ -47,7 +47,7 @@ class WorkerConfig:
     max_step_tokens: int | None = None
     """Chunked prefill's per-step token budget (None: whole prompts)."""
     kernels: str = "auto"
-    """Kernel set of the rank engines: "auto", "reference" or "fast" (`node_kernels`)."""
+    """Kernel set the rank engines are asked for: "auto", "reference" or "fast" (engine/kernels.py resolves it)."""
 
 
 @dataclass(frozen=True)
@@ -79,17 +79,6 @@ def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_sh
                         transport=settings.transport, kv=settings.kv, device=settings.device,
                         prefix_cache=settings.prefix_cache, max_step_tokens=settings.max_step_tokens,
                         kernels=settings.kernels)
-
-
-def node_kernels(kernels: str, device: str, world_size: int) -> str:
-    """The kernel set the ranks of a node run: `kernels` ("auto" | "reference" | "fast") on `device` with
-    `world_size` ranks. `auto`: fast on a single-rank cuda node, else reference; `fast` runs single-rank, TP and
-    DCP nodes (TP: the fast SPMD prefill and decode; DCP: the fast decode, the reference local prefill:
-    engine/parallel/spmd.py); where
-    unsupported (CPU without the Triton interpreter) it raises ValueError naming the reason."""
-    from engine.fast.backend import resolve_kernels
-
-    return resolve_kernels(kernels, device, None, auto_fast=world_size == 1)
 
 
 TOKENIZER_PROBE = "pdcluster tokenizer probe: Hello, world! 123 \u00e9\u4e2d\U0001f600"

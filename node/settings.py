@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.kernels import KernelChoice, interpreter_active, parallelism_of, resolve, triton_installed
 from kv_transfer.signing import ClusterSecret
 from kv_transfer.ucx_env import KVTransferSettings
 
@@ -53,11 +54,10 @@ class NodeSettings(BaseSettings):
     (CUDA_VISIBLE_DEVICES picks the node's GPUs), builds weights, row pool and intermediates there, NCCL group,
     the pool registered with NIXL as VRAM."""
     kernels: Literal["auto", "reference", "fast"] = "auto"
-    """Kernel set of the ranks' engines (engine/fast/backend.py): `reference` (engine/model/, fp32: served
-    log-probs equal teacher forcing bit for bit), `fast` (engine/fast/, bf16 + Triton, CUDA; on a TP node the
-    fast SPMD prefill and decode, on a DCP node the fast decode with the reference local prefill), `auto`: `fast`
-    on a single-rank node on device cuda, else `reference` (always on CPU). `fast` where it is not supported (CPU
-    without the Triton interpreter) refuses to start, naming the reason."""
+    """Kernel set of the ranks' engines: `reference` (engine/model/, fp32: served log-probs equal teacher forcing
+    bit for bit), `fast` (engine/fast/, bf16 + Triton) or `auto`. What `auto` picks, what runs each phase on a
+    TP or DCP node and where `fast` is refused (the node then refuses to start, naming the reason): the kernel
+    registry, engine/kernels.py, and its table in docs/ARCHITECTURE.md."""
     pin_cores: bool = True
     backend: str = "reference"
     """Engine backend of the ranks: "reference" (engine/), or "module:function" of another backend factory."""
@@ -111,12 +111,12 @@ class NodeSettings(BaseSettings):
     def public_host(self) -> str:
         return self.advertise_host or self.host
 
-    def resolved_kernels(self, world_size: int) -> str:
-        """The kernel set this node's ranks run (W = `world_size` ranks); raises ValueError naming the reason when
-        `kernels` is `fast` and the node cannot run it."""
-        from node.runtime import node_kernels
-
-        return node_kernels(self.kernels, self.device, world_size)
+    def resolved_kernels(self, tp_size: int, dcp_size: int = 1) -> KernelChoice:
+        """The kernel set this node's ranks will run (`tp_size` ranks; a DCP pool: `dcp_size` = `tp_size`), from
+        the kernel registry; raises KernelRefusal (a ValueError) naming the reason when `kernels` is `fast` and
+        the node cannot run it."""
+        return resolve(self.kernels, parallelism_of(tp_size, dcp_size), self.device, interpreter_active(),
+                       has_triton=triton_installed())
 
     def handoff_secret(self) -> ClusterSecret | None:
         """The cluster secret (from `cluster_secret` or `cluster_secret_file`); None only with `insecure_handoffs`.

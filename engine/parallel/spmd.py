@@ -17,6 +17,10 @@ class TimedModel:
     """The plain single-rank model with its prefill steps timed (mode `single`); the base of the SPMD wrappers,
     which time theirs by sharding mode. `timings` holds the steps since the last `stats()`."""
 
+    parallelism = "single"
+    """The wrapper's parallelism in the kernel registry (engine/kernels.py), which decides the kernel set and names
+    what runs each phase; `fast_kernels` builds what it names."""
+
     def __init__(self, model: Any) -> None:
         self.model = model
         self.timings: list[tuple[str, str, float]] = []
@@ -26,10 +30,6 @@ class TimedModel:
         logits = self.model.prefill(token_ids, cache, start, all_logits)
         self.timings.append(("prefill", "single", time.perf_counter() - started))
         return logits
-
-    def fast_unsupported(self) -> str | None:
-        """Why this wrapper cannot run the fast kernels (None: it can; engine/fast/backend.py)."""
-        return None
 
     def fast_kernels(self, layout: Any) -> "TimedModel":
         """Switch to the fast kernel set (engine/fast/): the wrapped model becomes a FastModel over `layout`."""
@@ -49,6 +49,8 @@ class TPModel(TimedModel):
     scheduler samples the same tokens. The pool's KDA rows hold this rank's heads (layout tp_size = W).
     With `fast_kernels(layout)` (an engine with kernels="fast") decode runs `fast_tp.TPFastDecoder` and prefill
     `fast_prefill.TPFastPrefiller` (same modes, fast kernels) instead."""
+
+    parallelism = "tp"
 
     def __init__(self, model: Any, ctx: Any, token_threshold: int) -> None:
         super().__init__(model)
@@ -93,9 +95,6 @@ class TPModel(TimedModel):
 
         return parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="tp").logits
 
-    fast_by_default = False
-    """`auto` keeps the reference set on a TP group: the fast TP kernels run only when asked for."""
-
     def fast_kernels(self, layout: Any) -> "TimedModel":
         """The fast decode over the TP group (engine/parallel/fast_tp.py: KDA heads and experts split over the
         ranks) and the fast SPMD prefill (engine/parallel/fast_prefill.py: token- or head-sharded as the
@@ -120,6 +119,8 @@ class DCPModel(TPModel):
     a prefill that resumes at `start` > 0 (a chunk, a prefix-cache hit) first all-gathers every rank's owned
     rows of positions 0..start-1 into that cache and copies in the rank's KDA state.
     With `fast_kernels(layout)` decode runs `fast_dcp.DCPFastDecoder` (partial attention merged by log-sum-exp)."""
+
+    parallelism = "dcp"
 
     def __init__(self, model: Any, ctx: Any, token_threshold: int, merge: str = "compact",
                  attention: str = "exact") -> None:
@@ -179,18 +180,19 @@ class DCPModel(TPModel):
     def fast_kernels(self, layout: Any) -> "TimedModel":
         """The fast decode over the DCP group (engine/parallel/fast_dcp.py: the cache split by token, the
         partial attentions merged by log-sum-exp; KDA heads and experts split as in the fast TP decode); prefill
-        stays the reference SPMD prefill into a whole-sequence cache (the fast prefill writes whole rows), logged
-        here with the attention mode."""
+        stays the reference one (no fast prefiller: the registry's fast DCP prefill cell), logged here with the
+        attention mode."""
+        from engine.kernels import cell, device_kind
         from engine.parallel.fast_dcp import DCPFastDecoder
 
         self.fast_decoder = DCPFastDecoder(self.model, layout, self.ctx)
         if self.ctx.rank == 0:
-            log.warning("kernels=fast on %d DCP ranks: decode runs the fast kernels (engine/parallel/fast_dcp.py) "
-                        "and merges the ranks' partial attention by log-sum-exp%s; prefill runs the reference "
-                        "SPMD prefill (the fast prefill writes whole rows; a DCP pool splits them by token)",
-                        self.ctx.world_size,
+            device = device_kind(self.model.device)
+            prefill, decode = (cell("fast", "dcp", phase, device) for phase in ("prefill", "decode"))
+            log.warning("kernels=fast on %d DCP ranks: decode %s (%s)%s; prefill %s (%s kernels: %s)",
+                        self.ctx.world_size, decode.runs, decode.note,
                         " (attention='exact', bitwise single-rank logits, is the reference kernels' mode)"
-                        if self.attention == "exact" else "")
+                        if self.attention == "exact" else "", prefill.runs, prefill.runs_set, prefill.note)
         return self
 
     def make_cache(self, pool: Any, table: Any) -> Any:

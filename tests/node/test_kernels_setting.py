@@ -1,7 +1,8 @@
-"""The node setting `kernels` (auto | reference | fast): how a node resolves it (auto is fast only on a CUDA rank of
-a single-rank node, so on CPU every node keeps the reference set; explicit fast also runs a TP node's decode), the
-flag and environment that carry it to the ranks, and the refusal, at start and naming the reason, of an explicit
-`fast` where the node cannot run it (CPU without the interpreter).
+"""The node setting `kernels` (auto | reference | fast): how a node resolves it through the kernel registry
+(engine/kernels.py, whose every cell tests/engine/test_kernel_registry.py checks: auto is fast only on a CUDA rank
+of a single-rank node, explicit fast also runs TP and DCP nodes), the flag and environment that carry it to the
+ranks, and the refusal, at start and naming the reason, of an explicit `fast` where the node cannot run it (CPU
+without the interpreter).
 A node serving with `fast` end to end (CPU, Triton interpreter) is tests/node/test_fast_node.py; the TP fast
 decode on 2 ranks is tests/engine/fast/test_tp_decode.py, the DCP one tests/engine/fast/test_dcp_decode.py."""
 
@@ -18,7 +19,7 @@ from engine.parallel.groups import ParallelContext
 from engine.parallel.spmd import TimedModel
 from node.backend import build_backend
 from node.cli import add_common_flags, settings_fields
-from node.runtime import WorkerConfig, node_kernels, worker_config
+from node.runtime import WorkerConfig, worker_config
 from prefill_node.cli import main as prefill_main
 from prefill_node.settings import Settings as PrefillSettings
 from decode_node.settings import Settings as DecodeSettings
@@ -29,22 +30,29 @@ def no_interpreter(monkeypatch):  # type: ignore[no-untyped-def]
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
+def _kernels(kernels: str, device: str, tp: int = 1, dcp: int = 1) -> str:
+    return PrefillSettings(kernels=kernels, device=device).resolved_kernels(tp, dcp).kernels
+
+
 def test_auto_is_fast_only_on_a_single_cuda_rank(no_interpreter) -> None:
-    assert node_kernels("auto", "cpu", 1) == "reference"
-    assert node_kernels("auto", "cpu", 2) == "reference"
-    assert node_kernels("auto", "cuda", 1) == "fast"
-    assert node_kernels("auto", "cuda", 2) == "reference"  # TP: the fast TP decode only when asked for
+    assert _kernels("auto", "cpu") == "reference"
+    assert _kernels("auto", "cpu", 2) == "reference"
+    assert _kernels("auto", "cuda") == "fast"
+    assert _kernels("auto", "cuda", 2) == "reference"  # TP: the fast TP kernels only when asked for
+    assert _kernels("auto", "cuda", 2, 2) == "reference"  # DCP: likewise
     if importlib.util.find_spec("triton") is not None:  # fast also needs the triton package
-        assert node_kernels("fast", "cuda", 2) == "fast"
-    assert node_kernels("reference", "cuda", 1) == "reference"
-    assert node_kernels("reference", "cpu", 4) == "reference"
+        assert _kernels("fast", "cuda", 2) == "fast"
+        choice = PrefillSettings(kernels="fast", device="cuda").resolved_kernels(2, 2)
+        assert (choice.parallelism, choice.prefill.runs_set, choice.decode.runs_set) == ("dcp", "reference", "fast")
+    assert _kernels("reference", "cuda") == "reference"
+    assert _kernels("reference", "cpu", 4) == "reference"
 
 
 def test_explicit_fast_where_unsupported_is_refused_with_the_reason(no_interpreter) -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        node_kernels("fast", "cpu", 1)
-    with pytest.raises(ValueError, match="unknown kernels 'triton'"):
-        node_kernels("triton", "cuda", 1)
+        _kernels("fast", "cpu")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        _kernels("fast", "cpu", 2, 2)
 
 
 def test_flag_and_environment_carry_kernels_to_the_ranks(monkeypatch) -> None:

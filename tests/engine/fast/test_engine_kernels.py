@@ -12,19 +12,19 @@ import pytest
 import torch
 
 from engine.engine import Engine, EngineConfig
-from engine.fast.backend import resolve_kernels
+from engine.kernels import resolve
 from engine.model.state import LocalSequenceCache
 from engine.sampling import SamplingParams
 
 
 def test_kernels_default_and_refusal(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    assert resolve_kernels(None, "cpu") == "reference"
-    assert resolve_kernels("auto", "cuda") == "fast"
+    assert resolve(None, "single", "cpu", False).kernels == "reference"
+    assert resolve("auto", "single", "cuda", False).kernels == "fast"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        resolve_kernels("fast", "cpu")
-    with pytest.raises(ValueError, match="unknown kernels 'triton'"):
-        resolve_kernels("triton", "cpu")
+        resolve("fast", "single", "cpu", False)
+    with pytest.raises(ValueError, match="kernels='triton' is unknown"):
+        resolve("triton", "single", "cpu", False)
     engine = Engine(EngineConfig(num_rows=8))
     assert engine.kernels == "reference" and engine.warm_up() is None  # nothing to compile or capture
 
