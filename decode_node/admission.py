@@ -18,8 +18,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from engine.api import ImportOutcome
 from node.app import NodeBusy, NodeRuntime
-from node.protocol import ImportOutcome
 
 Attempt = Callable[[], Awaitable[tuple[Any, AsyncIterator[Any]]]]
 """Send the ImportKV once: (its first event, the event stream)."""

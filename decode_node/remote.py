@@ -23,6 +23,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.api import Abort, ImportKV, ImportOutcome, StartDecode
 from kv_transfer.geometry import Geometry
 from kv_transfer.params import KVParamsError, KVTransferParams, check_readable
 from kv_transfer.remap import pair_problems
@@ -32,7 +33,6 @@ from decode_node.handoff import HandoffGate
 from decode_node.peers import Address, PeerDirectory
 from node.app import NodeBusy, NodeRuntime, until_disconnect
 from node.local import respond, serve_local
-from node.protocol import Abort, ImportKV, ImportOutcome, StartDecode
 from node.textgen import PreparedRequest
 from serving.errors import APIError
 

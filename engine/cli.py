@@ -96,9 +96,8 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
 def _generate(args: argparse.Namespace, prompt_ids: list[int]) -> int:
     import torch
 
-    from engine.engine import Engine, EngineConfig
-    from engine.model.weights import DEFAULT_SEED
-    from engine.sampling import SamplingParams
+    from engine.api import DEFAULT_SEED, EngineConfig, SamplingParams
+    from engine.engine import Engine
 
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -110,7 +109,7 @@ def _generate(args: argparse.Namespace, prompt_ids: list[int]) -> int:
                                      kernels=args.kernels,
                                      num_rows=_rows_needed(args.model, len(prompt_ids) + args.max_tokens)))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos).validate()
+                                seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
         engine.add_request("generate-0", prompt_ids, params)
     except (ValueError, FileNotFoundError) as exc:
         return _fail(str(exc))

@@ -27,6 +27,7 @@ Token events are `engine.outputs.TokenEvent(request_id, token_id, index, logprob
 The pool buffer (`engine.pool.buffer`) is the one contiguous tensor a transport registers, on `config.device` (a CPU
 tensor, or VRAM of one GPU).
 Parallel wrappers (engine/parallel/) may pass their own `model` (any object with KimiModel's prefill/decode).
+`EngineConfig` and `SamplingParams` are engine/api.py's (torch-free, imported here for callers).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 
+from engine.api import EngineConfig, SamplingParams
 from engine.cache import BlockTable, RowPool
 from engine.prefix_cache import CachedTail, PrefixCache
 from engine.kernels import KernelChoice, interpreter_active, parallelism_of, resolve, triton_installed
@@ -48,54 +50,11 @@ from engine.layout import RowLayout, plan_layout
 from engine.model.config import ModelConfig, get_preset
 from engine.model.model import KimiModel
 from engine.model.tokenizer import ByteTokenizer
-from engine.model.weights import DEFAULT_SEED, build_model
+from engine.model.weights import build_model
 from engine.outputs import PromptLogprobs, TokenEvent
 from engine.runner import ModelRunner
-from engine.sampling import (
-    SampledToken,
-    SamplingParams,
-    prompt_logprobs,
-    request_seed,
-    sample,
-)
+from engine.sampling import SampledToken, prompt_logprobs, request_seed, sample
 from engine.scheduler import Request, RequestState, Scheduler
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = "kimi-k3.1-mini"
-    """Preset name (engine.model.config.PRESETS)."""
-    seed: int = DEFAULT_SEED
-    """Random-init seed of the weights (every process with the same seed has the same weights)."""
-    weights: str | None = None
-    """Optional safetensors file loaded over the random init."""
-    num_rows: int = 256
-    """Rows in the pool (each layout.row_bytes bytes)."""
-    max_batch: int = 64
-    """Most requests in one decode step."""
-    tp_size: int = 1
-    """TP size the pool layout is planned for (KDA heads per rank)."""
-    dcp_size: int = 1
-    """DCP size the pool layout is planned for (tokens per row = block_size / dcp_size)."""
-    subblock_tokens: int = 64
-    block_size: int | None = None
-    """Force a larger power-of-two block size (None: the smallest legal one)."""
-    quarantine_s: float = 30.0
-    device: str = "cpu"
-    """Where the weights (when the engine builds them), the row pool and every intermediate live: "cpu" or
-    "cuda[:N]". A passed-in `model` must already be on this device."""
-    prefix_cache: bool = True
-    """Keep finished blocks and reuse the longest cached prefix of a prompt (engine/prefix_cache.py)."""
-    max_step_tokens: int | None = None
-    """Chunked prefill: tokens one step computes, running decodes first, then a chunk of the prompt being
-    prefilled (at least scheduler.MIN_CHUNK). None: every prompt prefills in one step."""
-    kernels: str | None = None
-    """Kernel set: "reference" (engine/model/) or "fast" (engine/fast/: Triton decode over the packed rows; one rank,
-    or a passed-in `TPModel`: the fast SPMD prefill and TP decode; a `DCPModel`: the fast DCP decode); None or
-    "auto": fast on CUDA for a single-rank engine (engine/fast/backend.py), else reference. "fast" where it cannot
-    run (CPU without TRITON_INTERPRET=1) is refused with the reason."""
-    """How long rows stay out of the pool after an export or import is given up (lease expired, aborted): a
-    remote READ posted before may still target them until the reader's transfer timeout."""
 
 
 MAX_SESSIONS = 1024
@@ -224,7 +183,6 @@ class Engine:
     # ---- requests ----
     def _make_request(self, request_id: str, prompt: list[int] | tuple[int, ...], sampling: SamplingParams,
                       export: bool = False, session: str = "") -> Request:
-        sampling.validate()
         prompt = [int(t) for t in prompt]
         cfg = self.model_config
         if not prompt:
@@ -277,7 +235,7 @@ class Engine:
                                              num_prompt_tokens=len(req.prompt_token_ids),
                                              num_cached_tokens=req.num_cached_tokens))
             else:
-                self._first_token(req, sample(logits, req.sampling, req.seed, 0), out)
+                self._first_token(req, self._sample(req, logits), out)
         if plan.decode:
             logits = self.runner.decode(plan.decode)
             bt = self.layout.block_size
@@ -285,9 +243,14 @@ class Engine:
                 written = req.num_tokens  # the step wrote the KV of position num_tokens - 1
                 if written % bt == 0:
                     self.scheduler.publish(req, written, snapshot=True)
-                out.tokens.append(self._append(req, sample(logits[i], req.sampling, req.seed,
-                                                           len(req.output_token_ids))))
+                out.tokens.append(self._append(req, self._sample(req, logits[i])))
         return out
+
+    @staticmethod
+    def _sample(req: Request, logits: torch.Tensor) -> SampledToken:
+        """The request's next token from its logits [V], given the tokens it has so far."""
+        return sample(logits, req.sampling, req.seed, len(req.output_token_ids), req.prompt_token_ids,
+                      req.output_token_ids)
 
     def _first_token(self, req: Request, tok: SampledToken, out: StepOutputs) -> None:
         if req.export:
@@ -361,7 +324,7 @@ class Engine:
             while logits is None:
                 boundary = self.scheduler.snapshot_boundary(req)
                 logits = self._prefill(req, boundary if req.num_computed < boundary else n, StepOutputs())
-            tok = sample(logits, req.sampling, req.seed, 0)
+            tok = self._sample(req, logits)
         except BaseException:
             self.scheduler.finish(req, "abort")  # no rows leak when the prefill fails
             raise

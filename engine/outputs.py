@@ -1,5 +1,5 @@
 """`TokenEvent`: one generated token of one request, the single per-token type from the engine step through
-the rank protocol (node/protocol.py) to the HTTP layer (node/textgen.py, node/responses.py).
+the rank protocol (engine/api.py) to the HTTP layer (node/textgen.py, node/responses.py).
 
 A per-token field (a log-prob, top-k log-probs, a timing) is added here, filled where the engine samples,
 and rendered where responses are built; nothing converts it on the way. Prompt log-probs are the same events,

@@ -1,5 +1,5 @@
-"""Sampling parameters and the per-request sampler: greedy, or seeded temperature / top-k / top-p / min-p, with
-log-probs.
+"""The per-request sampler over one position's logits (engine.api.SamplingParams says how): greedy, or seeded
+temperature / top-k / top-p / min-p, with log-probs.
 
 A request's token at output step n depends only on its logits and (seed, n): the generator is re-seeded from
 both at every step, so batching, scheduling order and the rank that samples never change the result. Without an
@@ -9,51 +9,12 @@ explicit seed the seed derives from the request id (every SPMD rank draws the sa
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    """0 = greedy (argmax, ties to the lower id)."""
-    top_p: float = 1.0
-    top_k: int = 0
-    """Sample among the k most likely tokens only (0: no limit)."""
-    min_p: float = 0.0
-    """Drop tokens less likely than min_p times the most likely one (0: keep all)."""
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    """Stop strings: generation ends once the output text contains one (the text is cut before it)."""
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    """How many most-likely alternatives to report beside each sampled token's log-prob (None: none asked)."""
-    prompt_logprobs: int | None = None
-    """Log-probs of the prompt tokens (each under the prefix before it) with this many alternatives (None: none)."""
-
-    def validate(self) -> "SamplingParams":
-        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
-            raise ValueError(f"max_tokens must be positive (0 only to score a prompt), got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0: no limit), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
-        return self
-
-
-MAX_LOGPROBS = 20
-"""Most alternatives a request may ask for per position (OpenAI's limit)."""
+from engine.api import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -95,9 +56,12 @@ def request_seed(params: SamplingParams, request_id: str) -> int:
     return params.seed if params.seed is not None else zlib.crc32(request_id.encode())
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> SampledToken:
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int,
+           prompt_token_ids: Sequence[int] = (), output_token_ids: Sequence[int] = ()) -> SampledToken:
     """logits [V] float32 -> the token for output step `step` (sampled on the CPU wherever the logits were made:
-    the CPU generator seeds it, and a GPU engine samples exactly as a CPU one given the same logits)."""
+    the CPU generator seeds it, and a GPU engine samples exactly as a CPU one given the same logits).
+    `prompt_token_ids` and `output_token_ids` (the `step` tokens generated before) are the request's tokens so
+    far: what per-request logit processing may depend on, and nothing else (so every pairing samples alike)."""
     logits = logits.cpu()
     logprobs = torch.log_softmax(logits, dim=-1)
     if params.temperature == 0:

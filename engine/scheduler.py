@@ -32,9 +32,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.api import SamplingParams
 from engine.cache import BlockTable, OutOfRows, RowPool
 from engine.prefix_cache import ROOT, CachedBlock, CachedTail, PrefixCache, chain_keys
-from engine.sampling import SamplingParams
 
 MIN_CHUNK = 16
 """Fewest prompt tokens a step prefills while a prompt waits (so a full decode batch cannot starve it)."""

@@ -21,17 +21,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engine.api import DEFAULT_SEED, EngineConfig, Event, ExportedRows, ImportKV, Release, Submit, TokenEvent
 from engine.parallel.spmd import DCPModel, TimedModel, TPModel
-from node.protocol import (
-    Event,
-    ExportedRows,
-    ImportKV,
-    RankStats,
-    Release,
-    SamplingSpec,
-    Submit,
-    TokenEvent,
-)
+from node.protocol import RankStats
 
 
 @dataclass
@@ -80,23 +72,14 @@ def _rank_device(device: str, ctx: Any) -> Any:
     return ctx.device
 
 
-def _sampling(spec: SamplingSpec) -> Any:
-    from engine.sampling import SamplingParams
-
-    return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                          top_k=spec.top_k, min_p=spec.min_p, seed=spec.seed,
-                          stop_token_ids=tuple(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
-                          logprobs=spec.logprobs, prompt_logprobs=spec.prompt_logprobs).validate()
-
-
 class ReferenceBackend:
     """One rank's Engine; its model is `TimedModel` on one rank, else SPMD over the rank group: `TPModel`, or
     `DCPModel` on a DCP pool (whose cache views are `DCPRowCache`s)."""
 
     def __init__(self, config: Any, ctx: Any) -> None:
-        from engine.engine import Engine, EngineConfig
+        from engine.engine import Engine
         from engine.model.config import get_preset
-        from engine.model.weights import DEFAULT_SEED, build_model
+        from engine.model.weights import build_model
 
         if config.dcp_size > 1 and config.dcp_size != ctx.world_size:
             raise ValueError(f"a DCP pool runs one rank per DCP rank: dcp_size {config.dcp_size}, "
@@ -150,12 +133,12 @@ class ReferenceBackend:
         return self.engine.config.num_rows
 
     def submit(self, cmd: Submit) -> list[Event]:
-        self.engine.add_request(cmd.request_id, list(cmd.prompt_token_ids), _sampling(cmd.sampling), export=cmd.export,
+        self.engine.add_request(cmd.request_id, list(cmd.prompt_token_ids), cmd.sampling, export=cmd.export,
                                 session=cmd.session)
         return []
 
     def allocate_import(self, cmd: ImportKV) -> tuple[list[int], list[int]]:
-        table = self.engine.allocate_for_import(cmd.request_id, list(cmd.prompt_token_ids), _sampling(cmd.sampling),
+        table = self.engine.allocate_for_import(cmd.request_id, list(cmd.prompt_token_ids), cmd.sampling,
                                                 session=cmd.session)
         buffer = self.engine.pool.buffer
         if buffer.is_cuda:  # the KDA rows' zeroing is queued on the GPU: done before a READ may write them

@@ -36,8 +36,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.ports import free_port
-from node.protocol import (
+from engine.api import (
     Abort,
     Command,
     EngineFailure,
@@ -45,11 +44,10 @@ from node.protocol import (
     HoldRows,
     ImportKV,
     ImportOutcome,
-    RankStats,
-    StepPlan,
-    StepReply,
     TransportNotice,
 )
+from engine.ports import free_port
+from node.protocol import RankStats, StepPlan, StepReply
 
 
 @dataclass(frozen=True)

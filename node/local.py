@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.api import Submit
 from node.app import NodeRuntime, streaming, until_disconnect
-from node.protocol import Submit
 from node.responses import final_response, stream_chunks
 from node.textgen import GenerationResult, Piece, PreparedRequest, generate_pieces
 from serving.errors import APIError, error_body

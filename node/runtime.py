@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from engine.api import DEFAULT_SEED
 from kv_transfer.ucx_env import KVTransferSettings
 from node.app import NodeRuntime
 from node.executor import Executor, WorkerSpec
@@ -116,8 +117,6 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int)
     metrics.ucx_tcp_fallback.set(float(any(info.tcp_fallback for info in executor.startup_info)))
     limits = Limits(max_context=settings.max_context or model_cfg.max_context,
                     default_max_tokens=settings.default_max_tokens)
-    from engine.model.weights import DEFAULT_SEED
-
     tokenizer = load_tokenizer(model_cfg)
     fingerprint = served_weights_fingerprint(model_cfg, DEFAULT_SEED if config.seed is None else config.seed,
                                              tokenizer)

@@ -1,7 +1,7 @@
 """From an OpenAI request to engine input, and from engine token events back to text.
 
 - `prepare()`: chat template or prompt -> token ids, limits checked against the context (OpenAI-style 400s
-  naming the bad value), sampling fields -> `SamplingSpec`.
+  naming the bad value), sampling fields -> `engine.api.SamplingParams` (whose own checks become 400s).
 - `TextAssembler`: incremental detokenisation that never emits half a UTF-8 character, and stop strings
   (the text up to the stop string is emitted, the stop string is not, as in vLLM).
 - `generate_pieces()`: drives one request's event stream into text pieces with finish reasons and a
@@ -10,14 +10,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from engine.api import EngineFailure, PromptLogprobs, SamplingParams, SamplingParamsError, TokenEvent
 from kv_transfer.params import KVParamsError, KVTransferParams
 from node.metrics import RequestTiming
-from node.protocol import EngineFailure, PromptLogprobs, SamplingSpec, TokenEvent
 from serving.errors import APIError
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -47,7 +48,7 @@ class PreparedRequest:
     kind: Kind
     model: str
     prompt_token_ids: tuple[int, ...]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     stop_strings: tuple[str, ...]
     stream: bool
     include_usage: bool
@@ -138,6 +139,28 @@ def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest, kv_param
                             "request without a remote prefill", "kv_transfer_params")
 
 
+SAMPLING_FIELDS = frozenset(spec.name for spec in dataclasses.fields(SamplingParams)) - {"stop"}
+"""SamplingParams fields a request may set. `stop` is not one: the node ends a stream on stop strings itself
+(`TextAssembler`), so the engine's stays empty."""
+
+
+def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    """The request's SamplingParams: the fields below are translated (defaults, vLLM's spellings, OpenAI's two
+    log-prob shapes); every other field both the request and SamplingParams declare passes as sent when set, so
+    a new sampling parameter needs no code here. A value out of its range is a 400 naming the field."""
+    translated = {
+        "max_tokens": max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_k": max(0, req.top_k or 0), "stop_token_ids": tuple(req.stop_token_ids or ()),
+        "logprobs": _logprobs(req), "prompt_logprobs": _prompt_logprobs(req),
+    }
+    shared = (SAMPLING_FIELDS & type(req).model_fields.keys()) - translated.keys()
+    as_sent = {name: getattr(req, name) for name in shared if getattr(req, name) is not None}
+    try:
+        return SamplingParams(**as_sent, **translated)
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), exc.field) from exc
+
+
 def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_id: str, model: str,
             tokenizer: Tokenizer, limits: Limits) -> PreparedRequest:
     """Validate and convert one request; raises APIError(400) on bad input."""
@@ -156,21 +179,12 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_
                             f"prompt has {len(ids)} tokens, leaving no room for output.", param)
     max_tokens = req.max_tokens if req.max_tokens is not None else min(limits.default_max_tokens, room)
     echo = isinstance(req, CompletionRequest) and req.echo
-    if max_tokens == 0 and not echo and req.prompt_logprobs is None:
-        raise APIError(400, "max_tokens must be at least 1 (0 only with echo or prompt_logprobs)", "max_tokens")
     if len(ids) + max_tokens > limits.max_context:
         raise APIError(400, f"This model's maximum context length is {limits.max_context} tokens. However, you "
                             f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {param}, {max_tokens} "
                             f"in the completion).", "max_tokens")
-    sampling = SamplingSpec(
-        max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0,
-        seed=req.seed,
-        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=_logprobs(req),
-        prompt_logprobs=_prompt_logprobs(req),
-    )
     return PreparedRequest(request_id=request_id, kind=kind, model=model, prompt_token_ids=tuple(ids),
-                           sampling=sampling, stop_strings=tuple(req.stop_strings), stream=req.stream,
+                           sampling=_sampling(req, max_tokens), stop_strings=tuple(req.stop_strings), stream=req.stream,
                            include_usage=req.include_usage, echo=echo, prompt_logprobs=req.prompt_logprobs is not None,
                            kv_params=kv_params)
 

@@ -27,19 +27,19 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from node.protocol import (
+from engine.api import (
     Abort,
     Command,
     Event,
     HoldRows,
     ImportKV,
     ImportOutcome,
-    RankStats,
     Release,
     StartDecode,
     Submit,
     TransportNotice,
 )
+from node.protocol import RankStats
 from node.runtime import RankInfo, WorkerConfig
 
 REFERENCE_BACKEND = "node.backend:build_backend"

@@ -17,9 +17,9 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.api import EngineFailure, ExportedRows, Submit
 from node.app import NodeRuntime, until_disconnect
 from node.metrics import RequestTiming
-from node.protocol import EngineFailure, ExportedRows, Submit
 from node.responses import final_response
 from node.textgen import GenerationResult, PreparedRequest
 from serving.errors import APIError

@@ -19,12 +19,12 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from engine.api import ExportedRows, Release, TransportNotice
 from kv_transfer.lease import OUTCOMES, ExportKey, Lease, LeaseManager
 from kv_transfer.params import KVTransferParams
 from kv_transfer.signing import ClusterSecret, prompt_digest, sign
 from node.executor import Executor
 from node.metrics import NodeMetrics
-from node.protocol import ExportedRows, Release, TransportNotice
 from serving.errors import APIError
 
 

@@ -53,3 +53,39 @@ def test_packages_import_only_what_the_architecture_allows() -> None:
 def test_model_never_imports_parallel_code() -> None:
     bad = {m: f for m, f in _package_imports("engine/model").items() if m.startswith("engine.parallel")}
     assert not bad, bad
+
+
+def _module_file(module: str) -> Path | None:
+    """The file of one of our modules (None: not ours)."""
+    base = REPO_ROOT.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.exists():
+            return path
+    return None
+
+
+def _imports_torch(module: str, seen: set[str]) -> list[str]:
+    """The chain of our modules through which `module` imports torch (empty: it does not), package __init__s
+    included, every import counted (lazy ones too)."""
+    parts = module.split(".")
+    for name in [".".join(parts[:i]) for i in range(1, len(parts))] + [module]:
+        if name in seen:
+            continue
+        seen.add(name)
+        path = _module_file(name)
+        if path is None:
+            continue
+        for imported in sorted(_imports(path)):
+            if imported.split(".")[0] in ("torch", "triton"):
+                return [name, imported]
+            chain = _imports_torch(imported, seen)
+            if chain:
+                return [name, *chain]
+    return []
+
+
+def test_engine_api_imports_no_torch() -> None:
+    """engine/api.py (sampling params, engine config, the rank protocol) is what torch-free code (the node's HTTP
+    layer) uses of the engine: neither it nor anything it imports may import torch."""
+    chain = _imports_torch("engine.api", set())
+    assert not chain, " -> ".join(chain)

@@ -14,10 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.api import DEFAULT_SEED
 from engine.model.config import ModelConfig
 from engine.model.model import KimiModel
-
-DEFAULT_SEED = 31
 
 
 def init_weights(model: KimiModel, seed: int = DEFAULT_SEED) -> None:

@@ -98,4 +98,4 @@ def test_top_k_and_min_p_restrict_what_is_sampled() -> None:
     free = engine.generate("free", prompt, SamplingParams(max_tokens=6, temperature=1.5, seed=9, ignore_eos=True))
     assert free.token_ids != greedy.token_ids  # the restriction, not the seed, made them greedy
     with pytest.raises(ValueError, match="min_p"):
-        SamplingParams(min_p=1.5).validate()
+        SamplingParams(min_p=1.5)

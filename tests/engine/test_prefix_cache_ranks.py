@@ -10,15 +10,14 @@ import asyncio
 
 import pytest
 
+from engine.api import SamplingParams, Submit, TokenEvent
 from engine.engine import Engine, EngineConfig
-from engine.sampling import SamplingParams
 from node.executor import Executor, WorkerSpec
-from node.protocol import SamplingSpec, Submit, TokenEvent
 from node.runtime import WorkerConfig
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(1200)]
 
-SPEC = SamplingSpec(max_tokens=6, temperature=0.7, seed=5, ignore_eos=True, logprobs=1)
+SPEC = SamplingParams(max_tokens=6, temperature=0.7, seed=5, ignore_eos=True, logprobs=1)
 
 
 def _prompt(n: int, salt: int = 0) -> list[int]:
@@ -42,9 +41,7 @@ async def _serve(executor: Executor, request_id: str, prompt: list[int], session
 
 def _scratch(prompt: list[int]) -> list:
     engine = Engine(EngineConfig(num_rows=48, prefix_cache=False))
-    sampling = SamplingParams(max_tokens=SPEC.max_tokens, temperature=SPEC.temperature, seed=SPEC.seed,
-                              ignore_eos=True, logprobs=1)
-    engine.add_request("scratch", prompt, sampling)
+    engine.add_request("scratch", prompt, SPEC)
     events = []
     while engine.has_work:
         events += engine.step().tokens

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from node.protocol import Command, Event, HoldRows, ImportKV, ImportOutcome, RankStats, StartDecode, TokenEvent
+from engine.api import Command, Event, HoldRows, ImportKV, ImportOutcome, StartDecode, TokenEvent
+from node.protocol import RankStats
 
 ROUNDS_PER_RANK = 30
 

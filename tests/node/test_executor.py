@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
+from engine.api import EngineFailure, SamplingParams, Submit, TokenEvent
 from node.executor import Executor, ExecutorDead, WorkerSpec
-from node.protocol import EngineFailure, SamplingSpec, Submit, TokenEvent
 from node.runtime import WorkerConfig
 from tests.node.nodes import TOY
 
@@ -27,14 +27,14 @@ def _spec(world: int) -> WorkerSpec:
 
 async def _tokens(executor: Executor, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
     out = []
-    async for event in executor.events(Submit(request_id, prompt, SamplingSpec(max_tokens=max_tokens))):
+    async for event in executor.events(Submit(request_id, prompt, SamplingParams(max_tokens=max_tokens))):
         assert isinstance(event, TokenEvent), event
         out.append(event.token_id)
     return out
 
 
 async def _first_n_then_stop(executor: Executor, request_id: str, n: int) -> None:
-    events = executor.events(Submit(request_id, (5, 6, 7), SamplingSpec(max_tokens=100000)))
+    events = executor.events(Submit(request_id, (5, 6, 7), SamplingParams(max_tokens=100000)))
     for _ in range(n):
         await events.__anext__()
     await events.aclose()
@@ -58,7 +58,7 @@ def test_two_ranks_lockstep_abort_and_rank_death():
                     break
             assert all(s.num_rows_used == 0 for s in executor.state.stats)
 
-            events = executor.events(Submit("doomed", (4, 4), SamplingSpec(max_tokens=100000)))
+            events = executor.events(Submit("doomed", (4, 4), SamplingParams(max_tokens=100000)))
             await events.__anext__()
             os.kill(executor.pids[1], signal.SIGKILL)
             last = None
@@ -70,7 +70,7 @@ def test_two_ranks_lockstep_abort_and_rank_death():
         asyncio.run(scenario())
         assert not executor.healthy
         with pytest.raises(ExecutorDead):
-            executor.submit(Submit("late", (1,), SamplingSpec(max_tokens=1)))
+            executor.submit(Submit("late", (1,), SamplingParams(max_tokens=1)))
     finally:
         executor.stop()
     assert not any(p.is_alive() for p in executor._procs)

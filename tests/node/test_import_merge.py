@@ -9,14 +9,14 @@ import time
 
 import pytest
 
+from engine.api import ImportKV, ImportOutcome, SamplingParams, StartDecode, TokenEvent
 from node.executor import Executor, WorkerSpec
-from node.protocol import ImportKV, ImportOutcome, SamplingSpec, StartDecode, TokenEvent
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 
 
 def _import(request_id: str) -> ImportKV:
-    return ImportKV(request_id=request_id, prompt_token_ids=(1, 2), sampling=SamplingSpec(max_tokens=1),
+    return ImportKV(request_id=request_id, prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=1),
                     first=TokenEvent(request_id=request_id, token_id=3), params=None, peer=None)
 
 

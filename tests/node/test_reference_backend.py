@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from engine.api import ImportKV, SamplingParams, TokenEvent
 from engine.parallel.groups import ParallelContext
 from node.backend import build_backend
-from node.protocol import ImportKV, SamplingSpec, TokenEvent
 from node.runtime import WorkerConfig
 
 
@@ -17,7 +17,7 @@ def _backend():
 def _import(backend, request_id: str) -> None:
     backend.allocate_import(ImportKV(request_id=request_id, prompt_token_ids=(1, 72, 105),
                                      first=TokenEvent(request_id=request_id, token_id=33),
-                                     sampling=SamplingSpec(max_tokens=4), params=None, peer=None))
+                                     sampling=SamplingParams(max_tokens=4), params=None, peer=None))
 
 
 def test_start_decode_after_an_abort_is_a_no_op():

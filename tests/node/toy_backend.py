@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from engine.api import Event, ExportedRows, ImportKV, Release, Submit, TokenEvent
 from engine.layout import plan_layout
 from engine.model.config import get_preset
-from node.protocol import Event, ExportedRows, ImportKV, RankStats, Release, Submit, TokenEvent
+from node.protocol import RankStats
 
 EOS = 257
 

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
+from engine.api import ExportedRows, Release, SamplingParams, Submit
 from kv_transfer.ucx_env import KVTransferSettings
 from node.executor import Executor, WorkerSpec
 from node.metrics import NodeMetrics
-from node.protocol import ExportedRows, Release, SamplingSpec, Submit
 from node.runtime import WorkerConfig
 from prefill_node.exports import ExportIdentity, ExportTable
 from serving.errors import APIError
@@ -39,7 +39,7 @@ def _table(executor: Executor, lease_seconds: float = 600.0) -> ExportTable:
 
 
 async def _export(executor: Executor, request_id: str, prompt: tuple[int, ...]) -> ExportedRows:
-    async for event in executor.events(Submit(request_id, prompt, SamplingSpec(max_tokens=1), export=True)):
+    async for event in executor.events(Submit(request_id, prompt, SamplingParams(max_tokens=1), export=True)):
         if isinstance(event, ExportedRows):
             return event
     raise AssertionError(f"{request_id} ended without rows")

@@ -62,7 +62,7 @@ class Oracle:
         self.num_runs += 1
         started = time.perf_counter()
         self.engine.add_request(f"oracle-{self.num_runs}", list(prompt_ids),
-                                SamplingParams(max_tokens=max_tokens, temperature=0.0).validate())
+                                SamplingParams(max_tokens=max_tokens, temperature=0.0))
         tokens = []
         while self.engine.has_work:
             tokens += [out.token_id for out in self.engine.step().tokens]

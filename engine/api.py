@@ -1,0 +1,243 @@
+"""The engine's torch-free API: what a node hands an engine, and what crosses between a node's driver and its ranks.
+
+- `SamplingParams`: one request's sampling, the one definition (the node builds it from the OpenAI request, the
+  engine samples with it); constructing one checks its ranges and raises `SamplingParamsError` naming the field.
+- `EngineConfig`: how an engine is built (engine/engine.py).
+- The rank protocol: the commands the node's driver sends every rank each round and the events ranks send back
+  (node/executor.py, node/worker.py). Frozen, picklable dataclasses; no behaviour. The per-token events are
+  engine/outputs.py's `TokenEvent` and `PromptLogprobs`.
+Invariant: imports no torch, nor any module that does (tests/test_layering.py checks it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.outputs import PromptLogprobs, TokenEvent
+
+DEFAULT_SEED = 31
+"""Random-init seed of the weights when none is given."""
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask for per position (OpenAI's limit)."""
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter out of its range; `field` names it (the HTTP edge answers 400 with that param)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling; temperature 0 is greedy. Valid once constructed (`SamplingParamsError`)."""
+
+    max_tokens: int = 16
+    """Tokens to generate (0 only with `prompt_logprobs`: the prompt is scored, nothing generated)."""
+    temperature: float = 0.0
+    """0 = greedy (argmax, ties to the lower id)."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0: no limit)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one (0: keep all)."""
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends once the output text contains one (the text is cut before it). A node
+    leaves this empty: its HTTP layer ends the stream on stop strings (node/textgen.py)."""
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """How many most-likely alternatives to report beside each sampled token's log-prob (None: none asked)."""
+    prompt_logprobs: int | None = None
+    """Log-probs of the prompt tokens (each under the prefix before it) with this many alternatives (None: none)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise SamplingParamsError("max_tokens", "max_tokens must be at least 1 (0 only with echo or "
+                                                    f"prompt_logprobs: the prompt is scored), got {self.max_tokens}")
+        if self.temperature < 0:
+            raise SamplingParamsError("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SamplingParamsError("top_k", f"top_k must be >= 0 (0: no limit), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise SamplingParamsError(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "kimi-k3.1-mini"
+    """Preset name (engine.model.config.PRESETS)."""
+    seed: int = DEFAULT_SEED
+    """Random-init seed of the weights (every process with the same seed has the same weights)."""
+    weights: str | None = None
+    """Optional safetensors file loaded over the random init."""
+    num_rows: int = 256
+    """Rows in the pool (each layout.row_bytes bytes)."""
+    max_batch: int = 64
+    """Most requests in one decode step."""
+    tp_size: int = 1
+    """TP size the pool layout is planned for (KDA heads per rank)."""
+    dcp_size: int = 1
+    """DCP size the pool layout is planned for (tokens per row = block_size / dcp_size)."""
+    subblock_tokens: int = 64
+    block_size: int | None = None
+    """Force a larger power-of-two block size (None: the smallest legal one)."""
+    quarantine_s: float = 30.0
+    """How long rows stay out of the pool after an export or import is given up (lease expired, aborted): a
+    remote READ posted before may still target them until the reader's transfer timeout."""
+    device: str = "cpu"
+    """Where the weights (when the engine builds them), the row pool and every intermediate live: "cpu" or
+    "cuda[:N]". A passed-in `model` must already be on this device."""
+    prefix_cache: bool = True
+    """Keep finished blocks and reuse the longest cached prefix of a prompt (engine/prefix_cache.py)."""
+    max_step_tokens: int | None = None
+    """Chunked prefill: tokens one step computes, running decodes first, then a chunk of the prompt being
+    prefilled (at least scheduler.MIN_CHUNK). None: every prompt prefills in one step."""
+    kernels: str | None = None
+    """Kernel set: "reference" (engine/model/) or "fast" (engine/fast/: Triton decode over the packed rows; one rank,
+    or a passed-in `TPModel`: the fast SPMD prefill and TP decode; a `DCPModel`: the fast DCP decode); None or
+    "auto": fast on CUDA for a single-rank engine (engine/fast/backend.py), else reference. "fast" where it cannot
+    run (CPU without TRITON_INTERPRET=1) is refused with the reason."""
+
+
+# ---------------------------------------------------------------------- commands (driver -> ranks)
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Prefill and decode locally; with `export`, prefill only and keep the rows for a remote reader."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    export: bool = False
+    session: str = ""
+    """Opaque session key (x-pdcluster-session); the node reports per session what its prefix cache holds."""
+
+
+@dataclass(frozen=True)
+class ImportKV:
+    """Allocate rows for the prompt and post the READs from the prefill node (`params`: KVTransferParams, already
+    checked by the decode node; `peer`: the prefill node's side-channel metadata). Every rank answers exactly one
+    `ImportOutcome` per ImportKV, in a later round's step when its reads are done, failed or past their deadline
+    (or at once when it cannot post, or on `Abort`); the rows wait for `StartDecode`."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    first: TokenEvent
+    """The token the prefill node sampled (id, log-prob, alternatives), the first one this request streams."""
+    params: Any
+    peer: Any
+    session: str = ""
+    """Opaque session key, as in `Submit`."""
+
+
+@dataclass(frozen=True)
+class StartDecode:
+    """Every rank imported its share: decode from the imported rows, starting after `ImportKV.first`."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Drop a request wherever it is (queued, running, exported or imported) and free its rows."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """End export `generation` of `request_id` (its lease ended). Never by row ids: a release that names an
+    export no longer live frees nothing. `reads_done`: every READ finished, the rows are free at once; else
+    (lease expired or aborted) they stay quarantined for the read timeout."""
+
+    request_id: str
+    generation: int
+    reads_done: bool = False
+
+
+@dataclass(frozen=True)
+class HoldRows:
+    """A READ into this request's rows could not be cancelled on some rank: keep them out of the pool for good
+    on every rank (the driver sends it, so all ranks agree)."""
+
+    request_id: str
+
+
+Command = Submit | ImportKV | StartDecode | Abort | Release | HoldRows
+
+
+# ---------------------------------------------------------------------- events (ranks -> driver)
+
+
+@dataclass(frozen=True)
+class ExportedRows:
+    """A prefill-for-export finished: the rows stay allocated until `Release`."""
+
+    request_id: str
+    attn_row_ids: tuple[int, ...]
+    kda_row_ids: tuple[int, ...]
+    num_tokens: int
+    first: TokenEvent
+    """The sampled first token (id, log-prob, alternatives)."""
+    num_cached_tokens: int = 0
+    generation: int = 0
+    """Names this export in `Release` (the engine's per-export counter)."""
+    is_final: bool = True
+
+
+@dataclass(frozen=True)
+class ImportOutcome:
+    """A rank's (and after merging, the node's) result of an `ImportKV`."""
+
+    request_id: str
+    error: str | None = None
+    num_bytes: int = 0
+    seconds: float = 0.0
+    num_descriptors: int = 0
+    post_s: tuple[float, ...] = ()
+    """Posting time of each READ (one per source rank per destination rank)."""
+    uncancelled: bool = False
+    """A READ of this import could not be cancelled (its rows must never be reused; the driver sends HoldRows)."""
+    short_of_rows: bool = False
+    """The rank had too few free rows: it allocated and posted nothing (merged: every rank said so), so the node
+    may queue the import and send it again (decode_node/admission.py)."""
+
+    @property
+    def is_final(self) -> bool:
+        return self.error is not None
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """The request cannot continue (bad input found by the engine, or a rank died)."""
+
+    request_id: str
+    error: str
+    status: int = 500
+    is_final: bool = True
+
+
+@dataclass(frozen=True)
+class TransportNotice:
+    """A transport notification a rank received (lease DONE / ABORT message from a reader)."""
+
+    rank: int
+    sender: str
+    message: bytes
+    request_id: str = ""
+    is_final: bool = False
+
+
+Event = TokenEvent | PromptLogprobs | ExportedRows | ImportOutcome | EngineFailure | TransportNotice
