@@ -53,6 +53,13 @@ class SamplingParams:
     """How many most-likely alternatives to report beside each sampled token's log-prob (None: none asked)."""
     prompt_logprobs: int | None = None
     """Log-probs of the prompt tokens (each under the prefix before it) with this many alternatives (None: none)."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted once from the logit of every token generated so far, in [-2, 2] (0: off)."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once per time it was generated so far, in [-2, 2] (0: off)."""
+    repetition_penalty: float = 1.0
+    """vLLM's: the logit of every token in the prompt or generated so far is divided by it when positive,
+    multiplied when not; > 0 (1: off)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
@@ -70,6 +77,13 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise SamplingParamsError(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise SamplingParamsError(name, f"{name} must be in [-2, 2], got {value}")
+        if not self.repetition_penalty > 0:
+            raise SamplingParamsError("repetition_penalty", f"repetition_penalty must be > 0, got "
+                                                            f"{self.repetition_penalty}")
 
 
 @dataclass(frozen=True)

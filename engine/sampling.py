@@ -1,9 +1,11 @@
-"""The per-request sampler over one position's logits (engine.api.SamplingParams says how): greedy, or seeded
-temperature / top-k / top-p / min-p, with log-probs.
+"""The per-request sampler over one position's logits (engine.api.SamplingParams says how): the penalties
+(repetition, then frequency and presence, as vLLM applies them), then greedy or seeded temperature / top-k /
+top-p / min-p; log-probs are of the raw logits (vLLM's default `raw_logprobs`).
 
-A request's token at output step n depends only on its logits and (seed, n): the generator is re-seeded from
-both at every step, so batching, scheduling order and the rank that samples never change the result. Without an
-explicit seed the seed derives from the request id (every SPMD rank draws the same token).
+A request's token at output step n depends only on its logits, its own tokens (prompt and the n generated
+before: the penalties) and (seed, n): the generator is re-seeded from both at every step, so batching, scheduling
+order, the rank that samples and the prefill/decode pairing never change the result. Without an explicit seed
+the seed derives from the request id (every SPMD rank draws the same token).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from engine.api import SamplingParams
 class SampledToken:
     token_id: int
     logprob: float
-    """log p(token) under the model's unscaled distribution (temperature 1, no top-p)."""
+    """log p(token) under the model's raw distribution (no penalties, temperature 1, no top-k/top-p/min-p)."""
     top_logprobs: tuple[tuple[int, float], ...] = ()
     """The most likely tokens with their log-probs (same distribution), most likely first, ties to the lower id."""
     rank: int = 0
@@ -52,6 +54,25 @@ def _filtered(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(0, order, torch.where(keep, sorted_probs, torch.zeros(())))
 
 
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_token_ids: Sequence[int],
+                    output_token_ids: Sequence[int]) -> torch.Tensor:
+    """logits [V] -> the penalised logits [V] (`logits` itself when every penalty is off). vLLM's order: the
+    repetition penalty over the tokens of the prompt and the output (a positive logit divided by it, any other
+    multiplied), then the frequency penalty times each token's count in the output and the presence penalty
+    once per token in the output (OpenAI's), subtracted."""
+    if params.repetition_penalty == 1 and params.frequency_penalty == 0 and params.presence_penalty == 0:
+        return logits
+    vocab = logits.shape[-1]
+    counts = torch.bincount(torch.tensor(list(output_token_ids), dtype=torch.long), minlength=vocab)[:vocab]
+    if params.repetition_penalty != 1:
+        seen = counts > 0
+        seen[torch.tensor(list(prompt_token_ids), dtype=torch.long)] = True
+        penalty = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    present = (counts > 0).to(logits.dtype)
+    return logits - params.frequency_penalty * counts.to(logits.dtype) - params.presence_penalty * present
+
+
 def request_seed(params: SamplingParams, request_id: str) -> int:
     return params.seed if params.seed is not None else zlib.crc32(request_id.encode())
 
@@ -64,10 +85,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int,
     far: what per-request logit processing may depend on, and nothing else (so every pairing samples alike)."""
     logits = logits.cpu()
     logprobs = torch.log_softmax(logits, dim=-1)
+    scores = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
     if params.temperature == 0:
-        token = int(torch.argmax(logits))
+        token = int(torch.argmax(scores))
     else:
-        probs = _filtered(torch.softmax(logits / params.temperature, dim=-1), params)
+        probs = _filtered(torch.softmax(scores / params.temperature, dim=-1), params)
         gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
         token = int(torch.multinomial(probs, 1, generator=gen))
     chosen = logprobs[token]

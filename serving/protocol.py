@@ -4,7 +4,7 @@ Shapes follow vLLM's OpenAI server (vllm/entrypoints/openai/protocol.py) so a ro
 nodes and to vLLM the same way:
 - requests: `/v1/completions` (prompt as text or token ids) and `/v1/chat/completions` (messages); `n` must
   be 1. Every parameter is honoured or refused: fields this server does not implement (`tools`,
-  `response_format`, penalties, `logit_bias`, ...) are kept in `model_extra` and `refused_parameter()` names
+  `response_format`, `logit_bias`, ...) are kept in `model_extra` and `refused_parameter()` names
   the first one whose value is not the inert default (the node answers 400 naming it); unknown fields are
   refused the same way (vLLM would ignore them silently).
 - a user, system or developer message needs `content` (a string or a non-empty list of parts); message
@@ -39,7 +39,6 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INERT_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
     "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
     "length_penalty": (None, 1), "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
     "min_tokens": (None, 0), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
@@ -92,6 +91,10 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     """vLLM's extension: log-probs of the prompt tokens with this many alternatives."""
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    """vLLM's extension. The penalties' ranges are engine.api.SamplingParams' (a node answers 400 naming one)."""
     kv_transfer_params: KVParamsField = None
 
     @field_validator("n")

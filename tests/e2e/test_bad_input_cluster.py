@@ -28,6 +28,10 @@ def _bad_requests(model: str) -> dict[str, tuple[str, dict | bytes]]:
         "max-tokens-absurd": ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 10**12}),
         "max-tokens-negative": ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": -5}),
         "temperature-negative": ("/v1/completions", {"model": model, "prompt": "hi", "temperature": -1.0}),
+        "presence-penalty-out-of-range": ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4,
+                                                              "presence_penalty": 2.5}),
+        "repetition-penalty-zero": ("/v1/chat/completions", {"model": model, "max_tokens": 4, "repetition_penalty": 0,
+                                                             "messages": [{"role": "user", "content": "hi"}]}),
         "unknown-model": ("/v1/chat/completions", {"model": "gpt-unknown", "max_tokens": 4,
                                                    "messages": [{"role": "user", "content": "hi"}]}),
     }
@@ -43,6 +47,8 @@ def test_bad_input_is_a_4xx_openai_error(cluster, case):
     if case == "unknown-model":
         assert response.status_code in (400, 404)
     error = response.json()["error"]
+    if "penalty" in case:
+        assert response.status_code == 400 and error["param"] == case.split("-penalty")[0] + "_penalty"
     assert isinstance(error["message"], str) and error["message"]
     assert error["type"] and error["code"] == response.status_code
     assert httpx.get(f"{cluster.router_url}/health", timeout=10).status_code == 200
@@ -82,8 +88,7 @@ def test_numeric_header_of_5000_digits_and_content_less_message_are_400_json(clu
 
 @pytest.mark.parametrize("param,value", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    ("response_format", {"type": "json_object"}), ("presence_penalty", 0.5), ("frequency_penalty", 0.3),
-    ("logit_bias", {"5": 10}), ("tool_choice", "required"),
+    ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}), ("tool_choice", "required"),
 ])
 def test_unimplemented_parameters_are_refused_by_name_through_the_router(cluster, param, value):
     """The reference nodes refuse what they do not implement; the node's 400 reaches the client as it is."""
@@ -92,8 +97,7 @@ def test_unimplemented_parameters_are_refused_by_name_through_the_router(cluster
         client.chat.completions.create(model=cluster.model, messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=2, **{param: value})
     assert info.value.body["param"] == param and param in info.value.body["message"]
-    neutral = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [],
-               "response_format": {"type": "text"}, "tool_choice": "none"}[param]
+    neutral = {"logit_bias": {}, "tools": [], "response_format": {"type": "text"}, "tool_choice": "none"}[param]
     ok = client.chat.completions.create(model=cluster.model, messages=[{"role": "user", "content": "hi"}],
                                         max_tokens=2, **{param: neutral})
     assert ok.choices[0].finish_reason in ("length", "stop")
@@ -107,3 +111,13 @@ def test_unknown_routes_and_methods_are_openai_errors(cluster):
                          headers={"Content-Type": "application/json"}), 400)
     for node in cluster.nodes:
         _error_of(httpx.get(f"{node.url}/v1/nope", timeout=30), 404)
+
+
+def test_penalties_are_honoured_through_the_router(cluster):
+    """The reference nodes implement the penalties: accepted through the router (prefill leg and decode leg alike),
+    the answer is whole."""
+    client = cluster.client()
+    result = client.completions.create(model=cluster.model, prompt=GOOD_PROMPT, max_tokens=8, temperature=0,
+                                       presence_penalty=0.5, frequency_penalty=0.5,
+                                       extra_body={"repetition_penalty": 1.2, "ignore_eos": True})
+    assert len(choice_token_ids(result.choices[0])) == 8

@@ -1,6 +1,7 @@
-"""Every request parameter is honoured or refused by name (node side, no engine needed), and every error of a
-node app is OpenAI JSON: unknown routes and methods, malformed or deeply nested bodies, unexpected exceptions
-(no traceback, no internal address), content-less messages, unsupported parameters.
+"""Every request parameter is honoured or refused by name (node side, no engine needed): the penalties reach the
+engine's SamplingParams as sent, out of their range a 400 naming them. Every error of a node app is OpenAI JSON:
+unknown routes and methods, malformed or deeply nested bodies, unexpected exceptions (no traceback, no internal
+address), content-less messages, unsupported parameters.
 
 `prepare()` is what both node kinds run on every request, so it is tested directly; the HTTP edge is the real
 prefill and decode apps, built but not started (no rank processes: the checks here come before the engine).
@@ -30,9 +31,6 @@ REFUSED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "auto"),
     ("response_format", {"type": "json_object"}),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", -0.1),
-    ("repetition_penalty", 1.2),
     ("logit_bias", {"5": 10}),
     ("best_of", 2),
     ("min_tokens", 3),
@@ -42,9 +40,9 @@ REFUSED = [
     ("functions", [{"name": "f"}]),
     ("no_such_parameter", 1),
 ]
-INERT = [("tools", []), ("tool_choice", "none"), ("presence_penalty", 0), ("frequency_penalty", 0.0),
-         ("repetition_penalty", 1.0), ("logit_bias", {}), ("response_format", {"type": "text"}), ("best_of", 1),
-         ("parallel_tool_calls", True), ("min_tokens", 0), ("skip_special_tokens", True), ("suffix", None)]
+INERT = [("tools", []), ("tool_choice", "none"), ("logit_bias", {}), ("response_format", {"type": "text"}),
+         ("best_of", 1), ("parallel_tool_calls", True), ("min_tokens", 0), ("skip_special_tokens", True),
+         ("suffix", None)]
 
 
 def _completion(**fields) -> CompletionRequest:
@@ -73,6 +71,32 @@ def test_unimplemented_parameters_are_refused_by_name(endpoint, name, value):
 def test_default_values_of_unimplemented_parameters_are_accepted(name, value):
     for req in (_completion(**{name: value}), _chat(**{name: value})):
         assert _prepare(req).sampling.max_tokens == 4
+
+
+@pytest.mark.parametrize("endpoint", ["completion", "chat"])
+@pytest.mark.parametrize("name,value", [
+    ("presence_penalty", 0.5), ("presence_penalty", -2), ("frequency_penalty", -0.1), ("frequency_penalty", 2.0),
+    ("repetition_penalty", 1.2), ("repetition_penalty", 0.5),
+], ids=lambda v: str(v))
+def test_penalties_reach_the_engine_as_sent(endpoint, name, value):
+    prepared = _prepare((_completion if endpoint == "completion" else _chat)(**{name: value}))
+    assert getattr(prepared.sampling, name) == value
+
+
+def test_absent_or_null_penalties_are_off():
+    for sampling in (_prepare(_completion()).sampling, _prepare(_chat(presence_penalty=None)).sampling):
+        assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0, 0, 1)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("presence_penalty", 2.5), ("presence_penalty", -2.1), ("frequency_penalty", 3), ("repetition_penalty", 0),
+    ("repetition_penalty", -1.0),
+], ids=lambda v: str(v))
+def test_penalties_out_of_range_are_a_400_naming_them(name, value):
+    for req in (_completion(**{name: value}), _chat(**{name: value})):
+        with pytest.raises(APIError) as info:
+            _prepare(req)
+        assert info.value.status == 400 and info.value.param == name and name in info.value.message
 
 
 @pytest.mark.parametrize("fields,param", [

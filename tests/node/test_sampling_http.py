@@ -168,3 +168,19 @@ def test_top_k_min_p_and_seed_are_honoured(node):
     assert seeded[0]["choices"][0]["token_ids"] == seeded[1]["choices"][0]["token_ids"]
     bad = httpx.post(f"{node}/v1/completions", json={**base, "min_p": 2}, timeout=60)
     assert bad.status_code == 400 and "min_p" in bad.text
+
+
+def test_penalties_are_honoured_and_range_checked(node):
+    """presence/frequency/repetition penalties: the node serves the engine's tokens, which the penalties change
+    (this greedy answer repeats a token); out of range is a 400 naming the parameter."""
+    base = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(f"{node}/v1/completions", json=base, timeout=300).json()["choices"][0]["token_ids"]
+    engine = Engine(EngineConfig(model="kimi-k3.1-mini", num_rows=16))
+    ids = ByteTokenizer().encode(PROMPT)
+    for name, value in (("presence_penalty", 1.0), ("frequency_penalty", 1.0), ("repetition_penalty", 1.3)):
+        got = httpx.post(f"{node}/v1/completions", json={**base, name: value}, timeout=300).json()
+        want = engine.generate(name, ids, SamplingParams(max_tokens=24, ignore_eos=True, **{name: value}))
+        assert got["choices"][0]["token_ids"] == want.token_ids != plain, name
+    for name, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0)):
+        bad = httpx.post(f"{node}/v1/completions", json={**base, name: value}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == name, bad.text

@@ -3,9 +3,10 @@
 - `max_tokens=0` scores the prompt (`echo` or `prompt_logprobs`): accepted, and served colocated like every
   request that asks for prompt log-probs (a remote prefill hands over KV, not prompt log-probs); 0 otherwise
   is a 400 naming the field;
-- log-probs, echo and the parameters the reference engine refuses (`tools`, `response_format`, penalties,
-  `logit_bias`) pass through to the nodes untouched (vLLM pools honour them); a node's 400 reaches the client
-  byte for byte, with its status;
+- log-probs, echo, penalties and the parameters the reference engine refuses (`tools`, `response_format`,
+  `logit_bias`) pass through to the nodes untouched (vLLM pools honour them; the router checks no range of
+  theirs); a node's 400 (a refused parameter, a penalty out of its range) reaches the client byte for byte, with
+  its status;
 - bounded input: a 5,000-digit `X-Expected-Context-Tokens` and a content-less user message are 400 JSON;
 - error messages relayed from nodes (JSON bodies, error events inside a stream) reach the client without pod
   addresses, engine ids or lease ids.
@@ -141,19 +142,25 @@ def test_parameters_pass_through_to_vllm_pools_untouched():
         assert {k: leg[k] for k in PASSED} == PASSED
 
 
-def _node_refusal(param: str) -> bytes:
-    """What a reference node answers for a parameter it does not implement (its own serialisation)."""
-    return json.dumps({"error": {"message": f"parameter {param!r} is not supported by this server",
-                                 "type": "invalid_request_error", "param": param, "code": 400}}).encode()
+def _node_refusal(param: str, message: str) -> bytes:
+    """What a reference node answers for a parameter it refuses (its own serialisation)."""
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                 "code": 400}}).encode()
+
+
+REFUSALS = {"tools": (PASSED["tools"], "parameter 'tools' is not supported by this server"),
+            "presence_penalty": (2.5, "presence_penalty must be in [-2, 2], got 2.5")}
 
 
 @pytest.mark.parametrize("leg", ["prefill", "decode"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_a_node_refusal_reaches_the_client_unchanged(leg, stream):
-    refusal = _node_refusal("tools")
+@pytest.mark.parametrize("param", list(REFUSALS), ids=["unsupported", "out-of-range"])
+def test_a_node_refusal_reaches_the_client_unchanged(leg, stream, param):
+    value, message = REFUSALS[param]
+    refusal = _node_refusal(param, message)
 
     def answer(body):
-        return (400, refusal, "application/json") if "tools" in body else (200, b"{}", "application/json")
+        return (400, refusal, "application/json") if param in body else (200, b"{}", "application/json")
 
     ref = "reference"
     nodes = [ScriptedNode(name, role, answer, ref) if leg == role else FakeNode(name, role, engine_label=ref)
@@ -161,7 +168,7 @@ def test_a_node_refusal_reaches_the_client_unchanged(leg, stream):
 
     async def main():
         async with router_harness(nodes, specs={n.name: {"engine": "reference"} for n in nodes}) as (client, _):
-            resp = await client.post("/v1/completions", json=completion(tools=PASSED["tools"], stream=stream))
+            resp = await client.post("/v1/completions", json=completion(stream=stream, **{param: value}))
             assert resp.status_code == 400
             assert resp.content == refusal
             assert (await client.get("/health")).status_code == 200
