@@ -4,9 +4,9 @@ Checked: the body is a JSON object within `max_body_bytes`; `model` names a serv
 (chat) or `prompt` (completions) is present and well typed, and a user/system/developer message has content;
 `max_tokens` / `max_completion_tokens` are integers in [1, limit], or 0 for a request that only scores its
 prompt (`echo` or `prompt_logprobs`, as the nodes and vLLM allow); `n` is 1; `stream` is a bool and
-`stream_options` an object. Parameters the reference engine does not implement (`tools`, penalties, ...) are
-not checked here: vLLM pools honour them, and our nodes refuse them with a 400 naming the parameter, which the
-router relays unchanged. Client-supplied
+`stream_options` an object. Other parameters are not checked here (the penalties' ranges, or those the reference
+engine does not implement: `tools`, `logit_bias`, ...): vLLM pools honour them, and our nodes answer a 400 naming
+the parameter (out of range, or not implemented), which the router relays unchanged. Client-supplied
 `kv_transfer_params` are removed here (security: only the router speaks that protocol to nodes).
 Errors are `APIError(400|404|413)` with the offending param named.
 """
