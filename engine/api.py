@@ -117,10 +117,9 @@ class EngineConfig:
     """Chunked prefill: tokens one step computes, running decodes first, then a chunk of the prompt being
     prefilled (at least scheduler.MIN_CHUNK). None: every prompt prefills in one step."""
     kernels: str | None = None
-    """Kernel set: "reference" (engine/model/) or "fast" (engine/fast/: Triton decode over the packed rows; one rank,
-    or a passed-in `TPModel`: the fast SPMD prefill and TP decode; a `DCPModel`: the fast DCP decode); None or
-    "auto": fast on CUDA for a single-rank engine (engine/fast/backend.py), else reference. "fast" where it cannot
-    run (CPU without TRITON_INTERPRET=1) is refused with the reason."""
+    """Kernel set asked for: "reference" (engine/model/), "fast" (engine/fast/) or None / "auto"; engine/kernels.py
+    `resolve` decides (what each set runs per parallelism and phase, where auto picks fast, and the refusals
+    naming their reason: an explicit "fast" never falls back)."""
 
 
 # ---------------------------------------------------------------------- commands (driver -> ranks)
