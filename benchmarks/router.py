@@ -6,12 +6,17 @@ Fake vLLM-protocol engines (tests/router/wire_fake.py: `/v1/models`, `/metrics` 
 per round: vllm-router 0.1.17 with `--policy round_robin` (the anchor: two legs per request, like ours),
 vllm-router with its default `cache_aware` policy (which also calls `/v1/completions/render` on P and D
 for every request: four upstream calls), our router, optionally our router at an older git revision, and
-`floor` (benchmarks/router_floor.py: the two legs in Python with none of the router's features; `--only ... floor`).
-Each is driven by
+`floor` (benchmarks/router_floor.py: the two legs in Python with none of the router's features; `--only ... floor`),
+and our router's app under a kept HTTP server instead of router/server.py (benchmarks/router_asgi.py, `--only ...
+uvicorn granian`: uvicorn on httptools + uvloop, granian; the app as of `--asgi-rev`, whose completion routes were
+ASGI). Each is driven by
 - wrk (C; one thread) at 1, 16, 64 and 256 connections, non-streaming: req/s, mean and p99 latency, each point
   after `--warmup` seconds of the same load (discarded), so that opening the routers' upstream connections for a
   higher concurrency is not billed to that point's short window;
 - 64 concurrent SSE streams x 256 tokens (an asyncio client on uvloop + httptools): chunks/s, TTFT p50/p99.
+Each window also records the CPU time the contender's processes spent per request (per SSE chunk), from /proc:
+on a machine that other work shares, req/s follows the CPU share a contender wins (a server with more threads
+wins more), CPU per request does not.
 Every run checks that the engines saw as many P legs as D legs (both routers run both legs). Every window
 records the machine's idle and steal shares (/proc/stat); a window in which the hypervisor stole more than
 `--max-steal` percent of the CPU time is measured again (at most `--steal-retries` times, least-stolen attempt
@@ -28,6 +33,8 @@ between loads with no Python and no upstream at all.
     python benchmarks/router.py [--duration 5] [--rounds 2] [--workers 2] [--baseline-rev REV] [--json out.json]
 Headline: router_pd_throughput_ratio_c64 = ours / vllm-router (round_robin) req/s at 64 connections, worst round.
     python benchmarks/router.py --clients    upstream HTTP clients (ours, aiohttp, httpx) against one fake P
+    python benchmarks/router.py --only pdcluster uvicorn granian --points c64 c256 stream --per-point
+        our HTTP server (router/server.py) against uvicorn and granian serving the same app (`--asgi-rev`)
     python benchmarks/router.py --alternate 64 256 [--pairs 5] [--only ...] [--json out.json]
         pairs of windows at 64 then 256 connections in one process per contender (and `direct`): the median and
         spread of c256 / c64 req/s; headline router_throughput_ratio_c256_over_c64_median (ours).
@@ -56,8 +63,15 @@ from router_load import (PROMPT, WRK_LUA, body, drive_streams, run_wrk,  # noqa:
 
 BIN = Path(sys.executable).parent
 CONNECTIONS = (1, 16, 64, 256)
+ASGI_SERVERS = ("uvicorn", "granian")
+"""Contenders that serve our router's app under a kept ASGI server (benchmarks/router_asgi.py)."""
+ASGI_REV = "cca74d5"
+"""A revision whose router app serves the completion routes as ASGI (router/fastpath.py, removed after it)."""
+
+
 async def compare_clients(url: str, num_requests: int = 4000) -> None:
-    """Requests/s of one process sending P legs through each client, 1 and 64 at a time (why router/upstream.py)."""
+    """Requests/s and this process's CPU per request, sending P legs through each client 1, 64 and 256 at a time
+    (why router/upstream.py). The CPU per request is what the machine's other load disturbs least."""
     import aiohttp  # noqa: PLC0415 - a dependency of the bench extra (vllm-router)
 
     from router.upstream import UpstreamPool  # noqa: PLC0415
@@ -79,18 +93,22 @@ async def compare_clients(url: str, num_requests: int = 4000) -> None:
         async with aio.post(f"{url}/v1/completions", data=payload, headers=headers) as resp:
             await resp.read()
 
-    for concurrency in (1, 64):
-        for name, one in (("router/upstream.py", ours), ("aiohttp", via_aiohttp), ("httpx", via_httpx)):
-            count = num_requests if name != "httpx" or concurrency == 1 else num_requests // 4
+    clients = (("router/upstream.py", ours), ("aiohttp", via_aiohttp), ("httpx", via_httpx))
+    for concurrency in (1, 64, 256):
+        for attempt in range(2):  # the clients alternate, twice: the machine's drift shows as the spread
+            for name, one in clients:
+                count = num_requests if name != "httpx" or concurrency == 1 else num_requests // 4
 
-            async def loop(k: int, one=one) -> None:
-                for _ in range(k):
-                    await one()
+                async def loop(k: int, one=one) -> None:
+                    for _ in range(k):
+                        await one()
 
-            await loop(50)
-            start = time.perf_counter()
-            await asyncio.gather(*(loop(count // concurrency) for _ in range(concurrency)))
-            print(f"{name:<20} {concurrency:>3} at a time: {count / (time.perf_counter() - start):>9,.0f} req/s")
+                await asyncio.gather(*(loop(2) for _ in range(concurrency)))  # open the connections first
+                wall, cpu = time.perf_counter(), time.process_time()
+                await asyncio.gather(*(loop(count // concurrency) for _ in range(concurrency)))
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                print(f"{name:<20} {concurrency:>3} at a time, try {attempt + 1}: {count / wall:>9,.0f} req/s, "
+                      f"{1e6 * cpu / count:6.1f} us CPU per request", flush=True)
     await aio.close()
     await hx.aclose()
     pool.close()
@@ -100,6 +118,9 @@ def contender_command(name: str, tree: Path, port: int, p_url: str, d_url: str, 
     if name == "floor":  # two legs and nothing else (benchmarks/router_floor.py)
         return [sys.executable, str(ROOT / "benchmarks" / "router_floor.py"), "--port", str(port), "--prefill", p_url,
                 "--decode", d_url, "--workers", str(workers)]
+    if name in ASGI_SERVERS:  # our app, as of --asgi-rev (PYTHONPATH), under uvicorn or granian
+        return [sys.executable, str(ROOT / "benchmarks" / "router_asgi.py"), "--server", name, "--prefill", p_url,
+                "--decode", d_url, "--port", str(port), "--workers", str(workers)]
     if name.startswith("vllm-router"):
         policy = ["--policy", "round_robin"] if name == "vllm-router" else []
         return [str(BIN / "vllm-router"), "--vllm-pd-disaggregation", *policy, "--prefill", p_url, "--decode", d_url,
@@ -138,23 +159,58 @@ REFERENCES = ("direct", "static")
 """Rows that are not routers: no P legs, so no P/D leg check."""
 
 
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds so far of process `pid` and its live descendants (/proc): a contender's
+    supervisor and workers."""
+    parents, cpu = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # exited meanwhile
+                continue
+            parents[int(entry.name)] = int(fields[1])
+            cpu[int(entry.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, ppid in parents.items() if ppid == parent and child not in tree]
+        tree.update(children)
+        frontier += children
+    return sum(cpu.get(p, 0.0) for p in tree)
+
+
 def measure(name: str, url: str, p_url: str, d_url: str, args, script: Path,
-            points: tuple[str, ...] = POINTS) -> dict:
+            points: tuple[str, ...] = POINTS, pid: int | None = None) -> dict:
+    """One contender's windows; with `pid` (the contender's process), each wrk window also records the CPU its
+    processes spent per request (`cpu_us_per_req`), which the machine's other load disturbs far less than
+    req/s."""
     row: dict = {}
     (p0, pr0), (d0, dr0) = legs(p_url), legs(d_url)
     if args.warmup <= 0:  # with --warmup every point warms itself up
         subprocess.run(["wrk", "-t1", "-c16", "-d1s", "-s", str(script), f"{url}/v1/completions"], capture_output=True)
     for point in points:
         if point == "stream":
-            row["stream"] = windowed(lambda: uvloop.run(drive_streams(url, 64, args.duration, 256)),
-                                     args.max_steal, args.steal_retries)
+            def streams() -> dict:
+                before = tree_cpu_s(pid) if pid is not None else 0.0
+                result = uvloop.run(drive_streams(url, 64, args.duration, 256))
+                if pid is not None:
+                    num_chunks = max(1.0, result["chunks_per_s"] * args.duration)
+                    result["cpu_us_per_chunk"] = 1e6 * (tree_cpu_s(pid) - before) / num_chunks
+                return result
+
+            row["stream"] = windowed(streams, args.max_steal, args.steal_retries)
             continue
         c = int(point[1:])
 
         def one(c: int = c) -> dict:
             if args.warmup > 0:  # discarded: the upstream pools open their connections for this load here
                 run_wrk(url, c, args.warmup, script)
-            return run_wrk(url, c, args.duration, script)
+            before = tree_cpu_s(pid) if pid is not None else 0.0
+            result = run_wrk(url, c, args.duration, script)
+            if pid is not None:
+                result["cpu_us_per_req"] = 1e6 * (tree_cpu_s(pid) - before) / max(1, result["requests"])
+            return result
 
         row[point] = windowed(one, args.max_steal, args.steal_retries)
     (p1, pr1), (d1, dr1) = legs(p_url), legs(d_url)
@@ -163,6 +219,7 @@ def measure(name: str, url: str, p_url: str, d_url: str, args, script: Path,
     print(f"{name}: " + ", ".join(f"c={p[1:]} {row[p]['req_per_s']:,.0f} req/s" if p != "stream"
                                   else f"SSE {row['stream']['chunks_per_s']:,.0f} chunks/s" for p in points), flush=True)
     in_flight = sum(int(p[1:]) for p in points if p != "stream") + 64 * ("stream" in points)  # cut off at ends
+    in_flight *= 2 if args.warmup > 0 else 1  # each warmup window ends with as many cut off
     if name not in REFERENCES and abs(num_p - num_d) > in_flight + 0.01 * num_d:
         raise RuntimeError(f"{name}: {num_p} P legs but {num_d} D legs: not every request ran both legs")
     return row
@@ -243,21 +300,37 @@ def alternate(name: str, url: str, args, script: Path) -> list[dict]:
     return pairs
 
 
-def print_table(rounds: list[dict]) -> None:
-    head = f"{'round':<5} {'contender':<24}" + "".join(f"{f'c={c} req/s (mean ms)':>23}" for c in CONNECTIONS)
+def print_table(rounds: list[dict], points: tuple[str, ...] = POINTS) -> None:
+    wrk_points = [p for p in points if p != "stream"]
+    head = f"{'round':<5} {'contender':<24}" + "".join(f"{f'c={p[1:]} req/s (mean ms)':>23}" for p in wrk_points)
     print(head + f"{'SSE chunks/s (TTFT p50/p99 ms)':>34}   max steal % (re-measured windows)")
     for i, rnd in enumerate(rounds, 1):
         for name, row in rnd.items():
-            cells = "".join(f"{row[f'c{c}']['req_per_s']:>12,.0f} ({row[f'c{c}']['mean_ms']:6.2f})   "
-                            for c in CONNECTIONS)
+            cells = "".join(f"{row[p]['req_per_s']:>12,.0f} ({row[p]['mean_ms']:6.2f})"
+                            + (f" {row[p]['cpu_us_per_req']:4.0f}us" if "cpu_us_per_req" in row[p] else "   ")
+                            for p in wrk_points)
             s = row.get("stream")
             windows = [row[p] for p in POINTS if p in row]
             steal = max(w.get("steal_pct", 0.0) for w in windows)
             again = sum(w.get("attempts", 1) - 1 for w in windows)
             sse = f"{s['chunks_per_s']:>14,.0f} ({s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f})" if s else f"{'-':>20}"
             print(f"{i:<5} {name:<24}{cells}{sse}"
-                  + f"  errors {sum(row[f'c{c}']['errors'] for c in CONNECTIONS) + (s['errors'] if s else 0)}"
+                  + f"  errors {sum(row[p]['errors'] for p in wrk_points) + (s['errors'] if s else 0)}"
                   + f"  steal {steal:.1f} ({again})")
+
+
+def print_server_ratios(rounds: list[dict], points: tuple[str, ...]) -> None:
+    """Ours (router/server.py) against the same app under each kept ASGI server, per round and point: throughput
+    ours / theirs, and CPU per request (per SSE chunk) of their processes / ours (above 1: ours spends less)."""
+    rate = {p: "chunks_per_s" if p == "stream" else "req_per_s" for p in points}
+    cost = {p: "cpu_us_per_chunk" if p == "stream" else "cpu_us_per_req" for p in points}
+    for other in ASGI_SERVERS:
+        for i, rnd in enumerate(rounds, 1):
+            if "pdcluster" in rnd and other in rnd:
+                ours, theirs = rnd["pdcluster"], rnd[other]
+                print(f"round {i} vs {other}: " + ", ".join(
+                    f"{p} throughput {ours[p][rate[p]] / theirs[p][rate[p]]:.2f} "
+                    f"cpu {theirs[p][cost[p]] / ours[p][cost[p]]:.2f}" for p in points))
 
 
 def ratios(rnd: dict, ours: str = "pdcluster", anchor: str = "vllm-router") -> dict:
@@ -274,14 +347,14 @@ def ratios(rnd: dict, ours: str = "pdcluster", anchor: str = "vllm-router") -> d
 
 def _with_contender(name: str, trees: dict, args, tmp: Path, url: str, p_url: str, d_url: str,  # type: ignore[no-untyped-def]
                     work):
-    """Start contender `name` on the benchmark port, run `work()` once it answers, stop it."""
+    """Start contender `name` on the benchmark port, run `work(pid)` once it answers, stop it."""
     env = {**os.environ, "PYTHONPATH": str(trees[name])}
     cmd = contender_command(name, trees[name], args.port, p_url, d_url, args.workers)
     proc = subprocess.Popen(cmd, cwd=trees[name], env=env, stdout=subprocess.DEVNULL,
                             stderr=open(tmp / f"{name.replace('/', '_')}.log", "a"))
     try:
         wait_ready(url, name, proc)
-        return work()
+        return work(proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -314,8 +387,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds of the same load, discarded, before each measured wrk point (0: none)")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="our router's worker processes")
     parser.add_argument("--baseline-rev", help="also run our router as of this git revision")
+    parser.add_argument("--asgi-rev", default=ASGI_REV,
+                        help="git revision of our router that the uvicorn and granian contenders serve")
     parser.add_argument("--only", nargs="+", choices=["vllm-router", "vllm-router+cache_aware", "pdcluster",
-                                                      "baseline", "floor"],
+                                                      "baseline", "floor", *ASGI_SERVERS],
                         help="run only these contenders (ratios need vllm-router and pdcluster)")
     parser.add_argument("--per-point", action="store_true",
                         help="alternate the contenders at each load point (each restarted per point) instead of "
@@ -324,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="re-measure a window in which the hypervisor stole more than this %% of the CPU time")
     parser.add_argument("--steal-retries", type=int, default=2, help="re-measurements per window at most")
     parser.add_argument("--port", type=int, default=18500)
+    parser.add_argument("--points", nargs="+", choices=POINTS, default=POINTS,
+                        help="load points of the sweep (default: all; the ratios to vllm-router need all)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--clients", action="store_true", help="compare upstream HTTP clients instead")
     parser.add_argument("--alternate", type=int, nargs=2, metavar=("LOW", "HIGH"),
@@ -331,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                              "process per contender (median and spread of HIGH / LOW req/s)")
     parser.add_argument("--pairs", type=int, default=5, help="window pairs per contender with --alternate")
     args = parser.parse_args(argv)
+    args.points = tuple(p for p in POINTS if p in args.points)
     if args.alternate and (args.alternate[0] >= args.alternate[1] or args.alternate[0] < 1 or args.pairs < 1):
         parser.error("--alternate takes LOW < HIGH, both >= 1, and --pairs >= 1")
     if args.clients:
@@ -352,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.only:
             trees = {k: v for k, v in trees.items() if k in args.only
                      or ("baseline" in args.only and "@" in k)}
+            if any(name in args.only for name in ASGI_SERVERS):
+                asgi_tree = baseline_tree(args.asgi_rev, tmp)
+                trees.update({name: asgi_tree for name in ASGI_SERVERS if name in args.only})
         else:
             trees.pop("floor")
         fakes = start_fakes([args.port + 1, args.port + 2])
@@ -365,31 +446,34 @@ def main(argv: list[str] | None = None) -> int:
                     results["static"] = alternate("static", static_url, args, script)
                 for name in trees:
                     results[name] = _with_contender(name, trees, args, tmp, url, p_url, d_url,
-                                                    lambda name=name: alternate(name, url, args, script))
+                                                    lambda _, name=name: alternate(name, url, args, script))
                 return report_alternate(results, args)
             for i in range(args.rounds):
                 order = list(trees) if i % 2 == 0 else list(reversed(trees))
-                rnd = {"direct": measure("direct", d_url, p_url, d_url, args, script)} if i == 0 else {}
+                rnd = {"direct": measure("direct", d_url, p_url, d_url, args, script, args.points)} if i == 0 else {}
                 if i == 0 and static is not None:
-                    rnd["static"] = measure("static", static_url, p_url, d_url, args, script, POINTS[:-1])
+                    rnd["static"] = measure("static", static_url, p_url, d_url, args, script,
+                                            tuple(p for p in args.points if p != "stream"))
                 # --per-point: every contender (restarted) at one load point before the next point, so that the
                 # windows compared are seconds apart, not minutes
-                for points in ([(p,) for p in POINTS] if args.per_point else [POINTS]):
+                for points in ([(p,) for p in args.points] if args.per_point else [args.points]):
                     for name in order:
                         rnd.setdefault(name, {}).update(_with_contender(
                             name, trees, args, tmp, url, p_url, d_url,
-                            lambda name=name, points=points: measure(name, url, p_url, d_url, args, script, points)))
+                            lambda pid, name=name, points=points: measure(name, url, p_url, d_url, args, script,
+                                                                          points, pid)))
                 rounds.append(rnd)
         finally:
             fakes.terminate()
             if static is not None:
                 static.terminate()
                 static.wait(timeout=30)
-            if args.baseline_rev:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                                str(trees[f"pdcluster@{args.baseline_rev[:7]}"])], capture_output=True)
-    print_table(rounds)
-    if not all("pdcluster" in rnd and "vllm-router" in rnd for rnd in rounds):
+            for tree in {tree for tree in trees.values() if tree != ROOT}:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                               capture_output=True)
+    print_table(rounds, args.points)
+    print_server_ratios(rounds, args.points)
+    if args.points != POINTS or not all("pdcluster" in rnd and "vllm-router" in rnd for rnd in rounds):
         return 0
     per_round = [ratios(rnd) for rnd in rounds]
     for i, r in enumerate(per_round, 1):

@@ -42,7 +42,8 @@ def run_wrk(url: str, connections: int, duration_s: float, script: Path) -> dict
     out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration_s))}s", "--timeout", "10s", "-s",
                           str(script), f"{url}/v1/completions"], capture_output=True, text=True, check=True).stdout
     stats = json.loads(next(line[8:] for line in out.splitlines() if line.startswith("WRKJSON ")))
-    return {"req_per_s": stats["requests"] / (stats["duration_us"] / 1e6), "mean_ms": stats["mean_us"] / 1e3,
+    return {"requests": stats["requests"], "req_per_s": stats["requests"] / (stats["duration_us"] / 1e6),
+            "mean_ms": stats["mean_us"] / 1e3,
             "p99_ms": stats["p99_us"] / 1e3, "errors": stats["errors"] + stats["status_errors"]}
 
 
