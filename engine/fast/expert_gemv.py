@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.fast.backend import launch_tuning
+from engine.fast.backend import interpreter_active, launch_tuning
 from engine.fast.dot import bf16_rne
 
 TUNE = launch_tuning("PDCLUSTER_EXPERT_TUNE", {
@@ -29,6 +29,10 @@ TUNE = launch_tuning("PDCLUSTER_EXPERT_TUNE", {
 """Launch parameters; `PDCLUSTER_EXPERT_TUNE` overrides them by name. The gate/up defaults won a sweep of 48
 settings (`benchmarks/gemv_sweep.py --kernel expert-gate-up`, the whole graphed pro-rank b1 / 32K step on one
 H200): 1.430 ms against 1.468-1.480 ms for the previous 8 rows x 512 (benchmarks/RESULTS.md, 2026-12-04)."""
+INTERPRETED_ROWS = 64
+"""Rows per program of both kernels under the Triton interpreter, which pays ~10 ms of Python per program: each
+row's sum runs over the same K chunks in the same order whatever the rows per program, so the outputs are the
+same bits and a CPU test's decode step runs a few dozen programs instead of thousands."""
 
 
 @triton.jit
@@ -80,11 +84,14 @@ def expert_gemv(z: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w3: torch.
     out = torch.empty(batch, top_k, lat, dtype=torch.bfloat16, device=z.device)
     flat = ids.reshape(-1).contiguous()
     t = TUNE
-    _gate_up_kernel[(pairs, triton.cdiv(inter, t["gu_bi"]))](
-        z.contiguous(), flat, w1, w3, hidden, top_k, inter, lat, BI=t["gu_bi"], BK=t["gu_bk"],
+    wide = interpreter_active()
+    bi = max(t["gu_bi"], INTERPRETED_ROWS) if wide else t["gu_bi"]
+    bl = max(t["dn_bl"], INTERPRETED_ROWS) if wide else t["dn_bl"]
+    _gate_up_kernel[(pairs, triton.cdiv(inter, bi))](
+        z.contiguous(), flat, w1, w3, hidden, top_k, inter, lat, BI=bi, BK=t["gu_bk"],
         num_warps=t["gu_warps"], num_stages=t["gu_stages"])
-    _down_kernel[(pairs, triton.cdiv(lat, t["dn_bl"]))](
-        hidden, flat, w2, out, inter, lat, BL=t["dn_bl"], BK=t["dn_bk"], num_warps=t["dn_warps"],
+    _down_kernel[(pairs, triton.cdiv(lat, bl))](
+        hidden, flat, w2, out, inter, lat, BL=bl, BK=t["dn_bk"], num_warps=t["dn_warps"],
         num_stages=t["dn_stages"])
     return out
 

@@ -182,9 +182,11 @@ def test_fused_conv_step_matches_torch_conv_and_norms(conv_bytes, device) -> Non
     assert torch.equal(buffer.cpu(), torch_buffer.cpu())
 
 
-def test_expert_gemv_matches_per_slot_reference(device) -> None:  # type: ignore[no-untyped-def]
+def test_expert_gemv_matches_per_slot_reference(device, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Few-token routed experts read in place: within bf16 rounding of the fp32 per-slot reference (the hidden
-    vector and the output are rounded to bf16 once each); shapes not multiples of the kernels' blocks."""
+    vector and the output are rounded to bf16 once each); shapes not multiples of the kernels' blocks. The rows
+    per gate/up program change no bit (the interpreter runs wide blocks: INTERPRETED_ROWS)."""
+    from engine.fast import expert_gemv as module
     from engine.fast.expert_gemv import expert_gemv, naive_expert_gemv
 
     gen = torch.Generator().manual_seed(8)
@@ -196,6 +198,11 @@ def test_expert_gemv_matches_per_slot_reference(device) -> None:  # type: ignore
     got = expert_gemv(*(t.to(device) for t in (z, ids, w1, w3, w2))).float().cpu()
     want = naive_expert_gemv(z, ids, w1, w3, w2)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * float(want.abs().max()))
+    for rows in (1, 16):
+        monkeypatch.setattr(module, "INTERPRETED_ROWS", rows)
+        monkeypatch.setitem(module.TUNE, "gu_bi", rows)
+        monkeypatch.setitem(module.TUNE, "dn_bl", rows)
+        assert torch.equal(expert_gemv(*(t.to(device) for t in (z, ids, w1, w3, w2))).float().cpu(), got)
 
 
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 100, 384), (1, 40, 4096), (1, 8450, 256), (2, 8300, 128),
