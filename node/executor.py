@@ -67,6 +67,21 @@ class WorkerSpec:
     """Round interval while imports are pending and no request runs (how often ranks poll their READs)."""
     device: str = "cpu"
     """What the ranks compute on: "cpu" (a gloo group) or "cuda" (rank r binds local GPU r, an NCCL group)."""
+    process_group: bool = True
+    """Whether the ranks join a torch process group. False for a worker that runs no collective (a backend whose
+    module says `PROCESS_GROUP = False`, such as the tests' toy backend): its ranks never import torch and get a
+    `RankIdentity` for a context."""
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """The context of a rank outside any process group: who it is, nothing to communicate through."""
+
+    rank: int
+    world_size: int
+    group: None = None
+    device: str = "cpu"
+    backend: str = "none"
 
 
 class ExecutorDead(RuntimeError):
@@ -77,15 +92,18 @@ def _rank_main(spec: WorkerSpec, rank: int, init_method: str, conn: Any) -> None
     """Entry of one rank process: join the group, build the worker, serve StepPlans until told to stop."""
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        import torch
-
-        from engine.parallel.groups import default_backend, init_context
-
-        torch.set_num_threads(1)
         if spec.pin_cores and hasattr(os, "sched_setaffinity"):
             cores = sorted(os.sched_getaffinity(0))
             os.sched_setaffinity(0, {cores[rank % len(cores)]})
-        ctx = init_context(rank, spec.world_size, init_method, default_backend(spec.device))
+        if spec.process_group:
+            import torch
+
+            from engine.parallel.groups import default_backend, init_context
+
+            torch.set_num_threads(1)
+            ctx = init_context(rank, spec.world_size, init_method, default_backend(spec.device))
+        else:
+            ctx = RankIdentity(rank, spec.world_size, device=spec.device)
         module_name, func_name = spec.factory.split(":")
         worker = getattr(importlib.import_module(module_name), func_name)(spec.config, ctx)
         conn.send(("ready", worker.startup_info()))

@@ -102,9 +102,11 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int)
     from node.worker import backend_module
 
     model_cfg = get_preset(settings.model)
-    load_tokenizer = backend_module(config.backend).load_tokenizer
+    backend = backend_module(config.backend)
+    load_tokenizer = backend.load_tokenizer
     spec = WorkerSpec(factory=WORKER_FACTORY, config=config, world_size=world_size, pin_cores=settings.pin_cores,
-                      step_timeout_s=settings.step_timeout_s, device=config.device)
+                      step_timeout_s=settings.step_timeout_s, device=config.device,
+                      process_group=getattr(backend, "PROCESS_GROUP", True))
     executor = Executor(spec)
     executor.start(timeout_s=settings.start_timeout_s)
     head: RankInfo = executor.startup_info[0]

@@ -18,11 +18,11 @@ from tests.node.nodes import TOY
 pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 
 
-def _spec(world: int) -> WorkerSpec:
+def _spec(world: int, process_group: bool = True) -> WorkerSpec:
     config = WorkerConfig(model="kimi-k3.1-mini", role="decode", seed=0, num_rows=32, block_size=None, tp_size=world,
                           dcp_size=1, max_num_seqs=8, engine_id=f"exec-test-{world}", backend=TOY, transport=False)
     return WorkerSpec(factory="node.worker:build_worker", config=config, world_size=world,
-                      step_timeout_s=60)
+                      step_timeout_s=60, process_group=process_group)
 
 
 async def _tokens(executor: Executor, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
@@ -74,3 +74,19 @@ def test_two_ranks_lockstep_abort_and_rank_death():
     finally:
         executor.stop()
     assert not any(p.is_alive() for p in executor._procs)
+
+
+def test_ranks_outside_a_process_group_never_load_torch():
+    """A backend without collectives (the toy's PROCESS_GROUP = False): its ranks load no torch library at all
+    and serve the same tokens as ranks in a gloo group."""
+    results = {}
+    for grouped in (True, False):
+        executor = Executor(_spec(2, process_group=grouped))
+        executor.start()
+        try:
+            maps = [open(f"/proc/{pid}/maps").read() for pid in executor.pids]
+            assert all(("libtorch" in m) == grouped for m in maps), [("libtorch" in m) for m in maps]
+            results[grouped] = asyncio.run(_tokens(executor, "a", (1, 2, 3), 12))
+        finally:
+            executor.stop()
+    assert results[True] == results[False] and len(results[False]) == 12

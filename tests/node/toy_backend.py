@@ -25,6 +25,9 @@ from engine.model.config import get_preset
 from node.protocol import RankStats
 
 EOS = 257
+PROCESS_GROUP = False
+"""Its ranks run no collective (each makes the same choices alone), so they join no torch process group and never
+import torch (node/executor.py `WorkerSpec.process_group`): a toy node starts in a fraction of a second."""
 
 
 class ByteTokenizer:
