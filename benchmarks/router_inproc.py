@@ -76,7 +76,7 @@ async def run(args, p_url: str, d_url: str) -> None:
     async with app.router.lifespan_context(app):
         state = app.state.router
         state.upstream = InstantUpstream(p_url)
-        server = RouterServer(app, state.settings.max_body_bytes)
+        server = RouterServer(app)
         raw = benchmark_body()
         headers = {"content-length": str(len(raw))}
 

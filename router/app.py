@@ -1,9 +1,9 @@
-"""The router's FastAPI app: `create_app(settings) -> FastAPI` (a `RouterApp`).
+"""The router's FastAPI app: `create_app(settings) -> FastAPI`, served by router/server.py (production and tests).
 
 Public: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models, GET /health
 (readiness: 503 without a usable decode instance), GET /livez (liveness), GET /metrics. Admin (bearer
-token): see router/admin.py. The two completion routes are the hot path: `RouterApp` hands them to
-router/fastpath.py before FastAPI's middleware and routing; every other route is plain FastAPI.
+token): see router/admin.py. The two completion routes are the hot path: the server hands them to
+`router/service.py` `serve` without ASGI, so they are no FastAPI routes; every other route is plain FastAPI.
 The lifespan builds the RouterState (registry from the YAML config or the quick-start URLs, the
 upstream pool for the legs, an httpx client for health checks and aborts), runs one health round, then
 keeps health checking, worker-shared state syncing and, when configured, Kubernetes discovery running.
@@ -19,7 +19,7 @@ import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from router import admin, fastpath
+from router import admin
 from router.cache_view import CachePoller
 from router.config import RouterConfig, load_config, quick_start_config
 from router.discovery import KubeDiscovery, make_core_api
@@ -30,18 +30,6 @@ from router.state import RouterState
 from router.upstream import HttpxUpstream, UpstreamPool
 from router.shared import WorkerShared
 from serving.errors import APIError, install_error_handlers
-
-
-class RouterApp(FastAPI):
-    """FastAPI, with POST /v1/completions and /v1/chat/completions served by router/fastpath.py."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = fastpath.ENDPOINTS.get(scope["path"])
-            if endpoint is not None:
-                await fastpath.handle(self.state.router, endpoint, scope, receive, send)
-                return
-        await super().__call__(scope, receive, send)
 
 
 def resolve_config(settings: Settings) -> tuple[Settings, RouterConfig]:
@@ -110,7 +98,7 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
 
-    app = RouterApp(title="pdcluster router", lifespan=lifespan)
+    app = FastAPI(title="pdcluster router", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(admin.router)
 

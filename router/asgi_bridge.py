@@ -1,21 +1,14 @@
 """A buffered ASGI call, for the router server's non-hot routes (health, metrics, models, admin).
 
 `call_asgi(app, ...)` runs the FastAPI app on one request whose body is already read and returns the
-whole answer (status, headers, body): these answers are small, so nothing is streamed. An exception
-becomes an OpenAI-style 500.
+whole answer (status, headers, body): these answers are small, so nothing is streamed. The app answers its
+routes' errors itself (serving/errors.py); anything raised past it reaches the server's one catch-all
+(router/server.py `RouterServer.dispatch`).
 """
 
 from __future__ import annotations
 
-import logging
 from urllib.parse import unquote
-
-import orjson
-
-from serving.errors import error_body
-
-log = logging.getLogger("router")
-JSON_500 = (500, [(b"content-type", b"application/json")])
 
 
 async def call_asgi(app, method: bytes, path: bytes, query: bytes, headers: list[tuple[bytes, bytes]],
@@ -41,9 +34,5 @@ async def call_asgi(app, method: bytes, path: bytes, query: bytes, headers: list
         elif message["type"] == "http.response.body":
             parts.append(message.get("body", b""))
 
-    try:
-        await app(scope, receive, send)
-    except Exception:  # noqa: BLE001 - answered as OpenAI JSON
-        log.exception("router: unexpected error on %s", path.decode("latin-1"))
-        return *JSON_500, orjson.dumps(error_body(500, "internal router error"))
+    await app(scope, receive, send)
     return status, answer_headers, b"".join(parts)

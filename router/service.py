@@ -1,6 +1,6 @@
 """One client request end to end: validate, place, run the legs, build the reply, account.
 
-`serve()` is what the ASGI fast path (router/fastpath.py) calls with the request's headers and body; it
+`serve()` is what the router's HTTP server (router/server.py) calls with the request's headers and body; it
 returns a `Reply` (status, headers, a body or a relay stream) and never touches the HTTP server. A client
 that leaves cancels the task running `serve()` (before the reply) or the relay (after): the legs' cleanup
 aborts both legs and the request is counted `cancelled`. `finish()` fills the metrics, including the

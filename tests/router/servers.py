@@ -1,6 +1,6 @@
-"""Real servers on 127.0.0.1 in background threads (for streaming, timing and disconnect tests): any ASGI
-app under uvicorn, or a router app under the router's own server (router/server.py, what
-`pdcluster router` runs)."""
+"""Real servers on 127.0.0.1 in background threads (for streaming, timing, raw-socket and disconnect tests): a
+router app (create_app) under router/server.py, the one way the router is served (`pdcluster router` runs it),
+and the fake nodes' ASGI apps under uvicorn."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from tests.conftest import free_port
 
 @contextmanager
 def uvicorn_server(app, ready_path: str | None = "/health", timeout_s: float = 20.0):
-    """Serve `app` on a free port; yields the base URL; stops the server on exit."""
+    """Serve an ASGI app (a fake node; not the router, whose completion routes only router/server.py serves) on a
+    free port; yields the base URL; stops the server on exit."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="on"))

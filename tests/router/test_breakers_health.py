@@ -1,5 +1,5 @@
 """Health and breakers in process: placement skips a decode whose breaker is open, timeouts and 5xx count as
-failures (a stalled stream: test_relay_uvicorn.py), a decode connect error is retried once on another compatible decode, and every health-probe
+failures (a stalled stream: test_relay_server.py), a decode connect error is retried once on another compatible decode, and every health-probe
 failure (a `[]` or garbage `/v1/models`, a timeout) marks only that node unhealthy."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The ASGI fast path for the completion routes (router/fastpath.py), in process: body limits, error JSON,
-request ids, and the router-overhead metric."""
+"""The completion routes through the router's server (router/server.py -> router/service.py), in process: body
+limits, error JSON, request ids, and the router-overhead metric."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Every error of the router's own HTTP server (what `pdcluster router` runs) is OpenAI JSON: huge numeric
-headers, bad URLs and methods, deeply nested or malformed JSON, an unexpected exception on the hot path or on
-an ASGI route (no traceback, no internal address in the answer)."""
+"""Every error of the router's HTTP server (router/server.py, what `pdcluster router` runs) is OpenAI JSON: huge
+numeric headers, bad URLs and methods, deeply nested or malformed JSON, an unexpected exception on the hot path,
+on an ASGI route or in the server itself (no traceback, no internal address in the answer); one that strikes
+after the answer began ends the connection instead."""
 
 from __future__ import annotations
 
@@ -116,3 +117,24 @@ def test_unexpected_exceptions_are_clean_500s(router, monkeypatch):
     monkeypatch.undo()
     status, _, _ = exchange(router, request("POST", "/v1/completions", BODY))
     assert status == 200, "the router keeps serving"
+
+
+def test_errors_past_the_app_reach_the_one_catch_all(router, monkeypatch):
+    """The server's own catch-all (RouterServer.dispatch): a failure around the FastAPI app is a clean 500; one
+    after an answer's head was written closes the connection without a second answer."""
+    async def broken_bridge(*_args, **_kwargs):
+        raise RuntimeError("bridge at 10.1.2.3:5600 broke")
+
+    monkeypatch.setattr("router.server.call_asgi", broken_bridge)
+    error = assert_openai_error(exchange(router, request("GET", "/livez")), 500)
+    assert "10.1.2.3" not in error["message"]
+
+    async def head_then_fail(self, conn, reply, is_keep_alive):
+        conn.write(self.head(reply, is_keep_alive, None))
+        raise RuntimeError("after the head")
+
+    monkeypatch.setattr("router.server.RouterServer.write_reply", head_then_fail)
+    status, headers, body = exchange(router, request("POST", "/v1/completions", BODY))
+    assert status == 200 and headers["transfer-encoding"] == "chunked" and b"HTTP/1.1 500" not in body
+    monkeypatch.undo()
+    assert exchange(router, request("POST", "/v1/completions", BODY))[0] == 200, "the router keeps serving"

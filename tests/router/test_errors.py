@@ -93,7 +93,7 @@ def test_admin_endpoints_need_the_token(headers, status):
 def test_admin_disabled_without_configured_token():
     async def main():
         async with router_harness([FakeNode("d0", "decode")], admin_token=None) as (client, _):
-            resp = await client.get("/v1/pools", headers={"Authorization": "Bearer "})
+            resp = await client.get("/v1/pools", headers={"Authorization": "Bearer"})
             assert resp.status_code == 403
 
     asyncio.run(main())

@@ -1,6 +1,6 @@
-"""Real servers (the router under uvicorn, and under its own server, router/server.py): the SSE relay
-streams without buffering, and a client that goes away at any stage makes the router abort both legs
-(connection closed, and `POST /abort_requests` on reference nodes)."""
+"""The router on a real socket (router/server.py, fake nodes under uvicorn): the SSE relay streams without
+buffering, and a client that goes away at any stage makes the router abort both legs (connection closed, and
+`POST /abort_requests` on reference nodes)."""
 
 from __future__ import annotations
 
@@ -20,24 +20,18 @@ from tests.router.servers import get, router_server, uvicorn_server, wait_until
 pytestmark = pytest.mark.process
 
 
-@pytest.fixture(params=["uvicorn", "router_server"])
-def server(request):
-    """The HTTP server in front of the router app."""
-    return uvicorn_server if request.param == "uvicorn" else router_server
-
-
-def start(stack: ExitStack, nodes: list[FakeNode], server, engine: str = "vllm", **overrides) -> str:
+def start(stack: ExitStack, nodes: list[FakeNode], engine: str = "vllm", **overrides) -> str:
     urls = {n.name: stack.enter_context(uvicorn_server(n.app())) for n in nodes}
     config = RouterConfig(pools=[PoolSpec(name="default")], instances=[
         InstanceSpec(name=n.name, role=n.role, url=urls[n.name], engine=engine) for n in nodes])
     settings = Settings(**{"health_interval_s": 3600.0, "disagg_min_uncached_tokens": 1, **overrides})
-    return stack.enter_context(server(create_app(settings, config=config)))
+    return stack.enter_context(router_server(create_app(settings, config=config)))
 
 
-def test_first_chunk_reaches_client_before_last_is_produced(server):
+def test_first_chunk_reaches_client_before_last_is_produced():
     p, d = FakeNode("p0", "prefill"), FakeNode("d0", "decode", num_tokens=6, token_delay_s=0.4)
     with ExitStack() as stack:
-        router = start(stack, [p, d], server)
+        router = start(stack, [p, d])
         arrivals = []
         with httpx.stream("POST", f"{router}/v1/completions", json=completion(stream=True), timeout=20) as resp:
             assert resp.status_code == 200 and resp.headers["x-pdcluster-prefill"] == "p0"
@@ -54,12 +48,12 @@ def test_first_chunk_reaches_client_before_last_is_produced(server):
 
 
 @pytest.mark.parametrize("stage", ["prefill", "before_first_token", "mid_stream"])
-def test_client_disconnect_aborts_both_legs(stage, server):
+def test_client_disconnect_aborts_both_legs(stage):
     p = FakeNode("p0", "prefill", engine_label="reference", delay_s=10.0 if stage == "prefill" else 0.0)
     d = FakeNode("d0", "decode", engine_label="reference", num_tokens=50, token_delay_s=0.2,
                  delay_s=10.0 if stage == "before_first_token" else 0.0)
     with ExitStack() as stack:
-        router = start(stack, [p, d], server, engine="reference")
+        router = start(stack, [p, d], engine="reference")
         client = httpx.Client(timeout=20)
         if stage == "mid_stream":
             with client.stream("POST", f"{router}/v1/completions", json=completion(stream=True)) as resp:
@@ -83,10 +77,10 @@ def test_client_disconnect_aborts_both_legs(stage, server):
         assert wait_until(lambda: 'outcome="cancelled"' in get(f"{router}/metrics").text, 5.0), metrics
 
 
-def test_idle_decode_stream_times_out_with_an_error_event(server):
+def test_idle_decode_stream_times_out_with_an_error_event():
     p, d = FakeNode("p0", "prefill"), FakeNode("d0", "decode", num_tokens=3, token_delay_s=2.0)
     with ExitStack() as stack:
-        router = start(stack, [p, d], server, stream_idle_timeout_s=0.5, breaker_failure_threshold=1,
+        router = start(stack, [p, d], stream_idle_timeout_s=0.5, breaker_failure_threshold=1,
                        breaker_recovery_s=3600.0, admin_token="t")
         resp = httpx.post(f"{router}/v1/completions", json=completion(stream=True), timeout=20)
         assert resp.status_code == 200
@@ -101,10 +95,10 @@ def test_idle_decode_stream_times_out_with_an_error_event(server):
         assert {i["name"]: i["breaker"] for i in pools["instances"]}["d0"] == "open"
 
 
-def test_first_token_timeout_answers_504(server):
+def test_first_token_timeout_answers_504():
     p, d = FakeNode("p0", "prefill"), FakeNode("d0", "decode", delay_s=5.0)
     with ExitStack() as stack:
-        router = start(stack, [p, d], server, first_token_timeout_s=0.5)
+        router = start(stack, [p, d], first_token_timeout_s=0.5)
         resp = httpx.post(f"{router}/v1/completions", json=completion(stream=True), timeout=20)
         assert resp.status_code == 504 and resp.json()["error"]["code"] == 504
         assert wait_until(lambda: len(d.cancelled) == 1, 5.0)

@@ -1,6 +1,7 @@
-"""The router's own server (router/server.py) under hostile clients, on real sockets: oversized headers
-(431), slow senders (408), a stalled SSE reader (disconnected, both legs aborted), too many connections
-(503); and a node whose `/v1/models` answers `[]` is marked unhealthy while the router keeps serving."""
+"""The router's server (router/server.py, router/connection.py) under hostile clients, on real sockets: oversized
+headers (431), slow senders of a request line, headers or body (408 within the bound, never inside an answer in
+progress), a stalled SSE reader (disconnected, both legs aborted), too many connections (503); and a node whose
+`/v1/models` answers `[]` is marked unhealthy while the router keeps serving."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from router.app import create_app
 from router.config import InstanceSpec, PoolSpec, RouterConfig
+from router.server import SWEEP_S
 from router.settings import Settings
 from tests.router.fakes import FakeNode
 from tests.router.harness import completion
@@ -53,13 +55,40 @@ def test_oversized_headers_get_431():
         assert httpx.post(f"{router}/v1/completions", json=completion(), timeout=30).status_code == 200
 
 
-def test_slow_sender_gets_408():
+@pytest.mark.parametrize("partial", [
+    b"POST /v1/compl",
+    b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Ty",
+    b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 100\r\n\r\n{\"model\"",
+], ids=["request-line", "headers", "body"])
+def test_slow_sender_gets_408_within_the_bound(partial):
+    """A request that stalls part-way gets 408 and the connection closes, within `body_read_timeout_s` of its
+    first byte plus one sweep (SWEEP_S); the margin covers a loaded machine."""
     with ExitStack() as stack:
         router = start(stack, [FakeNode("d0", "decode")], body_read_timeout_s=1.0)
         with connect(router) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 100\r\n\r\n{\"model\"")
+            sent = time.monotonic()
+            sock.sendall(partial)
             answer = read_all(sock)  # the server answers and closes; the test's own timeout is 30 s
+            waited = time.monotonic() - sent
         assert answer.startswith(b"HTTP/1.1 408 ") and b"not received within" in answer
+        assert b"connection: close" in answer
+        assert 1.0 <= waited < 1.0 + SWEEP_S + 5.0, waited
+
+
+def test_a_partial_request_behind_a_stream_waits_for_its_turn():
+    """A partial request pipelined behind a 2.5 s stream gets no 408 inside that stream: its time to arrive counts
+    from its turn, then it gets 408."""
+    d0 = FakeNode("d0", "decode", num_tokens=5, token_delay_s=0.5)
+    with ExitStack() as stack:
+        router = start(stack, [d0], body_read_timeout_s=1.0)
+        body = b'{"model": "fake-model", "prompt": "hi", "max_tokens": 5, "stream": true}'
+        with connect(router) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body) + b"POST /v1/compl")
+            answer = read_all(sock)
+        stream, _, after = answer.partition(b"0\r\n\r\n")
+        assert stream.count(b"data: {") == 5 and b"data: [DONE]" in stream and b"408" not in stream
+        assert after.startswith(b"HTTP/1.1 408 ")
 
 
 def test_stalled_stream_reader_is_disconnected_and_legs_aborted():

@@ -1,0 +1,250 @@
+"""One client connection of the router's HTTP/1.1 server (router/server.py): parses requests (httptools) and has
+them answered one at a time, in the order they arrived (keep-alive, pipelining).
+
+What a connection decides while receiving, before any route runs. Each decision is a `Request` whose `refusal`
+is set, answered in its turn like any other; every refusal but a 413 of a body that was read ends the
+connection, and nothing more of it is read:
+- request line + headers past `max_header_bytes`: 431; unparsable: 400; `CONNECT`: 405;
+- a body declared or grown past `max_body_bytes`: 413. With `Expect: 100-continue` the body is never read: the
+  413 answers the head and the connection closes (RFC 9110 10.1.1); without, the body is read and dropped;
+- `Upgrade`: ignored, the request is answered over HTTP/1.1 and the connection stays HTTP/1.1 (RFC 9110 7.8;
+  never a 101); an upgrade request that carries a body gets 400 (the parser leaves such a body to the new
+  protocol);
+- a request whose head or body is not complete within `body_read_timeout_s` of its first byte (counted from
+  its turn when requests before it were still being answered): 408, from the server's sweep (`enforce_timeouts`,
+  which also disconnects a client that read nothing for `write_timeout_s` and closes connections idle for
+  `keep_alive_s`); past `max_connections` a new connection gets 503.
+`Expect: 100-continue` on an HTTP/1.1 request is answered `100 Continue` in the request's turn: at once on an
+idle connection, else once the answers before it were written. A client that disconnects cancels the
+request being answered (`connection_lost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import httptools
+
+from router.service import Reply, error_reply
+
+if TYPE_CHECKING:
+    from router.server import RouterServer
+
+log = logging.getLogger("router")
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class Refused(Exception):
+    """Raised in a parser callback: answer `status` in this request's turn and read nothing more."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class Request:
+    """One received request, or a refusal decided while receiving (`refusal` set: nothing is dispatched)."""
+
+    __slots__ = ("method", "url", "headers", "body", "is_keep_alive", "refusal", "started")
+
+    def __init__(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
+                 is_keep_alive: bool, refusal: Reply | None, started: float) -> None:
+        self.method, self.url, self.headers, self.body = method, url, headers, body
+        self.is_keep_alive, self.refusal, self.started = is_keep_alive, refusal, started
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: parses requests, answers them in order on one task at a time."""
+
+    def __init__(self, server: RouterServer) -> None:
+        self.server = server
+        self.limits = server.limits
+        self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.pending: deque[Request] = deque()
+        self.task: asyncio.Task | None = None
+        """Answers the pending requests; None while the connection is idle."""
+        self.is_closed = False
+        self.is_answering = False
+        """Bytes of the current request's answer were written (a failure can no longer answer 500)."""
+        self.is_refusing = False
+        """A refusal is queued: nothing more is read."""
+        self.is_continue_owed = False
+        """The request being received expects `100 Continue` once the answers before it are written."""
+        self.is_write_paused = False
+        self.drain_waiter: asyncio.Future | None = None
+        self.last_active = time.monotonic()
+        self.receiving_since: float | None = None
+        """When the request being received sent its first byte, or its turn came (None between requests)."""
+        self.paused_since: float | None = None
+        """When the transport's write buffer filled (None while the client keeps reading)."""
+        self._reset()
+
+    def _reset(self) -> None:
+        self.url, self.headers, self.body, self.size, self.is_too_large = b"", [], [], 0, False
+        self.header_bytes = 0
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.loop = asyncio.get_running_loop()  # once per connection: on Python 3.11 each lookup is a getpid call
+        if len(self.server.connections) >= self.limits.max_connections:
+            self.refuse(503, "too many connections; retry later")
+            return
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc) -> None:
+        self.is_closed = True
+        self.server.connections.discard(self)
+        if self.task is not None:
+            self.task.cancel()
+        if self.drain_waiter is not None and not self.drain_waiter.done():
+            self.drain_waiter.set_result(None)
+
+    def close(self) -> None:
+        self.is_closed = True
+        self.transport.close()
+
+    def pause_writing(self) -> None:
+        self.is_write_paused = True
+        self.paused_since = time.monotonic()
+
+    def resume_writing(self) -> None:
+        self.is_write_paused = False
+        self.paused_since = None
+        if self.drain_waiter is not None and not self.drain_waiter.done():
+            self.drain_waiter.set_result(None)
+
+    async def drain(self) -> None:
+        while self.is_write_paused and not self.is_closed:
+            self.drain_waiter = self.loop.create_future()
+            await self.drain_waiter
+
+    def write(self, data: bytes) -> None:
+        if not self.is_closed:
+            self.is_answering = True
+            self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        if self.is_refusing:
+            return
+        self.last_active = time.monotonic()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:  # the request is queued: what follows it is HTTP/1.1 again
+            self.data_received(data[exc.args[0]:])
+        except httptools.HttpParserCallbackError as exc:  # no local may keep the error: its frames hold this one
+            if isinstance(exc.__context__, Refused):
+                self.refuse(exc.__context__.status, exc.__context__.message)
+            else:
+                self.refuse(400, "malformed HTTP request")
+        except httptools.HttpParserError as exc:
+            self.refuse(400, f"malformed HTTP request: {exc}")
+
+    def refuse(self, status: int, message: str) -> None:
+        """Answer `status` once the requests before it are answered, then close; read nothing more."""
+        self.is_refusing = True
+        self.is_continue_owed = False
+        self.receiving_since = None
+        self.parser = None  # also drops the parser's last error, whose frames would keep this connection alive
+        self._queue(Request(b"", self.url, [], b"", False, error_reply(status, message), time.monotonic()))
+
+    def _queue(self, request: Request) -> None:
+        self.pending.append(request)
+        if self.task is None:
+            self.task = self.loop.create_task(self.run())
+
+    # parser callbacks
+    def on_message_begin(self) -> None:
+        self._reset()
+        self.receiving_since = time.monotonic()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        self._count_header_bytes(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+        self._count_header_bytes(len(name) + len(value) + 4)
+
+    def _count_header_bytes(self, num: int) -> None:
+        self.header_bytes += num
+        if self.header_bytes > self.limits.max_header_bytes:
+            self.headers, self.url = [], b""
+            raise Refused(431, f"request headers are more than {self.limits.max_header_bytes} bytes")
+
+    def on_headers_complete(self) -> None:
+        has_body = is_expecting = False
+        for name, value in self.headers:
+            if name == b"content-length":
+                has_body = not value.isdigit() or int(value) > 0
+                self.is_too_large = value.isdigit() and int(value) > self.limits.max_body_bytes
+            elif name == b"transfer-encoding":
+                has_body = True
+            elif name == b"expect" and value.lower() == b"100-continue":
+                is_expecting = True
+        parser = self.parser
+        if parser.should_upgrade():
+            if parser.get_method() == b"CONNECT":
+                raise Refused(405, "CONNECT is not supported")
+            if has_body:
+                raise Refused(400, "this server speaks HTTP/1.1 only: send a request with a body without Upgrade")
+        if is_expecting and parser.get_http_version() == "1.1":  # an HTTP/1.0 expectation is ignored
+            if self.is_too_large:
+                raise Refused(413, f"request body is more than the limit of {self.limits.max_body_bytes} bytes")
+            if self.task is None:
+                self.transport.write(CONTINUE)
+            else:
+                self.is_continue_owed = True
+
+    def on_body(self, body: bytes) -> None:
+        if self.is_too_large:
+            return
+        self.size += len(body)
+        if self.size > self.limits.max_body_bytes:
+            self.is_too_large, self.body = True, []
+        else:
+            self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.receiving_since = None
+        refusal = error_reply(413, f"request body is more than the limit of {self.limits.max_body_bytes} bytes") \
+            if self.is_too_large else None
+        self._queue(Request(self.parser.get_method(), self.url, self.headers, b"".join(self.body),
+                            self.parser.should_keep_alive(), refusal, time.monotonic()))
+
+    async def run(self) -> None:
+        try:
+            while self.pending and not self.is_closed:
+                request = self.pending.popleft()
+                await self.server.dispatch(self, request)
+                self.last_active = time.monotonic()
+                if not request.is_keep_alive:
+                    self.close()
+                    return
+            if self.is_continue_owed and not self.is_closed:  # the request being received: its turn now
+                self.is_continue_owed = False
+                self.transport.write(CONTINUE)
+            if self.receiving_since is not None:
+                self.receiving_since = time.monotonic()
+        except asyncio.CancelledError:
+            if not self.is_closed:
+                raise
+        finally:
+            self.task = None
+
+    def enforce_timeouts(self, now: float) -> None:
+        """Disconnect a client that reads nothing, answer 408 to a slow sender, close an idle connection."""
+        limits = self.limits
+        if self.paused_since is not None and now - self.paused_since > limits.write_timeout_s:
+            log.info("router: client read nothing for %.0f s; disconnecting it", limits.write_timeout_s)
+            self.transport.abort()  # close() would wait for the buffer to drain, which never happens
+        elif self.task is not None:
+            return  # answering: the request being received waits for its turn
+        elif self.receiving_since is not None and now - self.receiving_since > limits.body_read_timeout_s:
+            self.refuse(408, f"request not received within {limits.body_read_timeout_s} s")
+        elif self.receiving_since is None and now - self.last_active > limits.keep_alive_s:
+            self.close()
