@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from engine.api import ImportOutcome
-from node.app import NodeBusy, NodeRuntime
+from node.app import NodeBusy
+from node.runtime import NodeRuntime
 
 Attempt = Callable[[], Awaitable[tuple[Any, AsyncIterator[Any]]]]
 """Send the ImportKV once: (its first event, the event stream)."""

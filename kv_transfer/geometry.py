@@ -1,7 +1,7 @@
 """`Geometry`: what pairing a prefill instance with a decode instance needs to know about each side.
 
 One type for the router's pairing matrix (router/compat.py, from discovery facts, fields may be unknown) and
-the decode node's admission check (decode_node/remote.py, from the prefill node's kv_transfer_params and its
+the decode node's admission check (decode_node/importer.py, from the prefill node's kv_transfer_params and its
 own pool). `kv_transfer.remap.pair_problems(p, d)` reads `tp`, `dcp`, `block_size`, `layout_fingerprint`.
 """
 

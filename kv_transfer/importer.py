@@ -2,7 +2,7 @@
 
 Once the router handed a decode node P's kv_transfer_params and the node fetched P's side-channel metadata:
 1. `check_readable` (engine id, fingerprint, block size, row ids, lease expiry) -> KVParamsError; run ONCE per
-   import, by whoever admits it: the decode node at its HTTP edge (decode_node/remote.py, a 400), or
+   import, by whoever admits it: the decode node at its HTTP edge (decode_node/importer.py, a 400), or
    `import_request` for a caller with no edge of its own;
 2. P's layout is rebuilt from the metadata and must carry the same fingerprint as D's;
 3. `remap.plan_reads` (IncompatiblePair if the pair cannot be remapped), skipping the leading blocks the decode

@@ -10,7 +10,7 @@ carries the lease's DONE notification, so P hears one DONE per READ). Then:
   (a stalled READ dropped at a repost counts too): its late bytes may land in the destination rows, so the
   caller must keep those rows out of use for good.
 `read_request(...)` is the blocking form (poll with a short spin, then back off; used by tests and benchmarks).
-A decode node's worker (node/worker.py) polls between decode steps instead, so a stalled READ stalls only its
+A decode rank (decode_node/rank_importer.py) polls between decode steps instead, so a stalled READ stalls only its
 own request.
 """
 

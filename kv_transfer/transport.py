@@ -1,10 +1,13 @@
 """The transport interface the nodes program against (NIXL implements it in nixl_agent.py).
 
+node/ knows only this Protocol; the concrete transport is chosen by the node packages' rank roles
+(prefill_node/rank_exporter.py, decode_node/rank_importer.py), which build it and hand it on.
 One transport object per GPU rank (per pool). Prefill side: `endpoint()` describes the registered pool
 for the side channel; `notifications()` yields what readers sent (lease DONE / ABORT messages).
 Decode side: `add_peer(endpoint)` once per remote rank, then per request `post_read(peer, ops, notif)` (ONE
 read carrying one descriptor per op; ops come from kv_transfer.remap and are already merged), `poll` until
-DONE or ERR (the notification to the peer is delivered while the reader polls), `result`, `release`.
+DONE or ERR (the notification to the peer is delivered while the reader polls), `result`, `release`; a READ
+still running after `settings.repost_after_s` is cancelled and posted again with `repost` (kv_transfer/reads.py).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from enum import Enum
 from typing import Protocol, Sequence
 
 from kv_transfer.remap import ReadOp
+from kv_transfer.ucx_env import KVTransferSettings
 
 
 class TransferState(str, Enum):
@@ -57,13 +61,27 @@ class ReadResult:
 
 
 class ReadHandle(Protocol):
-    """Opaque per-read handle."""
+    """One posted READ, as kv_transfer/reads.py follows it."""
+
+    peer: RankEndpoint
+    state: TransferState
+    t_start: float
+    """time.perf_counter() at the post."""
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 class KVTransport(Protocol):
     """One rank's transfer agent. See the module docstring for the call order."""
 
     agent_name: str
+    settings: KVTransferSettings
+    """Timeouts (`timeout_s`, `repost_after_s`) and the UCX configuration of this agent."""
+
+    @property
+    def tcp_fallback(self) -> bool:
+        """The pool's bytes can only move over TCP (reported in the node metrics)."""
 
     def endpoint(self, rank: int) -> RankEndpoint: ...
 
@@ -72,6 +90,8 @@ class KVTransport(Protocol):
     def post_read(self, peer: RankEndpoint, ops: Sequence[ReadOp], notif: bytes = b"") -> ReadHandle: ...
 
     def poll(self, handle: ReadHandle) -> TransferState: ...
+
+    def repost(self, handle: ReadHandle) -> ReadHandle: ...
 
     def result(self, handle: ReadHandle) -> ReadResult: ...
 

@@ -1,8 +1,8 @@
 """The HTTP surface both node kinds share: OpenAI endpoints, /health, /v1/models, /metrics, abort by id.
 
-A node supplies a `NodeRuntime` (executor, tokenizer, limits, metrics) and a `handle` coroutine that
-serves one prepared request; this module parses, validates, assigns request ids, watches for client
-disconnects and answers errors as OpenAI JSON. Request ids: the `X-Request-Id` header when given (the
+A node supplies a `NodeRuntime` (node/runtime.py: executor, tokenizer, limits, metrics, its hand-off owner) and
+a `handle` coroutine that serves one prepared request; this module parses, validates, assigns request ids,
+watches for client disconnects and answers errors as OpenAI JSON. Request ids: the `X-Request-Id` header when given (the
 router sends the same id to both legs), else a fresh one; `/abort_requests` takes those ids.
 Admission: a node holds at most `max_num_seqs + max_queued_requests` requests; beyond that, while it drains
 (node/serving.py), or when a handler raises `NodeBusy`, the answer is 503 with Retry-After (the router's "shed",
@@ -14,21 +14,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import threading
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from node.executor import Executor
-from node.metrics import NodeMetrics
+from node.runtime import NodeRuntime
 from node.serving import Drain, GuardMiddleware, MetricsServer
 from node.settings import NodeSettings
-from node.textgen import SESSION_HEADER, Kind, Limits, PreparedRequest, Tokenizer, parse_session, prepare, render_chat
+from node.textgen import SESSION_HEADER, Kind, PreparedRequest, parse_session, prepare, render_chat
 from serving import sse
 from serving.errors import APIError, error_body
 from serving.protocol import (
@@ -40,72 +36,6 @@ from serving.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-
-
-@dataclass
-class NodeRuntime:
-    """Everything a node's handlers use; built in the app's lifespan."""
-
-    executor: Executor
-    tokenizer: Tokenizer
-    limits: Limits
-    metrics: NodeMetrics
-    model: str
-    role: str
-    weights_fingerprint: str | None = None
-    """Weights + tokenizer identity reported in /v1/models (node/runtime.py `served_weights_fingerprint`)."""
-    extras: dict[str, Any] = field(default_factory=dict)
-    request_ids: dict[str, str] = field(default_factory=dict)
-    """internal id -> external id of requests in flight here."""
-    num_finished: int = 0
-    """Requests that left this node (their rows went back): admission queues retry when it moves."""
-    metrics_lock: threading.Lock = field(default_factory=threading.Lock)
-    """Serialises `refresh_load` (the API port and the metrics port both render /metrics)."""
-
-    def new_request_id(self, header: str | None) -> str:
-        external = header or uuid.uuid4().hex
-        exports = self.extras.get("exports")
-        taken = external in self.request_ids or (exports is not None and exports.holds(external))
-        internal = f"{external}-{uuid.uuid4().hex[:8]}" if taken else external
-        self.request_ids[internal] = external
-        return internal
-
-    def done(self, internal: str) -> None:
-        if self.request_ids.pop(internal, None) is not None:
-            self.num_finished += 1
-
-    def render_metrics(self) -> bytes:
-        with self.metrics_lock:
-            self.refresh_load()
-            self.metrics.requests_in_flight.set(len(self.request_ids))
-            return self.metrics.render()
-
-    def internal_ids(self, external: str) -> list[str]:
-        return [i for i, e in self.request_ids.items() if e == external or i == external]
-
-    def refresh_load(self) -> None:
-        """Copy the ranks' latest load into the gauges, and their cumulative counters (summed over ranks)
-        into the node counters."""
-        stats = self.executor.state.stats
-        if not stats:
-            return
-        head = stats[0]
-        self.metrics.set_load(head.num_running, head.num_waiting, head.num_rows_used, head.num_rows_total)
-        if self.executor.state.cache is not None:
-            self.metrics.prefix_blocks.labels(role=self.role).set(self.executor.state.cache.blocks_cached)
-        totals: dict[str, float] = {}
-        for rank_stats in stats:
-            for name, value in rank_stats.counters:
-                totals[name] = totals.get(name, 0.0) + value
-        for name, label, seconds in self.executor.state.take_timings():
-            self.metrics.observe_timing(name, label, seconds)
-        seen = self.extras.setdefault("counters_seen", {})
-        for name, value in totals.items():
-            delta = value - seen.get(name, 0.0)
-            if delta > 0:
-                self.metrics.add_counter(name, delta)
-                seen[name] = value
-
 
 Handler = Callable[[NodeRuntime, PreparedRequest, Request], Awaitable[Response]]
 
@@ -253,8 +183,7 @@ def node_router(handle: Handler, settings: NodeSettings) -> APIRouter:
             for internal in runtime.internal_ids(external):
                 runtime.executor.abort(internal)
                 aborted.append(external)
-            abort_hook = runtime.extras.get("abort_hook")
-            if abort_hook is not None and abort_hook(external):
+            if runtime.handoff.abort(external, runtime.internal_ids(external)):
                 aborted.append(external)
         return {"aborted": sorted(set(aborted))}
 
@@ -297,7 +226,6 @@ def build_app(title: str, handle: Handler, lifespan: Any, settings: NodeSettings
         runtime = getattr(app.state, "runtime", None)
         if runtime is None:
             return 0
-        exports = runtime.extras.get("exports")
-        return len(runtime.request_ids) + (exports.num_outstanding if exports is not None else 0)
+        return len(runtime.request_ids) + runtime.handoff.num_outstanding
     app.state.num_in_flight = num_in_flight
     return app

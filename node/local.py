@@ -14,8 +14,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.api import Submit
-from node.app import NodeRuntime, streaming, until_disconnect
+from node.app import streaming, until_disconnect
 from node.responses import final_response, stream_chunks
+from node.runtime import NodeRuntime
 from node.textgen import GenerationResult, Piece, PreparedRequest, generate_pieces
 from serving.errors import APIError, error_body
 

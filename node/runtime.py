@@ -1,4 +1,12 @@
-"""Start a node's engine: the worker config the ranks build from, and the NodeRuntime the app serves with."""
+"""A running node's state and how it starts: the worker config its ranks build from, the spawned ranks, and the
+`NodeRuntime` every handler serves with.
+
+`NodeRuntime[H]` holds what both node kinds share (executor, tokenizer, limits, metrics, the requests in flight)
+and, typed, the node kind's owner of P->D hand-offs (`handoff`: prefill_node/exporter.py `Exporter` or
+decode_node/importer.py `Importer`). The shared HTTP layer (node/app.py) sees that owner only through `HandOff`.
+`start_runtime` spawns the ranks (node/executor.py running node/worker.py), then asks the node package to build
+its hand-off owner over them.
+"""
 
 from __future__ import annotations
 
@@ -6,76 +14,114 @@ import dataclasses
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
-from typing import Any
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 from engine.api import DEFAULT_SEED
-from kv_transfer.ucx_env import KVTransferSettings
-from node.app import NodeRuntime
 from node.executor import Executor, WorkerSpec
 from node.metrics import CacheInfo, NodeMetrics
+from node.rank import RankInfo, WorkerConfig
 from node.settings import NodeSettings
-from node.textgen import Limits
+from node.textgen import Limits, Tokenizer
+from node.worker import backend_module
 
 WORKER_FACTORY = "node.worker:build_worker"
 log = logging.getLogger("pdcluster.node")
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    """What every rank needs to build its engine replica (picklable)."""
+class HandOff(Protocol):
+    """A node kind's owner of P->D hand-offs as the shared HTTP layer sees it."""
 
+    def holds(self, request_id: str) -> bool:
+        """True while hand-off state still names `request_id` (a new request must not take that id)."""
+
+    def abort(self, request_id: str, in_flight: Iterable[str] = ()) -> bool:
+        """/abort_requests named `request_id` (`in_flight`: its ids still running here, which the caller aborts on
+        the ranks): end what the hand-off keeps for it. True if something ended."""
+
+    @property
+    def num_outstanding(self) -> int:
+        """What a drain waits for beyond the requests in flight (exported rows a reader may still read)."""
+
+
+H = TypeVar("H", bound=HandOff)
+
+
+@dataclass
+class NodeRuntime(Generic[H]):
+    """Everything a node's handlers use; built in the app's lifespan (`start_runtime`)."""
+
+    executor: Executor
+    tokenizer: Tokenizer
+    limits: Limits
+    metrics: NodeMetrics
     model: str
     role: str
-    seed: int | None
-    num_rows: int
-    block_size: int | None
-    tp_size: int
-    dcp_size: int
-    max_num_seqs: int
-    engine_id: str
-    token_shard_min_tokens: int = 1
-    backend: str = "reference"
-    """"reference" (engine/) or a "module:function" backend factory."""
-    transport: bool = True
-    """Register the pool with NIXL (needed for P -> D transfer)."""
-    kv: KVTransferSettings = KVTransferSettings()
-    """The node's KV transfer settings (the rank's NIXL agent, the import deadline)."""
-    device: str = "cpu"
-    """"cpu" or "cuda": each rank builds its weights, row pool and intermediates on its own GPU (NIXL: VRAM)."""
-    prefix_cache: bool = True
-    """The engine's prefix cache (engine/prefix_cache.py) on or off."""
-    max_step_tokens: int | None = None
-    """Chunked prefill's per-step token budget (None: whole prompts)."""
-    kernels: str = "auto"
-    """Kernel set the rank engines are asked for: "auto", "reference" or "fast" (engine/kernels.py resolves it)."""
+    handoff: H
+    """The node kind's owner of hand-offs (see the module docstring)."""
+    weights_fingerprint: str | None = None
+    """Weights + tokenizer identity reported in /v1/models (`served_weights_fingerprint`)."""
+    request_ids: dict[str, str] = field(default_factory=dict)
+    """internal id -> external id of requests in flight here."""
+    num_finished: int = 0
+    """Requests that left this node (their rows went back): admission queues retry when it moves."""
+    counters_seen: dict[str, float] = field(default_factory=dict)
+    """The ranks' cumulative counters (summed) already added to the node counters."""
+    metrics_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Serialises `refresh_load` (the API port and the metrics port both render /metrics)."""
+
+    def new_request_id(self, header: str | None) -> str:
+        external = header or uuid.uuid4().hex
+        taken = external in self.request_ids or self.handoff.holds(external)
+        internal = f"{external}-{uuid.uuid4().hex[:8]}" if taken else external
+        self.request_ids[internal] = external
+        return internal
+
+    def done(self, internal: str) -> None:
+        if self.request_ids.pop(internal, None) is not None:
+            self.num_finished += 1
+
+    def render_metrics(self) -> bytes:
+        with self.metrics_lock:
+            self.refresh_load()
+            self.metrics.requests_in_flight.set(len(self.request_ids))
+            return self.metrics.render()
+
+    def internal_ids(self, external: str) -> list[str]:
+        return [i for i, e in self.request_ids.items() if e == external or i == external]
+
+    def refresh_load(self) -> None:
+        """Copy the ranks' latest load into the gauges, and their cumulative counters (summed over ranks)
+        into the node counters."""
+        stats = self.executor.state.stats
+        if not stats:
+            return
+        head = stats[0]
+        self.metrics.set_load(head.num_running, head.num_waiting, head.num_rows_used, head.num_rows_total)
+        if self.executor.state.cache is not None:
+            self.metrics.prefix_blocks.labels(role=self.role).set(self.executor.state.cache.blocks_cached)
+        totals: dict[str, float] = {}
+        for rank_stats in stats:
+            for name, value in rank_stats.counters:
+                totals[name] = totals.get(name, 0.0) + value
+        for name, label, seconds in self.executor.state.take_timings():
+            self.metrics.observe_timing(name, label, seconds)
+        for name, value in totals.items():
+            delta = value - self.counters_seen.get(name, 0.0)
+            if delta > 0:
+                self.metrics.add_counter(name, delta)
+                self.counters_seen[name] = value
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    """What a rank reports once ready."""
-
-    rank: int
-    num_rows: int
-    block_size: int
-    row_bytes: int
-    subblock_tokens: int
-    layout_fingerprint: str
-    cache_dtype: str
-    kda_groups: int
-    endpoint: Any = None
-    """kv_transfer.transport.RankEndpoint of this rank's registered pool (None without a transport)."""
-    tcp_fallback: bool = False
-    """UCX can only move this pool's bytes over TCP (kv_transfer.ucx_env.detect_tcp_fallback)."""
-    kernels: str = "reference"
-    """The kernel set this rank's engine runs ("reference" | "fast")."""
-
-
-def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_shard_min_tokens: int = 1
-                  ) -> WorkerConfig:
-    return WorkerConfig(model=settings.model, role=role, seed=settings.seed, num_rows=settings.num_rows,
-                        block_size=settings.block_size, tp_size=settings.tp, dcp_size=dcp_size,
-                        max_num_seqs=settings.max_num_seqs, engine_id=settings.engine_id,
+def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_shard_min_tokens: int = 1,
+                  rank_role: str | None = None) -> WorkerConfig:
+    """The ranks' config from the node's settings; `rank_role` names the node kind's RankRole factory."""
+    return WorkerConfig(model=settings.model, role=role, rank_role=rank_role, seed=settings.seed,
+                        num_rows=settings.num_rows, block_size=settings.block_size, tp_size=settings.tp,
+                        dcp_size=dcp_size, max_num_seqs=settings.max_num_seqs, engine_id=settings.engine_id,
                         token_shard_min_tokens=token_shard_min_tokens, backend=settings.backend,
                         transport=settings.transport, kv=settings.kv, device=settings.device,
                         prefix_cache=settings.prefix_cache, max_step_tokens=settings.max_step_tokens,
@@ -96,10 +142,11 @@ def served_weights_fingerprint(model_cfg: Any, seed: int, tokenizer: Any) -> str
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
-def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int) -> NodeRuntime:
-    """Spawn the ranks (blocking until ready) and assemble the runtime."""
+def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int,
+                  handoff: Callable[[Executor, NodeMetrics], H]) -> NodeRuntime[H]:
+    """Spawn the ranks (blocking until ready) and assemble the runtime; `handoff(executor, metrics)` builds the
+    node kind's hand-off owner once the ranks reported in (`executor.startup_info`)."""
     from engine.model.config import get_preset
-    from node.worker import backend_module
 
     model_cfg = get_preset(settings.model)
     backend = backend_module(config.backend)
@@ -122,5 +169,10 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int)
     tokenizer = load_tokenizer(model_cfg)
     fingerprint = served_weights_fingerprint(model_cfg, DEFAULT_SEED if config.seed is None else config.seed,
                                              tokenizer)
+    try:
+        owner = handoff(executor, metrics)
+    except BaseException:
+        executor.stop()
+        raise
     return NodeRuntime(executor=executor, tokenizer=tokenizer, limits=limits, metrics=metrics,
-                       model=settings.model, role=config.role, weights_fingerprint=fingerprint)
+                       model=settings.model, role=config.role, handoff=owner, weights_fingerprint=fingerprint)

@@ -1,51 +1,57 @@
 """The prefill node's FastAPI app: OpenAI endpoints (remote-decode export or colocated generation),
 /health, /v1/models, /metrics, /abort_requests and the NIXL side channel (agent metadata of every rank).
+
+Its ranks run the shared worker with `RankExporter` (prefill_node/rank_exporter.py) as their role; its
+runtime's hand-off owner is the `Exporter` (prefill_node/exporter.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from kv_transfer.side_channel import InstanceMetadata, RankMetadata, side_channel_router
-from node.app import NodeRuntime, build_app
+from node.app import build_app
+from node.executor import Executor
 from node.local import serve_local
-from node.runtime import RankInfo, start_runtime, worker_config
+from node.metrics import NodeMetrics
+from node.rank import RankInfo
+from node.runtime import NodeRuntime, start_runtime, worker_config
 from node.textgen import PreparedRequest
-from prefill_node.export import serve_export
-from prefill_node.exports import ExportIdentity, ExportTable
+from prefill_node.exporter import Exporter, ExportIdentity, serve_export
 from prefill_node.settings import Settings
 from serving.errors import APIError
 
+RANK_EXPORTER = "prefill_node.rank_exporter:build_rank_exporter"
+"""The prefill ranks' RankRole factory (node/rank.py `WorkerConfig.rank_role`)."""
 
-async def handle(runtime: NodeRuntime, prepared: PreparedRequest, request: Request) -> Response:
+
+async def handle(runtime: NodeRuntime[Exporter], prepared: PreparedRequest, request: Request) -> Response:
     params = prepared.kv_params
     if params is not None and params.do_remote_decode:
         return await serve_export(runtime, prepared, request)
     return await serve_local(runtime, prepared, request)
 
 
-def _attach_exports(runtime: NodeRuntime, settings: Settings) -> ExportTable:
-    head: RankInfo = runtime.executor.startup_info[0]
-    identity = ExportIdentity(engine_id=settings.engine_id, host=settings.public_host, port=settings.port,
-                              tp_size=settings.tp, block_size=head.block_size, subblock_tokens=head.subblock_tokens,
-                              layout_fingerprint=head.layout_fingerprint)
-    table = ExportTable(identity, runtime.executor, runtime.metrics, settings.lease_seconds,
-                        secret=settings.handoff_secret())
-    runtime.executor.on_notice(table.on_notice)
-    runtime.extras["exports"] = table
-    runtime.extras["abort_hook"] = lambda external: table.abort(external, runtime.internal_ids(external))
-    return table
+def _exporter(settings: Settings) -> Callable[[Executor, NodeMetrics], Exporter]:
+    """Builds the node's Exporter once its ranks reported their layout."""
+    def build(executor: Executor, metrics: NodeMetrics) -> Exporter:
+        head: RankInfo = executor.startup_info[0]
+        identity = ExportIdentity(engine_id=settings.engine_id, host=settings.public_host, port=settings.port,
+                                  tp_size=settings.tp, block_size=head.block_size,
+                                  subblock_tokens=head.subblock_tokens, layout_fingerprint=head.layout_fingerprint)
+        return Exporter(identity, executor, metrics, settings.lease_seconds, secret=settings.handoff_secret())
+    return build
 
 
-async def _sweep(table: ExportTable, every_s: float) -> None:
+async def _sweep(exporter: Exporter, every_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
-        table.sweep()
+        exporter.sweep()
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -54,11 +60,11 @@ def create_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        config = worker_config(settings, "prefill", token_shard_min_tokens=settings.token_shard_min_tokens)
-        runtime = await asyncio.to_thread(start_runtime, settings, config, settings.tp)
-        table = _attach_exports(runtime, settings)
+        config = worker_config(settings, "prefill", token_shard_min_tokens=settings.token_shard_min_tokens,
+                               rank_role=RANK_EXPORTER)
+        runtime = await asyncio.to_thread(start_runtime, settings, config, settings.tp, _exporter(settings))
         app.state.runtime = runtime
-        sweeper = asyncio.create_task(_sweep(table, settings.lease_sweep_s))
+        sweeper = asyncio.create_task(_sweep(runtime.handoff, settings.lease_sweep_s))
         try:
             yield
         finally:
@@ -66,11 +72,14 @@ def create_app(settings: Settings) -> FastAPI:
             app.state.runtime = None
             await asyncio.to_thread(runtime.executor.stop)
 
-    def metadata() -> InstanceMetadata:
+    def running() -> NodeRuntime[Exporter]:
         runtime = getattr(app.state, "runtime", None)
         if runtime is None:
             raise APIError(503, "the node is starting")
-        ranks: list[RankInfo] = runtime.executor.startup_info
+        return runtime
+
+    def metadata() -> InstanceMetadata:
+        ranks: list[RankInfo] = running().executor.startup_info
         head = ranks[0]
         return InstanceMetadata(
             engine_id=settings.engine_id, model=settings.model, layout_fingerprint=head.layout_fingerprint,
@@ -79,18 +88,15 @@ def create_app(settings: Settings) -> FastAPI:
             ranks=[RankMetadata.from_endpoint(info.endpoint) for info in ranks if info.endpoint is not None])
 
     app = build_app("pdcluster prefill node", handle, lifespan, settings)
-    app.include_router(side_channel_router(metadata, _LazyExports(app)))
+    app.include_router(side_channel_router(metadata, _LeaseAborter(running)))
     return app
 
 
-class _LazyExports:
-    """The running app's ExportTable as the side channel's lease aborter (it exists once the lifespan started)."""
+class _LeaseAborter:
+    """The running node's Exporter as the side channel's lease aborter (it exists once the lifespan started)."""
 
-    def __init__(self, app: FastAPI) -> None:
-        self._app = app
+    def __init__(self, running: Callable[[], NodeRuntime[Exporter]]) -> None:
+        self._running = running
 
     def abort(self, lease_id: str) -> bool:
-        runtime = getattr(self._app.state, "runtime", None)
-        if runtime is None:
-            raise APIError(503, "the node is starting")
-        return runtime.extras["exports"].abort_lease(lease_id)
+        return self._running().handoff.abort_lease(lease_id)

@@ -1,10 +1,14 @@
 """The import arrows of docs/ARCHITECTURE.md hold: no cycles between top-level packages, the two node kinds never
-import each other, the engine imports nothing above it, the model never imports the parallel code."""
+import each other, the engine imports nothing above it, the model never imports the parallel code; inside node/ and
+the hand-off's packages the modules form a DAG, and node/ knows the KV transport only as its Protocol and holds
+neither half of a hand-off (prefill_node/ exports, decode_node/ imports)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO_ROOT
 
@@ -89,3 +93,79 @@ def test_engine_api_imports_no_torch() -> None:
     layer) uses of the engine: neither it nor anything it imports may import torch."""
     chain = _imports_torch("engine.api", set())
     assert not chain, " -> ".join(chain)
+
+
+def _intra_package_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (lazy imports too), for `package`'s own modules."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((REPO_ROOT / package).rglob("*.py")):
+        module = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+        graph[module] = {name for name in _imports(path) if name.startswith(f"{package}.") and _module_file(name)}
+    return graph
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of `graph` as a path that ends where it starts (empty: the graph is a DAG)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str]:
+        state[module] = 1
+        path.append(module)
+        for imported in sorted(graph.get(module, ())):
+            if state.get(imported) == 1:
+                return path[path.index(imported):] + [imported]
+            if imported not in state:
+                cycle = visit(imported)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[module] = 2
+        return []
+
+    for module in sorted(graph):
+        if module not in state:
+            cycle = visit(module)
+            if cycle:
+                return cycle
+    return []
+
+
+@pytest.mark.parametrize("package", ["node", "prefill_node", "decode_node", "kv_transfer"])
+def test_modules_inside_a_node_package_import_without_cycles(package: str) -> None:
+    """node/ (and the hand-off's other packages) form a DAG of modules: runtime -> worker -> rank, app -> runtime,
+    never back (worker <-> runtime was one cycle)."""
+    cycle = _a_cycle(_intra_package_graph(package))
+    assert not cycle, " -> ".join(cycle)
+
+
+def _transport_implementations() -> set[str]:
+    """kv_transfer modules that define a concrete KV transport (a class with `post_read` that is not a Protocol)."""
+    found = set()
+    for path in sorted((REPO_ROOT / "kv_transfer").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef) or any(getattr(b, "id", None) == "Protocol" for b in node.bases):
+                continue
+            if any(isinstance(f, ast.FunctionDef) and f.name == "post_read" for f in node.body):
+                found.add(".".join(path.relative_to(REPO_ROOT).with_suffix("").parts))
+    return found
+
+
+def test_node_knows_the_transport_only_by_its_protocol() -> None:
+    """node/ (shared by both node kinds) never imports a concrete transport: its rank worker sees
+    `kv_transfer.transport.KVTransport`, and the node packages' rank roles build NIXL and pass it in."""
+    implementations = _transport_implementations()
+    assert "kv_transfer.nixl_agent" in implementations
+    bad = {m: f for m, f in _package_imports("node").items() if m in implementations}
+    assert not bad, bad
+
+
+HANDOFF_HALVES = {"kv_transfer.lease", "kv_transfer.reads", "kv_transfer.importer", "kv_transfer.remap",
+                  "kv_transfer.side_channel"}
+"""The export half (leases, side channel) and the import half (plan, READs) of a hand-off: prefill_node's and
+decode_node's, never node/'s."""
+
+
+def test_node_holds_neither_half_of_a_handoff() -> None:
+    bad = {m: f for m, f in _package_imports("node").items() if m in HANDOFF_HALVES}
+    assert not bad, bad

@@ -13,7 +13,7 @@ import pytest
 from engine.api import SamplingParams, Submit, TokenEvent
 from engine.engine import Engine, EngineConfig
 from node.executor import Executor, WorkerSpec
-from node.runtime import WorkerConfig
+from node.rank import WorkerConfig
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(1200)]
 

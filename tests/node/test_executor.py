@@ -12,7 +12,7 @@ import pytest
 
 from engine.api import EngineFailure, SamplingParams, Submit, TokenEvent
 from node.executor import Executor, ExecutorDead, WorkerSpec
-from node.runtime import WorkerConfig
+from node.rank import WorkerConfig
 from tests.node.nodes import TOY
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]

@@ -19,7 +19,8 @@ from engine.parallel.groups import ParallelContext
 from engine.parallel.spmd import TimedModel
 from node.backend import build_backend
 from node.cli import add_common_flags, settings_fields
-from node.runtime import WorkerConfig, worker_config
+from node.rank import WorkerConfig
+from node.runtime import worker_config
 from prefill_node.cli import main as prefill_main
 from prefill_node.settings import Settings as PrefillSettings
 from decode_node.settings import Settings as DecodeSettings

@@ -8,7 +8,7 @@ from engine.api import ExportedRows, ImportKV, SamplingParams, Submit, TokenEven
 from engine.model.tokenizer import ByteTokenizer
 from engine.parallel.groups import ParallelContext
 from node.backend import build_backend
-from node.runtime import WorkerConfig
+from node.rank import WorkerConfig
 from tests.engine.test_penalties import PENALTIES, repeating_prompt
 
 

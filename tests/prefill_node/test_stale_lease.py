@@ -1,4 +1,4 @@
-"""Issue 13's stale lease at node level: a prefill node's ExportTable over a real executor and rank process (test
+"""Issue 13's stale lease at node level: a prefill node's Exporter over a real executor and rank process (test
 backend). The router's abort lands between the engine's export step and the grant: the grant is refused, the
 rows the abort gave back (handed to export B once their quarantine is over) are never freed by anything naming
 A, and within the quarantine B never gets A's rows at all."""
@@ -14,8 +14,8 @@ from engine.api import ExportedRows, Release, SamplingParams, Submit
 from kv_transfer.ucx_env import KVTransferSettings
 from node.executor import Executor, WorkerSpec
 from node.metrics import NodeMetrics
-from node.runtime import WorkerConfig
-from prefill_node.exports import ExportIdentity, ExportTable
+from node.rank import WorkerConfig
+from prefill_node.exporter import Exporter, ExportIdentity
 from serving.errors import APIError
 from tests.node.nodes import TOY
 
@@ -32,10 +32,10 @@ def _executor(quarantine_s: float) -> Executor:
     return executor
 
 
-def _table(executor: Executor, lease_seconds: float = 600.0) -> ExportTable:
+def _table(executor: Executor, lease_seconds: float = 600.0) -> Exporter:
     identity = ExportIdentity(engine_id="stale-lease", host="127.0.0.1", port=1, tp_size=1, block_size=1024,
                               subblock_tokens=64, layout_fingerprint="fp")
-    return ExportTable(identity, executor, NodeMetrics("kimi-k3.1-mini", "prefill"), lease_seconds)
+    return Exporter(identity, executor, NodeMetrics("kimi-k3.1-mini", "prefill"), lease_seconds)
 
 
 async def _export(executor: Executor, request_id: str, prompt: tuple[int, ...]) -> ExportedRows:
@@ -62,7 +62,7 @@ def _rows_used(executor: Executor) -> int:
     return executor.state.stats[0].num_rows_used
 
 
-async def _abort_before_grant(executor: Executor, table: ExportTable, request_id: str) -> ExportedRows:
+async def _abort_before_grant(executor: Executor, table: Exporter, request_id: str) -> ExportedRows:
     """Export `request_id`, then let /abort_requests' path run before the grant (as prefill_node/app.py does:
     the executor's abort of the in-flight request, then the table's); the grant must be refused."""
     table.begin(request_id)

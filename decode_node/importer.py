@@ -1,6 +1,9 @@
-"""The remote-prefill path of the decode node: check the prefill node's params, read the rows over the
-transport (every rank reads its own share, one READ per source rank, remapped), notify the prefill node,
-then decode from the imported rows and answer as a normal (streaming or JSON) completion.
+"""The decode node's importer: the one owner of a hand-off on the decode side - admit, read, hand the rows to the
+engine. `serve_remote` checks the prefill node's params, has the rows read over the transport (every rank reads its
+own share, one READ per source rank, remapped: decode_node/rank_importer.py; the DONE notifications tell the
+prefill node), then decodes from the imported rows (`StartDecode`) and answers as a normal (streaming or JSON)
+completion. `Importer` holds what admission uses: the hand-off gate, the peer directory, the import queue, this
+node's geometry and the KV-load failure policy.
 
 Failures before admission are 4xx answers that touch no memory: first the hand-off gate (decode_node/handoff.py:
 signature, ids, prompt, replay; 403 before any connection), then the peer directory (decode_node/peers.py: the
@@ -9,35 +12,62 @@ params, unknown engine, expired lease, geometry mismatch; the prefill node is to
 lease is ours to end. An import short of rows waits in the bounded queue of decode_node/admission.py (503 with
 Retry-After when it cannot get them in time), never a 502.
 `check_readable` runs here, once per import (the ranks plan and post without checking again).
-The import itself is asynchronous on the ranks (node/worker.py): this handler awaits the merged outcome while
-other streams keep decoding. A failed read follows `kv_load_failure_policy`: `fail` answers 502 and frees the rows
-on both sides, `recompute` prefills locally; the prefill node is told to release its rows only when every READ
-was cancelled (an uncancelled one leaves both sides' rows quarantined: P's lease expires, D holds its rows).
+The import itself is asynchronous on the ranks (decode_node/rank_importer.py): this handler awaits the merged
+outcome while other streams keep decoding. A failed read follows `kv_load_failure_policy`: `fail` answers 502 and
+frees the rows on both sides, `recompute` prefills locally; the prefill node is told to release its rows only when
+every READ was cancelled (an uncancelled one leaves both sides' rows quarantined: P's lease expires, D holds its rows).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
 
 import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.api import Abort, ImportKV, ImportOutcome, StartDecode
+from decode_node.admission import ImportQueue
+from decode_node.handoff import HandoffGate
+from decode_node.peers import Address, PeerDirectory
+from engine.api import ImportKV, ImportOutcome, StartDecode
 from kv_transfer.geometry import Geometry
 from kv_transfer.params import KVParamsError, KVTransferParams, check_readable
 from kv_transfer.remap import pair_problems
 from kv_transfer.side_channel import InstanceMetadata
-from decode_node.admission import ImportQueue
-from decode_node.handoff import HandoffGate
-from decode_node.peers import Address, PeerDirectory
-from node.app import NodeBusy, NodeRuntime, until_disconnect
+from node.app import NodeBusy, until_disconnect
 from node.local import respond, serve_local
+from node.runtime import NodeRuntime
 from node.textgen import PreparedRequest
 from serving.errors import APIError
 
 
-async def _admit(runtime: NodeRuntime, prepared: PreparedRequest, params: KVTransferParams,
+@dataclass
+class Importer:
+    """The decode node's hand-off owner (see the module docstring); built once its ranks reported their layout."""
+
+    gate: HandoffGate
+    peers: PeerDirectory
+    queue: ImportQueue
+    geometry: Geometry
+    """This node's pairing geometry (world size, DCP size, block size, layout fingerprint)."""
+    policy: Literal["fail", "recompute"] = "fail"
+    """A failed KV read: `fail` answers 502 (rows released on both sides), `recompute` prefills here."""
+
+    def holds(self, request_id: str) -> bool:
+        return False  # an import's rows belong to its request, which is in flight while they do
+
+    def abort(self, request_id: str, in_flight: Iterable[str] = ()) -> bool:
+        return False  # the ranks' Abort cancels an import's READs (decode_node/rank_importer.py)
+
+    @property
+    def num_outstanding(self) -> int:
+        return 0
+
+
+async def _admit(runtime: NodeRuntime[Importer], prepared: PreparedRequest, params: KVTransferParams,
                  address: Address) -> InstanceMetadata:
     """Every check before memory is touched; raises APIError (4xx) naming the problem."""
     if params.first_token_id is None:
@@ -45,9 +75,8 @@ async def _admit(runtime: NodeRuntime, prepared: PreparedRequest, params: KVTran
     if params.remote_num_tokens != len(prepared.prompt_token_ids):
         raise APIError(400, f"kv_transfer_params: remote_num_tokens {params.remote_num_tokens} does not match the "
                             f"prompt's {len(prepared.prompt_token_ids)} tokens", "kv_transfer_params")
-    peers: PeerDirectory = runtime.extras["peers"]
     try:
-        info = await peers.get(address, params.remote_engine_id)
+        info = await runtime.handoff.peers.get(address, params.remote_engine_id)
     except (httpx.HTTPError, ValueError) as exc:
         raise APIError(502, f"cannot reach the prefill node's side channel at {address[0]}:{address[1]}: "
                             f"{exc}") from exc
@@ -56,9 +85,8 @@ async def _admit(runtime: NodeRuntime, prepared: PreparedRequest, params: KVTran
                        kda_groups=info.kda_groups, block_size=info.block_size)
     except KVParamsError as exc:
         raise APIError(400, f"kv_transfer_params: {exc}", "kv_transfer_params") from exc
-    local = runtime.extras["geometry"]
     problems = pair_problems(Geometry(params.tp_size, params.dcp_size, params.block_size or 0,
-                                       params.layout_fingerprint or ""), local)
+                                       params.layout_fingerprint or ""), runtime.handoff.geometry)
     if (params.tp_size, params.dcp_size) != (info.tp_size, info.dcp_size):
         problems.append(f"params say prefill tp_size={params.tp_size} dcp_size={params.dcp_size}, the prefill node "
                         f"{info.engine_id} runs tp_size={info.tp_size} dcp_size={info.dcp_size}")
@@ -68,12 +96,12 @@ async def _admit(runtime: NodeRuntime, prepared: PreparedRequest, params: KVTran
     return info
 
 
-async def serve_remote(runtime: NodeRuntime, prepared: PreparedRequest, request: Request,
-                       params: KVTransferParams, policy: str) -> Response:
+async def serve_remote(runtime: NodeRuntime[Importer], prepared: PreparedRequest, request: Request,
+                       params: KVTransferParams) -> Response:
     """Import the prefill node's rows and decode."""
     started = time.monotonic()
-    peers: PeerDirectory = runtime.extras["peers"]
-    gate: HandoffGate = runtime.extras["handoffs"]
+    importer = runtime.handoff
+    peers, gate, policy = importer.peers, importer.gate, importer.policy
     gate.check(params, prepared.prompt_token_ids)  # 403 before any connection or memory access
     address = await peers.resolve(params)  # 403 for an engine that is not a peer of this node
     try:
@@ -85,18 +113,17 @@ async def serve_remote(runtime: NodeRuntime, prepared: PreparedRequest, request:
         if exc.status != 502 and "remote_engine_id" not in exc.message and "expired" not in exc.message:
             await peers.release(address, params.lease_id)
         raise
+    first = params.first_token(prepared.request_id, len(prepared.prompt_token_ids))
     cmd = ImportKV(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-                   sampling=prepared.sampling, first=params.first_token(prepared.request_id, len(prepared.prompt_token_ids)), params=params,
-                   peer=info, session=prepared.session)
+                   sampling=prepared.sampling, first=first, params=params, peer=info, session=prepared.session)
 
     async def attempt() -> tuple[object, object]:
         events = runtime.executor.events(cmd)
         return await events.__anext__(), events  # a disconnect cancels this inside the generator: it aborts
 
-    queue: ImportQueue = runtime.extras["import_queue"]
     gate.consume(params)
     try:
-        outcome, events = await until_disconnect(request, queue.admit(runtime, attempt, params.lease_expiry))
+        outcome, events = await until_disconnect(request, importer.queue.admit(runtime, attempt, params.lease_expiry))
     except NodeBusy:
         await peers.release(address, params.lease_id)  # nothing was read: the prefill rows go back at once
         raise
@@ -120,6 +147,3 @@ async def serve_remote(runtime: NodeRuntime, prepared: PreparedRequest, request:
     # usage.cached_tokens: the prompt tokens this node already held and did not read (the engine's events carry them)
     out = respond(runtime, prepared, request, events, started)
     return out if prepared.stream else await out
-
-
-__all__ = ["serve_remote", "Abort"]

@@ -1,6 +1,13 @@
-"""Exported rows of the prefill node: the lease table (kv_transfer.lease) is their one owner once granted.
+"""The prefill node's exporter: the one owner of a hand-off on the prefill side - export, lease, notifications,
+release.
 
-`ExportTable.grant()` turns an engine export (`ExportedRows`: request id, generation, rows) into the wire params
+Export (`serve_export`, router -> P): the client body with `max_tokens=1`, `stream=false` and
+`kv_transfer_params={"do_remote_decode": true, ...}` is prefilled as a `Submit(export=True)`; the rows stay
+allocated and the answer is vLLM's completion body with one token and `kv_transfer_params` = {do_remote_prefill:
+true, remote_engine_id, remote_request_id, remote_block_ids, remote_host, remote_port, tp_size, dcp_size,
+remote_num_tokens, ...} plus the packed-row fields (block size, layout fingerprint, KDA row ids, first token id,
+lease id and expiry, prompt digest), signed with the cluster secret.
+Lease: `Exporter.grant()` turns an engine export (`ExportedRows`: request id, generation, rows) into the wire params
 and starts a lease naming that export. The lease ends exactly once, by whichever comes first: the readers' DONE
 notifications (one per READ), an abort (`abort(request_id)` from the node's /abort_requests, or `abort_lease`
 from a reader's HTTP abort / ABORT notification), or expiry (`sweep()`, run periodically). Its end sends
@@ -10,21 +17,32 @@ reader aborted), else into quarantine for the read timeout (a READ posted before
 An abort that lands before the grant (between the engine's export step and `grant`) is remembered: the ranks
 end the export on their own `Abort`, and `grant` refuses it (APIError 499), so no lease and no params ever
 point at rows an abort already gave back. Lease outcomes feed the node metrics.
+Notifications: each rank's `RankExporter` (prefill_node/rank_exporter.py) drains its transport after every step;
+the executor hands the `TransportNotice`s to `on_notice`, which the exporter subscribes when it is built.
 Thread-safe: notifications arrive on the executor's driver thread, the rest on the event loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.api import ExportedRows, Release, TransportNotice
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.api import EngineFailure, ExportedRows, Release, Submit, TransportNotice
 from kv_transfer.lease import OUTCOMES, ExportKey, Lease, LeaseManager
 from kv_transfer.params import KVTransferParams
 from kv_transfer.signing import ClusterSecret, prompt_digest, sign
+from node.app import until_disconnect
 from node.executor import Executor
-from node.metrics import NodeMetrics
+from node.metrics import NodeMetrics, RequestTiming
+from node.responses import final_response
+from node.runtime import NodeRuntime
+from node.textgen import GenerationResult, PreparedRequest
 from serving.errors import APIError
 
 
@@ -41,8 +59,8 @@ class ExportIdentity:
     layout_fingerprint: str
 
 
-class ExportTable:
-    """Leases on exported rows, keyed by request id for aborts."""
+class Exporter:
+    """Leases on exported rows, keyed by request id for aborts (see the module docstring)."""
 
     def __init__(self, identity: ExportIdentity, executor: Executor, metrics: NodeMetrics,
                  lease_seconds: float, secret: ClusterSecret | None = None) -> None:
@@ -57,6 +75,7 @@ class ExportTable:
         """Exports in flight (`begin` .. `forget`) -> aborted before their grant."""
         self._lock = threading.Lock()
         self._counted = {outcome: 0 for outcome in OUTCOMES}
+        executor.on_notice(self.on_notice)
 
     def _lease_ended(self, lease: Lease, outcome: str) -> None:
         key = lease.export
@@ -156,3 +175,43 @@ class ExportTable:
     @property
     def num_outstanding(self) -> int:
         return self.leases.outstanding
+
+
+def check_export_request(prepared: PreparedRequest) -> None:
+    if prepared.sampling.max_tokens != 1:
+        raise APIError(400, f"a do_remote_decode request must have max_tokens=1, got {prepared.sampling.max_tokens}",
+                       "max_tokens")
+    if prepared.stream:
+        raise APIError(400, "a do_remote_decode request cannot stream (send stream=false)", "stream")
+
+
+async def _run_export(runtime: NodeRuntime[Exporter], prepared: PreparedRequest) -> ExportedRows:
+    cmd = Submit(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
+                 sampling=prepared.sampling, export=True, session=prepared.session)
+    async for event in runtime.executor.events(cmd):
+        if isinstance(event, EngineFailure):
+            raise APIError(event.status, event.error)
+        if isinstance(event, ExportedRows):
+            return event
+    raise APIError(500, "the engine ended the export without rows")
+
+
+async def serve_export(runtime: NodeRuntime[Exporter], prepared: PreparedRequest, request: Request) -> Response:
+    """Prefill for a remote decoder and answer with the transfer params."""
+    check_export_request(prepared)
+    started = time.monotonic()
+    exporter = runtime.handoff
+    exporter.begin(prepared.request_id)
+    try:
+        exported: ExportedRows = await until_disconnect(request, _run_export(runtime, prepared))
+        params = exporter.grant(prepared.request_id, exported, prepared.prompt_token_ids)  # refused if aborted first
+    finally:
+        exporter.forget(prepared.request_id)
+    elapsed = time.monotonic() - started
+    first = dataclasses.replace(exported.first, request_id=prepared.request_id)
+    result = GenerationResult(tokens=[first], text=runtime.tokenizer.decode([int(exported.first.token_id or 0)]),
+                              finish_reason="length", num_cached_tokens=exported.num_cached_tokens)
+    runtime.metrics.observe_request(RequestTiming(num_prompt_tokens=len(prepared.prompt_token_ids),
+                                                  num_output_tokens=1, finish_reason="length", e2e=elapsed,
+                                                  ttft=elapsed))
+    return JSONResponse(final_response(prepared, result, runtime.tokenizer, params.to_wire()).model_dump())

@@ -1,0 +1,125 @@
+"""The decode node's side of a hand-off on one rank: post, poll and cancel the READs of an import.
+
+`build_rank_importer(config, rank, backend)` is the `WorkerConfig.rank_role` of a decode node (decode_node/app.py
+names it): it builds the rank's NIXL agent (`kv_transfer.nixl_agent.NixlTransport`, agent `<engine id>-d<rank>`)
+over the backend's row pool, unless the node runs without a transport, and hands it to a `RankImporter`, which
+the shared worker (node/worker.py) calls:
+- `apply(ImportKV)`: allocate the rows through the backend (which may reuse the prompt's leading blocks from its
+  prefix cache: `reused_tokens`, those are not read), plan the reads with kv_transfer.remap (P's layout rebuilt
+  from the params and checked against its fingerprint: kv_transfer/importer.py) and post ONE READ per source P
+  rank carrying one descriptor per merged row range, with the lease's DONE notification;
+- `step()`, after every engine step: one non-blocking poll of every import in flight
+  (kv_transfer.reads.PendingReads), so decode steps of other requests go on while a READ is in flight or stalled;
+- `abort(request_id)`: cancel that request's READs.
+Invariant: each rank answers exactly one `ImportOutcome` per `ImportKV` it applied - when its READs are all DONE,
+when one fails or the import's deadline (`config.kv.timeout_s`) passes, at once if it cannot post, or when an
+`Abort` cancels it - and it has released every READ handle by then. `uncancelled` on the outcome says NIXL
+refused to cancel one: the driver then sends `HoldRows` so every rank keeps those rows out for good. The driver
+merges the ranks' outcomes and only then lets the request decode (decode_node/importer.py sends `StartDecode`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from engine.api import Command, Event, ImportKV, ImportOutcome
+from kv_transfer.importer import post_import
+from kv_transfer.reads import PendingReads
+from kv_transfer.transport import KVTransport
+from node.rank import Backend, WorkerConfig
+
+
+@dataclass
+class _Import:
+    """An import in flight on this rank."""
+
+    request_id: str
+    reads: PendingReads
+    started: float
+
+
+class RankImporter:
+    """One decode rank's imports in flight (see the module docstring)."""
+
+    def __init__(self, rank: int, backend: Backend, transport: KVTransport | None, timeout_s: float) -> None:
+        self.rank = rank
+        self.backend = backend
+        self.transport = transport
+        self.timeout_s = timeout_s
+        """An import's deadline from its post (the node's `kv.timeout_s`)."""
+        self._imports: dict[str, _Import] = {}
+
+    def _error(self, request_id: str, exc: BaseException | str, uncancelled: bool = False) -> ImportOutcome:
+        reason = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        return ImportOutcome(request_id=request_id, error=f"rank {self.rank}: {reason}", uncancelled=uncancelled)
+
+    def apply(self, cmd: Command) -> list[Event] | None:
+        return self._post(cmd) if isinstance(cmd, ImportKV) else None
+
+    def _post(self, cmd: ImportKV) -> list[Event]:
+        """Allocate, plan and post the READs (`cmd.params` were checked by the decode node; `cmd.peer` is the
+        prefill node's side-channel InstanceMetadata); the outcome comes from a later `step`."""
+        from engine.cache import OutOfRows
+
+        started = time.perf_counter()
+        try:
+            if self.transport is None:
+                raise ValueError("this node runs without a KV transport")
+            attn_rows, kda_rows = self.backend.allocate_import(cmd)
+            reused = getattr(self.backend, "reused_tokens", None)
+            reads = post_import(self.transport, self.backend.model_config, self.backend.layout, self.rank,
+                                cmd.params, cmd.peer, attn_rows, kda_rows, timeout_s=self.timeout_s,
+                                skip_tokens=reused(cmd.request_id) if reused is not None else 0)
+        except OutOfRows as exc:  # allocate_import raises before allocating: nothing to undo, the node may retry
+            return [dataclasses.replace(self._error(cmd.request_id, exc), short_of_rows=True)]
+        except Exception as exc:  # noqa: BLE001 - any failure becomes this rank's import error
+            return [self._error(cmd.request_id, exc)]
+        self._imports[cmd.request_id] = _Import(cmd.request_id, reads, started)
+        return []
+
+    def step(self) -> list[Event]:
+        """One non-blocking poll of every import in flight; the outcomes of those that ended."""
+        events: list[Event] = []
+        for imp in list(self._imports.values()):
+            try:
+                if not imp.reads.poll():
+                    continue
+                results = imp.reads.results()
+            except Exception as exc:  # noqa: BLE001 - a failed READ, a deadline, a NIXL error: this import's error
+                del self._imports[imp.request_id]
+                events.append(self._error(imp.request_id, exc, uncancelled=not imp.reads.close()))
+                continue
+            del self._imports[imp.request_id]
+            clean = imp.reads.close()
+            events.append(ImportOutcome(request_id=imp.request_id, num_bytes=sum(r.bytes for r in results),
+                                        seconds=time.perf_counter() - imp.started,
+                                        num_descriptors=sum(r.descriptors for r in results),
+                                        post_s=tuple(r.post_s for r in results), uncancelled=not clean))
+        return events
+
+    def abort(self, request_id: str) -> list[Event]:
+        """An abort reached an import in flight: cancel its READs; its one outcome says whether they were."""
+        imp = self._imports.pop(request_id, None)
+        if imp is None:
+            return []
+        return [self._error(request_id, "aborted", uncancelled=not imp.reads.close())]
+
+    def close(self) -> None:
+        for imp in self._imports.values():
+            imp.reads.close()
+        self._imports.clear()
+        if self.transport is not None:
+            self.transport.close()
+
+
+def build_rank_importer(config: WorkerConfig, rank: int, backend: Backend) -> RankImporter:
+    """The decode node's RankRole factory (runs in the rank process)."""
+    transport = None
+    if config.transport:
+        from kv_transfer.nixl_agent import NixlTransport
+
+        transport = NixlTransport(f"{config.engine_id}-d{rank}", backend.pool_buffer(), backend.layout.row_bytes,
+                                  config.kv)
+    return RankImporter(rank, backend, transport, config.kv.timeout_s)

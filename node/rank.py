@@ -1,0 +1,128 @@
+"""What a rank process is built from and what it reports, and the two plug-ins of the shared rank worker.
+
+- `WorkerConfig`: everything every rank needs to build its engine replica (picklable: it crosses the spawn).
+- `RankInfo`: what a rank reports once ready.
+- `Backend`: one rank's engine as the worker sees it (node/backend.py is the reference one).
+- `RankRole`: a node kind's side of the KV hand-off on one rank, which the worker (node/worker.py) calls around
+  the engine: prefill_node/rank_exporter.py (register the pool, drain the readers' notifications) or
+  decode_node/rank_importer.py (post, poll and cancel the READs of an import). The worker config names its
+  factory (`rank_role`), which the node package chose, so node/ holds no prefill-only or decode-only code and
+  knows the transport only as `kv_transfer.transport.KVTransport`.
+A leaf of node/: it imports nothing of node/ but the round framing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.api import Command, Event, ImportKV, Release, Submit
+from kv_transfer.transport import KVTransport, RankEndpoint
+from kv_transfer.ucx_env import KVTransferSettings
+from node.protocol import RankStats
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every rank needs to build its engine replica (picklable)."""
+
+    model: str
+    role: str
+    """"prefill" or "decode": the node kind (labels, warm-up); the hand-off code comes from `rank_role`."""
+    seed: int | None
+    num_rows: int
+    block_size: int | None
+    tp_size: int
+    dcp_size: int
+    max_num_seqs: int
+    engine_id: str
+    token_shard_min_tokens: int = 1
+    backend: str = "reference"
+    """"reference" (engine/) or a "module:function" backend factory."""
+    rank_role: str | None = None
+    """"module:function" of the node kind's `RankRole` factory, called in the rank process as
+    `factory(config, rank, backend)`; None: a rank with no hand-off (it refuses `ImportKV`)."""
+    transport: bool = True
+    """Register the pool with the KV transport (needed for P -> D transfer); the role builds the transport."""
+    kv: KVTransferSettings = KVTransferSettings()
+    """The node's KV transfer settings (the rank's NIXL agent, the import deadline)."""
+    device: str = "cpu"
+    """"cpu" or "cuda": each rank builds its weights, row pool and intermediates on its own GPU (NIXL: VRAM)."""
+    prefix_cache: bool = True
+    """The engine's prefix cache (engine/prefix_cache.py) on or off."""
+    max_step_tokens: int | None = None
+    """Chunked prefill's per-step token budget (None: whole prompts)."""
+    kernels: str = "auto"
+    """Kernel set the rank engines are asked for: "auto", "reference" or "fast" (engine/kernels.py resolves it)."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank reports once ready."""
+
+    rank: int
+    num_rows: int
+    block_size: int
+    row_bytes: int
+    subblock_tokens: int
+    layout_fingerprint: str
+    cache_dtype: str
+    kda_groups: int
+    endpoint: RankEndpoint | None = None
+    """This rank's registered pool as readers address it (None without a transport)."""
+    tcp_fallback: bool = False
+    """UCX can only move this pool's bytes over TCP (kv_transfer.ucx_env.detect_tcp_fallback)."""
+    kernels: str = "reference"
+    """The kernel set this rank's engine runs ("reference" | "fast")."""
+
+
+class Backend(Protocol):
+    """One rank's engine as the worker sees it."""
+
+    layout: Any
+    """engine.layout.RowLayout of this rank's pool."""
+    model_config: Any
+
+    def begin_round(self, now: float) -> None:
+        """The round's time (the driver's clock, the same on every rank): quarantines are measured in it."""
+
+    def pool_buffer(self) -> Any: ...
+
+    def num_rows(self) -> int: ...
+
+    def submit(self, cmd: Submit) -> list[Event]: ...
+
+    def allocate_import(self, cmd: ImportKV) -> tuple[list[int], list[int]]: ...
+
+    def start_decode(self, request_id: str) -> list[Event]: ...
+
+    def abort(self, request_id: str) -> list[Event]: ...
+
+    def release(self, cmd: Release) -> None: ...
+
+    def hold(self, request_id: str) -> None: ...
+
+    def step(self) -> list[Event]: ...
+
+    def stats(self) -> RankStats: ...
+
+    def close(self) -> None: ...
+
+
+class RankRole(Protocol):
+    """A node kind's side of the KV hand-off on one rank (see the module docstring)."""
+
+    transport: KVTransport | None
+    """The rank's transport with the pool registered (None: this node transfers nothing)."""
+
+    def apply(self, cmd: Command) -> list[Event] | None:
+        """The events of a command this role owns (`ImportKV` on a decode rank); None for the worker's own."""
+
+    def abort(self, request_id: str) -> list[Event]:
+        """An `Abort` reached the rank: end this role's part of the request (before the engine aborts it)."""
+
+    def step(self) -> list[Event]:
+        """Called after every engine step: what the transport brought in (notifications, finished READs)."""
+
+    def close(self) -> None:
+        """Release every transfer in flight and the transport."""
