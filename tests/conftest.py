@@ -22,6 +22,8 @@ import pytest
 import engine.ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+pytest_plugins = ["tests.topologies"]
+"""The run's shared topologies (`cluster`, `vllm_cluster`, `vllm_pd_pair`, `decode_tp2`) and the test order."""
 
 
 def free_port() -> int:

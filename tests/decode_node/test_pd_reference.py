@@ -1,25 +1,24 @@
 """End to end with the reference engine: real node processes, real rank processes (gloo), real NIXL.
 
-A prefill node at TP=2 (`pdcluster prefill --tp 2`, token-sharded prefill) answers do_remote_decode requests;
+The nodes are the shared cluster's (tests/topologies.py), addressed directly without the router, plus a TP=2
+decode node. A prefill node at TP=2 (`pdcluster prefill --tp 2`, token-sharded prefill) answers do_remote_decode requests;
 decode nodes at TP=1, TP=2 and DCP=2 read the rows (remapped across TP sizes and block sizes; a DCP rank reads
 only the tokens it owns), decode, and must produce exactly the greedy tokens of `pdcluster generate` (the
-single-rank oracle), streaming and not. The DCP=2 node's merge counters show the compact top-k merge ran.
+single-rank oracle, tests/oracle.py), streaming and not. The DCP=2 node's merge counters show the compact top-k merge ran.
 Afterwards every pool is back to idle (leases notified, decode rows freed).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import httpx
 import pytest
 
 from engine.model.tokenizer import ByteTokenizer
-from tests.conftest import REPO_ROOT
 from tests.decode_node.test_pd_nodes import _idle, _metric
-from tests.node.nodes import start_node, stop_node, wait_healthy
+from tests.oracle import generate_text
+from tests.topologies import LONG_POOL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 PROMPT = ("Disaggregated serving splits prefill and decode across machines. " * 16)[:1019]
@@ -29,33 +28,16 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """Start the three nodes, compute the oracle with `pdcluster generate` while they boot, wait for them."""
-    common = ["--num-rows", "24", "--max-num-seqs", "4"]
-    specs = [("prefill", common + ["--tp", "2", "--token-shard-min-tokens", "64"]), ("decode", common + ["--tp", "1"]),
-             ("decode", common + ["--tp", "2"]), ("decode", common + ["--dcp", "2"])]
-    nodes = [start_node(kind, args) for kind, args in specs]
-    try:
-        out = subprocess.run([sys.executable, "-m", "pdcluster.cli", "generate", "--model", "kimi-k3.1-mini",
-                              "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--json"],
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, check=True)
-        for node in nodes:
-            wait_healthy(node)
-        urls = {"prefill": nodes[0].url, "tp1": nodes[1].url, "tp2": nodes[2].url, "dcp2": nodes[3].url}
-        yield urls, json.loads(out.stdout)["token_ids"]
-    finally:
-        for node in nodes:
-            stop_node(node)
+def nodes(cluster, decode_tp2):
+    """The shared cluster's prefill (TP=2), `tp` (TP=1) and `dcp` (DCP=2) nodes, addressed directly, and a TP=2
+    decode node peered with that prefill node (tests/topologies.py)."""
+    return {"prefill": cluster.nodes_of(role="prefill")[0].url, "tp1": cluster.nodes_of(pool="tp")[0].url,
+            "tp2": decode_tp2, "dcp2": cluster.nodes_of(pool=LONG_POOL)[0].url}
 
 
 @pytest.fixture(scope="module")
-def nodes(cluster):
-    return cluster[0]
-
-
-@pytest.fixture(scope="module")
-def oracle(cluster):
-    return cluster[1]
+def oracle():
+    return generate_text(PROMPT, MAX_TOKENS)["token_ids"]
 
 
 def _prefill(p_url: str) -> dict:

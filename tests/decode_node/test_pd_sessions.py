@@ -1,20 +1,16 @@
-"""A session's turns through real nodes (P at TP=2 with chunked prefill -> D at TP=1 and DCP=2, real NIXL): from
+"""A session's turns through real nodes (P at TP=2 -> D at TP=1 and DCP=2, real NIXL): from
 the second turn on, the prefill node computes only what its cache lacks and the decode node reads only the blocks
 it does not hold; `cached_tokens` says so on both legs, /v1/cache and the metrics agree, and every answer equals
-`pdcluster generate --prompt-ids` (the single-rank oracle, no cache) token for token."""
+`pdcluster generate --prompt-ids` (the single-rank oracle without a cache: tests/oracle.py) token for token."""
 
 from __future__ import annotations
-
-import json
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from tests.conftest import REPO_ROOT
 from tests.decode_node.test_pd_nodes import _idle, _metric
-from tests.node.nodes import start_node, stop_node, wait_healthy
+from tests.oracle import generate
+from tests.topologies import LONG_POOL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 MAX_TOKENS = 8
@@ -26,25 +22,15 @@ def _ids(n: int, salt: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def nodes():
-    common = ["--num-rows", "24", "--max-num-seqs", "4"]
-    specs = [("prefill", common + ["--tp", "2", "--max-step-tokens", "256"]), ("decode", common + ["--tp", "1"]),
-             ("decode", common + ["--dcp", "2", "--max-step-tokens", "256"])]
-    started = [start_node(kind, args) for kind, args in specs]
-    try:
-        for node in started:
-            wait_healthy(node)
-        yield {"prefill": started[0].url, "tp1": started[1].url, "dcp2": started[2].url}
-    finally:
-        for node in started:
-            stop_node(node)
+def nodes(cluster):
+    """The shared cluster's nodes (tests/topologies.py), addressed directly. (Chunked prefill over rank groups with
+    the prefix cache: tests/engine/test_prefix_cache_ranks.py.)"""
+    return {"prefill": cluster.nodes_of(role="prefill")[0].url, "tp1": cluster.nodes_of(pool="tp")[0].url,
+            "dcp2": cluster.nodes_of(pool=LONG_POOL)[0].url}
 
 
 def _oracle(prompt_ids: list[int]) -> list[int]:
-    out = subprocess.run([sys.executable, "-m", "pdcluster.cli", "generate", "--prompt-ids", json.dumps(prompt_ids),
-                          "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json"],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, check=True)
-    return json.loads(out.stdout)["token_ids"]
+    return generate(prompt_ids, MAX_TOKENS, ignore_eos=True)["token_ids"]
 
 
 def _turn(p_url: str, d_url: str, prompt: list[int], session: str, request_id: str) -> tuple[dict, dict]:

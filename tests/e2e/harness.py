@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.launcher import Cluster, NodeInfo
 from cluster.process import descendants
+from tests.oracle import generate, generate_text
 
 
 @dataclass(frozen=True)
@@ -197,23 +198,24 @@ class ClusterHandle:
         return None if value is None else value >= 1.0
 
     def oracle(self, prompt: str, max_tokens: int) -> OracleResult:
-        """Greedy continuation of `prompt` by `pdcluster generate --json` on one rank."""
+        """Greedy continuation of `prompt` as `pdcluster generate --json` gives it on one rank (tests/oracle.py:
+        the same engine code in this process)."""
         key = (prompt, max_tokens)
         if key not in self._oracle_cache:
-            self._oracle_cache[key] = run_oracle(self.python, self.cluster.config.model, prompt, max_tokens,
-                                                 device=self.cluster.config.device)
+            self._oracle_cache[key] = _result(generate_text(prompt, max_tokens, model=self.cluster.config.model,
+                                                            device=self.cluster.config.device))
         return self._oracle_cache[key]
 
     def oracle_chat(self, messages: list[dict], max_tokens: int) -> OracleResult:
         """The oracle for a chat request: the reference chat template (special role ids, as the nodes apply
-        it), then the same generation code as `pdcluster generate --json` on those ids."""
+        it), then `oracle`'s generation on those ids."""
         from engine.model.tokenizer import ByteTokenizer, ChatMessage
 
         ids = ByteTokenizer().apply_chat_template([ChatMessage(m["role"], m["content"]) for m in messages])
         key = (json.dumps(ids), max_tokens)
         if key not in self._oracle_cache:
-            self._oracle_cache[key] = run_oracle_ids(self.python, self.cluster.config.model, ids, max_tokens,
-                                                     device=self.cluster.config.device)
+            self._oracle_cache[key] = _result(generate(ids, max_tokens, model=self.cluster.config.model,
+                                                       device=self.cluster.config.device))
         return self._oracle_cache[key]
 
 
@@ -224,13 +226,8 @@ def choice_token_ids(choice: object) -> list[int] | None:
     return list(found) if found is not None else None
 
 
-_GENERATE_IDS = """
-import json, sys
-from engine.cli import _generate, _parser
-args = _parser().parse_args(["--model", sys.argv[1], "--prompt", "ids", "--max-tokens", sys.argv[2], "--json",
-                             "--device", sys.argv[4]])
-sys.exit(_generate(args, json.loads(sys.argv[3])))
-"""
+def _result(data: dict) -> OracleResult:
+    return OracleResult(text=data["text"], token_ids=tuple(data["token_ids"]), raw=data)
 
 
 def run_oracle(python: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 600.0,
@@ -238,14 +235,6 @@ def run_oracle(python: str, model: str, prompt: str, max_tokens: int, timeout_s:
     """One `pdcluster generate --json` run (on the cluster's device); raises with its stderr when it fails."""
     argv = [python, "-m", "pdcluster.cli", "generate", "--model", model, "--prompt", prompt,
             "--max-tokens", str(max_tokens), "--json", "--device", device]
-    return _run_generate(argv, timeout_s)
-
-
-def run_oracle_ids(python: str, model: str, prompt_ids: list[int], max_tokens: int,
-                   timeout_s: float = 600.0, device: str = "cpu") -> OracleResult:
-    """`pdcluster generate --json`'s own generation code on token ids (chat prompts hold special ids that
-    `--prompt TEXT` cannot express)."""
-    argv = [python, "-c", _GENERATE_IDS, model, str(max_tokens), json.dumps(prompt_ids), device]
     return _run_generate(argv, timeout_s)
 
 

@@ -16,7 +16,7 @@ import time
 import openai
 import pytest
 
-from tests.e2e.conftest import E2E_CONFIG, LONG_POOL, TP_POOL_CAPACITY
+from tests.topologies import E2E_CONFIG, LONG_POOL, TP_POOL_CAPACITY
 from tests.e2e.harness import choice_token_ids
 
 pytestmark = pytest.mark.e2e

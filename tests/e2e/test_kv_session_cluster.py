@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from router.identity import ANONYMOUS, session_key
-from tests.e2e.conftest import LONG_POOL, SESSION_GROWTH_TOKENS, TP_POOL_CAPACITY
+from tests.topologies import LONG_POOL, SESSION_GROWTH_TOKENS, TP_POOL_CAPACITY
 
 pytestmark = pytest.mark.e2e
 

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine.model.tokenizer import ByteTokenizer
-from tests.e2e.conftest import LONG_POOL, TP_POOL_CAPACITY
+from tests.topologies import LONG_POOL, TP_POOL_CAPACITY
 from tests.e2e.harness import choice_token_ids
 
 pytestmark = pytest.mark.e2e

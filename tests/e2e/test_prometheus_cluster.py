@@ -34,14 +34,6 @@ VLLM_LOAD_REQUESTS = 6
 VLLM_LOAD_BOUND_S = 600
 
 
-def _cluster(request: pytest.FixtureRequest):
-    try:
-        return request.getfixturevalue("cluster")
-    except pytest.FixtureLookupError:
-        pytest.fail("tests/e2e/conftest.py must provide the `cluster` fixture: a running `pdcluster up` cluster "
-                    "with `.metrics_urls` (and `.nodes` for pool labels)")
-
-
 def targets_from_cluster(cluster) -> list[ScrapeTarget]:
     """Scrape targets with the labels the chart's PodMonitor attaches (pool, role, tp, dcp, engine_kind, pod)."""
     urls = cluster.metrics_urls
@@ -100,7 +92,6 @@ def _check_cluster(cluster, tmp_path: Path, load_args: list[str], duration_s: fl
 
 
 def test_dashboards_and_rules_on_a_vllm_cluster(vllm_cluster, tmp_path: Path) -> None:
-    # A fixture argument (not getfixturevalue): tests/e2e/conftest.py orders vllm_cluster users first.
     # A count of requests, not a time: on a loaded 2-core machine the busy-polling vLLM pair has taken over
     # 30 s per request, and a 30 s load then finished only the first two. The duration is only a bound.
     _check_cluster(vllm_cluster, tmp_path, ["--scenario", "random", "--input-len", "64", "--output-len", "16",
@@ -108,8 +99,8 @@ def test_dashboards_and_rules_on_a_vllm_cluster(vllm_cluster, tmp_path: Path) ->
                    duration_s=VLLM_LOAD_BOUND_S)
 
 
-def test_dashboards_and_rules_on_the_running_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    _check_cluster(_cluster(request), tmp_path,
+def test_dashboards_and_rules_on_the_running_cluster(cluster, tmp_path: Path) -> None:
+    _check_cluster(cluster, tmp_path,
                    # system prompts up to 2400 tokens: some sessions outgrow `tp` and run on the DCP pool
                    ["--scenario", "agentx", "--system-len", "uniform:20,2400", "--task-len", "64",
                     "--output-len", "16", "--turns", "3", "--think-time", "0"])

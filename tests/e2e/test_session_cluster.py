@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tests.e2e.conftest import LONG_POOL, SESSION_GROWTH_TOKENS, TP_POOL_CAPACITY
+from tests.topologies import LONG_POOL, SESSION_GROWTH_TOKENS, TP_POOL_CAPACITY
 
 pytestmark = pytest.mark.e2e
 

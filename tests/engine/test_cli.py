@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from engine.cli import main
+from tests.oracle import generate_text
 
 
 @pytest.mark.process
@@ -21,6 +22,9 @@ def test_generate_json_through_the_console_script() -> None:
     assert out["prompt_token_ids"] == [256] + list(b"Hello")
     assert len(out["token_ids"]) == 3 and isinstance(out["text"], str)
     assert {"ttft_s", "decode_s", "total_s"} <= set(out["timings"])
+    # the suite's in-process oracle answers what the console script prints, log-probs bit for bit
+    mine = generate_text("Hello", 3)
+    assert {k: out[k] for k in mine if k != "model"} == {k: v for k, v in mine.items() if k != "model"}
 
 
 def test_generate_is_deterministic_and_seeded_sampling_repeats(capsys: pytest.CaptureFixture[str]) -> None:

@@ -57,9 +57,12 @@ def wait_healthy(node: Node, timeout_s: float = START_TIMEOUT_S) -> None:
     raise TimeoutError(f"{node.url} not healthy within {timeout_s} s; log:\n{node.log()}")
 
 
-def start_node(kind: str, args: list[str], env: dict[str, str] | None = None) -> Node:
+def start_node(kind: str, args: list[str], env: dict[str, str] | None = None, test_secret: bool = True) -> Node:
+    """A node process on a free port (returns at once: `wait_healthy`); `test_secret=False` leaves the cluster
+    secret to `env` (a node joining a cluster that has its own)."""
     port = free_port()
-    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", **SECRET_ENV, **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
+                **(SECRET_ENV if test_secret else {}), **(env or {})}
     cmd = [sys.executable, "-m", "pdcluster.cli", kind, "--host", "127.0.0.1", "--port", str(port), *args]
     log = tempfile.NamedTemporaryFile(prefix=f"pdcluster-{kind}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, env=full_env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)

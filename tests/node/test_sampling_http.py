@@ -1,4 +1,5 @@
-"""Log-probs and sampling parameters over HTTP on a real decode node (reference engine, TP=1, colocated).
+"""Log-probs and sampling parameters over HTTP on a real decode node (reference engine, TP=1, colocated: the shared
+cluster's `tp` node).
 
 The served log-prob of every generated token is the engine's own, bit for bit (JSON floats round-trip
 exactly), in both OpenAI formats, streaming and not; top alternatives are sorted, ties to the lower id, and
@@ -16,20 +17,15 @@ from engine.engine import Engine, EngineConfig
 from engine.model.tokenizer import ByteTokenizer
 from engine.sampling import SamplingParams
 from node.logprobs import token_name
-from tests.node.nodes import start_node, stop_node, wait_healthy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 PROMPT = "Log-probs travel with every token."
 
 
 @pytest.fixture(scope="module")
-def node():
-    started = start_node("decode", ["--model", "kimi-k3.1-mini", "--tp", "1", "--num-rows", "16"])
-    try:
-        wait_healthy(started)
-        yield started.url
-    finally:
-        stop_node(started)
+def node(cluster):
+    """The shared cluster's `tp` decode node (tests/topologies.py), addressed directly: colocated requests."""
+    return cluster.nodes_of(pool="tp")[0].url
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 
 from router.app import create_app
 from router.settings import Settings
-from tests.router.servers import uvicorn_server, wait_until
+from tests.router.servers import router_server, wait_until
 from tests.vllm_fixtures import SERVED_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -38,7 +38,7 @@ def router_url(vllm_pd_pair):
                         # and two missed probes in a row (the default) once took the decode out of service in
                         # the middle of the module. Five in a row is a server that is really gone.
                         unhealthy_threshold=5, connect_timeout_s=30.0)
-    with uvicorn_server(create_app(settings)) as url:
+    with router_server(create_app(settings)) as url:
         yield url  # `pair_is_healthy` waits for the pair before each test
 
 

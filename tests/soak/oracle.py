@@ -1,6 +1,6 @@
-"""The soak's oracle: `pdcluster generate`'s generation code (engine/cli.py `_generate`: one `Engine`, greedy,
-one request at a time) kept loaded in this process, so hundreds of answers are checked without starting a
-process per prompt. `work_s` is that request's own prefill + decode time on this machine, alone.
+"""The soak's oracle: the suite's in-process oracle (tests/oracle.py: `pdcluster generate`'s answer from one
+`Engine` kept loaded in this process, one request at a time), so hundreds of answers are checked without starting
+a process per prompt. `work_s` is that request's own prefill + decode time on this machine, alone.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ import time
 from dataclasses import dataclass
 
 from engine.model.tokenizer import ByteTokenizer, ChatMessage
-
-MAX_CONTEXT_TOKENS = 8192
 
 
 def prompt_ids_of(prompt: str | list[dict]) -> list[int]:
@@ -31,15 +29,7 @@ class Expected:
 
 class Oracle:
     def __init__(self, model: str) -> None:
-        import torch
-
-        from engine.cli import _rows_needed
-        from engine.engine import Engine, EngineConfig
-        from engine.model.weights import DEFAULT_SEED
-
-        torch.set_num_threads(1)
-        self.engine = Engine(EngineConfig(model=model, seed=DEFAULT_SEED,
-                                          num_rows=_rows_needed(model, MAX_CONTEXT_TOKENS)))
+        self.model = model
         self.tokenizer = ByteTokenizer()
         self.cache: dict[tuple[tuple[int, ...], int], Expected] = {}
         self.num_runs = 0
@@ -57,13 +47,9 @@ class Oracle:
         return self.cache[key]
 
     def _run(self, prompt_ids: list[int], max_tokens: int) -> Expected:
-        from engine.sampling import SamplingParams
+        from tests.oracle import generate
 
         self.num_runs += 1
         started = time.perf_counter()
-        self.engine.add_request(f"oracle-{self.num_runs}", list(prompt_ids),
-                                SamplingParams(max_tokens=max_tokens, temperature=0.0))
-        tokens = []
-        while self.engine.has_work:
-            tokens += [out.token_id for out in self.engine.step().tokens]
-        return Expected(tokens, self.engine.tokenizer.decode(tokens), time.perf_counter() - started)
+        out = generate(prompt_ids, max_tokens, model=self.model)
+        return Expected(out["token_ids"], out["text"], time.perf_counter() - started)

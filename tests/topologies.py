@@ -1,0 +1,200 @@
+"""Topologies shared by the whole test run (a pytest plugin, loaded by tests/conftest.py).
+
+Starting processes is what the suite's time goes to, so every topology that tests only read is started once per
+run, whichever package its tests live in, and stopped right after the last test that uses it:
+
+    def test_x(cluster): ...         # the `pdcluster up` reference topology (tests.e2e.harness.ClusterHandle)
+    def test_y(vllm_cluster): ...    # `pdcluster up --engine vllm`: the run's one vLLM producer/consumer pair
+    def test_z(vllm_pd_pair): ...    # that pair's two servers, (prefill, decode), for tests that bring a router
+    def test_w(decode_tp2): ...      # a TP=2 reference decode node peered with `cluster`'s prefill node
+
+`cluster`: router, prefill pool (TP=2, token-sharded prefill), decode pools `tp` (TP=1, capacity TP_POOL_CAPACITY
+tokens for placement) and `dcp` (DCP=2: long sessions) on kimi-k3.1-mini, reference engine, free ports. Tests that talk to its nodes directly (P -> D
+hand-offs without the router) use `cluster.node(...)` URLs; a hand-off signed by its prefill node is accepted by
+its decode nodes as from the router. `PDCLUSTER_E2E_CONFIG=FILE.yaml` runs another topology (same pool names).
+
+Order (`pytest_collection_modifyitems`): the vLLM pair's users first and VLLM_STOP_TEST last among them (so the
+vLLM servers never share the two cores with our nodes), then `cluster`'s users with the fault tests last (they
+kill and restart nodes), then every other test in collection order. A shared topology stops in the teardown of
+its last test (the session's end otherwise), so no idle cluster sits beside the tests that follow. Tests that
+kill, drain or reconfigure nodes beyond what they restore start their own (tests/node/nodes.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+ADMIN_TOKEN = "e2e-admin-token"
+TP_POOL_CAPACITY = 1536
+"""Tokens the router places on the `tp` pool; longer projected sessions go to the LONG_POOL pool."""
+LONG_POOL = "dcp"
+"""The decode pool (DCP=2) for sessions that outgrow `tp`."""
+SESSION_GROWTH_TOKENS = 64
+
+E2E_CONFIG = {
+    "model": "kimi-k3.1-mini",
+    "engine": "reference",
+    "router": {
+        "port": None,
+        "admin_token": ADMIN_TOKEN,
+        "settings": {
+            "chars_per_token": 1.0,
+            "session_growth_tokens": SESSION_GROWTH_TOKENS,
+            "disagg_min_uncached_tokens": 1,
+            "health_interval_s": 0.5,
+            "health_timeout_s": 2.0,
+            "unhealthy_threshold": 2,
+            "healthy_threshold": 1,
+            # Two shared cores run 32 concurrent sessions: generous leg bounds, still finite.
+            "prefill_timeout_s": 180.0,
+            "first_token_timeout_s": 180.0,
+            "stream_idle_timeout_s": 120.0,
+            "breaker_recovery_s": 2.0,
+        },
+    },
+    "startup_timeout_s": 300,
+    "pools": [
+        {"name": "prefill", "role": "prefill", "tp": 2},
+        {"name": "tp", "role": "decode", "tp": 1, "max_context_tokens": TP_POOL_CAPACITY},
+        {"name": LONG_POOL, "role": "decode", "dcp": 2},
+    ],
+}
+
+VLLM_CONFIG = {
+    "startup_timeout_s": 600,
+    "vllm": {"max_model_len": 1024, "served_model_name": "tiny-llama",
+             "extra_args": ["--dtype", "float32", "--seed", "0", "--max-num-seqs", "8", "--no-enable-prefix-caching",
+                            "--enable-prompt-tokens-details", "--enforce-eager"]},
+    # Both vLLM servers busy-poll the two cores the router shares with them: connects and /health probes can
+    # stall for seconds, so the router connects within 30 s, waits 10 s per probe and takes an instance out
+    # only after five missed probes in a row (as tests/router/test_vllm_e2e.py), not the default two.
+    "router": {"port": None, "settings": {"disagg_min_uncached_tokens": 1, "connect_timeout_s": 30.0,
+                                          "health_timeout_s": 10.0, "unhealthy_threshold": 5}},
+    "pools": [{"name": "prefill", "role": "prefill", "cores": [0]},
+              {"name": "tp", "role": "decode", "cores": [1]}],
+}
+VLLM_STOP_TEST = "test_vllm_cluster_stops_cleanly"
+FAULT_MODULE = "test_faults_cluster"
+SHARED = ("vllm_cluster", "cluster")
+"""The shared topologies, in the order their users run."""
+
+_last_user: dict[str, str] = {}
+"""Shared fixture -> node id of the last selected test that uses it."""
+_stoppers: dict[str, Callable[[], None]] = {}
+"""Shared fixture -> how to stop it, while it runs."""
+
+
+def _group(item: pytest.Item) -> int:
+    names = getattr(item, "fixturenames", ())
+    if item.name == VLLM_STOP_TEST:
+        return 1
+    if "vllm_cluster" in names:
+        return 0
+    if "cluster" in names:
+        return 3 if Path(str(item.fspath)).stem == FAULT_MODULE else 2
+    return 4
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_group)  # stable: collection order within each group
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    for item in session.items:
+        for name in SHARED:
+            if name in getattr(item, "fixturenames", ()):
+                _last_user[name] = item.nodeid
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        return (yield)
+    finally:
+        for name in SHARED:
+            if _last_user.get(name) == item.nodeid and name in _stoppers:
+                _stoppers.pop(name)()
+
+
+def _shared(name: str, stop: Callable[[], None]) -> None:
+    _stoppers[name] = stop
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    """The reference cluster; `PDCLUSTER_E2E_CONFIG=FILE.yaml` runs another topology (same pool names)."""
+    from cluster.config import load_config, parse_config
+    from cluster.launcher import Cluster
+    from tests.e2e.harness import ClusterHandle
+
+    log_dir = tmp_path_factory.mktemp("cluster-logs")
+    override = os.environ.get("PDCLUSTER_E2E_CONFIG")
+    config = load_config(override) if override else parse_config(E2E_CONFIG, "tests/topologies.py")
+    handle = ClusterHandle(Cluster(config, log_dir, python=sys.executable).start())
+    _shared("cluster", handle.stop)
+    try:
+        yield handle
+    finally:
+        _stoppers.pop("cluster", None)
+        handle.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """`pdcluster up --engine vllm --model DIR` on the tiny Llama: a kv_producer on core 0, a kv_consumer on core 1,
+    their first P -> D hand-off done (the NIXL handshake's start-up race out of the way: tests.vllm_fixtures)."""
+    from cluster.cli import build_parser, resolve_config
+    from cluster.launcher import Cluster
+    from tests.e2e.harness import ClusterHandle
+    from tests.vllm_fixtures import SERVED_MODEL, RunningServer, make_tiny_llama, require_vllm, warm_up_handshake
+
+    python = require_vllm()
+    work = tmp_path_factory.mktemp("vllm-cluster")
+    model_dir = make_tiny_llama(work / SERVED_MODEL, python)
+    (work / "cluster.yaml").write_text(yaml.safe_dump({**VLLM_CONFIG, "vllm": {**VLLM_CONFIG["vllm"],
+                                                                                "served_model_name": SERVED_MODEL}}))
+    args = build_parser().parse_args(["--config", str(work / "cluster.yaml"), "--engine", "vllm", "--model",
+                                      str(model_dir), "--vllm-python", str(python), "--router-port", "0"])
+    handle = ClusterHandle(Cluster(resolve_config(args), work / "logs", python=sys.executable).start())
+    _shared("vllm_cluster", handle.stop)
+    try:
+        prefill, decode = (RunningServer(role, handle.nodes_of(role=role)[0].url) for role in ("prefill", "decode"))
+        warm_up_handshake(prefill, decode)
+        yield handle
+    finally:
+        _stoppers.pop("vllm_cluster", None)
+        handle.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_pd_pair(vllm_cluster):
+    """(prefill, decode): the two vLLM servers of `vllm_cluster`, for tests that put their own router in front."""
+    from tests.vllm_fixtures import RunningServer
+
+    return tuple(RunningServer(f"vllm-{role}", vllm_cluster.nodes_of(role=role)[0].url)
+                 for role in ("prefill", "decode"))
+
+
+@pytest.fixture(scope="module")
+def decode_tp2(cluster):
+    """A TP=2 reference decode node beside `cluster`: its secret, its prefill node as the one peer."""
+    from tests.node.nodes import start_node, stop_node, wait_healthy
+
+    prefill = cluster.nodes_of(role="prefill")[0]
+    host_port = prefill.url.removeprefix("http://")
+    env = {"DECODE_CLUSTER_SECRET_FILE": str(cluster.cluster.secret_path),
+           "DECODE_PREFILL_PEERS": json.dumps([host_port])}
+    node = start_node("decode", ["--model", cluster.model, "--tp", "2", "--num-rows", "24", "--max-num-seqs", "4"],
+                      env=env, test_secret=False)
+    try:
+        wait_healthy(node)
+        yield node.url
+    finally:
+        stop_node(node)
