@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -65,8 +64,7 @@ def create_app(settings: Settings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         world = settings.world_size
-        config = worker_config(settings, "decode", dcp_size=settings.dcp, rank_role=RANK_IMPORTER)
-        config = dataclasses.replace(config, tp_size=world)
+        config = worker_config(settings, "decode", dcp_size=settings.dcp, rank_role=RANK_IMPORTER, tp_size=world)
         peers = PeerDirectory(settings.prefill_peers, timeout_s=settings.kv.timeout_s)
         try:
             runtime = await asyncio.to_thread(start_runtime, settings, config, world,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.kernels import REQUESTS
 from engine.outputs import PromptLogprobs, TokenEvent
 
 DEFAULT_SEED = 31
@@ -88,6 +89,10 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """How an engine is built. A node's settings hold one as their `engine` section (node/settings.py) and its
+    ranks get it whole, completed with what the node decides (node/runtime.py `worker_config`); valid once
+    constructed."""
+
     model: str = "kimi-k3.1-mini"
     """Preset name (engine.model.config.PRESETS)."""
     seed: int = DEFAULT_SEED
@@ -116,10 +121,18 @@ class EngineConfig:
     max_step_tokens: int | None = None
     """Chunked prefill: tokens one step computes, running decodes first, then a chunk of the prompt being
     prefilled (at least scheduler.MIN_CHUNK). None: every prompt prefills in one step."""
-    kernels: str | None = None
-    """Kernel set asked for: "reference" (engine/model/), "fast" (engine/fast/) or None / "auto"; engine/kernels.py
-    `resolve` decides (what each set runs per parallelism and phase, where auto picks fast, and the refusals
-    naming their reason: an explicit "fast" never falls back)."""
+    kernels: str | None = "auto"
+    """Kernel set asked for: "reference" (engine/model/), "fast" (engine/fast/) or "auto" (None: auto);
+    engine/kernels.py `resolve` decides (what each set runs per parallelism and phase, where auto picks fast, and
+    the refusals naming their reason: an explicit "fast" never falls back)."""
+
+    def __post_init__(self) -> None:
+        if self.max_step_tokens is not None and self.max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be positive, got {self.max_step_tokens}")
+        if self.num_rows < 1 or self.max_batch < 1:
+            raise ValueError(f"num_rows and max_batch must be positive, got {self.num_rows}, {self.max_batch}")
+        if self.kernels is not None and self.kernels not in REQUESTS:
+            raise ValueError(f"kernels must be one of {', '.join(REQUESTS)} (or None: auto), got {self.kernels!r}")
 
 
 # ---------------------------------------------------------------------- commands (driver -> ranks)

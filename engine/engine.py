@@ -143,8 +143,6 @@ class Engine:
         self.kernels = self.kernel_choice.kernels
         if self.kernels == "fast":
             self.model = self._fast_model()
-        if config.max_step_tokens is not None and config.max_step_tokens < 1:
-            raise ValueError(f"max_step_tokens must be positive, got {config.max_step_tokens}")
         self.fingerprint = weights_fingerprint(config, self.layout.fingerprint)
         self.cache = PrefixCache(self.pool, self.layout.block_size, self.fingerprint.encode(), config.prefix_cache)
         self.pool.spare = self.cache

@@ -92,7 +92,7 @@ def _models(runtime: NodeRuntime) -> ModelList:
 def node_router(handle: Handler, settings: NodeSettings) -> APIRouter:
     """Routes shared by the prefill and decode nodes; `handle` serves one prepared request."""
     router = APIRouter()
-    max_in_flight = settings.max_num_seqs + settings.max_queued_requests
+    max_in_flight = settings.engine.max_batch + settings.max_queued_requests
 
     def _shed(runtime: NodeRuntime, message: str) -> Response:
         runtime.metrics.requests.labels(outcome="shed").inc()

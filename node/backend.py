@@ -2,26 +2,27 @@
 
 Wraps `engine.engine.Engine`: queued prefill/decode with continuous batching (`add_request` + `step`),
 prefill-for-export (`add_request(export=True)`, rows kept until `Release` names the export's request id and
-generation; aborted exports and imports are quarantined for `config.kv.timeout_s`, the read timeout, measured in
-the round's time that every rank shares), import (`allocate_for_import`,
+generation; aborted exports and imports are quarantined for `config.engine.quarantine_s`, the node's read timeout,
+measured in the round's time that every rank shares), import (`allocate_for_import`,
 external writes into `engine.pool.buffer`, then `start_decode` with the prefill node's first token). With W ranks
 the model is SPMD over the rank group: `TPModel` (heads split) or, on a DCP pool, `DCPModel` (cache split by token).
-`config.device` "cuda": weights, the row pool and every intermediate on the rank's own GPU (`ctx.device`).
-`config.kernels` ("auto" | "reference" | "fast"): the engine's kernel set (engine/fast/backend.py; node/runtime.py
-`node_kernels`): auto is fast on a CUDA rank of a single-rank node, reference otherwise; fast on W > 1 TP ranks
-is the fast SPMD prefill and the fast TP decode; on a DCP pool the fast DCP decode (its local prefill the
-reference one).
+The engine is built from `config.engine` whole (engine/api.py `EngineConfig`; no field is copied here), its `device`
+"cuda" placed on the rank's own GPU (`ctx.device`): weights, the row pool and every intermediate there.
+`config.engine.kernels` ("auto" | "reference" | "fast"): the engine's kernel set (engine/fast/backend.py): auto is
+fast on a CUDA rank of a single-rank node, reference otherwise; fast on W > 1 TP ranks is the fast SPMD prefill and
+the fast TP decode; on a DCP pool the fast DCP decode (its local prefill the reference one).
 Also `load_tokenizer`, the server-side tokenizer matching the engine's (byte-level, BOS first, chat template).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.api import DEFAULT_SEED, EngineConfig, Event, ExportedRows, ImportKV, Release, Submit, TokenEvent
+from engine.api import Event, ExportedRows, ImportKV, Release, Submit, TokenEvent
 from engine.parallel.spmd import DCPModel, TimedModel, TPModel
 from node.protocol import RankStats
 
@@ -81,27 +82,20 @@ class ReferenceBackend:
         from engine.model.config import get_preset
         from engine.model.weights import build_model
 
-        if config.dcp_size > 1 and config.dcp_size != ctx.world_size:
-            raise ValueError(f"a DCP pool runs one rank per DCP rank: dcp_size {config.dcp_size}, "
+        engine_config = config.engine  # whole, as the node completed it (node/runtime.py `worker_config`)
+        if engine_config.dcp_size > 1 and engine_config.dcp_size != ctx.world_size:
+            raise ValueError(f"a DCP pool runs one rank per DCP rank: dcp_size {engine_config.dcp_size}, "
                              f"{ctx.world_size} ranks")
-        seed = DEFAULT_SEED if config.seed is None else config.seed
-        device = _rank_device(getattr(config, "device", "cpu"), ctx)
-        # kernels (node setting `kernels`, default auto), resolved by the engine (engine/fast/backend.py): auto is
-        # fast on a CUDA rank of a single-rank node (TimedModel over FastModel: fast prefill and decode), else
-        # reference (always on CPU). Explicit fast also runs on a TP group (TPModel: the fast SPMD prefill and TP
-        # decode of engine/parallel/fast_prefill.py and fast_tp.py) and a DCP pool (DCPModel: the fast decode of
-        # engine/parallel/fast_dcp.py, the reference local prefill, logged at start); on CPU without the Triton
-        # interpreter it raises here naming why
-        engine_config = EngineConfig(model=config.model, seed=seed, num_rows=config.num_rows,
-                                     max_batch=config.max_num_seqs, tp_size=config.tp_size,
-                                     dcp_size=config.dcp_size, block_size=config.block_size,
-                                     quarantine_s=config.kv.timeout_s, device=str(device),
-                                     kernels=getattr(config, "kernels", "auto"),
-                                     prefix_cache=getattr(config, "prefix_cache", True),
-                                     max_step_tokens=getattr(config, "max_step_tokens", None))
+        device = _rank_device(engine_config.device, ctx)
+        engine_config = dataclasses.replace(engine_config, device=str(device))
+        # kernels (resolved by the engine, engine/fast/backend.py): auto is fast on a CUDA rank of a single-rank
+        # node (TimedModel over FastModel: fast prefill and decode), else reference (always on CPU). Explicit fast
+        # also runs on a TP group (TPModel: the fast SPMD prefill and TP decode of engine/parallel/fast_prefill.py
+        # and fast_tp.py) and a DCP pool (DCPModel: the fast decode of engine/parallel/fast_dcp.py, the reference
+        # local prefill, logged at start); on CPU without the Triton interpreter it raises here naming why
         make_cache = None
-        built = build_model(get_preset(config.model), seed, device=device)
-        if config.dcp_size > 1:
+        built = build_model(get_preset(engine_config.model), engine_config.seed, engine_config.weights, device=device)
+        if engine_config.dcp_size > 1:
             model = DCPModel(built, ctx, config.token_shard_min_tokens)
             make_cache = model.make_cache
         elif ctx.world_size > 1:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.api import Command, Event, ImportKV, Release, Submit
+from engine.api import Command, EngineConfig, Event, ImportKV, Release, Submit
 from kv_transfer.transport import KVTransport, RankEndpoint
 from kv_transfer.ucx_env import KVTransferSettings
 from node.protocol import RankStats
@@ -26,15 +26,11 @@ from node.protocol import RankStats
 class WorkerConfig:
     """What every rank needs to build its engine replica (picklable)."""
 
-    model: str
+    engine: EngineConfig
+    """The ranks' engine, as the node's settings hold it and completed with what the node decided (`tp_size`,
+    `dcp_size`, `quarantine_s`); a rank passes it to its engine whole, placing `device` "cuda" on its own GPU."""
     role: str
     """"prefill" or "decode": the node kind (labels, warm-up); the hand-off code comes from `rank_role`."""
-    seed: int | None
-    num_rows: int
-    block_size: int | None
-    tp_size: int
-    dcp_size: int
-    max_num_seqs: int
     engine_id: str
     token_shard_min_tokens: int = 1
     backend: str = "reference"
@@ -46,14 +42,6 @@ class WorkerConfig:
     """Register the pool with the KV transport (needed for P -> D transfer); the role builds the transport."""
     kv: KVTransferSettings = KVTransferSettings()
     """The node's KV transfer settings (the rank's NIXL agent, the import deadline)."""
-    device: str = "cpu"
-    """"cpu" or "cuda": each rank builds its weights, row pool and intermediates on its own GPU (NIXL: VRAM)."""
-    prefix_cache: bool = True
-    """The engine's prefix cache (engine/prefix_cache.py) on or off."""
-    max_step_tokens: int | None = None
-    """Chunked prefill's per-step token budget (None: whole prompts)."""
-    kernels: str = "auto"
-    """Kernel set the rank engines are asked for: "auto", "reference" or "fast" (engine/kernels.py resolves it)."""
 
 
 @dataclass(frozen=True)

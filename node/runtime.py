@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from engine.api import DEFAULT_SEED
 from node.executor import Executor, WorkerSpec
 from node.metrics import CacheInfo, NodeMetrics
 from node.rank import RankInfo, WorkerConfig
@@ -117,15 +116,15 @@ class NodeRuntime(Generic[H]):
 
 
 def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_shard_min_tokens: int = 1,
-                  rank_role: str | None = None) -> WorkerConfig:
-    """The ranks' config from the node's settings; `rank_role` names the node kind's RankRole factory."""
-    return WorkerConfig(model=settings.model, role=role, rank_role=rank_role, seed=settings.seed,
-                        num_rows=settings.num_rows, block_size=settings.block_size, tp_size=settings.tp,
-                        dcp_size=dcp_size, max_num_seqs=settings.max_num_seqs, engine_id=settings.engine_id,
+                  rank_role: str | None = None, tp_size: int | None = None) -> WorkerConfig:
+    """The ranks' config from the node's settings: their `engine` section whole, completed with what the node
+    decides (`tp_size`: default `settings.tp`; a DCP pool's `dcp_size`; `quarantine_s`: the read timeout);
+    `rank_role` names the node kind's RankRole factory."""
+    engine = dataclasses.replace(settings.engine, tp_size=tp_size or settings.tp, dcp_size=dcp_size,
+                                 quarantine_s=settings.kv.timeout_s)
+    return WorkerConfig(engine=engine, role=role, rank_role=rank_role, engine_id=settings.engine_id,
                         token_shard_min_tokens=token_shard_min_tokens, backend=settings.backend,
-                        transport=settings.transport, kv=settings.kv, device=settings.device,
-                        prefix_cache=settings.prefix_cache, max_step_tokens=settings.max_step_tokens,
-                        kernels=settings.kernels)
+                        transport=settings.transport, kv=settings.kv)
 
 
 TOKENIZER_PROBE = "pdcluster tokenizer probe: Hello, world! 123 \u00e9\u4e2d\U0001f600"
@@ -148,31 +147,32 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int,
     node kind's hand-off owner once the ranks reported in (`executor.startup_info`)."""
     from engine.model.config import get_preset
 
-    model_cfg = get_preset(settings.model)
+    model_cfg = get_preset(config.engine.model)
     backend = backend_module(config.backend)
     load_tokenizer = backend.load_tokenizer
     spec = WorkerSpec(factory=WORKER_FACTORY, config=config, world_size=world_size, pin_cores=settings.pin_cores,
-                      step_timeout_s=settings.step_timeout_s, device=config.device,
+                      step_timeout_s=settings.step_timeout_s, device=config.engine.device,
                       process_group=getattr(backend, "PROCESS_GROUP", True))
     executor = Executor(spec)
     executor.start(timeout_s=settings.start_timeout_s)
     head: RankInfo = executor.startup_info[0]
-    log.info("%s node: %d rank(s) on %s, kernels %s", config.role, world_size, config.device, head.kernels)
-    metrics = NodeMetrics(settings.model, config.role)
+    log.info("%s node: %d rank(s) on %s, kernels %s", config.role, world_size, config.engine.device,
+             head.kernels)
+    metrics = NodeMetrics(config.engine.model, config.role)
     metrics.set_cache_info(CacheInfo(block_size=head.block_size, cache_dtype=head.cache_dtype,
                                      num_gpu_blocks=head.num_rows, layout_fingerprint=head.layout_fingerprint,
-                                     tp_size=config.tp_size, dcp_size=config.dcp_size, kernels=head.kernels))
+                                     tp_size=config.engine.tp_size, dcp_size=config.engine.dcp_size,
+                                     kernels=head.kernels))
     metrics.set_load(0, 0, 0, head.num_rows)
     metrics.ucx_tcp_fallback.set(float(any(info.tcp_fallback for info in executor.startup_info)))
     limits = Limits(max_context=settings.max_context or model_cfg.max_context,
                     default_max_tokens=settings.default_max_tokens)
     tokenizer = load_tokenizer(model_cfg)
-    fingerprint = served_weights_fingerprint(model_cfg, DEFAULT_SEED if config.seed is None else config.seed,
-                                             tokenizer)
+    fingerprint = served_weights_fingerprint(model_cfg, config.engine.seed, tokenizer)
     try:
         owner = handoff(executor, metrics)
     except BaseException:
         executor.stop()
         raise
     return NodeRuntime(executor=executor, tokenizer=tokenizer, limits=limits, metrics=metrics,
-                       model=settings.model, role=config.role, handoff=owner, weights_fingerprint=fingerprint)
+                       model=config.engine.model, role=config.role, handoff=owner, weights_fingerprint=fingerprint)

@@ -4,20 +4,81 @@ Every field is settable three ways, highest first: a CLI flag (`--num-rows`, `--
 with the node's prefix (`PREFILL_NUM_ROWS`; a nested field joins its section with `__`: `PREFILL_KV__UCX_TLS`,
 `DECODE_KV__TIMEOUT_S`), the default. A cluster config (or Helm values) sets them per pool with
 `settings: {num_rows: 512, kv: {ucx_tls: tcp}}`, which cluster/plan.py turns into that environment.
+
+The `engine` section is engine.api's `EngineConfig` itself, handed to the ranks whole (node/runtime.py
+`worker_config` completes it with what the node decides: `tp_size`, `dcp_size`, `quarantine_s`), so a field added
+to EngineConfig is a node setting with no code here. Its fields keep their flat names everywhere (they are the
+names users know): `--max-step-tokens`, `PREFILL_MAX_STEP_TOKENS`, `settings: {max_step_tokens: 64}`,
+`NodeSettings(max_step_tokens=64)` fill `engine.max_step_tokens`, as do the nested spellings
+(`PREFILL_ENGINE__MAX_STEP_TOKENS`, `settings: {engine: {max_step_tokens: 64}}`; a flat name wins over its
+nested spelling in one source). One flat name differs from its field: `max_num_seqs` (vLLM's) is `max_batch`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
-from typing import Literal
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import (BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource,
+                               SettingsConfigDict)
 
+from engine.api import EngineConfig
 from engine.kernels import KernelChoice, interpreter_active, parallelism_of, resolve, triton_installed
 from kv_transfer.signing import ClusterSecret
 from kv_transfer.ucx_env import KVTransferSettings
+
+ENGINE_RENAMES = {"max_num_seqs": "max_batch"}
+"""Flat setting names whose EngineConfig field is named otherwise."""
+NODE_DECIDES = frozenset({"tp_size", "dcp_size", "quarantine_s"})
+"""EngineConfig fields the node sets itself (from `tp`, the node kind's DCP size, `kv.timeout_s`): not settings."""
+NODE_ENGINE_DEFAULTS = {"max_batch": 16}
+"""Where a node's default differs from the engine's (a node runs fewer requests per batch)."""
+DEVICES = ("cpu", "cuda")
+"""A node's `device`: rank r of a `cuda` node binds the node's local GPU r (node/backend.py)."""
+
+
+def engine_fields(settings_cls: type[BaseSettings]) -> frozenset[str]:
+    """The field names of the settings' `engine` section (EngineConfig's, read off the class: never listed)."""
+    return frozenset(f.name for f in dataclasses.fields(settings_cls.model_fields["engine"].annotation))
+
+
+def nest_engine(values: Any, fields: frozenset[str]) -> Any:
+    """Settings values with their flat engine names (`num_rows`, `max_num_seqs`) moved under `engine`."""
+    if not isinstance(values, dict):
+        return values
+    flat = {ENGINE_RENAMES.get(k, k): v for k, v in values.items() if k in fields or k in ENGINE_RENAMES}
+    if not flat:
+        return values
+    nested = values.get("engine") or {}
+    if dataclasses.is_dataclass(nested):  # an EngineConfig given whole: what the node decides is not a setting
+        nested = {f.name: getattr(nested, f.name) for f in dataclasses.fields(nested) if f.name not in NODE_DECIDES}
+    rest = {k: v for k, v in values.items() if k not in fields and k not in ENGINE_RENAMES}
+    return {**rest, "engine": {**nested, **flat}}
+
+
+class _EngineNested(PydanticBaseSettingsSource):
+    """A settings source with its flat engine names nested (so sources still merge by their priority)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], values: Any) -> None:
+        super().__init__(settings_cls)
+        self._values = values
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return nest_engine(self._values(), engine_fields(self.settings_cls))
+
+
+def _flat_engine_env(settings_cls: type[BaseSettings]) -> dict[str, Any]:
+    """`<PREFIX><NAME>` of every flat engine name (`PREFILL_MAX_STEP_TOKENS`), read as the env source reads."""
+    env_vars = EnvSettingsSource(settings_cls).env_vars  # lower-cased keys: the settings are case-insensitive
+    prefix = settings_cls.model_config.get("env_prefix", "").lower()
+    names = (*engine_fields(settings_cls), *ENGINE_RENAMES)
+    return {name: env_vars[prefix + name] for name in names if prefix + name in env_vars}
 
 
 class NodeSettings(BaseSettings):
@@ -25,8 +86,6 @@ class NodeSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_nested_delimiter="__")
 
-    model: str = "kimi-k3.1-mini"
-    """Model preset name (engine.model.config presets); also the served model id."""
     host: str = "127.0.0.1"
     port: int = 8100
     advertise_host: str | None = None
@@ -35,40 +94,25 @@ class NodeSettings(BaseSettings):
     """This instance's engine id (vLLM's remote_engine_id)."""
     tp: int = Field(default=1, ge=1)
     """Tensor-parallel ranks."""
-    num_rows: int = Field(default=256, ge=4)
-    """Packed rows in each rank's pool."""
-    block_size: int | None = None
-    """Tokens per attention row; default: the layout planner's smallest legal power of two."""
     max_context: int | None = None
     """Longest prompt + output; default: the model's max_context."""
     default_max_tokens: int = Field(default=256, ge=1)
-    max_num_seqs: int = Field(default=16, ge=1)
     start_timeout_s: float = Field(default=900.0, gt=0)
     """How long the ranks may take to start (import torch, build the model, register the pool)."""
     step_timeout_s: float = Field(default=300.0, gt=0)
     """A rank that does not answer a step within this long is declared dead."""
-    seed: int | None = None
-    """Weights seed of the reference model (default: the engine's; every node of a cluster must agree)."""
-    device: Literal["cpu", "cuda"] = "cpu"
-    """What the ranks compute on: `cpu` (gloo group), or `cuda`: rank r binds the node's local GPU r
-    (CUDA_VISIBLE_DEVICES picks the node's GPUs), builds weights, row pool and intermediates there, NCCL group,
-    the pool registered with NIXL as VRAM."""
-    kernels: Literal["auto", "reference", "fast"] = "auto"
-    """Kernel set of the ranks' engines: `reference` (engine/model/, fp32: served log-probs equal teacher forcing
-    bit for bit), `fast` (engine/fast/, bf16 + Triton) or `auto`. What `auto` picks, what runs each phase on a
-    TP or DCP node and where `fast` is refused (the node then refuses to start, naming the reason): the kernel
-    registry, engine/kernels.py, and its table in docs/ARCHITECTURE.md."""
     pin_cores: bool = True
     backend: str = "reference"
     """Engine backend of the ranks: "reference" (engine/), or "module:function" of another backend factory."""
     transport: bool = True
     """Register the row pool with NIXL (P -> D transfer); off only for a node that never transfers."""
-    prefix_cache: bool = True
-    """Keep finished KV blocks and reuse the longest cached prefix of a prompt (docs/SESSIONS.md); off: every
-    prompt is computed (or read) whole, `cached_tokens` is 0."""
-    max_step_tokens: int | None = Field(default=None, ge=1)
-    """Chunked prefill: tokens one engine step computes, running decodes first, the rest a chunk of the prompt
-    being prefilled (so a long prompt does not stall running streams). None: a prompt prefills in one step."""
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(**NODE_ENGINE_DEFAULTS))
+    """The ranks' engine (engine/api.py `EngineConfig`, every field documented there), by its flat names: `model`
+    (also the served model id), `seed` (every node of a cluster must agree), `num_rows` (packed rows per rank),
+    `block_size`, `max_num_seqs` (`max_batch`), `prefix_cache` (docs/SESSIONS.md), `max_step_tokens` (chunked
+    prefill), `device` (`cpu`, or `cuda`: rank r on the node's local GPU r, row pool in VRAM, NCCL group),
+    `kernels` (`auto`, `reference` or `fast`: engine/kernels.py and its table in docs/ARCHITECTURE.md; a `fast`
+    the node cannot run refuses the start, naming the reason)."""
     kv: KVTransferSettings = Field(default_factory=KVTransferSettings)
     """KV transfer (NIXL over UCX): transports, timeouts, the NIXL wheel (kv_transfer/ucx_env.py)."""
     # --- hand-off authentication (kv_transfer/signing.py)
@@ -107,6 +151,39 @@ class NodeSettings(BaseSettings):
     """A response chunk the client does not take within this long ends the response (a stalled SSE reader
     releases its request)."""
 
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: Any, env_settings: Any,
+                                   dotenv_settings: Any, file_secret_settings: Any) -> tuple[Any, ...]:
+        """Keywords (flags) first, then the environment: nested (`PREFILL_ENGINE__NUM_ROWS`), then flat
+        (`PREFILL_NUM_ROWS`)."""
+        return (_EngineNested(settings_cls, init_settings), env_settings,
+                _EngineNested(settings_cls, lambda: _flat_engine_env(settings_cls)), dotenv_settings,
+                file_secret_settings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_section(cls, values: Any) -> Any:
+        """Flat engine names into `engine` (a cluster config's `settings` are validated as one dict), the node's
+        defaults under it; refuses unknown engine fields and those the node decides."""
+        fields = engine_fields(cls)
+        values = nest_engine(values, fields)
+        engine = values.get("engine") if isinstance(values, dict) else None
+        if isinstance(engine, dict):
+            unknown = sorted(set(engine) - fields) + sorted(set(engine) & NODE_DECIDES)
+            if unknown:
+                raise ValueError(f"engine.{unknown[0]}: not a node setting (engine fields: "
+                                 f"{', '.join(sorted(fields - NODE_DECIDES))}; tp, dcp and kv.timeout_s set "
+                                 "tp_size, dcp_size and quarantine_s)")
+            values = {**values, "engine": {**NODE_ENGINE_DEFAULTS, **engine}}
+        return values
+
+    @model_validator(mode="after")
+    def _node_device(self) -> "NodeSettings":
+        if self.engine.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)} (a cuda node's rank r takes its GPU r), "
+                             f"got {self.engine.device!r}")
+        return self
+
     @property
     def public_host(self) -> str:
         return self.advertise_host or self.host
@@ -115,7 +192,7 @@ class NodeSettings(BaseSettings):
         """The kernel set this node's ranks will run (`tp_size` ranks; a DCP pool: `dcp_size` = `tp_size`), from
         the kernel registry; raises KernelRefusal (a ValueError) naming the reason when `kernels` is `fast` and
         the node cannot run it."""
-        return resolve(self.kernels, parallelism_of(tp_size, dcp_size), self.device, interpreter_active(),
+        return resolve(self.engine.kernels, parallelism_of(tp_size, dcp_size), self.engine.device, interpreter_active(),
                        has_triton=triton_installed())
 
     def handoff_secret(self) -> ClusterSecret | None:

@@ -82,7 +82,7 @@ def create_app(settings: Settings) -> FastAPI:
         ranks: list[RankInfo] = running().executor.startup_info
         head = ranks[0]
         return InstanceMetadata(
-            engine_id=settings.engine_id, model=settings.model, layout_fingerprint=head.layout_fingerprint,
+            engine_id=settings.engine_id, model=settings.engine.model, layout_fingerprint=head.layout_fingerprint,
             tp_size=settings.tp, block_size=head.block_size, subblock_tokens=head.subblock_tokens,
             row_bytes=head.row_bytes, num_rows=head.num_rows, kda_groups=head.kda_groups,
             ranks=[RankMetadata.from_endpoint(info.endpoint) for info in ranks if info.endpoint is not None])

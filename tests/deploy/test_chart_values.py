@@ -266,5 +266,5 @@ def test_pool_settings_render_as_the_role_env_and_read_back(tmp_path, monkeypatc
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     node = DecodeSettings()
-    assert (node.num_rows, node.kv.ucx_tls, node.kv.timeout_s, node.kv.capture_telemetry) == (
+    assert (node.engine.num_rows, node.kv.ucx_tls, node.kv.timeout_s, node.kv.capture_telemetry) == (
         512, "rc,sm,self", 12.5, False)

@@ -8,7 +8,6 @@ import argparse
 import ast
 import importlib
 import itertools
-import typing
 
 import pytest
 
@@ -109,7 +108,9 @@ def test_readme_and_the_flag_say_what_the_registry_says() -> None:
     add_common_flags(parser)
     flag = next(a for a in parser._actions if "--kernels" in a.option_strings)
     assert flag.help == kernels.cli_help() and tuple(flag.choices) == kernels.REQUESTS
-    assert typing.get_args(NodeSettings.model_fields["kernels"].annotation) == kernels.REQUESTS
+    assert [NodeSettings(kernels=request).engine.kernels for request in kernels.REQUESTS] == list(kernels.REQUESTS)
+    with pytest.raises(ValueError, match="kernels must be one of auto, reference, fast"):
+        NodeSettings(kernels="triton")
 
 
 def test_engine_and_wrappers_ask_the_registry(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from engine.api import SamplingParams, Submit, TokenEvent
+from engine.api import EngineConfig, SamplingParams, Submit, TokenEvent
 from engine.engine import Engine, EngineConfig
 from node.executor import Executor, WorkerSpec
 from node.rank import WorkerConfig
@@ -25,9 +25,9 @@ def _prompt(n: int, salt: int = 0) -> list[int]:
 
 
 def _executor(dcp: int) -> Executor:
-    config = WorkerConfig(model="kimi-k3.1-mini", role="decode", seed=None, num_rows=32, block_size=None, tp_size=2,
-                          dcp_size=dcp, max_num_seqs=8, engine_id=f"cache-ranks-{dcp}", transport=False,
-                          token_shard_min_tokens=1, prefix_cache=True, max_step_tokens=200)
+    engine = EngineConfig(num_rows=32, tp_size=2, dcp_size=dcp, max_batch=8, prefix_cache=True, max_step_tokens=200)
+    config = WorkerConfig(engine=engine, role="decode", engine_id=f"cache-ranks-{dcp}", transport=False,
+                          token_shard_min_tokens=1)
     return Executor(WorkerSpec(factory="node.worker:build_worker", config=config, world_size=2, step_timeout_s=300))
 
 

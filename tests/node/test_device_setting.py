@@ -23,9 +23,9 @@ def test_rank_device_follows_the_setting_and_the_context() -> None:
 
 
 def test_settings_carry_the_device_to_the_ranks(monkeypatch) -> None:
-    assert worker_config(PrefillSettings(), "prefill").device == "cpu"
+    assert worker_config(PrefillSettings(), "prefill").engine.device == "cpu"
     monkeypatch.setenv("PREFILL_DEVICE", "cuda")
-    assert worker_config(PrefillSettings(), "prefill").device == "cuda"
+    assert worker_config(PrefillSettings(), "prefill").engine.device == "cuda"
     with pytest.raises(ValueError):
         PrefillSettings(device="tpu")
 

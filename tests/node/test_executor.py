@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from engine.api import EngineFailure, SamplingParams, Submit, TokenEvent
+from engine.api import EngineConfig, EngineFailure, SamplingParams, Submit, TokenEvent
 from node.executor import Executor, ExecutorDead, WorkerSpec
 from node.rank import WorkerConfig
 from tests.node.nodes import TOY
@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 
 
 def _spec(world: int, process_group: bool = True) -> WorkerSpec:
-    config = WorkerConfig(model="kimi-k3.1-mini", role="decode", seed=0, num_rows=32, block_size=None, tp_size=world,
-                          dcp_size=1, max_num_seqs=8, engine_id=f"exec-test-{world}", backend=TOY, transport=False)
+    config = WorkerConfig(engine=EngineConfig(seed=0, num_rows=32, tp_size=world, max_batch=8), role="decode",
+                          engine_id=f"exec-test-{world}", backend=TOY, transport=False)
     return WorkerSpec(factory="node.worker:build_worker", config=config, world_size=world,
                       step_timeout_s=60, process_group=process_group)
 

@@ -15,6 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from decode_node.cli import main as decode_main
+from engine.api import EngineConfig
 from engine.parallel.groups import ParallelContext
 from engine.parallel.spmd import TimedModel
 from node.backend import build_backend
@@ -57,10 +58,10 @@ def test_explicit_fast_where_unsupported_is_refused_with_the_reason(no_interpret
 
 
 def test_flag_and_environment_carry_kernels_to_the_ranks(monkeypatch) -> None:
-    assert PrefillSettings().kernels == "auto"
-    assert worker_config(PrefillSettings(), "prefill").kernels == "auto"
+    assert PrefillSettings().engine.kernels == "auto"
+    assert worker_config(PrefillSettings(), "prefill").engine.kernels == "auto"
     monkeypatch.setenv("DECODE_KERNELS", "reference")
-    assert worker_config(DecodeSettings(), "decode").kernels == "reference"
+    assert worker_config(DecodeSettings(), "decode").engine.kernels == "reference"
     with pytest.raises(ValidationError):
         PrefillSettings(kernels="triton")
     parser = argparse.ArgumentParser()
@@ -84,8 +85,8 @@ def test_nodes_refuse_to_start_with_fast_where_unsupported(no_interpreter, capsy
 
 
 def _config(**kw) -> WorkerConfig:  # type: ignore[no-untyped-def]
-    return WorkerConfig(model="kimi-k3.1-mini", role="decode", seed=None, num_rows=8, block_size=None, tp_size=1,
-                        dcp_size=1, max_num_seqs=2, engine_id="test", transport=False, **kw)
+    return WorkerConfig(engine=EngineConfig(num_rows=8, max_batch=2, **kw), role="decode", engine_id="test",
+                        transport=False)
 
 
 def test_cpu_backend_keeps_the_reference_set(no_interpreter) -> None:

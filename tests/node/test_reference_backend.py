@@ -4,7 +4,7 @@ tokens under the penalties."""
 
 from __future__ import annotations
 
-from engine.api import ExportedRows, ImportKV, SamplingParams, Submit, TokenEvent
+from engine.api import EngineConfig, ExportedRows, ImportKV, SamplingParams, Submit, TokenEvent
 from engine.model.tokenizer import ByteTokenizer
 from engine.parallel.groups import ParallelContext
 from node.backend import build_backend
@@ -13,8 +13,7 @@ from tests.engine.test_penalties import PENALTIES, repeating_prompt
 
 
 def _backend(role: str = "decode"):
-    config = WorkerConfig(model="kimi-k3.1-mini", role=role, seed=None, num_rows=8, block_size=None, tp_size=1,
-                          dcp_size=1, max_num_seqs=2, engine_id="test", transport=False)
+    config = WorkerConfig(engine=EngineConfig(num_rows=8, max_batch=2), role=role, engine_id="test", transport=False)
     return build_backend(config, ParallelContext.single())
 
 

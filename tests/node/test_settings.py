@@ -45,7 +45,7 @@ def test_kv_env_uses_the_node_prefix(monkeypatch, cls, prefix):
     monkeypatch.setenv(f"{prefix}KV__NIXL_MODULE", "nixl_cu13")
     monkeypatch.setenv(f"{prefix}NUM_ROWS", "32")
     settings = cls()
-    assert (settings.kv.ucx_tls, settings.kv.nixl_module, settings.num_rows) == ("sm,self", "nixl_cu13", 32)
+    assert (settings.kv.ucx_tls, settings.kv.nixl_module, settings.engine.num_rows) == ("sm,self", "nixl_cu13", 32)
 
 
 def test_flags_override_env_field_by_field(monkeypatch):

@@ -6,7 +6,7 @@ bytes derived from its prompt at prefill, and derives every output token from a 
 only if every row byte arrived intact, which is what the P -> D tests check. Rows are allocated lowest id
 first, so every rank of a node makes the same choices (SPMD). Row ownership follows the engine's rules: an
 export is released by request id and generation; aborted exports and imports are quarantined for
-`config.kv.timeout_s` in the round's time (rows in quarantine count neither as used nor as free); `hold` keeps a
+`config.engine.quarantine_s` in the round's time (rows in quarantine count neither as used nor as free); `hold` keeps a
 request's rows out for good.
 """
 
@@ -62,15 +62,15 @@ class _Req:
 
 class ToyBackend:
     def __init__(self, config: Any, ctx: Any) -> None:
-        self.model_config = get_preset(config.model)
-        self.layout = plan_layout(self.model_config, tp_size=config.tp_size, dcp_size=config.dcp_size,
-                                  block_size=config.block_size)
+        self.model_config = get_preset(config.engine.model)
+        self.layout = plan_layout(self.model_config, tp_size=config.engine.tp_size, dcp_size=config.engine.dcp_size,
+                                  block_size=config.engine.block_size)
         self.rank = ctx.rank
-        self._num_rows = config.num_rows
-        self.pool = np.zeros(config.num_rows * self.layout.row_bytes, dtype=np.uint8)
-        self.free = list(range(config.num_rows))
+        self._num_rows = config.engine.num_rows
+        self.pool = np.zeros(config.engine.num_rows * self.layout.row_bytes, dtype=np.uint8)
+        self.free = list(range(config.engine.num_rows))
         self.reqs: dict[str, _Req] = {}
-        self.quarantine_s = config.kv.timeout_s
+        self.quarantine_s = config.engine.quarantine_s
         self.quarantined: list[list] = []  # [until, rows, request id]
         self.now = 0.0
         self.generations = 0

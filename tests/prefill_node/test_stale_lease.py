@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine.api import ExportedRows, Release, SamplingParams, Submit
+from engine.api import EngineConfig, ExportedRows, Release, SamplingParams, Submit
 from kv_transfer.ucx_env import KVTransferSettings
 from node.executor import Executor, WorkerSpec
 from node.metrics import NodeMetrics
@@ -24,9 +24,9 @@ NUM_ROWS = 16
 
 
 def _executor(quarantine_s: float) -> Executor:
-    config = WorkerConfig(model="kimi-k3.1-mini", role="prefill", seed=0, num_rows=NUM_ROWS, block_size=None,
-                          tp_size=1, dcp_size=1, max_num_seqs=8, engine_id="stale-lease", backend=TOY,
-                          transport=False, kv=KVTransferSettings(timeout_s=quarantine_s))
+    config = WorkerConfig(engine=EngineConfig(seed=0, num_rows=NUM_ROWS, max_batch=8, quarantine_s=quarantine_s),
+                          role="prefill", engine_id="stale-lease", backend=TOY, transport=False,
+                          kv=KVTransferSettings(timeout_s=quarantine_s))
     executor = Executor(WorkerSpec(factory="node.worker:build_worker", config=config, step_timeout_s=120))
     executor.start()
     return executor
