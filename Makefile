@@ -16,9 +16,17 @@ setup:
 up: setup-python
 	$(VENV)/bin/pdcluster up $(ARGS)
 
+PYTEST := $(VENV)/bin/python -m pytest
+# Tests that start no process run on both cores (pytest-xdist); those that start processes run in one pytest,
+# in the order tests/topologies.py gives them, sharing the topologies it starts once per run.
+PARALLEL := -n 2 --dist worksteal
+
 test: setup
-	PATH="$(CURDIR)/.tools/bin:$$PATH" $(VENV)/bin/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+	@export PATH="$(CURDIR)/.tools/bin:$$PATH"; \
+	$(PYTEST) -m "not gpu and not process" $(PARALLEL) $(PYTEST_ARGS); fast=$$?; \
+	$(PYTEST) -m "not gpu and process" $(PYTEST_ARGS); slow=$$?; \
+	test $$fast -eq 0 -o $$fast -eq 5 && test $$slow -eq 0 -o $$slow -eq 5
 
 # The fast tier: every test that starts no process or server (pytest marker `process`, tests/conftest.py).
 test-fast: setup-python
-	$(VENV)/bin/python -m pytest -m "not gpu and not process" $(PYTEST_ARGS)
+	$(PYTEST) -m "not gpu and not process" $(PARALLEL) $(PYTEST_ARGS)

@@ -40,6 +40,10 @@ def _tuning(text: str) -> dict[str, int]:
 
 
 TUNE = _tuning(os.environ.get("PDCLUSTER_GEMV_TUNE", ""))
+INTERPRETED_FEATURES = 256
+"""Features per program of a one-row call under the Triton interpreter (~10 ms of Python per program): a feature's
+sum runs over the same K chunks and slices in the same order whatever the block of features, so the result is
+the same bits with the K slices `plan` chose for the real block."""
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -126,6 +130,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     rows, k = x.shape
     n = w.shape[0]
     bn, bk, splits = plan(rows, n, k)
+    if rows == 1 and interpreter_active():
+        bn = max(bn, INTERPRETED_FEATURES)
     blocks = triton.cdiv(n, bn)
     out = torch.empty(rows, n, dtype=w.dtype, device=x.device)
     part = torch.empty(splits if splits > 1 else 0, rows, n, dtype=torch.float32, device=x.device)
