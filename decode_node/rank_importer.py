@@ -116,10 +116,7 @@ class RankImporter:
 
 def build_rank_importer(config: WorkerConfig, rank: int, backend: Backend) -> RankImporter:
     """The decode node's RankRole factory (runs in the rank process)."""
-    transport = None
-    if config.transport:
-        from kv_transfer.nixl_agent import NixlTransport
+    from kv_transfer.nixl_agent import rank_agent
 
-        transport = NixlTransport(f"{config.engine_id}-d{rank}", backend.pool_buffer(), backend.layout.row_bytes,
-                                  config.kv)
+    transport = rank_agent(config, backend, "d", rank)
     return RankImporter(rank, backend, transport, config.kv.timeout_s)

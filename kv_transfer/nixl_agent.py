@@ -101,6 +101,8 @@ class NixlTransport:
         self.num_rows = self.pool_bytes // row_bytes
         self._reg = self._agent.register_memory([(self.base_addr, self.pool_bytes, self.device_id, "")], self.mem_type)
         self._peers: dict[str, str] = {}
+        self._inflight: dict[str, set[int]] = {}
+        """Peer agent name -> ids of this transport's READs from it still running (repost keeps their endpoint)."""
         self.reads_failed = 0
         self.reads_reposted = 0
 
@@ -159,6 +161,7 @@ class NixlTransport:
         state = self._agent.transfer(xfer)
         post_s = time.perf_counter() - t0
         h = _Handle(xfer, peer, tuple(ops), notif, t0, post_s)
+        self._inflight.setdefault(peer.agent_name, set()).add(id(h))
         self._set_state(h, state)
         return h
 
@@ -168,8 +171,10 @@ class NixlTransport:
             h.state = TransferState.ERR
         elif state == "DONE":
             h.state = TransferState.DONE
-        if h.state is not TransferState.PROC and not h.wall_s:
-            h.wall_s = time.perf_counter() - h.t_start
+        if h.state is not TransferState.PROC:
+            self._inflight.get(h.peer.agent_name, set()).discard(id(h))
+            if not h.wall_s:
+                h.wall_s = time.perf_counter() - h.t_start
 
     def poll(self, handle: _Handle) -> TransferState:
         if handle.state is TransferState.PROC:
@@ -194,8 +199,15 @@ class NixlTransport:
     def repost(self, handle: _Handle) -> _Handle:
         """Post a stalled read again on a fresh endpoint to the same peer (its metadata loaded anew); the caller
         has released (cancelled) the old handle, or keeps it if NIXL could not. Reads are idempotent and the
-        DONE notification goes out only when a read completes, so P sees one DONE either way."""
-        name = self._peers.pop(handle.peer.agent_name, None)
+        DONE notification goes out only when a read completes, so P sees one DONE either way. While other READs
+        from that peer are running the endpoint is theirs too: dropping it would fail them all (NIXL invalidates a
+        remote agent's transfers when it is removed), so the read is posted again on the same endpoint."""
+        self._inflight.get(handle.peer.agent_name, set()).discard(id(handle))
+        others = self._inflight.get(handle.peer.agent_name)
+        name = None if others else self._peers.pop(handle.peer.agent_name, None)
+        if others:
+            log.warning("%d other read(s) from %s running: posting again on the same endpoint", len(others),
+                        handle.peer.agent_name)
         if name is not None:
             try:
                 self._agent.remove_remote_agent(name)
@@ -217,6 +229,7 @@ class NixlTransport:
 
     def release(self, handle: _Handle) -> None:
         self._agent.release_xfer_handle(handle.xfer)
+        self._inflight.get(handle.peer.agent_name, set()).discard(id(handle))
 
     def send_notif(self, peer_agent: str, msg: bytes) -> None:
         self._agent.send_notif(peer_agent, msg)
@@ -237,3 +250,13 @@ class NixlTransport:
         self._peers.clear()
         self._agent.deregister_memory(self._reg)
 
+
+
+def rank_agent(config: Any, backend: Any, side: str, rank: int) -> NixlTransport | None:
+    """A node rank's agent over its backend's row pool, named `<engine id>-<side><rank>` (side "p" or "d"); None
+    when the node runs without a transport (`config.transport` false: tests of the rank protocol alone).
+    `config` is the rank's node.rank.WorkerConfig (its engine_id, transport and kv settings)."""
+    if not config.transport:
+        return None
+    return NixlTransport(f"{config.engine_id}-{side}{rank}", backend.pool_buffer(), backend.layout.row_bytes,
+                         config.kv)

@@ -42,10 +42,7 @@ class RankExporter:
 
 def build_rank_exporter(config: WorkerConfig, rank: int, backend: Backend) -> RankExporter:
     """The prefill node's RankRole factory (runs in the rank process)."""
-    transport = None
-    if config.transport:
-        from kv_transfer.nixl_agent import NixlTransport
+    from kv_transfer.nixl_agent import rank_agent
 
-        transport = NixlTransport(f"{config.engine_id}-p{rank}", backend.pool_buffer(), backend.layout.row_bytes,
-                                  config.kv)
+    transport = rank_agent(config, backend, "p", rank)
     return RankExporter(rank, transport)
