@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.vllm_fixtures import SERVED_MODEL
+
 ADMIN_TOKEN = "e2e-admin-token"
 TP_POOL_CAPACITY = 1536
 """Tokens the router places on the `tp` pool; longer projected sessions go to the LONG_POOL pool."""
@@ -69,7 +71,7 @@ E2E_CONFIG = {
 
 VLLM_CONFIG = {
     "startup_timeout_s": 600,
-    "vllm": {"max_model_len": 1024, "served_model_name": "tiny-llama",
+    "vllm": {"max_model_len": 1024, "served_model_name": SERVED_MODEL,
              "extra_args": ["--dtype", "float32", "--seed", "0", "--max-num-seqs", "8", "--no-enable-prefix-caching",
                             "--enable-prompt-tokens-details", "--enforce-eager"]},
     # Both vLLM servers busy-poll the two cores the router shares with them: connects and /health probes can
@@ -123,10 +125,6 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
                 _stoppers.pop(name)()
 
 
-def _shared(name: str, stop: Callable[[], None]) -> None:
-    _stoppers[name] = stop
-
-
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     """The reference cluster; `PDCLUSTER_E2E_CONFIG=FILE.yaml` runs another topology (same pool names)."""
@@ -138,7 +136,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     override = os.environ.get("PDCLUSTER_E2E_CONFIG")
     config = load_config(override) if override else parse_config(E2E_CONFIG, "tests/topologies.py")
     handle = ClusterHandle(Cluster(config, log_dir, python=sys.executable).start())
-    _shared("cluster", handle.stop)
+    _stoppers["cluster"] = handle.stop
     try:
         yield handle
     finally:
@@ -153,17 +151,16 @@ def vllm_cluster(tmp_path_factory: pytest.TempPathFactory):
     from cluster.cli import build_parser, resolve_config
     from cluster.launcher import Cluster
     from tests.e2e.harness import ClusterHandle
-    from tests.vllm_fixtures import SERVED_MODEL, RunningServer, make_tiny_llama, require_vllm, warm_up_handshake
+    from tests.vllm_fixtures import RunningServer, make_tiny_llama, require_vllm, warm_up_handshake
 
     python = require_vllm()
     work = tmp_path_factory.mktemp("vllm-cluster")
     model_dir = make_tiny_llama(work / SERVED_MODEL, python)
-    (work / "cluster.yaml").write_text(yaml.safe_dump({**VLLM_CONFIG, "vllm": {**VLLM_CONFIG["vllm"],
-                                                                                "served_model_name": SERVED_MODEL}}))
+    (work / "cluster.yaml").write_text(yaml.safe_dump(VLLM_CONFIG))
     args = build_parser().parse_args(["--config", str(work / "cluster.yaml"), "--engine", "vllm", "--model",
                                       str(model_dir), "--vllm-python", str(python), "--router-port", "0"])
     handle = ClusterHandle(Cluster(resolve_config(args), work / "logs", python=sys.executable).start())
-    _shared("vllm_cluster", handle.stop)
+    _stoppers["vllm_cluster"] = handle.stop
     try:
         prefill, decode = (RunningServer(role, handle.nodes_of(role=role)[0].url) for role in ("prefill", "decode"))
         warm_up_handshake(prefill, decode)

@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,9 +87,8 @@ class OracleResult:
 class ClusterHandle:
     """What the e2e `cluster` fixture yields."""
 
-    def __init__(self, cluster: Cluster, python: str = sys.executable) -> None:
+    def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
-        self.python = python
         self._oracle_cache: dict[tuple[str, int], OracleResult] = {}
 
     @property
