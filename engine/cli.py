@@ -23,7 +23,7 @@ import time
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdcluster generate", description="Generate with the reference engine.")
-    p.add_argument("--model", default="kimi-k3.1-mini", help="model preset (default kimi-k3.1-mini)")
+    p.add_argument("--model", default="kimi-k3.1-mini", help="model: a preset (default kimi-k3.1-mini), a ModelConfig .json file, or a checkpoint directory")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (byte-level tokens, BOS first)")
     source.add_argument("--prompt-ids", help="the prompt as a JSON list of token ids, used as they are")
@@ -51,11 +51,11 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    from engine.model.config import get_preset
+    from engine.model.config import resolve_model
     from engine.model.tokenizer import ByteTokenizer
 
     try:
-        cfg = get_preset(args.model)
+        cfg = resolve_model(args.model)
     except ValueError as exc:
         return _fail(str(exc))
     if args.prompt_ids is not None:
@@ -148,7 +148,7 @@ def _generate(args: argparse.Namespace, prompt_ids: list[int]) -> int:
 
 def _rows_needed(model: str, num_tokens: int) -> int:
     from engine.layout import plan_layout
-    from engine.model.config import get_preset
+    from engine.model.config import resolve_model
 
-    num_attn, num_kda = plan_layout(get_preset(model)).rows_per_request(num_tokens)
+    num_attn, num_kda = plan_layout(resolve_model(model)).rows_per_request(num_tokens)
     return num_attn + num_kda

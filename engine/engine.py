@@ -47,7 +47,8 @@ from engine.cache import BlockTable, RowPool
 from engine.prefix_cache import CachedTail, PrefixCache
 from engine.kernels import KernelChoice, interpreter_active, parallelism_of, resolve, triton_installed
 from engine.layout import RowLayout, plan_layout
-from engine.model.config import ModelConfig, get_preset
+from engine.model.checkpoint import weights_fingerprint as model_weights_fingerprint
+from engine.model.config import ModelConfig, resolve_model
 from engine.model.model import KimiModel
 from engine.model.tokenizer import ByteTokenizer
 from engine.model.weights import build_model
@@ -60,9 +61,13 @@ from engine.scheduler import Request, RequestState, Scheduler
 MAX_SESSIONS = 1024
 
 
-def weights_fingerprint(config: EngineConfig, layout_fingerprint: str) -> str:
-    """Model preset, weights (seed, file), tokenizer and row layout: KV is interchangeable only between equals."""
-    text = f"{config.model}|seed={config.seed}|weights={config.weights}|tokenizer=byte|layout={layout_fingerprint}"
+def weights_fingerprint(config: EngineConfig, layout_fingerprint: str, model_config: ModelConfig | None = None) -> str:
+    """Model preset, weights (seed, file), tokenizer and row layout: KV is interchangeable only between equals.
+    A checkpoint's model is named by its checkpoint fingerprint (engine/model/checkpoint.py), not its path."""
+    model = config.model
+    if model_config is not None and model_config.checkpoint is not None:
+        model = model_weights_fingerprint(model_config, config.seed)
+    text = f"{model}|seed={config.seed}|weights={config.weights}|tokenizer=byte|layout={layout_fingerprint}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
@@ -129,7 +134,7 @@ class Engine:
         quarantines are measured in."""
         self.config = config
         self.clock = clock
-        self.model_config: ModelConfig = get_preset(config.model)
+        self.model_config: ModelConfig = resolve_model(config.model)
         self.model = model if model is not None else build_model(self.model_config, config.seed, config.weights,
                                                                  device=config.device)
         self.tokenizer = ByteTokenizer()
@@ -143,7 +148,7 @@ class Engine:
         self.kernels = self.kernel_choice.kernels
         if self.kernels == "fast":
             self.model = self._fast_model()
-        self.fingerprint = weights_fingerprint(config, self.layout.fingerprint)
+        self.fingerprint = weights_fingerprint(config, self.layout.fingerprint, self.model_config)
         self.cache = PrefixCache(self.pool, self.layout.block_size, self.fingerprint.encode(), config.prefix_cache)
         self.pool.spare = self.cache
         self.scheduler = Scheduler(self.pool, config.max_batch, self.cache, config.max_step_tokens,

@@ -79,7 +79,7 @@ class ReferenceBackend:
 
     def __init__(self, config: Any, ctx: Any) -> None:
         from engine.engine import Engine
-        from engine.model.config import get_preset
+        from engine.model.config import resolve_model
         from engine.model.weights import build_model
 
         engine_config = config.engine  # whole, as the node completed it (node/runtime.py `worker_config`)
@@ -94,7 +94,7 @@ class ReferenceBackend:
         # and fast_tp.py) and a DCP pool (DCPModel: the fast decode of engine/parallel/fast_dcp.py, the reference
         # local prefill, logged at start); on CPU without the Triton interpreter it raises here naming why
         make_cache = None
-        built = build_model(get_preset(engine_config.model), engine_config.seed, engine_config.weights, device=device)
+        built = build_model(resolve_model(engine_config.model), engine_config.seed, engine_config.weights, device=device)
         if engine_config.dcp_size > 1:
             model = DCPModel(built, ctx, config.token_shard_min_tokens)
             make_cache = model.make_cache

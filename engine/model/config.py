@@ -13,12 +13,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+ROPE_STYLES = ("none", "interleaved", "half")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and numerics of one model. Field docs say what each one sizes."""
 
     name: str = "custom"
-    """Preset or model name; reported as the served model id."""
+    """Preset or model name; reported as the served model id (a checkpoint: the directory as given, see
+    `resolve_model`)."""
+    checkpoint: str | None = None
+    """Checkpoint directory the weights (and the tokenizer) are read from; None: seeded random weights
+    (engine/model/weights.py). Set by `resolve_model` for a directory; engine/model/checkpoint.py reads it."""
     vocab_size: int = 1024
     """Token ids 0..vocab_size-1 (the byte tokenizer uses 256 bytes + specials; the rest are unused)."""
     d_model: int = 256
@@ -38,7 +45,7 @@ class ModelConfig:
     num_heads: int = 4
     """MLA query heads (H)."""
     q_lora_rank: int = 128
-    """Query low-rank latent (also the indexer's query input)."""
+    """Query low-rank latent (also the indexer's query input); 0: one full-rank query projection (Kimi-Linear)."""
     kv_lora_rank: int = 64
     """Compressed KV latent c (d_c); cached per token."""
     qk_nope_dim: int = 32
@@ -49,14 +56,26 @@ class ModelConfig:
     """Per-head value dims."""
     mla_output_gate: bool = True
     """Sigmoid output gate per head dim (K3's mla_use_output_gate)."""
+    mla_rope: str = "none"
+    """Rotary embedding of q^R / k^R: "none" (NoPE, K3.1 and Kimi-Linear), "interleaved" (pairs (x0, x1), ...:
+    DeepSeek's MLA) or "half" (pairs (x_i, x_{i + r/2}))."""
+    rope_theta: float = 10000.0
+    """Rotary base of every rotary embedding of the model (MLA and indexer)."""
 
     # DSA indexer
+    dsa_indexer: bool = True
+    """MLA layers select keys with the DSA indexer; False: every earlier key (dense MLA, Kimi-Linear)."""
     index_num_heads: int = 4
     """Indexer light heads (H_I)."""
     index_head_dim: int = 64
     """Indexer head dims (d_I); one cached FP8 key of this size per token."""
     index_topk: int = 256
     """Tokens each query attends to (k)."""
+    index_rope: str = "none"
+    """Rotary embedding of the indexer's first qk_rope_dim query/key dims: "none", "half" (DeepSeek-V3.2's
+    indexer) or "interleaved"."""
+    index_norm_eps: float = 1e-5
+    """Epsilon of the indexer's key LayerNorm."""
 
     # KDA
     kda_num_heads: int = 4
@@ -65,8 +84,11 @@ class ModelConfig:
     """d_k = d_v of each KDA head."""
     kda_conv_size: int = 4
     """Short causal depthwise conv width (state keeps conv_size - 1 inputs per channel)."""
+    kda_gate: str = "sigmoid"
+    """Log-decay gate: "sigmoid" (K3: g = lb * sigmoid(exp(A_log) * (f + dt_bias)), in (lb, 0)) or "softplus"
+    (Kimi-Linear: g = -exp(A_log) * softplus(f + dt_bias))."""
     kda_gate_lower_bound: float = -5.0
-    """K3 gate lower bound: g = lb * sigmoid(...), in (lb, 0)."""
+    """K3 gate lower bound: g = lb * sigmoid(...), in (lb, 0) (kda_gate "sigmoid" only)."""
     kda_chunk_size: int = 64
     """Chunk length of the chunked form (`kda.kda_chunked`, anchored at position 0). The reference engine's prefill
     runs KDA token by token (`kda.kda_sequential`) so that prefill and decode agree bit for bit."""
@@ -81,7 +103,8 @@ class ModelConfig:
     num_shared_experts: int = 1
     """Always-on shared experts."""
     moe_latent_dim: int = 128
-    """Latent MoE: tokens are projected d_model -> latent before the routed experts."""
+    """Latent MoE: tokens are projected d_model -> latent before the routed experts; 0: experts run on d_model
+    (Kimi-Linear, DeepSeek)."""
     moe_intermediate: int = 64
     """Routed expert intermediate size."""
     shared_intermediate: int = 128
@@ -92,12 +115,22 @@ class ModelConfig:
     """Intermediate size of the dense MLP."""
     routed_scaling_factor: float = 1.0
     """Multiplier on the renormalised routed weights."""
+    moe_renormalize: bool = True
+    """Divide the chosen experts' scores by their sum before scaling (norm_topk_prob)."""
+    num_expert_groups: int = 1
+    """Grouped top-k: experts form this many equal groups; a group's score is the sum of its best two biased
+    scores, and only the `topk_groups` best groups may be chosen (1: plain top-k)."""
+    topk_groups: int = 1
+    """Groups kept by grouped top-k."""
+    tie_embeddings: bool = False
+    """The LM head reuses the embedding matrix."""
 
     # numerics of the cache
     latent_dtype: str = "fp8"
-    """Cached latent format: fp8 (1 B/value, per-tensor scale) or nvfp4 (planner only)."""
+    """Cached latent format: fp8 (1 B/value, per-tensor scale), fp32 (exact) or nvfp4 (planner only)."""
     index_key_dtype: str = "fp8"
-    """Cached index-key format: fp8 (1 B/value + 4 B scale per 128 dims) or mxfp4 (planner only)."""
+    """Cached index-key format: fp8 (1 B/value + 4 B scale per 128 dims, Hadamard-rotated queries and keys),
+    fp32 (exact scoring: the indexer's own math, no rotation, no rounding), or mxfp4 (planner only)."""
     ssm_state_bytes: int = 4
     """Bytes per KDA recurrent-state value (fp32)."""
     conv_state_bytes: int = 4
@@ -125,6 +158,16 @@ class ModelConfig:
     def num_mla_layers(self) -> int:
         return len(self.mla_layers)
 
+    @property
+    def latent_value_bytes(self) -> int:
+        """Bytes of one cached latent value (fp8: 1, fp32: 4)."""
+        return 4 if self.latent_dtype == "fp32" else 1
+
+    @property
+    def index_key_value_bytes(self) -> int:
+        """Bytes of one token's cached index-key values (without its 4-byte scale)."""
+        return self.index_head_dim * (4 if self.index_key_dtype == "fp32" else 1)
+
     def validate(self) -> "ModelConfig":
         layers = sorted(self.kda_layers + self.mla_layers)
         if layers != list(range(1, self.num_layers + 1)):
@@ -133,6 +176,17 @@ class ModelConfig:
             raise ValueError(f"{self.num_kda_layers} KDA layers do not split into {self.kda_state_groups} groups")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError("num_experts_per_tok exceeds num_experts")
+        for field, value, known in (("mla_rope", self.mla_rope, ROPE_STYLES), ("index_rope", self.index_rope, ROPE_STYLES),
+                                    ("kda_gate", self.kda_gate, ("sigmoid", "softplus"))):
+            if value not in known:
+                raise ValueError(f"{field} {value!r} is not one of {', '.join(known)}")
+        if self.q_lora_rank == 0 and self.dsa_indexer:
+            raise ValueError("the DSA indexer reads the query latent: q_lora_rank 0 needs dsa_indexer false")
+        if self.num_experts % self.num_expert_groups or not 1 <= self.topk_groups <= self.num_expert_groups:
+            raise ValueError(f"{self.num_experts} experts in {self.num_expert_groups} groups keeping "
+                             f"{self.topk_groups}: groups must divide the experts and 1 <= topk_groups <= groups")
+        if self.num_expert_groups > 1 and self.num_experts // self.num_expert_groups < 2:
+            raise ValueError("grouped top-k scores a group by its best two experts: groups need >= 2 experts")
         return self
 
     def to_json(self) -> str:
@@ -203,9 +257,23 @@ def _pro() -> ModelConfig:
 PRESETS = {"kimi-k3.1-mini": _mini, "kimi-k3.1-pro": _pro}
 
 
+def resolve_model(name: str) -> ModelConfig:
+    """What `--model` names, everywhere a model is named: a preset name, a ModelConfig JSON file (`*.json`), or a
+    checkpoint directory (holding config.json; engine/model/checkpoint.py reads it). A checkpoint's config has
+    `checkpoint` set to the directory and `name` (the served model id) to the directory as given, trailing
+    slashes removed, as vLLM serves a path."""
+    if Path(name).is_dir():
+        from engine.model.checkpoint import checkpoint_config
+
+        return checkpoint_config(name)
+    if name.endswith(".json"):
+        return ModelConfig.load(name)
+    return get_preset(name)
+
+
 def preset_or_file(name: str) -> ModelConfig:
-    """A preset by name, or a ModelConfig JSON file when `name` ends in .json (the benchmarks' --model)."""
-    return ModelConfig.load(name) if name.endswith(".json") else get_preset(name)
+    """Alias of `resolve_model` (the benchmarks' name for it)."""
+    return resolve_model(name)
 
 
 def get_preset(name: str) -> ModelConfig:
@@ -213,4 +281,5 @@ def get_preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]()
     except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))} (or a "
+                         "ModelConfig .json file, or a checkpoint directory)") from None

@@ -1,0 +1,210 @@
+"""Load a checkpoint directory's safetensors weights into a built KimiModel, as a server must.
+
+- One plan first (`plan_load`): every engine parameter is filled by `Piece`s, each naming its checkpoint tensor(s)
+  and the slice of the parameter it fills (the dialect's name map, engine/model/names.py). Before one byte of
+  tensor data is read, the plan must cover every parameter exactly and use every tensor of the files: a missing,
+  extra or wrongly shaped tensor is refused by name. DeepSeek's multi-token-prediction layers (index >=
+  num_hidden_layers, `num_nextn_predict_layers`) are skipped with one log line.
+- Then the bytes, tensor by tensor, in file order: each file is memory-mapped, a tensor is viewed in place
+  (`torch.frombuffer`, no copy), converted straight into its slice of the parameter (on the parameter's device
+  and dtype), and its pages are released (`madvise(MADV_DONTNEED)`), so resident memory stays close to the
+  parameters' own bytes: no second full copy, no state dict.
+- FP8 block-scaled weights (`weight` in float8_e4m3fn + `weight_scale_inv` [ceil(out/b0), ceil(in/b1)], with
+  `quantization_config = {"quant_method": "fp8", "weight_block_size": [b0, b1]}`) are dequantized on the way in.
+Every rank of a node runs this on the same files (the page cache serves the second reader).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engine.model.checkpoint import CheckpointError, read_header, weight_files
+from engine.model.model import KimiModel
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn,
+          "F64": torch.float64}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one checkpoint tensor's bytes live."""
+
+    name: str
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Fills `param[index]` (index None: the whole parameter) from checkpoint tensors `sources`, combined by
+    `combine` (None: the one source, reshaped to the slice's shape when only unit dims differ)."""
+
+    param: str
+    sources: tuple[str, ...]
+    index: tuple | None = None
+    combine: Callable[..., torch.Tensor] | None = None
+
+
+def scan(directory: str | Path) -> dict[str, TensorEntry]:
+    """Every tensor of the checkpoint's weight files, by name (a name in two files is refused)."""
+    entries: dict[str, TensorEntry] = {}
+    for path in weight_files(directory):
+        header, data_start, _ = read_header(path)
+        for name, info in header.items():
+            dtype = DTYPES.get(info.get("dtype"))
+            if dtype is None:
+                raise CheckpointError(f"{path}: tensor {name} has dtype {info.get('dtype')!r}; supported: "
+                                      f"{', '.join(DTYPES)}")
+            if name in entries:
+                raise CheckpointError(f"{path}: tensor {name} is also in {entries[name].path.name}")
+            begin, end = info["data_offsets"]
+            entries[name] = TensorEntry(name, path, dtype, tuple(info["shape"]), data_start + begin,
+                                        data_start + end)
+    return entries
+
+
+def check_plan(model: KimiModel, pieces: list[Piece], entries: dict[str, TensorEntry],
+               skipped: set[str]) -> None:
+    """Refuse before reading: a parameter no piece fills, a tensor no piece reads, a missing source, a shape."""
+    params = dict(model.named_parameters())
+    filled = {p.param for p in pieces}
+    unfilled = sorted(set(params) - filled)
+    if unfilled:
+        raise CheckpointError(f"no checkpoint tensor fills engine parameters {unfilled[:8]}")
+    wanted = {s for p in pieces for s in p.sources}
+    missing = sorted(wanted - set(entries))
+    if missing:
+        raise CheckpointError(f"checkpoint is missing tensors {missing[:8]}" + (" ..." if len(missing) > 8 else ""))
+    scale_names = {n for n in entries if n.endswith(".weight_scale_inv")}
+    extra = sorted(set(entries) - wanted - skipped - scale_names)
+    if extra:
+        raise CheckpointError(f"checkpoint has tensors the model does not use: {extra[:8]}"
+                              + (" ..." if len(extra) > 8 else ""))
+    orphan = sorted(n for n in scale_names if n[: -len("_scale_inv")] not in wanted and n not in skipped)
+    if orphan:
+        raise CheckpointError(f"checkpoint has scales of no weight: {orphan[:8]}")
+    for piece in pieces:
+        if piece.combine is not None:
+            continue
+        target = params[piece.param] if piece.index is None else params[piece.param][piece.index]
+        entry = entries[piece.sources[0]]
+        if _squeeze(entry.shape) != _squeeze(tuple(target.shape)):
+            raise CheckpointError(f"tensor {entry.name} has shape {list(entry.shape)}, the engine's "
+                                  f"{piece.param} needs {list(target.shape)}")
+
+
+def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
+class _Reader:
+    """Memory-mapped views of checkpoint tensors; `release` drops a tensor's pages from this process."""
+
+    def __init__(self, entries: dict[str, TensorEntry], block_size: tuple[int, int] | None) -> None:
+        self.entries = entries
+        self.block_size = block_size
+        self.maps: dict[Path, mmap.mmap] = {}
+        self.files: list = []
+
+    def _map(self, path: Path) -> mmap.mmap:
+        if path not in self.maps:
+            fh = open(path, "rb")
+            self.files.append(fh)
+            self.maps[path] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self.maps[path]
+
+    def view(self, name: str) -> torch.Tensor:
+        """The tensor as stored (a view of the mapping; FP8 block-scaled weights dequantized to fp32)."""
+        e = self.entries[name]
+        count = (e.end - e.start) // torch.empty(0, dtype=e.dtype).element_size()
+        raw = torch.frombuffer(self._map(e.path), dtype=e.dtype, count=count, offset=e.start) if count else \
+            torch.empty(0, dtype=e.dtype)
+        raw = raw.view(e.shape)
+        if e.dtype == torch.float8_e4m3fn:
+            return self._dequantize(name, raw)
+        return raw
+
+    def _dequantize(self, name: str, raw: torch.Tensor) -> torch.Tensor:
+        scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith("weight") else None
+        if scale_name is None or scale_name not in self.entries:
+            raise CheckpointError(f"tensor {name} is float8_e4m3fn without a weight_scale_inv")
+        if self.block_size is None:
+            raise CheckpointError(f"tensor {name} is FP8 but config.json has no fp8 quantization_config")
+        scale = self.view(scale_name).float()
+        b0, b1 = self.block_size
+        rows, cols = raw.shape
+        want = (-(-rows // b0), -(-cols // b1))
+        if tuple(scale.shape) != want:
+            raise CheckpointError(f"tensor {scale_name} has shape {list(scale.shape)}, blocks of {b0}x{b1} over "
+                                  f"{name} {list(raw.shape)} need {list(want)}")
+        full = scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+        self.release(scale_name)
+        return raw.float() * full
+
+    def release(self, name: str) -> None:
+        e = self.entries[name]
+        mm = self.maps.get(e.path)
+        if mm is None or e.end <= e.start:
+            return
+        page = mmap.PAGESIZE
+        lo = e.start // page * page
+        mm.madvise(mmap.MADV_DONTNEED, lo, e.end - lo)
+
+    def close(self) -> None:
+        for mm in self.maps.values():
+            mm.close()
+        for fh in self.files:
+            fh.close()
+
+
+def fp8_block_size(quantization: dict | None) -> tuple[int, int] | None:
+    """The weight block size of a DeepSeek-style fp8 quantization_config; anything else is refused."""
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(f"config.json quantization_config.quant_method {method!r} is not supported "
+                              "(supported: 'fp8' with weight_block_size)")
+    if quantization.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"quantization_config.fmt {quantization.get('fmt')!r} is not supported (e4m3 only)")
+    block = quantization.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(f"quantization_config.weight_block_size {block!r}: expected two positive integers")
+    return block[0], block[1]
+
+
+def load_pieces(model: KimiModel, pieces: list[Piece], entries: dict[str, TensorEntry], skipped: set[str],
+                block_size: tuple[int, int] | None) -> None:
+    """Check the plan, then fill every parameter, tensor by tensor in file order (module docstring)."""
+    check_plan(model, pieces, entries, skipped)
+    if skipped:
+        log.info("checkpoint: skipping %d tensors of multi-token-prediction layers", len(skipped))
+    params = dict(model.named_parameters())
+    order = sorted(pieces, key=lambda p: (str(entries[p.sources[0]].path), entries[p.sources[0]].start))
+    reader = _Reader(entries, block_size)
+    try:
+        with torch.no_grad():
+            for piece in order:
+                target = params[piece.param] if piece.index is None else params[piece.param][piece.index]
+                views = [reader.view(s) for s in piece.sources]
+                value = piece.combine(*views) if piece.combine is not None else views[0].reshape(target.shape)
+                if tuple(value.shape) != tuple(target.shape):
+                    raise CheckpointError(f"{piece.sources} make shape {list(value.shape)}, the engine's "
+                                          f"{piece.param} needs {list(target.shape)}")
+                target.copy_(value)
+                del views, value
+                for s in piece.sources:
+                    reader.release(s)
+    finally:
+        reader.close()
