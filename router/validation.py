@@ -1,6 +1,7 @@
 """Light request validation at the router edge; everything else passes through to the node unchanged.
 
-Checked: the body is a JSON object within `max_body_bytes`; `model` names a served model; `messages`
+Checked: the body is a JSON object within `max_body_bytes`; `model` names a served model (absent or null: the
+cluster's one model, filled in for the nodes, as vLLM serves its one model; with several, a 400); `messages`
 (chat) or `prompt` (completions) is present and well typed, and a user/system/developer message has content;
 `max_tokens` / `max_completion_tokens` are integers in [1, limit], or 0 for a request that only scores its
 prompt (`echo` or `prompt_logprobs`, as the nodes and vLLM allow); `n` is 1; `stream` is a bool and
@@ -8,7 +9,8 @@ prompt (`echo` or `prompt_logprobs`, as the nodes and vLLM allow); `n` is 1; `st
 engine does not implement: `tools`, `logit_bias`, ...): vLLM pools honour them, and our nodes answer a 400 naming
 the parameter (out of range, or not implemented), which the router relays unchanged. Client-supplied
 `kv_transfer_params` are removed here (security: only the router speaks that protocol to nodes).
-Errors are `APIError(400|404|413)` with the offending param named.
+Errors are `APIError(400|404|413)` with the offending param named (503 for a request without a model before any
+decode instance has reported one).
 """
 
 from __future__ import annotations
@@ -110,10 +112,24 @@ def _check_sampling(body: dict[str, Any], max_tokens_limit: int) -> None:
             raise APIError(400, f"{key} must be a number, got {value!r}", key)
 
 
-def validate(body: dict[str, Any], endpoint: Endpoint, known_models: set[str], max_tokens_limit: int) -> ValidRequest:
+def _model(body: dict[str, Any], known_models: set[str]) -> str:
+    """The request's model: as sent, or absent (or null) the cluster's one model, as vLLM serves its one model."""
     model = body.get("model")
+    if model is None:
+        if len(known_models) == 1:
+            return next(iter(known_models))
+        if not known_models:
+            raise APIError(503, "no decode instance has reported the model it serves yet; retry later", "model",
+                           "service_unavailable")
+        raise APIError(400, f"model is required: this cluster serves several models: {sorted(known_models)}",
+                       "model")
     if not isinstance(model, str) or not model:
-        raise APIError(400, "model must be a non-empty string", "model")
+        raise APIError(400, f"model must be a non-empty string, got {model!r}", "model")
+    return model
+
+
+def validate(body: dict[str, Any], endpoint: Endpoint, known_models: set[str], max_tokens_limit: int) -> ValidRequest:
+    model = _model(body, known_models)
     if model not in known_models:
         raise APIError(404, f"model {model!r} does not exist; served: {sorted(known_models)}", "model",
                        "model_not_found")
@@ -125,4 +141,5 @@ def validate(body: dict[str, Any], endpoint: Endpoint, known_models: set[str], m
         _check_prompt(body["prompt"])
     _check_sampling(body, max_tokens_limit)
     clean = {k: v for k, v in body.items() if k not in ROUTER_ONLY_FIELDS}
+    clean["model"] = model  # a request without one names the cluster's model to the nodes
     return ValidRequest(endpoint=endpoint, model=model, body=clean, is_stream=bool(body.get("stream")))

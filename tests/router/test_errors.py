@@ -13,7 +13,7 @@ BAD_REQUESTS = [
     ("malformed-json", "/v1/completions", b'{"model": "fake-model", "prompt": ', 400, None),
     ("not-an-object", "/v1/completions", b'["fake-model"]', 400, None),
     ("unknown-model", "/v1/completions", {**completion(), "model": "nope"}, 404, "model"),
-    ("missing-model", "/v1/completions", {"prompt": "x"}, 400, "model"),
+    ("model-not-a-string", "/v1/completions", {"model": 5, "prompt": "x"}, 400, "model"),
     ("missing-prompt", "/v1/completions", {"model": "fake-model"}, 400, "prompt"),
     ("prompt-wrong-type", "/v1/completions", completion(prompt={"a": 1}), 400, "prompt"),
     ("prompt-empty-list", "/v1/completions", completion(prompt=[]), 400, "prompt"),

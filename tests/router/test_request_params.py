@@ -263,3 +263,38 @@ def test_error_event_inside_a_relayed_stream_is_scrubbed():
             _assert_clean(resp.text)
 
     run(main())
+
+
+# ---------------------------------------------------------------- a request without `model`
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 4}),
+    ("/v1/chat/completions", {"model": None, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+], ids=["completions-absent", "chat-null"])
+def test_a_request_without_model_is_served_by_the_clusters_one_model(path, body):
+    p, d = FakeNode("p0", "prefill"), FakeNode("d0", "decode")
+
+    async def main():
+        async with router_harness([p, d]) as (client, _):
+            resp = await client.post(path, json=body)
+            assert resp.status_code == 200, resp.text
+
+    run(main())
+    assert d.bodies and all(sent["model"] == "fake-model" for sent in p.bodies + d.bodies)  # named to the nodes
+
+
+def test_a_request_without_model_is_a_400_when_the_cluster_serves_several():
+    nodes = [FakeNode("p0", "prefill"), FakeNode("d0", "decode"), FakeNode("d1", "decode", model="other-model")]
+
+    async def main():
+        async with router_harness(nodes) as (client, _):
+            resp = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+            error = resp.json()["error"]
+            assert resp.status_code == 400 and error["param"] == "model", resp.text
+            assert "fake-model" in error["message"] and "other-model" in error["message"]
+            bad = await client.post("/v1/completions", json={"model": 7, "prompt": "Hello", "max_tokens": 4})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
+
+    run(main())
+    assert not any(n.bodies for n in nodes)
