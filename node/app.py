@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from node.runtime import NodeRuntime
 from node.serving import Drain, GuardMiddleware, MetricsServer
 from node.settings import NodeSettings
-from node.textgen import SESSION_HEADER, Kind, PreparedRequest, parse_session, prepare, render_chat
+from node.textgen import SESSION_HEADER, Kind, PreparedRequest, parse_session, prepare
 from serving import sse
 from serving.errors import APIError, error_body
 from serving.protocol import (
@@ -167,12 +167,19 @@ def node_router(handle: Handler, settings: NodeSettings) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(request: Request, body: TokenizeRequest) -> TokenizeResponse:
+        """The ids a completion's prompt or a chat's messages become here (the served model's tokenizer)."""
         runtime = runtime_of(request)
+        if body.model is not None and body.model != runtime.model:
+            raise APIError(404, f"The model `{body.model}` does not exist; this node serves `{runtime.model}`", "model",
+                           "NotFoundError")
         tok = runtime.tokenizer
         if body.messages is not None:
-            ids = tok.encode_chat(body.messages) if hasattr(tok, "encode_chat") else tok.encode(render_chat(body.messages))
+            try:
+                ids = tok.encode_chat(body.messages, body.add_generation_prompt)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "messages") from exc
         else:
-            ids = tok.encode(body.prompt or "")
+            ids = tok.encode(body.prompt or "", body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=runtime.limits.max_context, tokens=ids)
 
     @router.post("/abort_requests")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from pydantic import ValidationError
+
 from engine.kernels import REQUESTS, cli_help
 from kv_transfer.ucx_env import KVTransferSettings
 
@@ -29,7 +31,8 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model preset (default kimi-k3.1-mini)")
+    parser.add_argument("--model", help="a preset (default kimi-k3.1-mini), a ModelConfig .json file or a checkpoint "
+                        "directory (config.json, safetensors, tokenizer files)")
     parser.add_argument("--host", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (also the KV side channel)")
     parser.add_argument("--advertise-host", help="host peers use to reach this node (default --host)")
@@ -74,12 +77,16 @@ def run(argv: list[str], parser: argparse.ArgumentParser, settings_cls: type, cr
         renames: dict[str, str] | None = None) -> int:
     args = vars(parser.parse_args(argv))
     log_level = args.pop("log_level")
-    settings = settings_cls(**settings_fields(args, renames))
     from node.serving import serve
 
-    try:
+    try:  # a setting the node cannot start with (an unknown model, no cluster secret, ...)
+        settings = settings_cls(**settings_fields(args, renames))
         app = create_app(settings)
-    except ValueError as exc:  # a setting the node cannot start with (no cluster secret, ...)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"
+                             for e in exc.errors())
+        parser.exit(2, f"{parser.prog}: {problems}\n")
+    except ValueError as exc:
         parser.exit(2, f"{parser.prog}: {exc}\n")
     serve(app, settings, log_level)
     return 0

@@ -129,15 +129,21 @@ def worker_config(settings: NodeSettings, role: str, dcp_size: int = 1, token_sh
 
 TOKENIZER_PROBE = "pdcluster tokenizer probe: Hello, world! 123 \u00e9\u4e2d\U0001f600"
 """Encoded by the served tokenizer into the weights fingerprint (a different vocabulary shows)."""
+PATH_FIELDS = ("name", "checkpoint")
+"""ModelConfig fields that name where a model was read from, not what it computes (left out of the fingerprint, so
+two copies of one checkpoint pair)."""
 
 
 def served_weights_fingerprint(model_cfg: Any, seed: int, tokenizer: Any) -> str:
-    """What a P/D pair must share for KV to mean the same: the model config, the weights (the seed the
-    ranks initialise them from) and the tokenizer (its class, vocabulary size and encoding of a probe)."""
-    config = dataclasses.asdict(model_cfg) if dataclasses.is_dataclass(model_cfg) else repr(model_cfg)
-    tok = [type(tokenizer).__name__, type(getattr(tokenizer, "inner", None)).__name__,
-           getattr(tokenizer, "vocab_size", None), tokenizer.encode(TOKENIZER_PROBE)]
-    text = json.dumps({"model": config, "seed": seed, "tokenizer": tok}, sort_keys=True, default=str)
+    """What a P/D pair must share for KV to mean the same: the model config (less its paths), the weights (a
+    checkpoint's fingerprint of its files, engine/model/checkpoint.py; a preset's seed) and the tokenizer (its files'
+    digest, vocabulary size and encoding of a probe). The router pairs instances only when theirs are equal."""
+    from engine.model.checkpoint import weights_fingerprint
+
+    config = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in PATH_FIELDS}
+    tok = [tokenizer.fingerprint, tokenizer.vocab_size, tokenizer.encode(TOKENIZER_PROBE)]
+    text = json.dumps({"model": config, "weights": weights_fingerprint(model_cfg, seed), "tokenizer": tok},
+                      sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
@@ -145,11 +151,12 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int,
                   handoff: Callable[[Executor, NodeMetrics], H]) -> NodeRuntime[H]:
     """Spawn the ranks (blocking until ready) and assemble the runtime; `handoff(executor, metrics)` builds the
     node kind's hand-off owner once the ranks reported in (`executor.startup_info`)."""
-    from engine.model.config import get_preset
+    from engine.model.config import resolve_model
 
-    model_cfg = get_preset(config.engine.model)
+    model_cfg = resolve_model(config.engine.model)
     backend = backend_module(config.backend)
-    load_tokenizer = backend.load_tokenizer
+    tokenizer = backend.load_tokenizer(model_cfg)  # before the ranks: bad tokenizer files refuse the start at once
+    fingerprint = served_weights_fingerprint(model_cfg, config.engine.seed, tokenizer)
     spec = WorkerSpec(factory=WORKER_FACTORY, config=config, world_size=world_size, pin_cores=settings.pin_cores,
                       step_timeout_s=settings.step_timeout_s, device=config.engine.device,
                       process_group=getattr(backend, "PROCESS_GROUP", True))
@@ -167,8 +174,6 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int,
     metrics.ucx_tcp_fallback.set(float(any(info.tcp_fallback for info in executor.startup_info)))
     limits = Limits(max_context=settings.max_context or model_cfg.max_context,
                     default_max_tokens=settings.default_max_tokens)
-    tokenizer = load_tokenizer(model_cfg)
-    fingerprint = served_weights_fingerprint(model_cfg, config.engine.seed, tokenizer)
     try:
         owner = handoff(executor, metrics)
     except BaseException:

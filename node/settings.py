@@ -178,6 +178,17 @@ class NodeSettings(BaseSettings):
         return values
 
     @model_validator(mode="after")
+    def _model_resolves(self) -> "NodeSettings":
+        """`model` names a preset, a ModelConfig JSON file or a checkpoint directory whose config.json we read."""
+        from engine.model.config import resolve_model
+
+        try:
+            resolve_model(self.engine.model)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"model {self.engine.model!r}: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
     def _node_device(self) -> "NodeSettings":
         if self.engine.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} (a cuda node's rank r takes its GPU r), "

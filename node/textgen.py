@@ -1,9 +1,12 @@
 """From an OpenAI request to engine input, and from engine token events back to text.
 
-- `prepare()`: chat template or prompt -> token ids, limits checked against the context (OpenAI-style 400s
-  naming the bad value), sampling fields -> `engine.api.SamplingParams` (whose own checks become 400s).
-- `TextAssembler`: incremental detokenisation that never emits half a UTF-8 character, and stop strings
-  (the text up to the stop string is emitted, the stop string is not, as in vLLM).
+- `prepare()`: chat template or prompt -> token ids (the served model's tokenizer: its chat template, a
+  prompt's BOS), limits checked against the context (OpenAI-style 400s naming the bad value), sampling fields ->
+  `engine.api.SamplingParams` (whose own checks become 400s), the model's other EOS ids added to `stop_token_ids`
+  unless `ignore_eos`.
+- `TextAssembler`: the tokenizer's incremental detokenisation (never half a UTF-8 character; the prompt's last
+  tokens as left context), and stop strings (the text up to the stop string is emitted, the stop string is not, as
+  in vLLM).
 - `generate_pieces()`: drives one request's event stream into text pieces with finish reasons and a
   `RequestTiming` for the metrics. Leaving the iterator early aborts the request on every rank.
 """
@@ -26,12 +29,21 @@ Kind = Literal["completion", "chat"]
 
 
 class Tokenizer(Protocol):
-    eos_token_id: int
-    vocab_size: int
+    """The served model's tokenizer as the HTTP layer uses it (node/backend.py `ServerTokenizer`)."""
 
-    def encode(self, text: str) -> list[int]: ...
+    vocab_size: int
+    stop_token_ids: tuple[int, ...]
+    """EOS ids the engine does not stop on by itself (a checkpoint may name several)."""
+    fingerprint: str
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def encode_chat(self, messages: list[Any], add_generation_prompt: bool = True) -> list[int]: ...
+
+    def decoder(self, context_ids: Sequence[int] = ()) -> Any:
+        """An incremental decoder: `add(token_id) -> str` (text that became final), `flush() -> str`."""
 
 
 @dataclass(frozen=True)
@@ -75,19 +87,11 @@ def parse_session(value: str | None) -> str:
     return value
 
 
-def render_chat(messages: list[Any]) -> str:
-    """The reference chat template: `<|role|>\\ncontent\\n` per message, then the assistant header."""
-    parts = [f"<|{m.role}|>\n{m.text()}\n" for m in messages]
-    return "".join(parts) + "<|assistant|>\n"
-
-
 def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
     if isinstance(req, ChatCompletionRequest):
         try:
-            if hasattr(tokenizer, "encode_chat"):
-                return tokenizer.encode_chat(req.messages)
-            return tokenizer.encode(render_chat(req.messages))
-        except ValueError as exc:
+            return tokenizer.encode_chat(req.messages, req.add_generation_prompt)
+        except ValueError as exc:  # the template refused the conversation (or the model has no template)
             raise APIError(400, str(exc), "messages") from exc
     if isinstance(req.prompt, str):
         return tokenizer.encode(req.prompt) if req.prompt else []
@@ -130,9 +134,6 @@ def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest, kv_param
     if name is not None:
         raise APIError(400, f"parameter {name!r} is not supported by this server (the reference engine does not "
                             f"implement it); send the request without it", name)
-    if isinstance(req, ChatCompletionRequest) and not req.add_generation_prompt:
-        raise APIError(400, "add_generation_prompt=false is not supported: the reference chat template always "
-                            "opens the assistant's turn", "add_generation_prompt")
     asks_prompt = req.prompt_logprobs is not None or (isinstance(req, CompletionRequest) and req.echo)
     if asks_prompt and kv_params is not None and kv_params.do_remote_prefill:
         raise APIError(400, "prompt log-probs (echo or prompt_logprobs) are computed by a local prefill: send the "
@@ -144,13 +145,18 @@ SAMPLING_FIELDS = frozenset(spec.name for spec in dataclasses.fields(SamplingPar
 (`TextAssembler`), so the engine's stays empty."""
 
 
-def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+              eos_ids: tuple[int, ...] = ()) -> SamplingParams:
     """The request's SamplingParams: the fields below are translated (defaults, vLLM's spellings, OpenAI's two
-    log-prob shapes); every other field both the request and SamplingParams declare passes as sent when set, so
-    a new sampling parameter needs no code here. A value out of its range is a 400 naming the field."""
+    log-prob shapes, the model's other EOS ids `eos_ids` joining `stop_token_ids` unless `ignore_eos`); every other
+    field both the request and SamplingParams declare passes as sent when set, so a new sampling parameter needs no
+    code here. A value out of its range is a 400 naming the field."""
+    stop_ids = list(req.stop_token_ids or ())
+    if not req.ignore_eos:
+        stop_ids += [token_id for token_id in eos_ids if token_id not in stop_ids]
     translated = {
         "max_tokens": max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_k": max(0, req.top_k or 0), "stop_token_ids": tuple(req.stop_token_ids or ()),
+        "top_k": max(0, req.top_k or 0), "stop_token_ids": tuple(stop_ids),
         "logprobs": _logprobs(req), "prompt_logprobs": _prompt_logprobs(req),
     }
     shared = (SAMPLING_FIELDS & type(req).model_fields.keys()) - translated.keys()
@@ -184,39 +190,37 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_
                             f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {param}, {max_tokens} "
                             f"in the completion).", "max_tokens")
     return PreparedRequest(request_id=request_id, kind=kind, model=model, prompt_token_ids=tuple(ids),
-                           sampling=_sampling(req, max_tokens), stop_strings=tuple(req.stop_strings), stream=req.stream,
+                           sampling=_sampling(req, max_tokens, tokenizer.stop_token_ids), stop_strings=tuple(req.stop_strings), stream=req.stream,
                            include_usage=req.include_usage, echo=echo, prompt_logprobs=req.prompt_logprobs is not None,
                            kv_params=kv_params)
 
 
 class TextAssembler:
-    """Token ids in, text deltas out; holds back incomplete UTF-8 and possible stop-string prefixes."""
+    """Token ids in, text deltas out; holds back incomplete UTF-8 (the tokenizer's incremental decoder, with
+    `context_ids`, the prompt, as left context) and possible stop-string prefixes."""
 
-    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = ()) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = (), context_ids: Sequence[int] = ()) -> None:
+        self.decoder = tokenizer.decoder(context_ids)
         self.stop_strings = [s for s in stop_strings if s]
-        self.token_ids: list[int] = []
         self.emitted = 0
         self.text = ""
         self.stopped = False
 
     def add(self, token_id: int) -> str:
         """The text that became final with this token ('' when held back). Sets `stopped` on a stop string."""
-        self.token_ids.append(token_id)
-        self.text = self.tokenizer.decode(self.token_ids)
+        self.text += self.decoder.add(token_id)
         for stop in self.stop_strings:
             at = self.text.find(stop, max(0, self.emitted - len(stop)))
             if at >= 0:
                 self.stopped = True
                 self.text = self.text[:at]
                 return self._take(len(self.text))
-        limit = len(self.text)
-        if self.text.endswith("\ufffd"):
-            limit = len(self.text.rstrip("\ufffd"))
         hold = max((len(s) - 1 for s in self.stop_strings), default=0)
-        return self._take(max(self.emitted, limit - hold))
+        return self._take(max(self.emitted, len(self.text) - hold))
 
     def flush(self) -> str:
+        if not self.stopped:
+            self.text += self.decoder.flush()
         return self._take(len(self.text))
 
     def _take(self, end: int) -> str:
@@ -258,7 +262,7 @@ async def generate_pieces(events: AsyncIterator[Any], prepared: PreparedRequest,
                           result: GenerationResult, started: float | None = None) -> AsyncIterator[Piece]:
     """Turn a request's token events into text pieces; raises APIError when the engine fails it."""
     started = time.monotonic() if started is None else started
-    assembler = TextAssembler(tokenizer, prepared.stop_strings)
+    assembler = TextAssembler(tokenizer, prepared.stop_strings, prepared.prompt_token_ids)
     stamps: list[float] = []
     pending: list[TokenEvent] = []
     try:

@@ -365,12 +365,17 @@ class AbortRequests(BaseModel):
 
 
 class TokenizeRequest(BaseModel):
-    """POST /tokenize (vLLM's shape): a prompt or chat messages."""
+    """POST /tokenize (vLLM's shape): a prompt or chat messages. Unknown fields are refused (400 naming them)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
+    """Must be the served model when given (404 otherwise)."""
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    """A prompt's special tokens (the BOS a checkpoint's tokenizer adds); chat messages get the template's own."""
+    add_generation_prompt: bool = True
+    """Chat: open the assistant's turn after the messages, as a chat completion does."""
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":

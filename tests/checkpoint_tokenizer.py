@@ -15,7 +15,8 @@ import base64
 import json
 from pathlib import Path
 
-BPE_SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
+BPE_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
+"""Ids 0..4: pad, BOS and EOS at the ids tests/checkpoints.py configs name (0, 1, 2)."""
 BPE_VOCAB_SIZE = 400
 """Ids of the trained BPE tokenizer (specials included) are below this."""
 TIKTOKEN_BASE = 300

@@ -23,7 +23,7 @@ from prefill_node.settings import Settings as PrefillSettings
 from serving.errors import APIError
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 
-TOKENIZER = ServerTokenizer(ByteTokenizer(), 512)
+TOKENIZER = ServerTokenizer(ByteTokenizer(), 512, ByteTokenizer.eos_token_id)
 LIMITS = Limits(max_context=256)
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -110,10 +110,10 @@ def test_chat_only_or_completions_only_fields_are_refused_on_the_other_endpoint(
     assert info.value.param == param
 
 
-def test_add_generation_prompt_false_is_refused():
-    with pytest.raises(APIError) as info:
-        _prepare(_chat(add_generation_prompt=False))
-    assert info.value.param == "add_generation_prompt"
+def test_add_generation_prompt_false_leaves_the_assistant_turn_unopened():
+    opened = _prepare(_chat()).prompt_token_ids
+    closed = _prepare(_chat(add_generation_prompt=False)).prompt_token_ids
+    assert opened[:len(closed)] == closed and ByteTokenizer().decode(opened[len(closed):]) == "assistant\n"
 
 
 @pytest.mark.parametrize("message", [

@@ -22,6 +22,7 @@ import numpy as np
 from engine.api import Event, ExportedRows, ImportKV, Release, Submit, TokenEvent
 from engine.layout import plan_layout
 from engine.model.config import get_preset
+from engine.model.tokenizer_stream import IncrementalDecoder
 from node.protocol import RankStats
 
 EOS = 257
@@ -31,18 +32,28 @@ import torch (node/executor.py `WorkerSpec.process_group`): a toy node starts in
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255; ids above 255 decode to nothing."""
+    """UTF-8 bytes as token ids 0..255 (no BOS); ids above 255 decode to nothing; chats as
+    `<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n`."""
 
     eos_token_id = EOS
+    stop_token_ids: tuple[int, ...] = ()
+    fingerprint = "toy-bytes"
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
     def decode(self, ids: Any) -> str:
         return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+    def encode_chat(self, messages: list[Any], add_generation_prompt: bool = True) -> list[int]:
+        text = "".join(f"<|{m.role}|>\n{m.text()}\n" for m in messages)
+        return self.encode(text + ("<|assistant|>\n" if add_generation_prompt else ""))
+
+    def decoder(self, context_ids: Any = ()) -> IncrementalDecoder:
+        return IncrementalDecoder(self.decode, context_ids)
 
 
 def load_tokenizer(model_config: Any) -> ByteTokenizer:
