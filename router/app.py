@@ -99,7 +99,7 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
                         await task
 
     app = FastAPI(title="pdcluster router", lifespan=lifespan)
-    install_error_handlers(app)
+    install_error_handlers(app, catch_all=False)  # router/server.py's dispatch is the one catch-all
     app.include_router(admin.router)
 
     @app.get("/v1/models")

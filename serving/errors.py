@@ -169,8 +169,9 @@ class CatchAllMiddleware:
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Answer every error of `app` as OpenAI error JSON."""
+def install_error_handlers(app: FastAPI, catch_all: bool = True) -> None:
+    """Answer every error of `app` as OpenAI error JSON. `catch_all=False`: leave unexpected exceptions to the
+    server that calls the app (the router's server has the one catch-all of its process: router/server.py)."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -191,4 +192,5 @@ def install_error_handlers(app: FastAPI) -> None:
             response.headers.update(exc.headers)
         return response
 
-    app.add_middleware(CatchAllMiddleware)
+    if catch_all:
+        app.add_middleware(CatchAllMiddleware)
