@@ -5,7 +5,8 @@ decoding, token by token.
     python benchmarks/fast_agreement.py [--device cuda] [--model kimi-k3.1-mini] [--prompts 32]
                                         [--max-tokens 32] [--json PATH]
 
-Per prompt: whether the first token agrees, how many tokens agree before the two first part, and the
+Per prompt: whether the first token agrees, how many tokens agree before the two first part, the largest
+difference of the chosen token's log-prob over that agreeing prefix (the same token, two kernel sets), and the
 reference's top-2 logit margin at the step where they part (a small margin is a near-tie that bf16 rounding
 may flip; a large one would be a bug). Prompts are random byte strings of 16 to 1,500 tokens (seeded), so some
 exceed the indexer's top-k and exercise the sparse selection. Headline: the fraction of prompts whose first
@@ -29,7 +30,7 @@ from engine.sampling import SamplingParams
 
 
 def run(kernels: str, model: str, device: str, prompts: list[list[int]], max_tokens: int,
-        ) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
+        ) -> tuple[dict[int, list[int]], dict[int, list[float]], dict[int, list[float]]]:
     engine = Engine(EngineConfig(model=model, num_rows=1024, max_batch=len(prompts), device=device,
                                  kernels=kernels, prefix_cache=False))
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -37,19 +38,21 @@ def run(kernels: str, model: str, device: str, prompts: list[list[int]], max_tok
         engine.add_request(str(i), prompt, sampling)
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     margins: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
+    logprobs: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
     while engine.has_work:
         for event in engine.step().tokens:
             if event.token_id is None:
                 continue
             i = int(event.request_id)
             tokens[i].append(event.token_id)
+            logprobs[i].append(float(event.logprob))
             top = getattr(event, "top_logprobs", None)
             if top and len(top) >= 2:
                 values = sorted((float(v) for v in dict(top).values()), reverse=True)
                 margins[i].append(values[0] - values[1])
             else:
                 margins[i].append(float("nan"))
-    return tokens, margins
+    return tokens, margins, logprobs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,31 +67,38 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(16, 1500, (args.prompts,), generator=gen).tolist()
     prompts = [[256] + torch.randint(0, 256, (n - 1,), generator=gen).tolist() for n in lengths]
-    ref, ref_margin = run("reference", args.model, args.device, prompts, args.max_tokens)
-    fast, _ = run("fast", args.model, args.device, prompts, args.max_tokens)
+    ref, ref_margin, ref_lp = run("reference", args.model, args.device, prompts, args.max_tokens)
+    fast, _, fast_lp = run("fast", args.model, args.device, prompts, args.max_tokens)
     rows = []
     for i, n in enumerate(lengths):
         same = next((j for j, (a, b) in enumerate(zip(ref[i], fast[i])) if a != b), len(ref[i]))
         margin = ref_margin[i][same] if same < len(ref_margin[i]) else None
+        lp_diff = max((abs(a - b) for a, b in zip(ref_lp[i][:same], fast_lp[i][:same])), default=None)
         rows.append({"prompt_tokens": n, "first_token_agrees": same > 0, "agreeing_prefix": same,
+                     "max_logprob_diff_in_prefix": lp_diff,
                      "equal_positions": sum(a == b for a, b in zip(ref[i], fast[i])),
                      "ref_top2_logprob_margin_at_split": margin})
-    print(f"{'prompt':>6} {'tokens':>6} {'first':>5} {'prefix':>6} {'equal':>5} {'margin at split':>16}")
+    print(f"{'prompt':>6} {'tokens':>6} {'first':>5} {'prefix':>6} {'equal':>5} {'max |dlogprob|':>14} "
+          f"{'margin at split':>16}")
     for i, r in enumerate(rows):
         margin = "" if r["ref_top2_logprob_margin_at_split"] is None else f"{r['ref_top2_logprob_margin_at_split']:.4f}"
+        diff = "" if r["max_logprob_diff_in_prefix"] is None else f"{r['max_logprob_diff_in_prefix']:.2e}"
         print(f"{i:>6} {r['prompt_tokens']:>6} {'yes' if r['first_token_agrees'] else 'no':>5} "
-              f"{r['agreeing_prefix']:>6} {r['equal_positions']:>5} {margin:>16}")
+              f"{r['agreeing_prefix']:>6} {r['equal_positions']:>5} {diff:>14} {margin:>16}")
     first = sum(r["first_token_agrees"] for r in rows) / len(rows)
     full = sum(r["agreeing_prefix"] == args.max_tokens for r in rows)
     equal = sum(r["equal_positions"] for r in rows) / (len(rows) * args.max_tokens)
+    diffs = [r["max_logprob_diff_in_prefix"] for r in rows if r["max_logprob_diff_in_prefix"] is not None]
+    max_diff = max(diffs, default=float("nan"))
     print(f"first token agrees on {first:.1%} of {len(rows)} prompts; all {args.max_tokens} tokens on {full}; "
-          f"{equal:.1%} of positions equal")
+          f"{equal:.1%} of positions equal; max |log-prob difference| while the tokens agree {max_diff:.3e}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "headline": {"metric": "fast_vs_reference_first_token_agreement", "value": round(first, 4),
                          "goal": None},
             "model": args.model, "device": args.device, "max_tokens": args.max_tokens,
-            "all_tokens_agree": full, "equal_position_fraction": round(equal, 4), "prompts": rows}, indent=2))
+            "all_tokens_agree": full, "equal_position_fraction": round(equal, 4),
+            "max_logprob_diff_while_agreeing": max_diff, "prompts": rows}, indent=2))
     return 0
 
 

@@ -63,16 +63,21 @@ def _handle(cmd: str, kw: dict, state: dict) -> Any:
         t.set_row_bytes(pool.numel())
         return t.endpoint(0)
     if cmd == "read":  # [(wall s, backend descriptors, transfer-only s)] of `repeat` READs of `ops`
+        ops, split = kw["ops"], max(1, min(kw.get("split", 1), len(kw["ops"])))
+        parts = [ops[i::split] for i in range(split)]  # `split` transfer requests posted at once
         out = []
         for _ in range(kw["repeat"]):
             t0 = time.perf_counter()
-            handle = t.post_read(kw["endpoint"], kw["ops"])
-            res = t.wait(handle, 300)
+            handles = [t.post_read(kw["endpoint"], part) for part in parts]
+            results = [t.wait(handle, 300) for handle in handles]
             wall = time.perf_counter() - t0
-            t.release(handle)
-            if res.state.value != "DONE":
-                raise RuntimeError(f"READ ended {res.state}")
-            out.append((wall, res.backend_descriptors, res.backend_xfer_s))
+            for handle in handles:
+                t.release(handle)
+            if any(res.state.value != "DONE" for res in results):
+                raise RuntimeError(f"READ ended {[res.state for res in results]}")
+            descs = sum(res.backend_descriptors or 0 for res in results)
+            xfer = max((res.backend_xfer_s for res in results if res.backend_xfer_s is not None), default=None)
+            out.append((wall, descs, xfer))
         return out
     if cmd == "digest":
         return _digest(pool, kw["ranges"])
@@ -155,7 +160,7 @@ class _Side:
                 self.proc.kill()
 
 
-def run(scs: list[dict], rounds: int, settings: dict, env: dict) -> dict:
+def run(scs: list[dict], rounds: int, settings: dict, env: dict, split: int = 1) -> dict:
     """Every scenario's three methods as NIXL VRAM READs, the IPC ceiling and the GPU copy rate."""
     ctx = multiprocessing.get_context("spawn")
     pool = max(s["pool"] for s in scs)
@@ -171,7 +176,7 @@ def run(scs: list[dict], rounds: int, settings: dict, env: dict) -> dict:
             times: dict[str, list[float]] = {m: [] for m in sc["methods"]}
             descs = {}
             for m, ops in sc["methods"].items():  # warm-up + correctness
-                descs[m] = d.call("read", endpoint=ep, ops=ops, repeat=1)[0][1]
+                descs[m] = d.call("read", endpoint=ep, ops=ops, repeat=1, split=split)[0][1]
                 same = p.call("digest", ranges=[(o.p_offset, o.length) for o in ops]) == \
                     d.call("digest", ranges=[(o.d_offset, o.length) for o in ops])
                 assert same, f"{sc['name']} {m}: bytes differ after the READ"
@@ -179,7 +184,8 @@ def run(scs: list[dict], rounds: int, settings: dict, env: dict) -> dict:
             names = list(sc["methods"])
             for k in range(rounds):
                 for m in names[k % len(names):] + names[:k % len(names)]:
-                    times[m] += [w for w, _, _ in d.call("read", endpoint=ep, ops=sc["methods"][m], repeat=3)]
+                    times[m] += [w for w, _, _ in d.call("read", endpoint=ep, ops=sc["methods"][m], repeat=3,
+                                                         split=split)]
             ipc = d.call("ipc_copy", shared=shared, ops=sc["methods"]["packed"], repeat=max(3, rounds))
             row: dict[str, Any] = {"scenario": sc["name"], "bytes": sc["bytes"]}
             for m, ops in sc["methods"].items():
@@ -192,14 +198,14 @@ def run(scs: list[dict], rounds: int, settings: dict, env: dict) -> dict:
     finally:
         d.stop()
         p.stop()
-    return {"copy_GBps": copy, "copy_rw_GBps": 2 * copy, "ucx_tls": p.info["ucx_tls"],
+    return {"copy_GBps": copy, "copy_rw_GBps": 2 * copy, "split": split, "ucx_tls": p.info["ucx_tls"],
             "mem_type": p.info["mem_type"], "settings": settings, "env": env, "scenarios": rows}
 
 
 def print_table(result: dict) -> None:
     print(f"GPU copy (1 GiB, one process): {result['copy_GBps']:.0f} GB/s moved ({result['copy_rw_GBps']:.0f} GB/s "
           f"read + write); pools {result['mem_type']}, UCX_TLS={result['ucx_tls']}, settings {result['settings']}, "
-          f"env {result['env']}")
+          f"env {result['env']}, each READ as {result['split']} transfer request(s)")
     head = (f"{'scenario':38s} {'MB':>7s} | {'packed GB/s (descs)':>20s} | {'per-layer GB/s (descs)':>23s} | "
             f"{'single GB/s':>11s} | {'IPC packed':>10s} | {'packed/copy':>11s}")
     print(head)

@@ -20,36 +20,37 @@ import threading
 ORACLE_TOKENS = 16384
 """Prompt + answer tokens the oracle engine's row pool holds (one request at a time)."""
 
-_engines: dict[tuple[str, str, int | None], object] = {}
+_engines: dict[tuple[str, str, int | None, str], object] = {}
 _lock = threading.Lock()
 _ids = itertools.count()
 
 
-def _engine(model: str, device: str, weights_seed: int | None):
+def _engine(model: str, device: str, weights_seed: int | None, kernels: str):
     from engine.api import DEFAULT_SEED, EngineConfig
     from engine.engine import Engine
     from engine.layout import plan_layout
     from engine.model.config import get_preset
 
-    key = (model, device, weights_seed)
+    key = (model, device, weights_seed, kernels)
     if key not in _engines:
         seed = DEFAULT_SEED if weights_seed is None else weights_seed
         rows = sum(plan_layout(get_preset(model)).rows_per_request(ORACLE_TOKENS))
-        _engines[key] = Engine(EngineConfig(model=model, seed=seed, device=device, kernels="reference",
+        _engines[key] = Engine(EngineConfig(model=model, seed=seed, device=device, kernels=kernels,
                                             prefix_cache=False, num_rows=rows))
     return _engines[key]
 
 
 def generate(prompt_ids: list[int] | tuple[int, ...], max_tokens: int, *, model: str = "kimi-k3.1-mini",
-             device: str = "cpu", weights_seed: int | None = None, **sampling) -> dict:
+             device: str = "cpu", weights_seed: int | None = None, kernels: str = "reference", **sampling) -> dict:
     """What `pdcluster generate --prompt-ids IDS --max-tokens N --json` prints, as a dict (no timings).
 
+    `kernels`: the engine's kernel set, as `generate --kernels` takes it (`reference` or `fast`).
     `sampling`: further `engine.api.SamplingParams` fields (`ignore_eos`, `temperature`, `seed`, `stop`, ...)."""
     from engine.api import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, **sampling)
     with _lock:  # one request at a time: the engine is not shared between threads
-        engine = _engine(model, device, weights_seed)
+        engine = _engine(model, device, weights_seed, kernels)
         result = engine.generate(f"oracle-{next(_ids)}", list(prompt_ids), params)
         text = engine.tokenizer.decode(result.token_ids)
     for stop in params.stop:  # the CLI cuts the text before a stop string, as a node does

@@ -1,7 +1,10 @@
 """The one-GPU topology (cluster/gpu1.yaml: router, prefill TP=1, decode TP=1, both nodes on GPU 0) on CUDA:
-weights and row pools in VRAM, P -> D over NIXL VRAM -> VRAM between the two node processes.
+weights and row pools in VRAM, P -> D over NIXL VRAM -> VRAM between the two node processes. The nodes run their
+default kernel set (`auto`: the fast kernels on a single-rank CUDA node, engine/kernels.py), and the oracle is
+`pdcluster generate --device cuda --kernels fast` (tests/oracle.py, in this process).
 
-- a node on CUDA (the decode node serving alone) generates the greedy tokens of `pdcluster generate --device cuda`;
+- both nodes say they run the fast kernels (the `kernels` label of `vllm:cache_config_info`);
+- a node on CUDA (the decode node serving alone) generates the greedy tokens of the oracle;
 - through the router (P -> D over NIXL, VRAM on both sides) the tokens equal the same oracle;
 - both pools are registered with NIXL as VRAM (the prefill node's side channel says so);
 - rows are freed after each request, and a stream aborted mid-way leaves 0 rows used on every node.
@@ -36,14 +39,18 @@ def gpu_cluster(tmp_path_factory: pytest.TempPathFactory, repo_root) -> Iterator
 
     data = yaml.safe_load(GPU1_CONFIG_PATH.read_text())
     data["router"] = {"port": None, "settings": ROUTER_SETTINGS}
-    for pool in data["pools"]:  # single-rank CUDA nodes default to the fast kernels; the oracle is the reference
-        pool["settings"] = {**pool.get("settings", {}), "kernels": "reference"}
     config = parse_config(data, "tests/gpu")
     handle = ClusterHandle(Cluster(config, tmp_path_factory.mktemp("gpu-logs"), python=sys.executable).start())
     try:
         yield handle
     finally:
         handle.stop()
+
+
+def _oracle(model: str, max_tokens: int = MAX_TOKENS) -> dict:
+    from tests.oracle import generate_text
+
+    return generate_text(PROMPT, max_tokens, model=model, device="cuda", kernels="fast")
 
 
 def _completion(url: str, model: str, max_tokens: int = MAX_TOKENS) -> dict:
@@ -66,21 +73,29 @@ def test_config_is_cuda(gpu_cluster) -> None:
     assert gpu_cluster.cluster.config.device == "cuda"
 
 
+def test_nodes_run_the_fast_kernels(gpu_cluster) -> None:
+    for role in ("prefill", "decode"):
+        node = gpu_cluster.nodes_of(role=role)[0]
+        metrics = httpx.get(f"{node.url}/metrics", timeout=30).text
+        info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info{"))
+        assert 'kernels="fast"' in info, (role, info)
+
+
 def test_node_on_cuda_equals_generate(gpu_cluster) -> None:
-    """The decode node alone (colocated path) on its GPU == `pdcluster generate --device cuda`."""
-    expected = gpu_cluster.oracle(PROMPT, MAX_TOKENS)
-    assert expected.raw["model"] == gpu_cluster.model
+    """The decode node alone (colocated path) on its GPU == `pdcluster generate --device cuda --kernels fast`."""
+    expected = _oracle(gpu_cluster.model)
+    assert expected["model"] == gpu_cluster.model
     node = gpu_cluster.nodes_of(role="decode")[0]
     result = _completion(node.url, gpu_cluster.model)
-    assert _token_ids(result["choices"][0]) == list(expected.token_ids)
-    assert result["choices"][0]["text"] == expected.text
+    assert _token_ids(result["choices"][0]) == expected["token_ids"]
+    assert result["choices"][0]["text"] == expected["text"]
 
 
 def test_p_to_d_over_vram_equals_oracle(gpu_cluster) -> None:
-    expected = gpu_cluster.oracle(PROMPT, MAX_TOKENS)
+    expected = _oracle(gpu_cluster.model)
     before = _prefill_legs(gpu_cluster)
     result = _completion(gpu_cluster.router_url, gpu_cluster.model)
-    assert _token_ids(result["choices"][0]) == list(expected.token_ids)
+    assert _token_ids(result["choices"][0]) == expected["token_ids"]
     assert _prefill_legs(gpu_cluster) == before + 1, "the request did not take the prefill leg"
 
 
