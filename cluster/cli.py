@@ -4,7 +4,8 @@
                  [--log-dir DIR] [--vllm-python PATH] [--node-python PATH] [--device cpu|cuda] [--gpus N]
 
 Without `--config` the reference topology of cluster/default.yaml runs (router, prefill TP=2, decode
-pools `tp` TP=1 and `dcp` DCP=2 on kimi-k3.1-mini); with `--engine vllm` and no config, the CPU
+pools `tp` TP=1 and `dcp` DCP=2 on kimi-k3.1-mini, or on the checkpoint directory `--model DIR` names: every
+pool loads the same files); with `--engine vllm` and no config, the CPU
 topology of cluster/vllm-cpu.yaml (one producer, one consumer: two cores) or, when an NVIDIA GPU is
 visible, the default topology. `--device cuda` puts every reference rank on its own GPU (the config's `device`,
 `gpus`, pool `gpus`: cluster/plan.py); on a one-GPU host without --config it runs cluster/gpu1.yaml.
@@ -48,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--helm-values", type=Path,
                         help="run the pools of a Helm values file of deploy/helm/pdcluster instead of --config")
     parser.add_argument("--engine", choices=["reference", "vllm"], help="override the engine of every pool")
-    parser.add_argument("--model", help="model preset (reference) or model directory (vllm)")
+    parser.add_argument("--model", help="every pool's model: a preset or a checkpoint directory (reference; "
+                        "kimi_linear, deepseek_v32 or pdcluster_k3 config.json, safetensors, tokenizer files), or a "
+                        "model directory (vllm)")
     parser.add_argument("--router-port", type=int, help="router port (default 8000; 0 picks a free port)")
     parser.add_argument("--log-dir", type=Path, help="one log per process (default: a new temp dir)")
     parser.add_argument("--vllm-python", help="python with vLLM installed (default: .venv-vllm/bin/python)")

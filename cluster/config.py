@@ -75,7 +75,8 @@ class PoolSpec(_Strict):
     engine: Engine | None = None
     """`reference` or `vllm`; unset means the cluster's engine."""
     model: str | None = None
-    """Model preset (reference) or model directory (vllm); unset means the cluster's model."""
+    """Reference: a preset, a ModelConfig JSON file or a checkpoint directory; vllm: a model directory. Unset means
+    the cluster's model."""
     ports: list[int] | None = None
     """HTTP port per instance; unset means free ports chosen at start."""
     extra_args: list[str] = Field(default_factory=list, validation_alias=AliasChoices("extra_args", "extraArgs"))
@@ -184,7 +185,9 @@ class ClusterConfig(_Strict):
     """A whole cluster: router, pools, model and engine defaults."""
 
     model: str = DEFAULT_MODEL
-    """Reference preset (`kimi-k3.1-mini`) or, for vllm, a model directory."""
+    """Reference engine: a preset (`kimi-k3.1-mini`), a ModelConfig JSON file or a checkpoint directory (config.json
+    of `kimi_linear`, `deepseek_v32` or `pdcluster_k3`, safetensors, tokenizer files: every pool loads the same
+    files); vllm: a model directory."""
     engine: Engine = "reference"
     host: str = "127.0.0.1"
     """Address every process binds to."""
@@ -217,6 +220,7 @@ class ClusterConfig(_Strict):
                 raise ValueError(
                     f"decode pool {pool.name!r}: the reference engine runs TP or DCP, not both (tp={pool.tp}, dcp={pool.dcp})"
                 )
+        self._check_models()
         self._check_gpus()
         ports = [port for pool in self.pools for port in pool.ports or []]
         if self.router.port is not None:
@@ -225,6 +229,21 @@ class ClusterConfig(_Strict):
         if repeated:
             raise ValueError(f"ports used more than once: {', '.join(map(str, repeated))}")
         return self
+
+    def _check_models(self) -> None:
+        """Every reference pool's model resolves (a preset, a JSON config, a checkpoint directory we can read)."""
+        from engine.model.config import resolve_model
+
+        checked: set[str] = set()
+        for pool in self.pools:
+            model = self.model_of(pool)
+            if self.engine_of(pool) != "reference" or model in checked:
+                continue
+            try:
+                resolve_model(model)
+            except (ValueError, OSError) as exc:
+                raise ValueError(f"pool {pool.name!r}: model {model!r}: {exc}") from None
+            checked.add(model)
 
     def _check_gpus(self) -> None:
         """On cuda, every instance's group fits the host's GPUs (one GPU per rank); explicit ids exist."""

@@ -4,8 +4,8 @@
 line of every node kind is unit-testable without starting anything.
 
 Node command lines (the contracts with the node packages):
-- reference prefill: `pdcluster prefill --model PRESET --tp W --port P --host H`
-- reference decode:  `pdcluster decode --model PRESET (--tp B | --dcp W) --port P --host H --pool NAME`
+- reference prefill: `pdcluster prefill --model PRESET|DIR --tp W --port P --host H`
+- reference decode:  `pdcluster decode --model PRESET|DIR (--tp B | --dcp W) --port P --host H --pool NAME`
   (`device: cuda`: both add `--device cuda` and get CUDA_VISIBLE_DEVICES of their GPUs from `assign_gpus`)
   with the pool's `settings` as the role's environment (`settings_env`: `{kv: {ucx_tls: tcp}}` ->
   `PREFILL_KV__UCX_TLS=tcp`); the pool's `env` wins over it, its `extra_args` flags over both.
@@ -185,12 +185,13 @@ def settings_env(prefix: str, settings: dict[str, Any]) -> dict[str, str]:
 
 
 def served_model_name(config: ClusterConfig, pool: PoolSpec | None = None) -> str:
-    """The model id clients send: the preset name, or for vLLM the served name (default: the dir's name)."""
+    """The model id clients send: the reference model as given (a preset name; a checkpoint directory without
+    trailing slashes, as its nodes serve it), or for vLLM the served name (default: the dir's name)."""
     model = config.model_of(pool) if pool else config.model
     engine = config.engine_of(pool) if pool else config.engine
     if engine == "vllm":
         return config.vllm.served_model_name or Path(model).name
-    return model
+    return model.rstrip("/") or model
 
 
 def _vllm_argv(config: ClusterConfig, pool: PoolSpec, port: int, python: str) -> tuple[str, ...]:

@@ -147,6 +147,12 @@ def served_weights_fingerprint(model_cfg: Any, seed: int, tokenizer: Any) -> str
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
+def served_model_id(model: str) -> str:
+    """The id a node serves its model under: `--model` as given, a directory's trailing slashes removed (as vLLM
+    serves a path; cluster/plan.py `served_model_name` gives clients the same)."""
+    return model.rstrip("/") or model
+
+
 def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int,
                   handoff: Callable[[Executor, NodeMetrics], H]) -> NodeRuntime[H]:
     """Spawn the ranks (blocking until ready) and assemble the runtime; `handoff(executor, metrics)` builds the
@@ -165,7 +171,7 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int,
     head: RankInfo = executor.startup_info[0]
     log.info("%s node: %d rank(s) on %s, kernels %s", config.role, world_size, config.engine.device,
              head.kernels)
-    metrics = NodeMetrics(config.engine.model, config.role)
+    metrics = NodeMetrics(served_model_id(config.engine.model), config.role)
     metrics.set_cache_info(CacheInfo(block_size=head.block_size, cache_dtype=head.cache_dtype,
                                      num_gpu_blocks=head.num_rows, layout_fingerprint=head.layout_fingerprint,
                                      tp_size=config.engine.tp_size, dcp_size=config.engine.dcp_size,
@@ -180,4 +186,4 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int,
         executor.stop()
         raise
     return NodeRuntime(executor=executor, tokenizer=tokenizer, limits=limits, metrics=metrics,
-                       model=config.engine.model, role=config.role, handoff=owner, weights_fingerprint=fingerprint)
+                       model=served_model_id(config.engine.model), role=config.role, handoff=owner, weights_fingerprint=fingerprint)

@@ -45,7 +45,7 @@ def test_helm_spelling_maps_onto_the_schema():
 
 
 def test_overrides_replace_engine_model_and_port_everywhere():
-    config = parse_config({"pools": [dict(PREFILL, engine="reference", model="a"), DECODE]})
+    config = parse_config({"pools": [dict(PREFILL, engine="reference", model="kimi-k3.1-pro"), DECODE]})
     changed = with_overrides(config, engine="vllm", model="/models/tiny", router_port=9100)
     assert changed.router.port == 9100
     assert {changed.engine_of(p) for p in changed.pools} == {"vllm"}
@@ -68,6 +68,8 @@ BAD = {
     "port-twice": ({"pools": [dict(PREFILL, ports=[8000]), DECODE]}, "ports used more than once: 8000", ""),
     "engine": ({"engine": "trt", "pools": [PREFILL, DECODE]}, "engine", "'trt'"),
     "pools-missing": ({"model": "kimi-k3.1-mini"}, "pools: Field required", ""),
+    "unknown-model": ({"model": "kimi-k9", "pools": [PREFILL, DECODE]}, "pool 'prefill': model 'kimi-k9'",
+                      "unknown model preset"),
     "prefill-capacity": ({"pools": [dict(PREFILL, max_context_tokens=10), DECODE]}, "decode pools only", ""),
     "settings-unknown-kv": ({"pools": [dict(PREFILL, settings={"kv": {"ucx_tlss": "tcp"}}), DECODE]},
                             "pools[0]", "settings.kv.ucx_tlss"),
@@ -100,3 +102,17 @@ def test_files_that_are_not_configs(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="a mapping with a `pools` list, got list"):
         load_config(tmp_path / "list.yaml")
+
+
+def test_up_model_dir_puts_one_checkpoint_on_every_pool(tmp_path):
+    from cluster.cli import build_parser, resolve_config
+    from cluster.plan import served_model_name
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text('{"model_type": "pdcluster_k3"}')
+    config = resolve_config(build_parser().parse_args(["--model", f"{checkpoint}/"]))
+    assert config.engine == "reference" and {config.model_of(p) for p in config.pools} == {f"{checkpoint}/"}
+    assert served_model_name(config) == str(checkpoint)  # the nodes' id: the directory without trailing slashes
+    with pytest.raises(ConfigError, match="no config.json"):
+        resolve_config(build_parser().parse_args(["--model", str(tmp_path)]))
