@@ -81,6 +81,16 @@ class CacheCounters:
     """Import blocks this node already held."""
 
 
+def block_bytes(tokens: Sequence[int]) -> bytes:
+    """The bytes a block's key hashes: 4 little-endian bytes per token id. A token sequence that encodes itself
+    (a `key_bytes()` method, injective on the token sequences it represents: the simulator's run-length prompts,
+    sim/tokens.py) supplies its own, so a key costs what its encoding costs rather than a loop over tokens."""
+    encode = getattr(tokens, "key_bytes", None)
+    if encode is not None:
+        return encode()
+    return b"".join(int(t).to_bytes(4, "little") for t in tokens)
+
+
 def chain_keys(tokens: Sequence[int], block_tokens: int, num_blocks: int, fingerprint: bytes,
                parent: bytes = ROOT, first: int = 0) -> list[bytes]:
     """Keys of blocks first..num_blocks-1 of `tokens`, chained from `parent` (the key of block first-1)."""
@@ -89,7 +99,7 @@ def chain_keys(tokens: Sequence[int], block_tokens: int, num_blocks: int, finger
         h = hashlib.blake2b(digest_size=16)
         h.update(parent)
         h.update(fingerprint)
-        h.update(b"".join(int(t).to_bytes(4, "little") for t in tokens[k * block_tokens:(k + 1) * block_tokens]))
+        h.update(block_bytes(tokens[k * block_tokens:(k + 1) * block_tokens]))
         parent = h.digest()
         keys.append(parent)
     return keys

@@ -273,3 +273,20 @@ def test_cache_off_reuses_nothing() -> None:
     assert second[0].num_cached_tokens == 0
     report = engine.cache_report()
     assert report.blocks_cached == 0 and report.sessions == ()
+
+
+def test_block_bytes_of_ids_and_of_a_self_encoding_sequence() -> None:
+    from engine.prefix_cache import block_bytes, chain_keys
+
+    assert block_bytes([1, 256, 70000]) == b"\x01\x00\x00\x00\x00\x01\x00\x00\x70\x11\x01\x00"
+
+    class Encoded(list):
+        def key_bytes(self) -> bytes:
+            return b"runs:" + bytes(len(self))
+
+        def __getitem__(self, index):  # noqa: ANN001 - slices stay self-encoding, as the simulator's do
+            got = super().__getitem__(index)
+            return Encoded(got) if isinstance(index, slice) else got
+
+    assert block_bytes(Encoded([5, 6])) == b"runs:\x00\x00"
+    assert chain_keys(Encoded([5, 6]), 2, 1, b"fp") != chain_keys([5, 6], 2, 1, b"fp")
