@@ -7,15 +7,20 @@ run, whichever package its tests live in, and stopped right after the last test 
     def test_y(vllm_cluster): ...    # `pdcluster up --engine vllm`: the run's one vLLM producer/consumer pair
     def test_z(vllm_pd_pair): ...    # that pair's two servers, (prefill, decode), for tests that bring a router
     def test_w(decode_tp2): ...      # a TP=2 reference decode node peered with `cluster`'s prefill node
+    def test_v(checkpoint_cluster): ...  # `cluster`'s shape serving a tiny transformers checkpoint (--model DIR)
 
 `cluster`: router, prefill pool (TP=2, token-sharded prefill), decode pools `tp` (TP=1, capacity TP_POOL_CAPACITY
-tokens for placement) and `dcp` (DCP=2: long sessions) on kimi-k3.1-mini, reference engine, free ports. Tests that talk to its nodes directly (P -> D
+tokens for placement) and `dcp` (DCP=2: long sessions) on kimi-k3.1-mini, reference engine, free ports.
+`checkpoint_cluster`: the same shape on the checkpoint `CHECKPOINT_SPEC` names (tests/checkpoints.py: built by
+transformers, with the BPE tokenizer of tests/checkpoint_tokenizer.py beside it), every pool loading its files.
+Both come from `_shared_cluster(name, model)`, one running topology per model spec. Tests that talk to its nodes directly (P -> D
 hand-offs without the router) use `cluster.node(...)` URLs; a hand-off signed by its prefill node is accepted by
 its decode nodes as from the router. `PDCLUSTER_E2E_CONFIG=FILE.yaml` runs another topology (same pool names).
 
 Order (`pytest_collection_modifyitems`): the vLLM pair's users first and VLLM_STOP_TEST last among them (so the
 vLLM servers never share the two cores with our nodes), then `cluster`'s users with the fault tests last (they
-kill and restart nodes), then every other test in collection order. A shared topology stops in the teardown of
+kill and restart nodes), then `checkpoint_cluster`'s (so no two clusters run at once), then every other test in
+collection order. A shared topology stops in the teardown of
 its last test (the session's end otherwise), so no idle cluster sits beside the tests that follow. Tests that
 kill, drain or reconfigure nodes beyond what they restore start their own (tests/node/nodes.py).
 """
@@ -84,8 +89,11 @@ VLLM_CONFIG = {
 }
 VLLM_STOP_TEST = "test_vllm_cluster_stops_cleanly"
 FAULT_MODULE = "test_faults_cluster"
-SHARED = ("vllm_cluster", "cluster")
+SHARED = ("vllm_cluster", "cluster", "checkpoint_cluster")
 """The shared topologies, in the order their users run."""
+CHECKPOINT_SPEC = ("kimi-mix", "save_bpe_tokenizer")
+"""`checkpoint_cluster`'s model: a tests/checkpoints.py kind (KDA and MLA layers interleaved, MoE with shared
+experts and grouped top-k) and the tests/checkpoint_tokenizer.py function that writes its tokenizer."""
 
 _last_user: dict[str, str] = {}
 """Shared fixture -> node id of the last selected test that uses it."""
@@ -101,7 +109,9 @@ def _group(item: pytest.Item) -> int:
         return 0
     if "cluster" in names:
         return 3 if Path(str(item.fspath)).stem == FAULT_MODULE else 2
-    return 4
+    if "checkpoint_cluster" in names:
+        return 4
+    return 5
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -125,23 +135,47 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
                 _stoppers.pop(name)()
 
 
+def _shared_cluster(name: str, config, log_dir: Path) -> Iterator:
+    """Start `config` as the shared topology `name`; yields its ClusterHandle, stopped after its last user."""
+    from cluster.launcher import Cluster
+    from tests.e2e.harness import ClusterHandle
+
+    handle = ClusterHandle(Cluster(config, log_dir, python=sys.executable).start())
+    _stoppers[name] = handle.stop
+    try:
+        yield handle
+    finally:
+        _stoppers.pop(name, None)
+        handle.stop()
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     """The reference cluster; `PDCLUSTER_E2E_CONFIG=FILE.yaml` runs another topology (same pool names)."""
     from cluster.config import load_config, parse_config
-    from cluster.launcher import Cluster
-    from tests.e2e.harness import ClusterHandle
 
-    log_dir = tmp_path_factory.mktemp("cluster-logs")
     override = os.environ.get("PDCLUSTER_E2E_CONFIG")
     config = load_config(override) if override else parse_config(E2E_CONFIG, "tests/topologies.py")
-    handle = ClusterHandle(Cluster(config, log_dir, python=sys.executable).start())
-    _stoppers["cluster"] = handle.stop
-    try:
-        yield handle
-    finally:
-        _stoppers.pop("cluster", None)
-        handle.stop()
+    yield from _shared_cluster("cluster", config, tmp_path_factory.mktemp("cluster-logs"))
+
+
+def checkpoint_model_dir() -> Path:
+    """The directory `checkpoint_cluster` serves (built by transformers once per process)."""
+    from tests import checkpoint_tokenizer
+    from tests.checkpoints import checkpoint_dir
+
+    kind, tokenizer = CHECKPOINT_SPEC
+    return checkpoint_dir(kind, tokenizer=getattr(checkpoint_tokenizer, tokenizer))
+
+
+@pytest.fixture(scope="session")
+def checkpoint_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """`cluster`'s shape (P TP=2 -> D `tp` TP=1 / `dcp` DCP=2) on `CHECKPOINT_SPEC`'s checkpoint: `pdcluster up
+    --model DIR`."""
+    from cluster.config import parse_config
+
+    config = parse_config({**E2E_CONFIG, "model": str(checkpoint_model_dir())}, "tests/topologies.py")
+    yield from _shared_cluster("checkpoint_cluster", config, tmp_path_factory.mktemp("checkpoint-cluster-logs"))
 
 
 @pytest.fixture(scope="session")

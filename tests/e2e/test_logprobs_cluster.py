@@ -17,6 +17,9 @@ The same seed gives the same tokens on every path (asserted too).
 
 A second test: streaming and non-streaming answers carry the same log-probs (chat and completions, same
 seed), and greedy answers' `top_logprobs` hold the sampled token as the most likely one.
+
+Both run on `checkpoint_cluster` too (the same topology serving a tiny transformers checkpoint with its own
+BPE tokenizer and chat template: tests/topologies.py), with CHECKPOINT_PROMPTS prompts per job (the suite's time).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine.model.tokenizer import ByteTokenizer
+from engine.model.tokenizer import ByteTokenizer, load_tokenizer
 from tests.topologies import LONG_POOL, TP_POOL_CAPACITY
 from tests.e2e.harness import choice_token_ids
 
@@ -40,9 +43,14 @@ WORDS = "agent tool patch diff cache decode prefill router shard rank review bui
 SAMPLINGS = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.8}}
 
 
-def _prompt_ids(i: int) -> list[int]:
+CHECKPOINT_PROMPTS = 4
+
+
+def _prompt_ids(i: int, model: str = "") -> list[int]:
+    """Prompt i as token ids of the served model's tokenizer (the byte tokenizer of a preset, or a checkpoint's)."""
     words = " ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(3 + i % 4))
-    return ByteTokenizer().encode(f"{i}: {words}")
+    tokenizer = load_tokenizer(model) if model else ByteTokenizer()
+    return tokenizer.encode(f"{i}: {words}")
 
 
 def _pool_headers(pool: str) -> dict[str, str]:
@@ -61,7 +69,7 @@ def _completion(client, pool: str, **kwargs):
 
 
 def _generate(client, model: str, pool: str, mode: str, sampling: str, i: int) -> dict:
-    prompt = _prompt_ids(i)
+    prompt = _prompt_ids(i, model)
     extra = {"seed": 1000 + i} if sampling == "sampled" else {}
     result, headers = _completion(client, pool, model=model, prompt=prompt, max_tokens=MAX_TOKENS, logprobs=TOP,
                                   echo=mode == "colocated", **SAMPLINGS[sampling], **extra)
@@ -85,8 +93,22 @@ def _score(client, model: str, pool: str, prompt: list[int], answer: list[int]) 
 
 @pytest.mark.parametrize("pool", POOLS)
 def test_served_logprobs_equal_teacher_forcing(cluster, pool):
+    _check_teacher_forcing(cluster, pool, NUM_PROMPTS)
+
+
+@pytest.mark.xfail(strict=True, reason="engine numerics (issue #33 item 3, not this test): on the kimi-mix "
+                   "checkpoint a position's prefill log-prob depends on the prompt's length by an ulp even on one rank "
+                   "(served -3.711829423904419, echo -3.7118287086486816); the presets are exact. Drop this mark when "
+                   "the checkpoint's ops are length-invariant (strict: a pass fails the run until then)")
+@pytest.mark.parametrize("pool", POOLS)
+def test_checkpoint_served_logprobs_equal_teacher_forcing(checkpoint_cluster, pool):
+    _check_teacher_forcing(checkpoint_cluster, pool, CHECKPOINT_PROMPTS)
+
+
+def _check_teacher_forcing(cluster, pool: str, num_prompts: int) -> None:
+    """Every job's served log-probs equal the teacher-forced `echo` scoring on the other pool (module docstring)."""
     client = cluster.client()
-    jobs = [(mode, sampling, i) for mode in ("pd", "colocated") for sampling in SAMPLINGS for i in range(NUM_PROMPTS)]
+    jobs = [(mode, sampling, i) for mode in ("pd", "colocated") for sampling in SAMPLINGS for i in range(num_prompts)]
     with ThreadPoolExecutor(WORKERS) as workers:
         answers = list(workers.map(lambda job: _generate(client, cluster.model, pool, *job), jobs))
         scores = list(workers.map(lambda a: _score(client, cluster.model, _other(pool), a["prompt"], a["answer"]),
@@ -104,7 +126,7 @@ def test_served_logprobs_equal_teacher_forcing(cluster, pool):
     assert not mismatches, f"{len(mismatches)} served log-probs differ from teacher forcing: {mismatches[:5]}"
     by_job = {a["key"][1:]: a["answer"] for a in answers}
     for sampling in SAMPLINGS:
-        for i in range(NUM_PROMPTS):
+        for i in range(num_prompts):
             assert by_job[("pd", sampling, i)] == by_job[("colocated", sampling, i)], \
                 f"{pool} {sampling} prompt {i}: P->D and colocated answers differ"
 
@@ -126,9 +148,18 @@ def _completion_logprobs(choices) -> list[tuple]:
 
 @pytest.mark.parametrize("pool", POOLS)
 def test_streamed_logprobs_equal_non_streamed_and_greedy_tops_hold_the_sampled_token(cluster, pool):
+    _check_streamed_logprobs(cluster, pool, 4)
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_checkpoint_streamed_logprobs_equal_non_streamed(checkpoint_cluster, pool):
+    _check_streamed_logprobs(checkpoint_cluster, pool, CHECKPOINT_PROMPTS // 2)
+
+
+def _check_streamed_logprobs(cluster, pool: str, num_prompts: int) -> None:
     client = cluster.client()
     headers = _pool_headers(pool)
-    for i in range(4):
+    for i in range(num_prompts):
         text = f"{i}: " + " ".join(WORDS[i:i + 4])
         for sampling, params in SAMPLINGS.items():
             extra = {**params, **({"seed": 7 + i} if sampling == "sampled" else {})}
