@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import orjson
 
 from router.admission import PoolFull, is_node_shed
-from router.placement import NoPlacement, RequestShape, SessionRecord, place
+from router.placement import NoPlacement, Placement, RequestShape, SessionRecord, place
 from router.session_routing import after_turn, expected_growth, identify, prompt_estimate, rewrite_usage, \
     with_cached_tokens
 from router.proxy import Orchestrator, RequestContext, UpstreamReply, upstream_message
@@ -67,17 +67,12 @@ def _shape(state: RouterState, headers: Mapping[str, str], body: dict, session_k
                         expected_growth_tokens=expected_growth(headers, s.session_growth_tokens))
 
 
-def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint, raw: bytes,
-             started: float) -> RequestContext:
+def place_request(state: RouterState, shape: RequestShape, now: float, scores_prompt: bool = False) -> Placement:
+    """Place one validated request at `now` (monotonic seconds): the session's record, a registry snapshot and
+    the cache view into `place`; a slot of the pool's admission taken (PoolFull: shed before any node or session
+    is touched); the session's record written. No I/O: the cluster simulator (sim/) calls it with its own clock.
+    503 (APIError) when no decode instance can take it."""
     s = state.settings
-    state.api_keys.tenant(headers.get("authorization"))  # 401 before the body is parsed
-    body = parse_body(raw, s.max_body_bytes)
-    session_key = identify(state, headers, body)  # 400 for an oversized session id, whatever else is wrong
-    valid = validate(body, endpoint, state.registry.known_model_ids(), s.max_tokens_limit)
-    if valid.body["model"] not in state.registry.served_model_ids():
-        raise NoHealthyInstance(valid.body["model"])
-    shape = _shape(state, headers, valid.body, session_key)
-    now = time.monotonic()
     session = state.sessions.get(shape.session_id, now) if shape.session_id else None
     instances = state.registry.snapshot()
     try:
@@ -88,12 +83,26 @@ def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint,
                           resumable=state.cache_view.resumable(shape.session_id))
     except NoPlacement as exc:
         raise APIError(503, f"no decode instance available: {exc}") from None
-    if valid.scores_prompt and placement.disaggregate:  # prompt log-probs come from the prompt's own prefill
+    if scores_prompt and placement.disaggregate:  # prompt log-probs come from the prompt's own prefill
         placement = replace(placement, disaggregate=False, reason=f"{placement.reason}; colocated: scores the prompt")
-    state.admission.enter(placement.pool)  # PoolFull: shed before any node or session is touched
+    state.admission.enter(placement.pool)
     if shape.session_id:
         known_tokens = max(shape.prompt_tokens, session.context_tokens if session else 0)
         state.sessions.put(SessionRecord(shape.session_id, placement.pool, placement.decode, known_tokens, now))
+    return placement
+
+
+def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint, raw: bytes,
+             started: float) -> RequestContext:
+    s = state.settings
+    state.api_keys.tenant(headers.get("authorization"))  # 401 before the body is parsed
+    body = parse_body(raw, s.max_body_bytes)
+    session_key = identify(state, headers, body)  # 400 for an oversized session id, whatever else is wrong
+    valid = validate(body, endpoint, state.registry.known_model_ids(), s.max_tokens_limit)
+    if valid.body["model"] not in state.registry.served_model_ids():
+        raise NoHealthyInstance(valid.body["model"])
+    shape = _shape(state, headers, valid.body, session_key)
+    placement = place_request(state, shape, time.monotonic(), valid.scores_prompt)
     # Always the router's own id: a client-chosen one could collide with (and abort) another request.
     request_id = state.next_request_id()
     return RequestContext(request_id=request_id, path=PATHS[endpoint], valid=valid, shape=shape,
