@@ -1,6 +1,7 @@
 """Tokenizers trained in the test run and saved beside tiny checkpoints, as a checkpoint ships them.
 
     save_bpe_tokenizer(dir)        # tokenizer.json (byte-level BPE, BOS post-processor) + tokenizer_config.json
+    save_bpe_tokenizer_without_template(dir)   # the same without a chat template
     save_tiktoken_tokenizer(dir)   # tiktoken.model (Kimi's format) + tokenizer_config.json with added specials
 
 Both are trained on `CORPUS` (English, accented Latin, Chinese, emoji), so rare multi-byte characters stay split
@@ -23,7 +24,8 @@ TIKTOKEN_BASE = 300
 TIKTOKEN_SPECIALS = {TIKTOKEN_BASE: "[BOS]", TIKTOKEN_BASE + 1: "[EOS]", TIKTOKEN_BASE + 2: "<|im_start|>",
                      TIKTOKEN_BASE + 3: "<|im_end|>", TIKTOKEN_BASE + 4: "<|im_middle|>"}
 TIKTOKEN_VOCAB_SIZE = TIKTOKEN_BASE + 256
-"""Kimi reserves 256 special ids after the BPE ranks."""
+"""Kimi reserves 256 special ids after the BPE ranks: a checkpoint carrying this tokenizer needs a vocab_size of at
+least 556 (a node refuses a tokenizer with more ids than its model)."""
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. The agent reads the file, patches the diff and runs the tests.",
@@ -74,6 +76,11 @@ def save_bpe_tokenizer(directory: Path, chat_template: str | None = CHAT_TEMPLAT
         config["chat_template"] = chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return directory
+
+
+def save_bpe_tokenizer_without_template(directory: Path) -> Path:
+    """`save_bpe_tokenizer` with no chat template (such a checkpoint serves completions only)."""
+    return save_bpe_tokenizer(directory, chat_template=None)
 
 
 def save_tiktoken_tokenizer(directory: Path) -> Path:

@@ -112,3 +112,28 @@ def _partial(raw: bytes) -> bool:
     except UnicodeDecodeError:
         return True
     return False
+
+
+def test_weights_fingerprint_tells_checkpoints_apart_not_their_paths(tmp_path):
+    """What the router pairs by (node/runtime.py `served_weights_fingerprint`): another checkpoint or another
+    tokenizer beside the same weights differ; a copy of the same files elsewhere does not."""
+    pytest.importorskip("transformers", reason="tests/checkpoints.py builds checkpoints with transformers")
+    import shutil
+
+    from engine.model.config import resolve_model
+    from node.runtime import served_weights_fingerprint
+    from tests.checkpoint_tokenizer import save_bpe_tokenizer_without_template
+    from tests.checkpoints import checkpoint_dir
+
+    def fingerprint(directory) -> str:
+        cfg = resolve_model(str(directory))
+        return served_weights_fingerprint(cfg, 0, load_tokenizer(cfg))
+
+    mix = checkpoint_dir("kimi-mix", tokenizer=save_bpe_tokenizer)
+    copy = shutil.copytree(mix, tmp_path / "elsewhere" / "copy")
+    other_weights = checkpoint_dir("kimi-dense-shared", tokenizer=save_bpe_tokenizer)
+    other_tokenizer = checkpoint_dir("kimi-mix", tokenizer=save_bpe_tokenizer_without_template)
+    assert fingerprint(mix) == fingerprint(copy)
+    assert len({fingerprint(mix), fingerprint(other_weights), fingerprint(other_tokenizer)}) == 3
+    assert served_weights_fingerprint(resolve_model("kimi-k3.1-mini"), 0, load_tokenizer(
+        resolve_model("kimi-k3.1-mini"))) != fingerprint(mix)
