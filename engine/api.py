@@ -94,7 +94,11 @@ class EngineConfig:
     constructed."""
 
     model: str = "kimi-k3.1-mini"
-    """Preset name (engine.model.config.PRESETS)."""
+    """Preset name (engine.model.config.PRESETS), ModelConfig .json file, or checkpoint directory
+    (engine.model.config.resolve_model)."""
+    exact_index_scores: bool = False
+    """Score the DSA indexer exactly (fp32 index keys, no FP8 rounding: index_key_dtype fp32), so selections equal
+    an unquantised implementation's; off: FP8 index keys as the model config says."""
     seed: int = DEFAULT_SEED
     """Random-init seed of the weights (every process with the same seed has the same weights)."""
     weights: str | None = None

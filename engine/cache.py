@@ -72,8 +72,11 @@ class _Quarantined:
 
 class RowPool:
     def __init__(self, layout: RowLayout, cfg: ModelConfig, num_rows: int, device: str | torch.device = "cpu") -> None:
-        if cfg.latent_dtype != "fp8" or cfg.index_key_dtype != "fp8" or layout.latent_format != "fp8":
-            raise ValueError("the reference engine computes with FP8 latents and FP8 index keys only")
+        if (cfg.latent_dtype, cfg.index_key_dtype) != (layout.latent_format, layout.index_key_format) or \
+                cfg.latent_dtype not in ("fp8", "fp32") or cfg.index_key_dtype not in ("fp8", "fp32"):
+            raise ValueError("the reference engine computes with fp8 or fp32 latents and index keys, as the model "
+                             f"config says; got latent {cfg.latent_dtype} / index key {cfg.index_key_dtype}, layout "
+                             f"{layout.latent_format} / {layout.index_key_format}")
         if cfg.ssm_state_bytes != 4 or cfg.conv_state_bytes not in (2, 4):
             raise ValueError("the row pool keeps the KDA recurrent state in fp32 (ssm_state_bytes = 4) and the conv "
                              "state in fp32 or bf16 (conv_state_bytes = 4 or 2)")
@@ -241,7 +244,7 @@ class RowPool:
         sb = sb * lay.subblocks_per_row + pages % lay.subblocks_per_row
         latent = self._pages(dsa_layer, index=False)[sb].reshape(-1, lay.latent_bytes)[:num_local_tokens]
         entry = self._pages(dsa_layer, index=True)[sb].reshape(-1, lay.index_bytes)[:num_local_tokens]
-        key_dim = self.cfg.index_head_dim
+        key_dim = self.cfg.index_key_value_bytes
         scale = entry[:, key_dim : key_dim + 4].contiguous().view(torch.float32).view(-1)
         return CachedAttention(latent, entry[:, :key_dim], scale)
 
@@ -272,7 +275,7 @@ class RowPool:
         batch = len(tables)
         latent = self._pages(dsa_layer, index=False)[sb_all].reshape(batch, -1, lay.latent_bytes)
         entry = self._pages(dsa_layer, index=True)[sb_all].reshape(batch, -1, lay.index_bytes)
-        key_dim = self.cfg.index_head_dim
+        key_dim = self.cfg.index_key_value_bytes
         scale = entry[..., key_dim : key_dim + 4].contiguous().view(torch.float32).view(batch, -1)
         return CachedAttention(latent, entry[..., :key_dim], scale)
 

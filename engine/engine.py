@@ -134,7 +134,7 @@ class Engine:
         quarantines are measured in."""
         self.config = config
         self.clock = clock
-        self.model_config: ModelConfig = resolve_model(config.model)
+        self.model_config: ModelConfig = resolve_model(config.model, config.exact_index_scores)
         self.model = model if model is not None else build_model(self.model_config, config.seed, config.weights,
                                                                  device=config.device)
         self.tokenizer = ByteTokenizer()
@@ -169,6 +169,11 @@ class Engine:
         runs = getattr(model, "parallelism", None) if hasattr(model, "fast_kernels") else (
             "single" if (model is None or isinstance(model, KimiModel)) and make_cache is None else None)
         name = type(model).__name__
+        from engine.fast.support import fast_unsupported
+
+        lacks = fast_unsupported(self.model_config)
+        if lacks is not None:
+            return lacks
         if runs is None:
             return f"the engine's model ({name}{' with its own cache views' if make_cache else ''}) has no fast path"
         if runs != self._parallelism:

@@ -60,8 +60,8 @@ from dataclasses import asdict, dataclass
 
 from engine.model.config import ModelConfig
 
-LATENT_FORMATS = ("fp8", "nvfp4")
-INDEX_KEY_FORMATS = ("fp8", "mxfp4")
+LATENT_FORMATS = ("fp8", "fp32", "nvfp4")
+INDEX_KEY_FORMATS = ("fp8", "fp32", "mxfp4")
 LAYOUT_VERSION = 1
 
 
@@ -77,6 +77,8 @@ def latent_bytes_per_token(cfg: ModelConfig, fmt: str) -> int:
     """Cached latent bytes of one token in one DSA layer."""
     if fmt == "fp8":
         return cfg.kv_lora_rank + cfg.qk_rope_dim
+    if fmt == "fp32":
+        return 4 * (cfg.kv_lora_rank + cfg.qk_rope_dim)
     if fmt == "nvfp4":
         if cfg.kv_lora_rank % 16:
             raise ValueError(f"nvfp4 latent needs kv_lora_rank % 16 == 0, got {cfg.kv_lora_rank}")
@@ -89,6 +91,8 @@ def index_key_bytes_per_token(cfg: ModelConfig, fmt: str) -> int:
     d = cfg.index_head_dim
     if fmt == "fp8":
         return d + 4 * -(-d // 128)
+    if fmt == "fp32":
+        return 4 * d + 4
     if fmt == "mxfp4":
         if d % 2:
             raise ValueError(f"mxfp4 index key needs an even index_head_dim, got {d}")

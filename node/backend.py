@@ -123,7 +123,8 @@ class ReferenceBackend:
         # and fast_tp.py) and a DCP pool (DCPModel: the fast decode of engine/parallel/fast_dcp.py, the reference
         # local prefill, logged at start); on CPU without the Triton interpreter it raises here naming why
         make_cache = None
-        built = build_model(resolve_model(engine_config.model), engine_config.seed, engine_config.weights, device=device)
+        model_cfg = resolve_model(engine_config.model, engine_config.exact_index_scores)
+        built = build_model(model_cfg, engine_config.seed, engine_config.weights, device=device)
         if engine_config.dcp_size > 1:
             model = DCPModel(built, ctx, config.token_shard_min_tokens)
             make_cache = model.make_cache

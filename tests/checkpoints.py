@@ -73,7 +73,7 @@ def deepseek_config(index_topk: int = 16, vocab_size: int = VOCAB_SIZE, num_laye
 
     return DeepseekV32Config(vocab_size=vocab_size, num_hidden_layers=num_layers, q_lora_rank=48,
                              n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-                             index_topk=index_topk, index_head_dim=32, index_n_heads=4, first_k_dense_replace=1,
+                             index_topk=index_topk, index_head_dim=32, index_n_heads=32, first_k_dense_replace=1,
                              routed_scaling_factor=2.5, bos_token_id=1, eos_token_id=2, **_mla_shapes())
 
 

@@ -1,5 +1,6 @@
 """The import arrows of docs/ARCHITECTURE.md hold: no cycles between top-level packages, the two node kinds never
-import each other, the engine imports nothing above it, the model never imports the parallel code; inside node/ and
+import each other, the engine imports nothing above it, the model never imports the parallel code, no product package imports
+transformers (the tests' oracle); inside node/ and
 the hand-off's packages the modules form a DAG, and node/ knows the KV transport only as its Protocol and holds
 neither half of a hand-off (prefill_node/ exports, decode_node/ imports)."""
 
@@ -52,6 +53,19 @@ def test_packages_import_only_what_the_architecture_allows() -> None:
             if top in ours and top != package and top not in allowed:
                 breaks.append(f"{package} imports {module} ({', '.join(sorted(files))})")
     assert not breaks, "\n".join(breaks)
+
+
+PRODUCT = ("serving", "engine", "kv_transfer", "node", "prefill_node", "decode_node", "router", "cluster", "loadgen",
+           "pdcluster")
+"""Product packages: what ships and runs in a server (tests and benchmarks are not)."""
+
+
+def test_product_code_never_imports_transformers() -> None:
+    """transformers is the tests' oracle (tests/checkpoints.py), never a dependency of what serves a checkpoint."""
+    bad = sorted(f for package in PRODUCT if (REPO_ROOT / package).is_dir()
+                 for module, files in _package_imports(package).items() if module.split(".")[0] == "transformers"
+                 for f in files)
+    assert not bad, f"product code imports transformers: {bad}"
 
 
 def test_model_never_imports_parallel_code() -> None:

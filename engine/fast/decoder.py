@@ -47,6 +47,7 @@ from engine.fast.indexer import select
 from engine.fast.kda import kda_conv_qkv_rows, kda_recurrent_step_rows
 from engine.fast.mla import merge_splits, sparse_mla_decode
 from engine.fast.pages import PageBatch, write_token
+from engine.fast.support import fast_unsupported
 from engine.layout import RowLayout
 from engine.model.kda import KDA
 from engine.model.mla import MLA
@@ -258,6 +259,9 @@ class FastDecoder:
     def __init__(self, model: KimiModel, layout: RowLayout, dtype: torch.dtype = BF16, compile: bool = False) -> None:
         """`dtype`: of the weight copies and GEMM activations (bf16; fp32 lets tests check the structure tightly).
         `compile`: run the torch segments through torch.compile (CUDA; see the module docstring)."""
+        lacks = fast_unsupported(model.cfg)
+        if lacks is not None:
+            raise ValueError(lacks)
         self.model, self.cfg, self.layout, self.dtype = model, model.cfg, layout, dtype
         self.conv_dtype = {4: torch.float32, 2: BF16}[self.cfg.conv_state_bytes]
         self.compiled = compile

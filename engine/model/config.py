@@ -257,18 +257,20 @@ def _pro() -> ModelConfig:
 PRESETS = {"kimi-k3.1-mini": _mini, "kimi-k3.1-pro": _pro}
 
 
-def resolve_model(name: str) -> ModelConfig:
+def resolve_model(name: str, exact_index_scores: bool = False) -> ModelConfig:
     """What `--model` names, everywhere a model is named: a preset name, a ModelConfig JSON file (`*.json`), or a
     checkpoint directory (holding config.json; engine/model/checkpoint.py reads it). A checkpoint's config has
     `checkpoint` set to the directory and `name` (the served model id) to the directory as given, trailing
-    slashes removed, as vLLM serves a path."""
+    slashes removed, as vLLM serves a path. `exact_index_scores` (EngineConfig's): fp32 index keys."""
     if Path(name).is_dir():
         from engine.model.checkpoint import checkpoint_config
 
-        return checkpoint_config(name)
-    if name.endswith(".json"):
-        return ModelConfig.load(name)
-    return get_preset(name)
+        cfg = checkpoint_config(name)
+    elif name.endswith(".json"):
+        cfg = ModelConfig.load(name)
+    else:
+        cfg = get_preset(name)
+    return dataclasses.replace(cfg, index_key_dtype="fp32") if exact_index_scores else cfg
 
 
 def preset_or_file(name: str) -> ModelConfig:

@@ -1,11 +1,15 @@
 """DSA lightning indexer: FP8 index keys, exact index scores, stable causal top-k.
 
-Math (NoPE: no RoPE on the indexer, as K3.1's attention):
-    q^I_{t,h} = Hadamard(W_q qr_t)_h            k^I_s = Hadamard(LayerNorm(W_k x_s))
+Math (K3.1: no RoPE on the indexer; DeepSeek-V3.2: `index_rope` "half" rotates the first qk_rope_dim dims of
+every query head and of the key by their positions, written R_t below):
+    q^I_{t,h} = Hadamard(R_t (W_q qr_t)_h)      k^I_s = Hadamard(R_s LayerNorm(W_k x_s))
     (q^, s^q) = fp8 per head vector             (k^, s^k) = fp8 per token (one fp32 scale per token)
     w_{t,h}   = (W_w x_t)_h * H_I^-1/2 * d_I^-1/2 * s^q_{t,h}
     I_{t,s}   = s^k_s * sum_h w_{t,h} * ReLU(q^_{t,h} . k^_s)      for s <= t
     Sel_t     = the index_topk best s (ties to the lower position); every s <= t when t + 1 <= index_topk
+
+Exact scoring (`index_key_dtype` "fp32"): no rotation, no rounding: q^ and k^ are the fp32 vectors, s^q = s^k
+= 1 (the Hadamard rotation only spreads outliers before FP8; it preserves dot products).
 
 Exactness: e4m3 x e4m3 products are multiples of 2^-18 below 2^18, so a d_I-term dot product in float64 is exact
 and independent of summation order. The rest is element-wise fp32 with the head sum in fixed order, so a
@@ -23,6 +27,7 @@ from torch import nn
 from engine.model.config import ModelConfig
 from engine.model.numerics import (
     RowLinear,
+    apply_rope,
     fp8_quantize_rowwise,
     fp8_to_float,
     hadamard_matrix,
@@ -42,28 +47,47 @@ class Indexer(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         self.num_heads = cfg.index_num_heads
         self.head_dim = cfg.index_head_dim
+        self.is_exact = cfg.index_key_dtype == "fp32"
         self.wq = RowLinear(cfg.q_lora_rank, cfg.index_num_heads * cfg.index_head_dim)
         self.wk = RowLinear(cfg.d_model, cfg.index_head_dim)
-        self.k_norm = nn.LayerNorm(cfg.index_head_dim)
+        self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=cfg.index_norm_eps)
         self.k_norm.requires_grad_(False)
         self.w_proj = RowLinear(cfg.d_model, cfg.index_num_heads)
         self.register_buffer("hadamard", hadamard_matrix(cfg.index_head_dim), persistent=False)
 
-    def keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [R, d] (rows padded) -> (key bytes [R, d_I] uint8, key scale [R] float32)."""
-        k = self.k_norm(self.wk(x)) @ self.hadamard
-        return fp8_quantize_rowwise(k)
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Rotate the first qk_rope_dim dims of x [R, ..., d_I] (index_rope "none": x itself)."""
+        cfg = self.cfg
+        if cfg.index_rope == "none":
+            return x
+        r = cfg.qk_rope_dim
+        return torch.cat([apply_rope(x[..., :r], positions, cfg.index_rope, cfg.rope_theta), x[..., r:]], dim=-1)
 
-    def queries(self, qr: torch.Tensor, x: torch.Tensor) -> IndexQueries:
-        """qr [R, q_lora] (the MLA query latent), x [R, d] -> IndexQueries for R rows."""
+    def keys(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [R, d] (rows padded), positions [R] -> (key bytes [R, d_I] uint8 (fp32: [R, 4 d_I]), scale [R])."""
+        k = self._rope(self.k_norm(self.wk(x)), positions)
+        if self.is_exact:
+            return k.contiguous().view(torch.uint8), torch.ones(k.shape[0])
+        return fp8_quantize_rowwise(k @ self.hadamard)
+
+    def queries(self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor | None = None) -> IndexQueries:
+        """qr [R, q_lora] (the MLA query latent), x [R, d], positions [R] -> IndexQueries for R rows."""
         num_rows = x.shape[0]
-        q = self.wq(qr).view(num_rows, self.num_heads, self.head_dim) @ self.hadamard
-        q_bytes, q_scale = fp8_quantize_rowwise(q)
+        q = self._rope(self.wq(qr).view(num_rows, self.num_heads, self.head_dim), positions)
         const = (self.num_heads * self.head_dim) ** -0.5
+        if self.is_exact:
+            return IndexQueries(q=q, weights=self.w_proj(x) * const)
+        q_bytes, q_scale = fp8_quantize_rowwise(q @ self.hadamard)
         weights = self.w_proj(x) * const * q_scale
         return IndexQueries(q=fp8_to_float(q_bytes), weights=weights)
+
+
+def index_keys_to_float(raw: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Cached index-key value bytes [..., d_I] (fp8) or [..., 4 d_I] (fp32) -> float32 values [..., d_I]."""
+    return raw.contiguous().view(torch.float32) if fmt == "fp32" else fp8_to_float(raw)
 
 
 def index_scores(

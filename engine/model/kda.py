@@ -8,6 +8,7 @@ Per layer, H heads of d = d_k = d_v, gates per channel:
     q, k, v  = SiLU(causal depthwise conv over time (width W) of W_qkv x)     conv state: last W-1 inputs
     q, k     = l2-normalised per head; q *= d^-1/2
     g_t      = lb * sigmoid(exp(A_log_h) * (W_fb W_fa x + dt_bias))   (log decay, in (lb, 0));  beta = sigmoid(W_b x)
+               (kda_gate "softplus", Kimi-Linear: g_t = -exp(A_log_h) * softplus(W_fb W_fa x + dt_bias), in (-inf, 0))
     S_t      = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T ;   o_t = S_t^T q_t
     out      = W_O( RMSNorm_d(o) * sigmoid(W_g x) )
 State per request and layer: S [H, d_k, d_v] fp32 and conv [W-1, 3*H*d] (channels ordered q | k | v, head-major
@@ -69,7 +70,10 @@ class KDA(nn.Module):
         h, d = self.num_heads, self.head_dim
         raw = self.w_fb(self.w_fa(x))
         rate = torch.exp(self.A_log).repeat_interleave(d)
-        g = self.cfg.kda_gate_lower_bound * torch.sigmoid(rate * (raw + self.dt_bias))
+        if self.cfg.kda_gate == "softplus":
+            g = -rate * F.softplus(raw + self.dt_bias)
+        else:
+            g = self.cfg.kda_gate_lower_bound * torch.sigmoid(rate * (raw + self.dt_bias))
         return KDAProjection(
             qkv=self.w_qkv(x),
             gate_out=self.w_g(x),

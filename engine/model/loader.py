@@ -5,10 +5,14 @@
   tensor data is read, the plan must cover every parameter exactly and use every tensor of the files: a missing,
   extra or wrongly shaped tensor is refused by name. DeepSeek's multi-token-prediction layers (index >=
   num_hidden_layers, `num_nextn_predict_layers`) are skipped with one log line.
-- Then the bytes, tensor by tensor, in file order: each file is memory-mapped, a tensor is viewed in place
-  (`torch.frombuffer`, no copy), converted straight into its slice of the parameter (on the parameter's device
-  and dtype), and its pages are released (`madvise(MADV_DONTNEED)`), so resident memory stays close to the
-  parameters' own bytes: no second full copy, no state dict.
+- Then the bytes, tensor by tensor, in file order. A tensor stored exactly as a CPU parameter wants it (same
+  dtype, the whole parameter) becomes that parameter's storage: a read-only, pre-populated memory mapping of its
+  bytes (`zero_copy`: the page cache's own pages, shared by every rank of the node; nothing is copied). Such a
+  parameter is read-only memory: the engine never writes a weight in place (the expert-parallel wrapper and the
+  fast kernels make their own copies), and code that wants to must clone it first. Any other tensor is viewed in place in a mapping of its file (`torch.frombuffer`, no
+  copy), converted straight into its slice of the parameter (on the parameter's device and dtype), and its pages
+  are released (`madvise(MADV_DONTNEED)`). Resident memory stays close to the parameters' own bytes: no second
+  full copy, no state dict.
 - FP8 block-scaled weights (`weight` in float8_e4m3fn + `weight_scale_inv` [ceil(out/b0), ceil(in/b1)], with
   `quantization_config = {"quant_method": "fp8", "weight_block_size": [b0, b1]}`) are dequantized on the way in.
 Every rank of a node runs this on the same files (the page cache serves the second reader).
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -152,6 +157,23 @@ class _Reader:
         self.release(scale_name)
         return raw.float() * full
 
+    def mapped(self, name: str, shape: torch.Size) -> torch.Tensor | None:
+        """The tensor as a private, populated mapping of its own bytes (None when its offset is not aligned to
+        its element size)."""
+        e = self.entries[name]
+        size = torch.empty(0, dtype=e.dtype).element_size()
+        if e.end <= e.start or e.start % size:
+            return None
+        page = mmap.ALLOCATIONGRANULARITY
+        lo = e.start // page * page
+        with open(e.path, "rb") as fh:  # a writable private mapping would be populated by copying every page
+            mm = mmap.mmap(fh.fileno(), e.end - lo, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE, prot=mmap.PROT_READ,
+                           offset=lo)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            view = torch.frombuffer(mm, dtype=e.dtype, count=(e.end - e.start) // size, offset=e.start - lo)
+        return view.view(shape)
+
     def release(self, name: str) -> None:
         e = self.entries[name]
         mm = self.maps.get(e.path)
@@ -166,6 +188,12 @@ class _Reader:
             mm.close()
         for fh in self.files:
             fh.close()
+
+
+def _can_share(piece: Piece, target: torch.Tensor, entries: dict[str, TensorEntry]) -> bool:
+    entry = entries[piece.sources[0]]
+    return (piece.index is None and piece.combine is None and target.device.type == "cpu"
+            and entry.dtype == target.dtype and entry.shape == tuple(target.shape))
 
 
 def fp8_block_size(quantization: dict | None) -> tuple[int, int] | None:
@@ -185,8 +213,9 @@ def fp8_block_size(quantization: dict | None) -> tuple[int, int] | None:
 
 
 def load_pieces(model: KimiModel, pieces: list[Piece], entries: dict[str, TensorEntry], skipped: set[str],
-                block_size: tuple[int, int] | None) -> None:
-    """Check the plan, then fill every parameter, tensor by tensor in file order (module docstring)."""
+                block_size: tuple[int, int] | None, zero_copy: bool = True) -> None:
+    """Check the plan, then fill every parameter, tensor by tensor in file order (module docstring; `zero_copy`
+    False copies every tensor)."""
     check_plan(model, pieces, entries, skipped)
     if skipped:
         log.info("checkpoint: skipping %d tensors of multi-token-prediction layers", len(skipped))
@@ -197,6 +226,11 @@ def load_pieces(model: KimiModel, pieces: list[Piece], entries: dict[str, Tensor
         with torch.no_grad():
             for piece in order:
                 target = params[piece.param] if piece.index is None else params[piece.param][piece.index]
+                if zero_copy and _can_share(piece, target, entries):
+                    shared = reader.mapped(piece.sources[0], target.shape)
+                    if shared is not None:
+                        params[piece.param].data = shared
+                        continue
                 views = [reader.view(s) for s in piece.sources]
                 value = piece.combine(*views) if piece.combine is not None else views[0].reshape(target.shape)
                 if tuple(value.shape) != tuple(target.shape):

@@ -1,22 +1,26 @@
 """Multi-head latent attention (MLA) with the DSA indexer, split into projections and an attention core.
 
-Projections (token-wise, `MLA.project` / `MLA.output`):
-    qr = RMSNorm(W_DQ x)   q = W_UQ qr -> per head [q^C (qk_nope) | q^R (qk_rope)]
-    c  = RMSNorm(W_DKV x)  k^R = W_KR x       cached latent row [c | k^R] (kv_lora + rope values, FP8)
+Projections (token-wise, `MLA.project(x, positions)` / `MLA.output`):
+    qr = RMSNorm(W_DQ x)   q = W_UQ qr -> per head [q^C (qk_nope) | q^R (qk_rope)]   (q_lora_rank 0: q = W_Q x)
+    c  = RMSNorm(W_DKV x)  k^R = W_KR x       cached latent row [c | k^R] (kv_lora + rope values, FP8 or fp32)
     absorbed query q~_h = [W_UK_h^T q^C_h | q^R_h]   (kv_lora + rope dims, one MQA "KV head")
-    out = W_O( (W_UV_h o^lat_h) * sigmoid(W_g x) )
-NoPE: k^R and q^R stay unrotated (K3.1). Softmax scale tau = (qk_nope + qk_rope)^-1/2.
+    out = W_O( (W_UV_h o^lat_h) * sigmoid(W_g x) )     (the gate only with mla_output_gate)
+`mla_rope`: "none" (NoPE: k^R and q^R stay unrotated, K3.1 and Kimi-Linear) or a rotary style (DeepSeek:
+"interleaved"): q^R and k^R are rotated by their token's position before k^R is cached.
+Softmax scale tau = (qk_nope + qk_rope)^-1/2. Without the DSA indexer (`dsa_indexer` false) every query attends
+to every earlier key (`attention_topk`: k = the keys there are).
 
 Attention core (`sparse_attention`): for any subset of query tokens of one request, score the request's cached
 index keys, select the top-k positions per query, and attend in the absorbed form over exactly those cached,
 dequantized latents. Queries run in blocks; each query's keys are gathered into a fixed [k] buffer in ascending
 position order, padded with -inf, so a query's output does not depend on its block or batch.
-The latent cache is FP8 with a per-tensor static scale (`latent_scale`); prefill and decode both attend over the
-quantised values, so prefill -> transfer -> decode agrees with a teacher-forced forward.
+The latent cache is FP8 with a per-tensor static scale (`latent_scale`), or exact fp32 (`latent_dtype`); prefill
+and decode both attend over the cached values, so prefill -> transfer -> decode agrees with a teacher-forced forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +28,7 @@ from torch import nn
 
 from engine.model.config import ModelConfig
 from engine.model.indexer import Indexer, IndexQueries, index_scores, select_topk
-from engine.model.numerics import RMSNorm, RowLinear, fp8_quantize_static, fp8_to_float
+from engine.model.numerics import RMSNorm, RowLinear, apply_rope, cache_encode, cache_decode
 
 QUERY_BLOCK = 256
 
@@ -43,9 +47,9 @@ class MLAProjection:
     """Everything the projections produce for R (padded) rows of tokens."""
 
     q_absorbed: torch.Tensor  # [R, H, kv_lora + rope]
-    latent_bytes: torch.Tensor  # [R, kv_lora + rope] uint8 (FP8)
+    latent_bytes: torch.Tensor  # [R, (kv_lora + rope) * value bytes] uint8 (FP8 or fp32)
     index_queries: IndexQueries
-    index_key_bytes: torch.Tensor  # [R, d_I] uint8 (FP8)
+    index_key_bytes: torch.Tensor  # [R, index_key_value_bytes] uint8 (FP8 or fp32)
     index_key_scale: torch.Tensor  # [R] float32
     gate: torch.Tensor | None  # [R, H * v_head_dim]
 
@@ -55,17 +59,21 @@ class MLA(nn.Module):
         super().__init__()
         self.cfg = cfg
         h, nope, rope, v = cfg.num_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim
-        self.wq_a = RowLinear(cfg.d_model, cfg.q_lora_rank)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_eps)
-        self.wq_b = RowLinear(cfg.q_lora_rank, h * (nope + rope))
+        self.wq_a = RowLinear(cfg.d_model, cfg.q_lora_rank) if cfg.q_lora_rank else None
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_eps) if cfg.q_lora_rank else None
+        self.wq_b = RowLinear(cfg.q_lora_rank or cfg.d_model, h * (nope + rope))
         self.wkv_a = RowLinear(cfg.d_model, cfg.kv_lora_rank + rope)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.rms_eps)
         self.wkv_b = nn.Parameter(torch.empty(h * (nope + v), cfg.kv_lora_rank), requires_grad=False)
         self.wg = RowLinear(cfg.d_model, h * v) if cfg.mla_output_gate else None
         self.wo = RowLinear(h * v, cfg.d_model)
-        self.indexer = Indexer(cfg)
+        self.indexer = Indexer(cfg) if cfg.dsa_indexer else None
         self.softmax_scale = (nope + rope) ** -0.5
         self.latent_scale = cfg.latent_fp8_scale
+
+    def decode_latent(self, raw: torch.Tensor) -> torch.Tensor:
+        """Cached latent bytes [..., C * value bytes] -> float32 [..., C]."""
+        return cache_decode(raw, self.cfg.latent_dtype, self.latent_scale)
 
     def w_uk(self) -> torch.Tensor:
         """[H, qk_nope, kv_lora]"""
@@ -77,27 +85,47 @@ class MLA(nn.Module):
         cfg = self.cfg
         return self.wkv_b.view(cfg.num_heads, cfg.qk_nope_dim + cfg.v_head_dim, -1)[:, cfg.qk_nope_dim :]
 
-    def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [R, d] -> (qr [R, q_lora], q_nope [R, H, nope], q_rope [R, H, rope])."""
+    def queries(self, x: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [R, d], positions [R] -> (qr [R, q_lora] (x itself when q_lora_rank is 0), q_nope [R, H, nope],
+        q_rope [R, H, rope] rotated)."""
         cfg = self.cfg
-        qr = self.q_norm(self.wq_a(x))
+        qr = self.q_norm(self.wq_a(x)) if self.wq_a is not None else x
         q = self.wq_b(qr).view(x.shape[0], cfg.num_heads, cfg.qk_nope_dim + cfg.qk_rope_dim)
-        return qr, q[..., : cfg.qk_nope_dim], q[..., cfg.qk_nope_dim :]
+        q_rope = apply_rope(q[..., cfg.qk_nope_dim :], positions, cfg.mla_rope, cfg.rope_theta)
+        return qr, q[..., : cfg.qk_nope_dim], q_rope
 
-    def latent(self, x: torch.Tensor) -> torch.Tensor:
-        """x [R, d] -> unquantised latent rows [R, kv_lora + rope] = [RMSNorm(c) | k^R]."""
+    def latent(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [R, d], positions [R] -> unquantised latent rows [R, kv_lora + rope] = [RMSNorm(c) | rotated k^R]."""
+        cfg = self.cfg
         kv = self.wkv_a(x)
-        c = self.kv_norm(kv[:, : self.cfg.kv_lora_rank])
-        return torch.cat([c, kv[:, self.cfg.kv_lora_rank :]], dim=-1)
+        c = self.kv_norm(kv[:, : cfg.kv_lora_rank])
+        return torch.cat([c, apply_rope(kv[:, cfg.kv_lora_rank :], positions, cfg.mla_rope, cfg.rope_theta)], dim=-1)
 
-    def project(self, x: torch.Tensor) -> MLAProjection:
-        qr, q_nope, q_rope = self.queries(x)
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> MLAProjection:
+        """x [R, d] (padded rows) at `positions` (the first len(positions) rows' absolute positions; the padding
+        rows get position 0; unused without rotary embeddings) -> every projection of the layer."""
+        cfg = self.cfg
+        pos = None
+        if cfg.mla_rope != "none" or cfg.index_rope != "none":
+            if positions is None:
+                raise ValueError("a rotary MLA needs the rows' positions")
+            pos = torch.zeros(x.shape[0], dtype=torch.int64)
+            pos[: positions.shape[0]] = positions
+        qr, q_nope, q_rope = self.queries(x, pos)
         q_lat = torch.matmul(q_nope.transpose(0, 1), self.w_uk()).transpose(0, 1)  # [R, H, kv_lora]
-        key_bytes, key_scale = self.indexer.keys(x)
+        if self.indexer is not None:
+            key_bytes, key_scale = self.indexer.keys(x, pos)
+            index_queries = self.indexer.queries(qr, x, pos)
+        else:  # dense MLA: the index pages hold zeros and no query scores them
+            key_bytes = torch.zeros(x.shape[0], cfg.index_key_value_bytes, dtype=torch.uint8)
+            key_scale = torch.zeros(x.shape[0])
+            index_queries = IndexQueries(q=torch.zeros(x.shape[0], cfg.index_num_heads, cfg.index_head_dim),
+                                         weights=torch.zeros(x.shape[0], cfg.index_num_heads))
         return MLAProjection(
             q_absorbed=torch.cat([q_lat, q_rope], dim=-1).contiguous(),
-            latent_bytes=fp8_quantize_static(self.latent(x), self.latent_scale),
-            index_queries=self.indexer.queries(qr, x),
+            latent_bytes=cache_encode(self.latent(x, pos), cfg.latent_dtype, self.latent_scale),
+            index_queries=index_queries,
             index_key_bytes=key_bytes,
             index_key_scale=key_scale,
             gate=self.wg(x) if self.wg is not None else None,
@@ -110,6 +138,12 @@ class MLA(nn.Module):
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.wo(o)
+
+
+def attention_topk(cfg: ModelConfig, num_keys: int) -> int:
+    """Keys each query attends to when the longest query sees `num_keys` keys: index_topk with the DSA indexer,
+    all of them without (dense MLA: every query keeps every earlier key and nothing is scored)."""
+    return cfg.index_topk if cfg.dsa_indexer else max(num_keys, 1)
 
 
 def sparse_mla(
@@ -136,14 +170,14 @@ def decode_attention(
     latent_bytes: torch.Tensor,
     index_keys: torch.Tensor,
     index_scale: torch.Tensor,
-    latent_scale: float,
+    decode_latent: Callable[[torch.Tensor], torch.Tensor],
     topk: int,
     softmax_scale: float,
     kv_lora_rank: int,
 ) -> torch.Tensor:
     """One query per request for B requests at once -> o^lat [B, H, kv_lora].
 
-    latent_bytes [B, Lmax, C] uint8 FP8, index_keys [B, Lmax, D] float (e4m3 values), index_scale [B, Lmax]: each
+    latent_bytes [B, Lmax, C] uint8 (cached bytes, made float by `decode_latent`), index_keys [B, Lmax, D] float (e4m3 values), index_scale [B, Lmax]: each
     request's cache padded to the longest (entries past positions[b] are ignored). Every request's result is
     bit-identical to running it alone: the index dots are exact, selection is per row, and the attention is a
     per-request [H, C] x [C, k] product whose kernel does not depend on B.
@@ -160,7 +194,7 @@ def decode_attention(
         scores.mul_(index_scale)
     selected = select_topk(scores, positions, topk)  # [B, k]
     rows = torch.arange(batch).unsqueeze(1)
-    gathered = fp8_to_float(latent_bytes[rows, selected.clamp_min(0)]) * latent_scale  # [B, k, C]
+    gathered = decode_latent(latent_bytes[rows, selected.clamp_min(0)])  # [B, k, C]
     return sparse_mla_gathered(q_absorbed, gathered, selected, softmax_scale, kv_lora_rank)
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.model.config import ModelConfig
-from engine.model.indexer import IndexQueries
+from engine.model.indexer import IndexQueries, index_keys_to_float
 from engine.model.kda import (
     KDA,
     causal_conv,
@@ -31,13 +31,12 @@ from engine.model.kda import (
     kda_sequential,
     kda_recurrent_step,
 )
-from engine.model.mla import MLA, AttentionContext, decode_attention, sparse_attention
+from engine.model.mla import MLA, AttentionContext, attention_topk, decode_attention, sparse_attention
 from engine.model.moe import DenseMLP, MoE
 from engine.model.numerics import (
     RMSNorm,
     RowLinear,
     device_scope,
-    fp8_to_float,
     pad_rows,
     pad_to,
 )
@@ -70,10 +69,11 @@ class Layer(nn.Module):
         )
 
 
-def dequantize_context(cached: CachedAttention, latent_scale: float) -> AttentionContext:
+def dequantize_context(cached: CachedAttention, mla: MLA) -> AttentionContext:
+    """A layer's cached bytes as float values (latent and index-key formats from the model config)."""
     return AttentionContext(
-        latent=fp8_to_float(cached.latent) * latent_scale,
-        index_keys=fp8_to_float(cached.index_key),
+        latent=mla.decode_latent(cached.latent),
+        index_keys=index_keys_to_float(cached.index_key, mla.cfg.index_key_dtype),
         index_scale=cached.index_scale,
     )
 
@@ -136,7 +136,7 @@ class KimiModel(nn.Module):
     def _mla_prefill(
         self, mla: MLA, h: torch.Tensor, num_tokens: int, start: int, cache: SequenceCache, mla_index: int
     ) -> torch.Tensor:
-        proj = mla.project(h)
+        proj = mla.project(h, torch.arange(start, start + num_tokens))
         cache.write_attention(
             mla_index,
             start,
@@ -144,13 +144,13 @@ class KimiModel(nn.Module):
             proj.index_key_bytes[:num_tokens],
             proj.index_key_scale[:num_tokens],
         )
-        ctx = dequantize_context(cache.read_attention(mla_index, start + num_tokens), mla.latent_scale)
+        ctx = dequantize_context(cache.read_attention(mla_index, start + num_tokens), mla)
         o_lat = sparse_attention(
             proj.q_absorbed[:num_tokens],
             _slice_queries(proj.index_queries, 0, num_tokens),
             torch.arange(start, start + num_tokens),
             ctx,
-            self.cfg.index_topk,
+            attention_topk(self.cfg, start + num_tokens),
             mla.softmax_scale,
             self.cfg.kv_lora_rank,
         )
@@ -185,7 +185,7 @@ class KimiModel(nn.Module):
     ) -> torch.Tensor:
         """One MLA + DSA layer for B requests at their positions: write the new rows, score, select, attend."""
         batch = len(caches)
-        proj = mla.project(h)
+        proj = mla.project(h, torch.tensor(positions))
         write_attention_many(caches, mla_index, positions, proj.latent_bytes[:batch], proj.index_key_bytes[:batch],
                              proj.index_key_scale[:batch])
         o_lat = h.new_zeros(h.shape[0], self.cfg.num_heads, self.cfg.kv_lora_rank)
@@ -198,10 +198,10 @@ class KimiModel(nn.Module):
                 _slice_queries(proj.index_queries, lo, hi),
                 torch.tensor(positions[lo:hi]),
                 cached.latent,
-                fp8_to_float(cached.index_key),
+                index_keys_to_float(cached.index_key, self.cfg.index_key_dtype),
                 cached.index_scale,
-                mla.latent_scale,
-                self.cfg.index_topk,
+                mla.decode_latent,
+                attention_topk(self.cfg, max(positions[lo:hi]) + 1),
                 mla.softmax_scale,
                 self.cfg.kv_lora_rank,
             )

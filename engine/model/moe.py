@@ -2,8 +2,12 @@
 
 MoE (SiLU-GLU experts stand in for K3's SiTU/clipup):
     s = sigmoid(W_r x);  Sel = top-k(s + correction_bias) (stable: ties to the lower expert id)
-    w_e = s_e / sum_{Sel} s * routed_scaling_factor    (the bias only picks experts, it never weighs them)
+    w_e = s_e / sum_{Sel} s * routed_scaling_factor    (the bias only picks experts, it never weighs them;
+                                                        moe_renormalize false: w_e = s_e * routed_scaling_factor)
     z = W_down x;  y = W_up(RMSNorm(sum_{e in Sel, ascending e} w_e * expert_e(z))) + shared(x)
+    (moe_latent_dim 0, Kimi-Linear / DeepSeek: z = x and y = sum_e w_e * expert_e(x) + shared(x))
+Grouped top-k (num_expert_groups G > 1, DeepSeek's noaux_tc): the experts form G equal groups; a group scores the
+sum of its two best biased scores; only the topk_groups best groups (stable: ties to the lower group) may be chosen.
 Batch invariance: each expert runs on its gathered tokens padded to a multiple of 16 rows (numerics.ROW_BLOCK), and the chosen experts'
 outputs are added in ascending expert id, so a token's output does not depend on the other tokens in its batch.
 """
@@ -38,9 +42,10 @@ class MoE(nn.Module):
         e, lat, inter = cfg.num_experts, cfg.moe_latent_dim, cfg.moe_intermediate
         self.router = RowLinear(cfg.d_model, e)
         self.correction_bias = nn.Parameter(torch.zeros(e), requires_grad=False)
-        self.w_down_latent = RowLinear(cfg.d_model, lat)
-        self.latent_norm = RMSNorm(lat, cfg.rms_eps)
-        self.w_up_latent = RowLinear(lat, cfg.d_model)
+        self.w_down_latent = RowLinear(cfg.d_model, lat) if lat else None
+        self.latent_norm = RMSNorm(lat, cfg.rms_eps) if lat else None
+        self.w_up_latent = RowLinear(lat, cfg.d_model) if lat else None
+        lat = lat or cfg.d_model
         self.w1 = nn.Parameter(torch.empty(e, inter, lat), requires_grad=False)
         self.w3 = nn.Parameter(torch.empty(e, inter, lat), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, lat, inter), requires_grad=False)
@@ -48,14 +53,29 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [R, d] -> (expert ids [R, k] ascending, weights [R, k])."""
+        cfg = self.cfg
         scores = torch.sigmoid(self.router(x))
-        order = torch.sort(scores + self.correction_bias, dim=-1, descending=True, stable=True).indices
-        ids = torch.sort(order[:, : self.cfg.num_experts_per_tok], dim=-1).values
+        biased = scores + self.correction_bias
+        if cfg.num_expert_groups > 1:
+            biased = mask_groups(biased, cfg.num_expert_groups, cfg.topk_groups)
+        order = torch.sort(biased, dim=-1, descending=True, stable=True).indices
+        ids = torch.sort(order[:, : cfg.num_experts_per_tok], dim=-1).values
         picked = scores.gather(1, ids)
+        if not cfg.moe_renormalize:
+            return ids, picked * cfg.routed_scaling_factor
         total = picked[:, 0]
         for j in range(1, picked.shape[1]):
             total = total + picked[:, j]
-        return ids, picked / total.unsqueeze(1) * self.cfg.routed_scaling_factor
+        return ids, picked / total.unsqueeze(1) * cfg.routed_scaling_factor
+
+    def to_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' input rows: z = W_down x (latent MoE) or x."""
+        return self.w_down_latent(x) if self.w_down_latent is not None else x
+
+    def from_experts(self, mixed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """mixed [R, latent or d] (padded rows) -> the layer output: W_up RMSNorm (latent MoE) + shared(x)."""
+        out = self.w_up_latent(self.latent_norm(mixed)) if self.w_up_latent is not None else mixed
+        return out + self.shared(x) if self.shared is not None else out
 
     def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
         """One routed expert on z [n, latent] (n a multiple of 64)."""
@@ -68,7 +88,7 @@ class MoE(nn.Module):
         num_rows = x.shape[0] if num_rows is None else num_rows
         ids, weights = self.route(x)
         ids, weights = ids[:num_rows], weights[:num_rows]
-        z = self.w_down_latent(x)
+        z = self.to_experts(x)
         slots = torch.zeros(num_rows, ids.shape[1], z.shape[1])
         for e in torch.unique(ids).tolist():
             rows, cols = (ids == e).nonzero(as_tuple=True)
@@ -78,8 +98,19 @@ class MoE(nn.Module):
             mixed = mixed + slots[:, j] * weights[:, j : j + 1]
         full = x.new_zeros(x.shape[0], z.shape[1])
         full[:num_rows] = mixed
-        out = self.w_up_latent(self.latent_norm(full))
-        return out + self.shared(x) if self.shared is not None else out
+        return self.from_experts(full, x)
+
+
+def mask_groups(biased: torch.Tensor, num_groups: int, keep: int) -> torch.Tensor:
+    """Grouped top-k: biased scores [R, E] with every expert outside the `keep` best of `num_groups` groups set
+    to -inf (a group's score: the sum of its two best; ties to the lower group)."""
+    rows, experts = biased.shape
+    grouped = biased.view(rows, num_groups, experts // num_groups)
+    best = torch.topk(grouped, 2, dim=-1).values
+    group_scores = best[..., 0] + best[..., 1]
+    kept = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :keep]
+    allowed = torch.zeros(rows, num_groups, dtype=torch.bool).scatter_(1, kept, True)
+    return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(rows, experts)
 
 
 def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -87,18 +118,26 @@ def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     cfg = moe.cfg
     out = torch.zeros(x.shape[0], cfg.d_model, dtype=torch.float64)
     params = {name: p.double() for name, p in moe.named_parameters()}
+    group_size = cfg.num_experts // cfg.num_expert_groups
     for t in range(x.shape[0]):
         xt = x[t].double()
         scores = torch.sigmoid(params["router.weight"] @ xt)
-        chosen = torch.sort(scores + params["correction_bias"], descending=True, stable=True).indices
-        chosen = chosen[: cfg.num_experts_per_tok]
-        z = params["w_down_latent.weight"] @ xt
-        acc = torch.zeros(cfg.moe_latent_dim, dtype=torch.float64)
-        for e in chosen.tolist():
+        biased = scores + params["correction_bias"]
+        groups = [sorted(biased[g * group_size:(g + 1) * group_size].tolist(), reverse=True)[:2]
+                  for g in range(cfg.num_expert_groups)]
+        ranked = sorted(range(cfg.num_expert_groups), key=lambda g: -sum(groups[g]))[: cfg.topk_groups]
+        allowed = [e for e in range(cfg.num_experts) if e // group_size in ranked]
+        chosen = sorted(allowed, key=lambda e: -float(biased[e]))[: cfg.num_experts_per_tok]
+        z = params["w_down_latent.weight"] @ xt if cfg.moe_latent_dim else xt
+        acc = torch.zeros(z.shape[0], dtype=torch.float64)
+        norm = scores[chosen].sum() if cfg.moe_renormalize else 1.0
+        for e in chosen:
             hidden = F.silu(params["w1"][e] @ z) * (params["w3"][e] @ z)
-            acc += scores[e] / scores[chosen].sum() * cfg.routed_scaling_factor * (params["w2"][e] @ hidden)
-        acc = acc * torch.rsqrt(acc.pow(2).mean() + cfg.rms_eps) * params["latent_norm.weight"]
-        out[t] = params["w_up_latent.weight"] @ acc
+            acc += scores[e] / norm * cfg.routed_scaling_factor * (params["w2"][e] @ hidden)
+        if cfg.moe_latent_dim:
+            acc = acc * torch.rsqrt(acc.pow(2).mean() + cfg.rms_eps) * params["latent_norm.weight"]
+            acc = params["w_up_latent.weight"] @ acc
+        out[t] = acc
         if moe.shared is not None:
             g = F.silu(params["shared.w_gate.weight"] @ xt) * (params["shared.w_up.weight"] @ xt)
             out[t] += params["shared.w_down.weight"] @ g

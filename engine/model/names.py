@@ -39,8 +39,9 @@ def _fold(g_b: torch.Tensor, g_a: torch.Tensor) -> torch.Tensor:
 def public_pieces(model: KimiModel, entries: dict[str, TensorEntry]) -> list[Piece]:
     """kimi_linear / deepseek_v32 names (module docstring)."""
     cfg = model.cfg
+    tied = cfg.tie_embeddings and "lm_head.weight" not in entries  # a tied checkpoint may still store the head
     pieces = [Piece("embed", ("model.embed_tokens.weight",)), Piece("final_norm.weight", ("model.norm.weight",)),
-              Piece("lm_head.weight", ("model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight",))]
+              Piece("lm_head.weight", ("model.embed_tokens.weight" if tied else "lm_head.weight",))]
     for i, layer in enumerate(model.layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         pieces += [Piece(dst + "mixer_norm.weight", (src + "input_layernorm.weight",)),

@@ -133,3 +133,58 @@ def check_row_invariance(weight: torch.Tensor, max_rows: int = 80, seed: int = 0
         ):
             bad.append(rows)
     return bad
+
+
+def rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, dim/2] of positions [N]: angle_i = pos * theta^(-2i/dim), computed in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, style: str, theta: float) -> torch.Tensor:
+    """Rotary embedding of x [N, ..., r] at positions [N]. "interleaved" rotates pairs (x_2i, x_2i+1) and returns
+    them de-interleaved ([rotated evens | rotated odds]: dot products between two rotated vectors are those of
+    the interleaved layout, as DeepSeek's MLA computes them); "half" rotates pairs (x_i, x_{i+r/2}); "none"
+    returns x."""
+    if style == "none":
+        return x
+    cos, sin = rope_angles(positions, x.shape[-1], theta)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    if style == "interleaved":
+        a, b = x[..., 0::2], x[..., 1::2]
+    else:
+        a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def naive_rope(x: torch.Tensor, positions: torch.Tensor, style: str, theta: float) -> torch.Tensor:
+    """Reference: each pair as a complex number times e^(i * angle), float64, pairs put back where `apply_rope`
+    puts them."""
+    if style == "none":
+        return x
+    r = x.shape[-1]
+    pairs = [(2 * i, 2 * i + 1) if style == "interleaved" else (i, i + r // 2) for i in range(r // 2)]
+    out = torch.empty(x.shape, dtype=torch.float64)
+    for n in range(x.shape[0]):
+        for i, (lo, hi) in enumerate(pairs):
+            angle = float(positions[n]) * theta ** (-2.0 * i / r)
+            z = torch.complex(x[n, ..., lo].double(), x[n, ..., hi].double()) * complex(math.cos(angle),
+                                                                                        math.sin(angle))
+            out[n, ..., i], out[n, ..., i + r // 2] = z.real, z.imag
+    return out.to(torch.float32)
+
+
+def cache_encode(x: torch.Tensor, fmt: str, scale: float) -> torch.Tensor:
+    """Rows [..., C] -> the cached bytes: fp8 (static `scale`, [..., C] uint8) or fp32 (exact, [..., 4C])."""
+    if fmt == "fp8":
+        return fp8_quantize_static(x, scale)
+    return x.to(torch.float32).contiguous().view(torch.uint8)
+
+
+def cache_decode(raw: torch.Tensor, fmt: str, scale: float) -> torch.Tensor:
+    """Cached bytes -> float32 values (the inverse of `cache_encode`; fp8 values times `scale`)."""
+    if fmt == "fp8":
+        return fp8_to_float(raw) * scale
+    return raw.contiguous().view(torch.float32)

@@ -24,8 +24,8 @@ from engine.model.config import ModelConfig
 class CachedAttention:
     """Raw cached attention bytes of one request and layer, positions 0..L-1."""
 
-    latent: torch.Tensor  # [L, kv_lora + rope] uint8 (FP8, static scale)
-    index_key: torch.Tensor  # [L, d_I] uint8 (FP8)
+    latent: torch.Tensor  # [L, (kv_lora + rope) * value bytes] uint8 (FP8 with a static scale, or fp32)
+    index_key: torch.Tensor  # [L, index_key_value_bytes] uint8 (FP8 or fp32)
     index_scale: torch.Tensor  # [L] float32
 
 
@@ -59,8 +59,8 @@ class LocalSequenceCache:
 
     def __init__(self, cfg: ModelConfig, capacity: int) -> None:
         n = cfg.num_mla_layers
-        self.latent = torch.zeros(n, capacity, cfg.latent_dim, dtype=torch.uint8)
-        self.index_key = torch.zeros(n, capacity, cfg.index_head_dim, dtype=torch.uint8)
+        self.latent = torch.zeros(n, capacity, cfg.latent_dim * cfg.latent_value_bytes, dtype=torch.uint8)
+        self.index_key = torch.zeros(n, capacity, cfg.index_key_value_bytes, dtype=torch.uint8)
         self.index_scale = torch.zeros(n, capacity)
         self.kda = [KDAState.zeros(cfg) for _ in range(cfg.num_kda_layers)]
 

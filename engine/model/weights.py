@@ -67,9 +67,10 @@ def load_weights(model: KimiModel, path: str | Path) -> None:
             param.copy_(tensors[name])
 
 
-def load_checkpoint(model: KimiModel, directory: str | Path) -> None:
+def load_checkpoint(model: KimiModel, directory: str | Path, zero_copy: bool = True) -> None:
     """Fill every parameter of `model` from the checkpoint directory (engine/model/loader.py: planned and checked
-    first, then read tensor by tensor from memory-mapped files into the parameters)."""
+    first, then read tensor by tensor from memory-mapped files into the parameters; `zero_copy` False copies
+    even tensors that could be mapped)."""
     raw = json.loads((Path(directory) / "config.json").read_text())
     entries = scan(directory)
     if raw.get("model_type") == OUR_MODEL_TYPE:
@@ -77,7 +78,7 @@ def load_checkpoint(model: KimiModel, directory: str | Path) -> None:
     else:
         pieces = public_pieces(model, entries)
         skipped = mtp_tensors(entries, model.cfg.num_layers, int(raw.get("num_nextn_predict_layers") or 0))
-    load_pieces(model, pieces, entries, skipped, fp8_block_size(raw.get("quantization_config")))
+    load_pieces(model, pieces, entries, skipped, fp8_block_size(raw.get("quantization_config")), zero_copy)
 
 
 def save_checkpoint(model: KimiModel, directory: str | Path) -> Path:

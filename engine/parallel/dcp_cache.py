@@ -24,8 +24,8 @@ class DCPRankCache:
         self.layout, self.rank = layout, rank
         local = layout.num_local(rank, capacity)
         n = cfg.num_mla_layers
-        self.latent = torch.zeros(n, local, cfg.latent_dim, dtype=torch.uint8)
-        self.index_key = torch.zeros(n, local, cfg.index_head_dim, dtype=torch.uint8)
+        self.latent = torch.zeros(n, local, cfg.latent_dim * cfg.latent_value_bytes, dtype=torch.uint8)
+        self.index_key = torch.zeros(n, local, cfg.index_key_value_bytes, dtype=torch.uint8)
         self.index_scale = torch.zeros(n, local)
         self.kda = [shard_state(cfg, KDAState.zeros(cfg), layout.world_size, rank)
                     for _ in range(cfg.num_kda_layers)]

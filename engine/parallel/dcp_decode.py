@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.model.indexer import index_scores
+from engine.model.indexer import index_keys_to_float, index_scores
 from engine.model.kda import causal_conv_step, kda_recurrent_step, l2_normalize
-from engine.model.mla import MLA, sparse_mla_gathered
+from engine.model.mla import MLA, attention_topk, sparse_mla_gathered
 from engine.model.model import KimiModel
-from engine.model.numerics import device_scope, fp8_to_float, pad_rows
+from engine.model.numerics import device_scope, pad_rows
 from engine.model.state import KDAState
 from engine.parallel.comm import all_gather_stack, all_gather_varlen
 from engine.parallel.dcp_attention import (
@@ -101,6 +101,11 @@ class _Step:
     attention: str
     stats: DecodeStats
 
+    @property
+    def topk(self) -> int:
+        """Keys each query attends to (all of them for a dense MLA)."""
+        return attention_topk(self.model.cfg, max(self.positions) + 1)
+
     def mla(self, mla: MLA, h: torch.Tensor, idx: int) -> torch.Tensor:
         start = time.perf_counter()
         if self.mode == "tp":  # every rank holds the whole cache: attend exactly as one rank does
@@ -108,7 +113,7 @@ class _Step:
             self.stats.attention_s += time.perf_counter() - start
             return out
         cfg = self.model.cfg
-        proj = mla.project(h)
+        proj = mla.project(h, torch.tensor(self.positions))
         batch = len(self.positions)
         for b, (pos, cache) in enumerate(zip(self.positions, self.caches)):
             cache.write_attention(idx, pos, proj.latent_bytes[b:b + 1], proj.index_key_bytes[b:b + 1],
@@ -131,9 +136,10 @@ class _Step:
             n = rows.latent.shape[0]
             if n:
                 scores[b, :n] = index_scores(proj.index_queries.q[b:b + 1], proj.index_queries.weights[b:b + 1],
-                                             fp8_to_float(rows.index_key), rows.index_scale)[0]
-        merged = (compact_merge if self.merge == "compact" else generic_merge)(self.ctx, scores,
-                                                                               self.model.cfg.index_topk, self.layout)
+                                             index_keys_to_float(rows.index_key, self.model.cfg.index_key_dtype),
+                                             rows.index_scale)[0]
+        merged = (compact_merge if self.merge == "compact" else generic_merge)(self.ctx, scores, self.topk,
+                                                                               self.layout)
         self.stats.merge_bytes += merged.bytes_sent
         self.stats.merge_fallback_rows += merged.num_fallback_rows
         self.stats.selections.append([])
@@ -154,7 +160,7 @@ class _Step:
         self.stats.merge_bytes += (mine_tags.numel() * 8 + mine_rows.numel()) * (ctx.world_size - 1)
         all_tags = torch.cat(all_gather_varlen(ctx, mine_tags))
         all_rows = torch.cat(all_gather_varlen(ctx, mine_rows))
-        k = cfg.index_topk
+        k = self.topk
         selected = torch.full((len(owned), k), -1, dtype=torch.int64)
         latent = torch.zeros(len(owned), k, mine_rows.shape[1], dtype=mine_rows.dtype)
         for b in range(len(owned)):
@@ -162,18 +168,18 @@ class _Step:
             order = mine[torch.argsort(all_tags[mine, 1])]
             selected[b, : order.numel()] = all_tags[order, 1]
             latent[b, : order.numel()] = all_rows[order]
-        gathered = fp8_to_float(latent) * mla.latent_scale                        # [B, k, C]
+        gathered = mla.decode_latent(latent)                                      # [B, k, C]
         return sparse_mla_gathered(proj.q_absorbed[: len(owned)], gathered, selected, mla.softmax_scale,
                                    cfg.kv_lora_rank)
 
     def _partial(self, mla: MLA, proj, owned: list, merged: MergeResult) -> PartialAttention:  # type: ignore[no-untyped-def]
         cfg = self.model.cfg
-        k = cfg.index_topk
+        k = self.topk
         keys = torch.zeros(len(self.positions), k, cfg.latent_dim)
         mask = merged.local_ids >= 0
         for b, rows in enumerate(owned):
             ids = merged.local_ids[b][mask[b]]
-            keys[b, : ids.numel()] = fp8_to_float(rows.latent[ids]) * mla.latent_scale
+            keys[b, : ids.numel()] = mla.decode_latent(rows.latent[ids])
             self.stats.selections[-1].append(self.layout.global_ids(self.ctx.rank, rows.latent.shape[0])[ids])
         q = proj.q_absorbed[: len(self.positions)]
         return partial_attention(q, keys, keys[..., : cfg.kv_lora_rank], mask, mla.softmax_scale)

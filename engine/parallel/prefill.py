@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.model.indexer import IndexQueries, index_scores, select_topk
-from engine.model.mla import MLA, QUERY_BLOCK, sparse_attention
+from engine.model.mla import MLA, QUERY_BLOCK, attention_topk, sparse_attention
 from engine.model.model import KimiModel, dequantize_context
 from engine.model.numerics import device_scope, pad_rows, pad_to
 from engine.model.state import SequenceCache
@@ -175,22 +175,29 @@ def _attend(step: _Step, mla: MLA, mla_index: int, b: int, q_abs: torch.Tensor, 
     """Indexer + sparse MLA for some queries of request b (timed as the attention module)."""
     cfg = step.model.cfg
     start = _clock(step.ctx.device)
-    cached = dequantize_context(step.caches[b].read_attention(mla_index, step.batch.starts[b] +
-                                                              step.batch.lengths[b]), mla.latent_scale)
-    o_lat = sparse_attention(q_abs, iq, positions, cached, cfg.index_topk, mla.softmax_scale, cfg.kv_lora_rank)
+    num_keys = step.batch.starts[b] + step.batch.lengths[b]
+    cached = dequantize_context(step.caches[b].read_attention(mla_index, num_keys), mla)
+    topk = attention_topk(cfg, num_keys)
+    o_lat = sparse_attention(q_abs, iq, positions, cached, topk, mla.softmax_scale, cfg.kv_lora_rank)
     step.stats.attention_s += _clock(step.ctx.device) - start
     if step.record:
         sel = [select_topk(index_scores(iq.q[i:i + QUERY_BLOCK], iq.weights[i:i + QUERY_BLOCK], cached.index_keys,
-                                        cached.index_scale), positions[i:i + QUERY_BLOCK], cfg.index_topk)
+                                        cached.index_scale), positions[i:i + QUERY_BLOCK], topk)
                for i in range(0, positions.numel(), QUERY_BLOCK)]
-        step.stats.selections[-1].append(torch.cat(sel) if sel else torch.zeros(0, cfg.index_topk, dtype=torch.long))
+        step.stats.selections[-1].append(torch.cat(sel) if sel else torch.zeros(0, topk, dtype=torch.long))
         step.stats.selection_positions[-1].append(positions)
     return o_lat
 
 
+def _own_positions(step: _Step) -> torch.Tensor:
+    """Absolute positions of this rank's rows, request by request (the order of its hidden rows)."""
+    parts = [step.batch.starts[b] + offs for b, offs in enumerate(step.me.offsets)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
 def _mla_layer(step: _Step, mla: MLA, h: torch.Tensor, num_rows: int, mla_index: int) -> torch.Tensor:
     cfg = step.model.cfg
-    proj = mla.project(h)
+    proj = mla.project(h, _own_positions(step))
     _write_new_rows(step, mla, proj, num_rows, mla_index)
     if step.record:
         step.stats.selections.append([])

@@ -69,7 +69,7 @@ class ExpertParallelMoE(nn.Module):
         num_rows = x.shape[0] if num_rows is None else num_rows
         ids, weights = self.route(x)
         ids, weights = ids[:num_rows], weights[:num_rows]
-        z = self.w_down_latent(x)[:num_rows]
+        z = MoE.to_experts(self, x)[:num_rows]  # type: ignore[arg-type]
         owner = ids // self.per_rank                                           # [n, k]
         world = self.ctx.world_size
         wanted = [(owner == r).any(1).nonzero().flatten() for r in range(world)]
@@ -87,8 +87,7 @@ class ExpertParallelMoE(nn.Module):
             mixed = mixed + slots[:, j] * weights[:, j : j + 1]
         full = x.new_zeros(x.shape[0], lat)
         full[:num_rows] = mixed
-        out = self.w_up_latent(self.latent_norm(full))
-        return out + self.shared(x) if self.shared is not None else out
+        return MoE.from_experts(self, full, x)  # type: ignore[arg-type]
 
 
 def apply_tp(model: KimiModel, ctx: ParallelContext) -> KimiModel:

@@ -69,7 +69,7 @@ def test_indexer_selections_identical_batched_and_single(engine: Engine) -> None
             engine.model.prefill(prompt, cache)
             h = torch.randn(QUERY_BLOCK, engine.model_config.d_model)
             proj = mla.project(h)
-        ctx = dequantize_context(cache.read_attention(0, len(prompt)), mla.latent_scale)
+        ctx = dequantize_context(cache.read_attention(0, len(prompt)), mla)
         positions = torch.arange(len(prompt) - QUERY_BLOCK, len(prompt))
         topk = engine.model_config.index_topk
         block = select_topk(index_scores(proj.index_queries.q, proj.index_queries.weights, ctx.index_keys,
