@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("router.cli", "start the OpenAI-compatible PD router"),
     "up": ("cluster.cli", "start the whole cluster on this machine (router, prefill and decode pools)"),
     "loadgen": ("loadgen.cli", "drive an OpenAI-compatible endpoint with agent/random/trace load"),
+    "sim": ("sim.cli", "simulate a cluster under loadgen's workloads (real router/scheduler decisions, profiled times)"),
 }
 
 

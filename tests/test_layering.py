@@ -22,6 +22,7 @@ ALLOWED = {
     "decode_node": {"node", "kv_transfer", "engine", "serving"},
     "router": {"kv_transfer", "serving"},
     "loadgen": {"serving"},
+    "sim": {"cluster", "router", "loadgen", "engine", "kv_transfer", "serving"},
 }
 
 

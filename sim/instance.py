@@ -1,0 +1,345 @@
+"""One simulated node (prefill or decode instance): the real engine scheduler and prefix cache, timed by a profile.
+
+The step loop mirrors `engine.engine.Engine.step` call for call (reclaim, `Scheduler.schedule`, the prefill
+chunk's `publish` / `prefill_done` / `keep_prompt_state`, first token: `export` or `start_running`, decodes
+publishing at block boundaries, `keep_tail` + `finish` at max_tokens), imports follow `allocate_for_import` /
+`start_decode`, exports end with `release`. What the engine computes is replaced by a duration from the
+profile's `StepCost`; nothing else is decided here.
+
+Commands (new requests, imports, start_decode, releases) reach the scheduler between steps, as the node's rank
+rounds deliver them. A run of decode-only steps with nothing queued is one *segment* (many steps, one event):
+it ends when the first request of the batch reaches max_tokens, and is cut at the next step boundary when a
+command arrives. Decodes beyond `max_batch` wait, as in the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.api import SamplingParams
+from engine.cache import OutOfRows
+from engine.layout import RowLayout
+from engine.model.config import ModelConfig
+from engine.prefix_cache import PrefixCache
+from engine.scheduler import Request, RequestState, Scheduler
+from router.cache_view import CacheReport
+from sim.events import Event, EventLoop
+from sim.pool import TimelessRowPool
+from sim.profile import StepCost
+from sim.tokens import TokenRuns
+
+MAX_SESSIONS = 1024
+"""Sessions a node remembers for its cache report (engine/engine.py keeps as many)."""
+
+
+@dataclass
+class Flight:
+    """What the cluster wants to hear about one request on one instance."""
+
+    out_uid: int
+    on_tokens: Callable[[list[float], int], None]
+    """(emission times, tokens): every emission is one output chunk."""
+    on_exported: Callable[[float, int, int], None] | None = None
+    """P side: (time, prompt tokens reused from its cache, the export's generation)."""
+    on_imported: Callable[[float, int, int], None] | None = None
+    """D side: rows admitted (time, rows to read, tokens reused)."""
+    on_finished: Callable[[float, Request], None] | None = None
+
+
+@dataclass
+class _Segment:
+    plan: tuple[Request, ...]
+    t0: float
+    first_s: float
+    """Duration of the first step."""
+    growth_s: float
+    """How much each further step is longer (the batch's contexts grow by one token each)."""
+    num_steps: int
+    event: Event | None = None
+
+
+@dataclass
+class InstanceSpec:
+    name: str
+    role: str
+    pool: str
+    tp: int
+    dcp: int
+    num_rows: int
+    max_batch: int
+    max_step_tokens: int | None
+    prefix_cache: bool
+    max_context: int
+    engine: str = "reference"
+    fingerprint: str = "sim"
+
+
+class SimInstance:
+    def __init__(self, spec: InstanceSpec, cfg: ModelConfig, layout: RowLayout, cost: StepCost, loop: EventLoop,
+                 record_chunks: bool = True) -> None:
+        self.spec = spec
+        self.layout = layout
+        self.cost = cost
+        self.loop = loop
+        self.record_chunks = record_chunks
+        self.pool = TimelessRowPool(layout, cfg, spec.num_rows)
+        self.cache = PrefixCache(self.pool, layout.block_size, f"{spec.fingerprint}:{layout.fingerprint}".encode(),
+                                 spec.prefix_cache)
+        self.pool.spare = self.cache
+        self.scheduler = Scheduler(self.pool, spec.max_batch, self.cache, spec.max_step_tokens)
+        self.inbox: deque[Callable[[], None]] = deque()
+        self.import_queue: deque[tuple[Request, Flight]] = deque()
+        self.flights: dict[str, Flight] = {}
+        self.sessions: OrderedDict[str, tuple[list[bytes], list]] = OrderedDict()
+        self.is_busy = False
+        self.segment: _Segment | None = None
+        self.busy_s = 0.0
+        self.num_steps = 0
+
+    # ---- commands (the cluster calls these) ----
+    def _command(self, fn: Callable[[], None]) -> None:
+        self.inbox.append(fn)
+        if self.segment is not None:
+            self._cut_segment()
+        elif not self.is_busy:
+            self.is_busy = True
+            self.loop.at(self.loop.now, self._begin)
+
+    def _request(self, rid: str, prompt: TokenRuns, max_tokens: int, export: bool, session: str) -> Request:
+        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0, export=export,
+                      session=session)
+        req.output_token_ids = TokenRuns()
+        return req
+
+    def submit(self, rid: str, prompt: TokenRuns, max_tokens: int, flight: Flight, export: bool = False,
+               session: str = "") -> None:
+        """A local prefill (+ decode, or export on a prefill node): `Engine.add_request`."""
+        def run() -> None:
+            req = self._request(rid, prompt, 1 if export else max_tokens, export, session)
+            self.flights[rid] = flight
+            self.scheduler.add(req)
+        self._command(run)
+
+    def submit_import(self, rid: str, prompt: TokenRuns, max_tokens: int, flight: Flight, session: str = "") -> None:
+        """An import: rows now (`Engine.allocate_for_import`), or the node's import queue when short of rows."""
+        def run() -> None:
+            req = self._request(rid, prompt, max_tokens, False, session)
+            self.flights[rid] = flight
+            if self.import_queue or not self._try_import(req, flight):
+                self.import_queue.append((req, flight))
+        self._command(run)
+
+    def _try_import(self, req: Request, flight: Flight) -> bool:
+        try:
+            table = self.scheduler.add_imported(req, len(req.prompt_token_ids))
+        except OutOfRows:
+            return False
+        reused_blocks = req.num_cached_tokens // self.layout.block_size
+        num_rows = len(table.attn_row_ids) - reused_blocks + len(table.kda_row_ids)
+        # rows past the prompt (room for the output) are not read
+        num_prompt_blocks = -(-len(req.prompt_token_ids) // self.layout.block_size)
+        num_read = max(0, num_prompt_blocks - reused_blocks) + len(table.kda_row_ids)
+        assert flight.on_imported is not None and num_rows >= num_read
+        flight.on_imported(self.loop.now, num_read, req.num_cached_tokens)
+        return True
+
+    def start_decode(self, rid: str) -> None:
+        """The READ finished: `Engine.start_decode` (the prefill node's first token is emitted now)."""
+        def run() -> None:
+            req = self.scheduler.requests[rid]
+            assert req.state == RequestState.IMPORTING
+            n = len(req.prompt_token_ids)
+            req.num_computed = n
+            self.scheduler.publish(req, n, snapshot=n % self.layout.block_size == 0)
+            self.scheduler.keep_prompt_state(req)
+            self.scheduler.start_running(req)
+            self._append(req, 1, [self.loop.now])
+        self._command(run)
+
+    def release(self, rid: str, generation: int) -> None:
+        """The reader's DONE arrived: the export's rows are freed (`Engine.release(..., reads_done=True)`)."""
+        self._command(lambda: self.scheduler.release(rid, generation))
+
+    # ---- the step loop ----
+    def _retry_imports(self) -> None:
+        while self.import_queue and self._try_import(*self.import_queue[0]):
+            self.import_queue.popleft()
+
+    def _begin(self) -> None:
+        now = self.loop.now
+        while self.inbox:
+            self.inbox.popleft()()
+        self.pool.reclaim(now)
+        self.cache.now = now
+        self._retry_imports()
+        sched = self.scheduler
+        if not sched.has_work:
+            self.is_busy = False
+            return
+        plan = sched.schedule()
+        if plan.prefill is None and not plan.decode:
+            self.is_busy = False  # waiting for rows: a command (finish elsewhere, release) wakes it
+            return
+        if plan.prefill is None:
+            self._start_segment(plan.decode)
+            return
+        req, end = plan.prefill, plan.prefill_end
+        sum_ctx = sum(r.num_tokens for r in plan.decode)
+        duration = self.cost.step_s(end - req.num_computed, end, len(plan.decode), sum_ctx)
+        self.loop.after(duration, lambda: self._end_step(req, end, plan.decode, now))
+
+    def _end_step(self, req: Request, end: int, decode: tuple[Request, ...], t0: float) -> None:
+        now = self.loop.now
+        self._account(t0, now)
+        sched = self.scheduler
+        n = len(req.prompt_token_ids)
+        req.num_computed = end
+        sched.publish(req, end, snapshot=end == sched.snapshot_boundary(req) > 0)
+        if end >= n:
+            sched.prefill_done(req)
+            sched.keep_prompt_state(req)
+            if req.export:
+                req.output_token_ids = req.output_token_ids.extended(self.flights[req.request_id].out_uid, 1)
+                self._remember(req)
+                sched.export(req)
+                flight = self.flights.pop(req.request_id)
+                assert flight.on_exported is not None
+                flight.on_exported(now, req.num_cached_tokens, req.generation)
+            else:
+                sched.start_running(req)
+                self._append(req, 1, [now])
+        for other in decode:
+            if other.state == RequestState.RUNNING:
+                self._decode_segment(other, 1, [now])
+        self._begin()
+
+    def _account(self, t0: float, t1: float) -> None:
+        self.busy_s += t1 - t0
+        self.num_steps += 1
+
+    def _extend(self, req: Request, count: int) -> None:
+        if count > 0:
+            req.output_token_ids = req.output_token_ids.extended(self.flights[req.request_id].out_uid, count)
+
+    def _append(self, req: Request, count: int, times: list[float]) -> None:
+        """The request's outputs grow to cover `times` (count tokens still to add now); it ends at max_tokens."""
+        flight = self.flights[req.request_id]
+        self._extend(req, count)
+        flight.on_tokens(times, len(times))
+        self._finish_if_done(req, flight)
+
+    def _finish_if_done(self, req: Request, flight: Flight) -> None:
+        """At max_tokens: `keep_tail`, remember the session, `finish` (`Engine._append`)."""
+        if len(req.output_token_ids) < req.sampling.max_tokens:
+            return
+        tails = self.scheduler.keep_tail(req)
+        self._remember(req, tails)
+        self.scheduler.finish(req, "length")
+        del self.flights[req.request_id]
+        if flight.on_finished is not None:
+            flight.on_finished(self.loop.now, req)
+        self._retry_imports()
+
+    def _remember(self, req: Request, tails: list | None = None) -> None:
+        """`Engine._remember_session`: what the cache report says per session."""
+        if not req.session or not self.cache.enabled:
+            return
+        self.sessions[req.session] = (list(req.block_keys), tails or [])
+        self.sessions.move_to_end(req.session)
+        while len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)
+
+    # ---- decode segments ----
+    def _start_segment(self, batch: tuple[Request, ...]) -> None:
+        now = self.loop.now
+        b = len(batch)
+        remaining = min(r.sampling.max_tokens - len(r.output_token_ids) for r in batch)
+        quarantine = [q.until for q in self.pool._quarantine]
+        cost = self.cost
+        first = cost.step_s(batch=b, sum_context=sum(r.num_tokens for r in batch))
+        growth = cost.decode_ctx_s * b
+        steps = max(1, remaining)
+        if quarantine:  # a reclaim may free rows for the queue head: stop at the first step past it
+            steps = min(steps, max(1, self._steps_within(first, growth, min(quarantine) - now) + 1))
+        seg = _Segment(batch, now, first, growth, steps)
+        seg.event = self.loop.at(now + self._elapsed(seg, steps), self._end_segment)
+        self.segment = seg
+
+    @staticmethod
+    def _cumulative(first: float, growth: float, steps: int) -> float:
+        return steps * first + growth * steps * (steps - 1) / 2
+
+    def _elapsed(self, seg: _Segment, steps: int) -> float:
+        return self._cumulative(seg.first_s, seg.growth_s, steps)
+
+    def _steps_within(self, first: float, growth: float, span: float) -> int:
+        """The most whole steps that end within `span` seconds."""
+        if span <= 0:
+            return 0
+        if growth <= 0:
+            return int(span // first) if first > 0 else 1 << 40
+        # growth/2 j^2 + (first - growth/2) j - span <= 0
+        a, b = growth / 2, first - growth / 2
+        j = int((-b + math.sqrt(b * b + 4 * a * span)) / (2 * a))
+        while j > 0 and self._cumulative(first, growth, j) > span:
+            j -= 1
+        while self._cumulative(first, growth, j + 1) <= span:
+            j += 1
+        return j
+
+    def _cut_segment(self) -> None:
+        """A command arrived mid-segment: end it at the boundary of the step in progress."""
+        seg = self.segment
+        assert seg is not None and seg.event is not None
+        done = self._steps_within(seg.first_s, seg.growth_s, self.loop.now - seg.t0)
+        steps = min(seg.num_steps, done + 1)
+        if steps == seg.num_steps:
+            return
+        seg.event.cancel()
+        seg.num_steps = steps
+        seg.event = self.loop.at(seg.t0 + self._elapsed(seg, steps), self._end_segment)
+
+    def _end_segment(self) -> None:
+        seg = self.segment
+        assert seg is not None
+        self.segment = None
+        if self.record_chunks:
+            times = [seg.t0 + self._elapsed(seg, j) for j in range(1, seg.num_steps + 1)]
+        else:
+            times = [seg.t0 + seg.first_s, self.loop.now] if seg.num_steps > 1 else [self.loop.now]
+        self.busy_s += self.loop.now - seg.t0
+        self.num_steps += seg.num_steps
+        for req in seg.plan:
+            self._decode_segment(req, seg.num_steps, times)
+        self._begin()
+
+    def _decode_segment(self, req: Request, num_steps: int, times: list[float]) -> None:
+        bt = self.layout.block_size
+        start = req.num_tokens
+        flight = self.flights[req.request_id]
+        for boundary in range(-(-start // bt) * bt, start + num_steps, bt):
+            self._extend(req, boundary - req.num_tokens)
+            self.scheduler.publish(req, boundary, snapshot=True)
+        self._extend(req, start + num_steps - req.num_tokens)
+        flight.on_tokens(times, num_steps)
+        self._finish_if_done(req, flight)
+
+    # ---- what the router polls ----
+    def load(self) -> tuple[int, int, float]:
+        """(running, waiting, KV usage) as the node's /metrics report them."""
+        sched = self.scheduler
+        used = 1.0 - self.pool.num_available / max(1, self.pool.num_usable)
+        return sched.num_running, sched.num_waiting + len(self.import_queue), used
+
+    def cache_report(self) -> CacheReport:
+        cache, recent = self.cache, list(reversed(self.sessions.items()))
+        return CacheReport(
+            block_tokens=self.layout.block_size, fingerprint="sim",
+            sessions={s: cache.held_tokens(keys) for s, (keys, _) in recent},
+            resumable={s: cache.held_tokens(keys, snapshot=True, tails=tails) for s, (keys, tails) in recent},
+            blocks_cached=cache.num_blocks, rows_free=self.pool.num_free, hits_tokens=cache.counters.hit_tokens,
+            queried_tokens=cache.counters.queried_tokens, evicted_blocks=cache.counters.evicted_blocks,
+            tails=cache.enabled and self.scheduler.resume)

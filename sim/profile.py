@@ -1,0 +1,135 @@
+"""Cost models as data: one profile JSON per (model config, device, parallelism set), what `pdcluster sim` reads.
+
+Only time is modelled from a profile; every decision comes from the product code (docs/PLANNING.md).
+- `steps`: one `StepCost` per instance parallelism (tp, dcp). An engine step that prefills a chunk of T prompt
+  tokens ending at position E (so attending to about E - T/2 earlier tokens on average) and decodes b requests
+  whose contexts sum to S costs
+  `base_s + prefill_token_s*T + prefill_attn_s*T*(E - T/2) + decode_seq_s*b + decode_ctx_s*S`
+  (each part only when the step has it). A step is the node's whole round: the rank IPC is in `base_s`.
+- `transfer`: a P->D READ of R rows (descriptors) and N bytes takes `setup_s + per_descriptor_s*R + N / bytes_per_s`.
+- `http`: the prefill leg's round trip besides its engine time (`prefill_leg_s`), the decode leg's dispatch until
+  the node starts on it (`decode_leg_s`), and what the router adds to a request (`router_s`), all per request.
+- `template`: how a prompt becomes tokens (sim/tokens.py `Template`).
+- `sources`: where every number came from; `fit`: for fitted profiles, which measured points were used for
+  fitting and which are predictions (with their errors).
+Bad input raises ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sim.tokens import Template
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StepCost(_Strict):
+    tp: int = Field(ge=1)
+    dcp: int = Field(1, ge=1)
+    base_s: float = Field(ge=0)
+    prefill_token_s: float = Field(0.0, ge=0)
+    prefill_attn_s: float = Field(0.0, ge=0)
+    decode_seq_s: float = Field(0.0, ge=0)
+    decode_ctx_s: float = Field(0.0, ge=0)
+
+    def prefill_part(self, num_tokens: int, end: int) -> float:
+        return self.prefill_token_s * num_tokens + self.prefill_attn_s * num_tokens * (end - num_tokens / 2)
+
+    def decode_part(self, batch: int, sum_context: int) -> float:
+        return self.decode_seq_s * batch + self.decode_ctx_s * sum_context
+
+    def step_s(self, prefill_tokens: int = 0, prefill_end: int = 0, batch: int = 0, sum_context: int = 0) -> float:
+        t = self.base_s
+        if prefill_tokens:
+            t += self.prefill_part(prefill_tokens, prefill_end)
+        if batch:
+            t += self.decode_part(batch, sum_context)
+        return t
+
+
+class TransferCost(_Strict):
+    setup_s: float = Field(0.0, ge=0)
+    per_descriptor_s: float = Field(0.0, ge=0)
+    bytes_per_s: float = Field(gt=0)
+
+    def read_s(self, num_descriptors: int, num_bytes: int) -> float:
+        if num_descriptors <= 0:
+            return self.setup_s
+        return self.setup_s + self.per_descriptor_s * num_descriptors + num_bytes / self.bytes_per_s
+
+
+class HttpCost(_Strict):
+    router_s: float = Field(0.0, ge=0)
+    prefill_leg_s: float = Field(0.0, ge=0)
+    decode_leg_s: float = Field(0.0, ge=0)
+
+
+class FitPoint(_Strict):
+    name: str
+    measured: float
+    modelled: float
+    used_for_fit: bool
+    source: str
+
+    @property
+    def relative_error(self) -> float:
+        return abs(self.modelled - self.measured) / abs(self.measured) if self.measured else 0.0
+
+
+class Profile(_Strict):
+    name: str
+    model: str
+    """Model preset (engine.model.config) whose layout sizes the rows."""
+    device: str
+    gpu: str | None = None
+    """kv_transfer/capacity.py GPU profile for KV budgets (None: the cluster config's num_rows decide)."""
+    latent: str | None = None
+    index_key: str | None = None
+    template: Template = Field(default_factory=Template)
+    steps: list[StepCost]
+    transfer: TransferCost
+    http: HttpCost = Field(default_factory=HttpCost)
+    sources: list[str] = Field(min_length=1)
+    fit: list[FitPoint] = Field(default_factory=list)
+    notes: str = ""
+
+    def step(self, tp: int, dcp: int) -> StepCost:
+        for cost in self.steps:
+            if cost.tp == tp and cost.dcp == dcp:
+                return cost
+        have = ", ".join(f"tp{c.tp}/dcp{c.dcp}" for c in self.steps)
+        raise ValueError(f"profile {self.name!r} has no step cost for tp={tp} dcp={dcp} (it has {have}); "
+                         "calibrate that parallelism or add a `steps` entry")
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile JSON; ValueError naming the file and the bad field."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"profile {path} is not JSON: {exc.msg} (line {exc.lineno})") from None
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"profile {path}: {problems}") from None
+
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+
+
+def resolve_profile(name_or_path: str) -> Profile:
+    """A path, or the name of a shipped profile (sim/profiles/NAME.json)."""
+    path = Path(name_or_path)
+    if not path.exists() and (PROFILE_DIR / f"{name_or_path}.json").exists():
+        path = PROFILE_DIR / f"{name_or_path}.json"
+    return load_profile(path)

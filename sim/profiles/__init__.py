@@ -1,0 +1,1 @@
+"""Shipped simulator profiles (JSON): `pdcluster sim --profile NAME` finds NAME.json here."""

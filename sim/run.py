@@ -1,0 +1,72 @@
+"""A simulated sweep: loadgen's levels on a `SimCluster`, summarised and written by loadgen's own code.
+
+`simulate(config, profile, workload, options)` runs each concurrency level one after another on one cluster
+(caches stay warm between levels, as on a real cluster), summarises each with `loadgen.metrics.summarize_level`
+and writes summary.json / report.md (and plots) through `loadgen.sweep.finish`, so `pdcluster loadgen compare`
+reads a simulated run like a measured one. `RunInfo.url` is `sim:CONFIG@PROFILE`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.config import ClusterConfig
+from loadgen.client import Target
+from loadgen.metrics import summarize_level
+from loadgen.schedule import Workload
+from loadgen.slo import SLO
+from loadgen.summary import Summary
+from loadgen.sweep import SweepOptions, finish, new_summary
+from sim.cluster import SimCluster
+from sim.driver import run_level
+from sim.profile import Profile
+
+
+@dataclass
+class SimOptions:
+    concurrency_levels: list[int]
+    duration_s: float
+    out_dir: Path | None
+    seed: int = 0
+    slo: SLO | None = None
+    gpus: int | None = None
+    gpu_split: tuple[int, int] | None = None
+    drain_s: float = 60.0
+    max_requests: int | None = None
+    schedule_units: int = 64
+    plots: bool = False
+    record_chunks: bool = True
+    command: list[str] | None = None
+    config_name: str = "config"
+
+
+@dataclass
+class SimResult:
+    summary: Summary
+    wall_s: float
+    simulated_s: float
+    num_events: int
+    busy_s: dict[str, float]
+
+
+def simulate(config: ClusterConfig, profile: Profile, workload: Workload, scenario: str,
+             opts: SimOptions) -> SimResult:
+    wall0 = time.perf_counter()
+    cluster = SimCluster(config, profile, record_chunks=opts.record_chunks)
+    target = Target(f"sim:{opts.config_name}@{profile.name}", config.model)
+    sweep = SweepOptions(target=target, concurrency_levels=opts.concurrency_levels, duration_s=opts.duration_s,
+                         out_dir=opts.out_dir or Path("."), seed=opts.seed, slo=opts.slo or SLO(), gpus=opts.gpus,
+                         gpu_split=opts.gpu_split, drain_s=opts.drain_s, max_requests=opts.max_requests,
+                         schedule_units=opts.schedule_units, plots=opts.plots, command=opts.command or [])
+    summary = new_summary(workload, sweep, scenario)
+    for conc in opts.concurrency_levels:
+        level = run_level(cluster, workload, conc, opts.duration_s, opts.drain_s, opts.max_requests)
+        summary.levels.append(summarize_level(conc, level.records, level.duration_s, sweep.slo, opts.gpus,
+                                              level.started_s, opts.gpu_split))
+    summary.refresh()
+    if opts.out_dir is not None:
+        finish(summary, sweep)
+    return SimResult(summary, time.perf_counter() - wall0, cluster.loop.now, cluster.loop.num_events,
+                     cluster.busy_s())

@@ -1,0 +1,160 @@
+"""Run-length token sequences: what the simulator hands the real scheduler and prefix cache as prompts.
+
+A simulated prompt is the chat template of its messages (loadgen's `RequestSpec.messages`), but never as one
+int per token: an hour of agent traffic re-sends billions of prompt tokens. `TokenRuns` keeps a sequence as runs
+`(uid, offset, length)`: tokens `offset .. offset+length-1` of the text interned as `uid`. Its tokens are the
+ints `uid << 32 | position` (iteration, `tuple()`: exact, used by the cache's tail comparisons), and
+`key_bytes()` encodes the runs (engine/prefix_cache.py `block_bytes` hashes that), so the real `PrefixCache`
+keys blocks at the cost of their run count. Runs are canonical (adjacent pieces of one text merge), so two
+sequences have equal `key_bytes` exactly when their tokens are equal.
+
+`Template` turns messages into runs: `bytes` is the reference engine's byte-level chat template (exact:
+BOS, per message ROLE id + UTF-8 of "role\\ncontent" + END id, then ROLE id + "assistant\\n"; see
+router/placement.py `estimate_prompt_tokens_bytes`); `words` is a BPE model's, one token per word plus a fixed
+number of framing tokens per message (profile field `template.tokens_per_message`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from loadgen.schedule import Message
+
+_RUN = struct.Struct("<QII")
+
+
+class TokenRuns(Sequence[int]):
+    """An immutable token sequence stored as canonical runs (see the module docstring)."""
+
+    __slots__ = ("runs", "_ends")
+
+    def __init__(self, runs: Sequence[tuple[int, int, int]] = ()) -> None:
+        merged: list[tuple[int, int, int]] = []
+        for uid, offset, length in runs:
+            if length <= 0:
+                continue
+            if merged and merged[-1][0] == uid and merged[-1][1] + merged[-1][2] == offset:
+                prev = merged.pop()
+                merged.append((uid, prev[1], prev[2] + length))
+            else:
+                merged.append((uid, offset, length))
+        self.runs = tuple(merged)
+        self._ends = list(itertools.accumulate(r[2] for r in self.runs))
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def _slice(self, lo: int, hi: int) -> TokenRuns:
+        if hi <= lo:
+            return TokenRuns()
+        first = bisect.bisect_right(self._ends, lo)
+        out = []
+        start = self._ends[first - 1] if first else 0
+        for index in range(first, len(self.runs)):
+            uid, offset, length = self.runs[index]
+            a, b = max(lo, start), min(hi, start + length)
+            if a < b:
+                out.append((uid, offset + a - start, b - a))
+            start += length
+            if start >= hi:
+                break
+        return TokenRuns(out)
+
+    def __getitem__(self, index):  # noqa: ANN001 - int or slice, as a Sequence
+        n = len(self)
+        if isinstance(index, slice):
+            lo, hi, step = index.indices(n)
+            if step != 1:
+                raise ValueError("TokenRuns slices take step 1 only")
+            return self._slice(lo, hi)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("token index out of range")
+        k = bisect.bisect_right(self._ends, index)
+        uid, offset, _ = self.runs[k]
+        return uid << 32 | (offset + index - (self._ends[k - 1] if k else 0))
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain.from_iterable(range(u << 32 | o, (u << 32 | o) + n) for u, o, n in self.runs)
+
+    def __add__(self, other: Sequence[int]) -> TokenRuns:
+        if isinstance(other, TokenRuns):
+            return TokenRuns(self.runs + other.runs)
+        if len(other):
+            raise TypeError("a TokenRuns extends only with another TokenRuns")
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TokenRuns) and self.runs == other.runs
+
+    def __hash__(self) -> int:
+        return hash(self.runs)
+
+    def key_bytes(self) -> bytes:
+        return b"".join(_RUN.pack(*run) for run in self.runs)
+
+    def extended(self, uid: int, count: int) -> TokenRuns:
+        """This sequence followed by `count` more tokens of text `uid` (continuing its last run of `uid`)."""
+        if count <= 0:
+            return self
+        last = self.runs[-1] if self.runs else None
+        offset = last[1] + last[2] if last is not None and last[0] == uid else 0
+        return TokenRuns(self.runs + ((uid, offset, count),))
+
+
+class Interner:
+    """Text -> uid, by content (role, hash, length): equal texts get one uid, so equal prompts share blocks."""
+
+    def __init__(self) -> None:
+        self._uids: dict[object, int] = {}
+
+    def uid(self, key: object) -> int:
+        found = self._uids.get(key)
+        if found is None:
+            found = self._uids[key] = len(self._uids) + 1
+        return found
+
+    def fresh(self) -> int:
+        """A uid no text shares (a request's own sampled output)."""
+        return self.uid(("fresh", len(self._uids)))
+
+
+@dataclass(frozen=True)
+class Template:
+    """How messages become tokens: `kind` "bytes" (the reference engine's byte-level template, exact) or
+    "words" (one token per word, `tokens_per_message` framing tokens per message and for the generation prompt)."""
+
+    kind: str = "bytes"
+    tokens_per_message: int = 4
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("bytes", "words"):
+            raise ValueError(f"template.kind must be 'bytes' or 'words', got {self.kind!r}")
+        if self.tokens_per_message < 0:
+            raise ValueError(f"template.tokens_per_message must be >= 0, got {self.tokens_per_message}")
+
+    def _content_len(self, msg: Message) -> int:
+        if self.kind == "bytes":
+            return len(msg.content.encode("utf-8", "surrogatepass"))
+        return msg.num_tokens
+
+    def _header_len(self, role: str) -> int:
+        if self.kind == "bytes":
+            return 1 + len(role.encode()) + 1  # ROLE id, "role\n"
+        return max(0, self.tokens_per_message - 1)
+
+    def prompt(self, messages: Sequence[Message], interner: Interner) -> TokenRuns:
+        """The templated prompt of `messages`, generation prompt included."""
+        runs = [(interner.uid("bos"), 0, 1)]
+        end = interner.uid("end")
+        for msg in messages:
+            runs.append((interner.uid(("hdr", msg.role)), 0, self._header_len(msg.role)))
+            runs.append((interner.uid((msg.role, hash(msg.content), msg.num_tokens)), 0, self._content_len(msg)))
+            runs.append((end, 0, 1 if self.kind == "bytes" or self.tokens_per_message else 0))
+        runs.append((interner.uid(("hdr", "assistant")), 0, self._header_len("assistant")))
+        return TokenRuns(runs)

@@ -1,0 +1,58 @@
+"""Run-length prompts key blocks exactly as their tokens do; the timeless pool is RowPool minus the bytes."""
+
+from __future__ import annotations
+
+import random
+
+from engine.cache import RowPool
+from engine.layout import plan_layout
+from engine.model.config import get_preset
+from engine.prefix_cache import chain_keys
+from loadgen.schedule import Message
+from router.placement import estimate_prompt_tokens_bytes
+from sim.pool import TimelessRowPool
+from sim.tokens import Interner, Template, TokenRuns
+
+
+def _random_runs(rng: random.Random) -> list[tuple[int, int, int]]:
+    return [(rng.randrange(3), rng.randrange(5), rng.randrange(1, 6)) for _ in range(rng.randrange(1, 6))]
+
+
+def test_equal_keys_exactly_when_equal_tokens() -> None:
+    rng = random.Random(0)
+    for _ in range(400):
+        a, b = TokenRuns(_random_runs(rng)), TokenRuns(_random_runs(rng))
+        for block in (1, 2, 4):
+            n = min(len(a), len(b)) // block
+            same_tokens = [list(a)[k * block:(k + 1) * block] == list(b)[k * block:(k + 1) * block] for k in range(n)]
+            same_keys = [x == y for x, y in zip(chain_keys(a, block, n, b"f"), chain_keys(b, block, n, b"f"))]
+            expected = [all(same_tokens[:k + 1]) for k in range(n)]  # chained: a key names the whole prefix
+            assert same_keys == expected
+
+
+def test_slices_concatenation_and_items_agree_with_lists() -> None:
+    rng = random.Random(1)
+    for _ in range(200):
+        runs = TokenRuns(_random_runs(rng))
+        tokens = list(runs)
+        lo, hi = sorted(rng.randrange(len(tokens) + 1) for _ in range(2))
+        assert list(runs[lo:hi]) == tokens[lo:hi]
+        assert list(runs[lo:hi] + runs[:lo]) == tokens[lo:hi] + tokens[:lo]
+        if tokens:
+            i = rng.randrange(len(tokens))
+            assert runs[i] == tokens[i]
+        assert list(runs.extended(7, 3)) == tokens + list(runs.extended(7, 3))[len(tokens):]
+
+
+def test_byte_template_counts_what_the_router_estimates() -> None:
+    msgs = (Message("system", "kalo mine", 2), Message("user", "héllo", 1), Message("assistant", "ta", 1))
+    body = {"messages": [{"role": m.role, "content": m.content} for m in msgs]}
+    assert len(Template("bytes").prompt(msgs, Interner())) == estimate_prompt_tokens_bytes(body)
+
+
+def test_timeless_pool_sets_what_rowpool_sets() -> None:
+    cfg = get_preset("kimi-k3.1-mini")
+    layout = plan_layout(cfg)
+    real, sim = RowPool(layout, cfg, 4), TimelessRowPool(layout, cfg, 4)
+    assert set(vars(real)) == set(vars(sim))
+    assert sim.allocate(3) == real.allocate(3)
