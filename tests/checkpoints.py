@@ -9,6 +9,7 @@ margins are not hair-thin):
   top-k routing, one dense-first layer.
 - `kimi-dense-shared`: Kimi-Linear with two dense-first layers, two shared experts, tied embeddings.
 - `dsv32-topk`: DeepSeek-V3.2 with index_topk 16 (selection matters from position 16 on), one dense-first layer.
+- `dsv32-yarn`: DeepSeek-V3.2 with YaRN rotary scaling (`YARN`), index_topk 32.
 - `dsv32-sharded`: the same model family saved in shards with model.safetensors.index.json.
 - `dsv32-fp8`: `dsv32-topk`'s weights converted to FP8 block-scaled (`weight` e4m3 + `weight_scale_inv`, blocks
   of 16 x 32, DeepSeek's quantization_config); its oracle is `dsv32-fp8-dequant`, the same values in fp32.
@@ -68,10 +69,18 @@ def kimi_config(kind: str, vocab_size: int = VOCAB_SIZE):  # noqa: ANN201
     raise ValueError(f"unknown kimi checkpoint kind {kind!r}")
 
 
-def deepseek_config(index_topk: int = 16, vocab_size: int = VOCAB_SIZE, num_layers: int = 3):  # noqa: ANN201
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5}
+"""DeepSeek-style YaRN with a short original context (so a 200-token prompt spans the blended frequencies) and
+unequal mscales (so the rotary and the softmax corrections both show)."""
+
+
+def deepseek_config(index_topk: int = 16, vocab_size: int = VOCAB_SIZE, num_layers: int = 3,
+                    rope: dict | None = None):  # noqa: ANN201
     from transformers import DeepseekV32Config
 
-    return DeepseekV32Config(vocab_size=vocab_size, num_hidden_layers=num_layers, q_lora_rank=48,
+    extra = {"rope_parameters": rope} if rope else {}
+    return DeepseekV32Config(**extra,vocab_size=vocab_size, num_hidden_layers=num_layers, q_lora_rank=48,
                              n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                              index_topk=index_topk, index_head_dim=32, index_n_heads=32, first_k_dense_replace=1,
                              routed_scaling_factor=2.5, bos_token_id=1, eos_token_id=2, **_mla_shapes())
@@ -124,6 +133,8 @@ def _build(kind: str, directory: Path) -> None:
         _save(kimi_config(kind), directory, seed=1)
     elif kind == "dsv32-topk":
         _save(deepseek_config(), directory, seed=2)
+    elif kind == "dsv32-yarn":
+        _save(deepseek_config(index_topk=32, num_layers=2, rope=YARN), directory, seed=4)
     elif kind == "dsv32-sharded":
         _save(deepseek_config(index_topk=32, num_layers=2), directory, seed=3, max_shard_size="100KB")
     elif kind in ("dsv32-fp8", "dsv32-fp8-dequant"):
@@ -135,7 +146,8 @@ def _build(kind: str, directory: Path) -> None:
         raise ValueError(f"unknown checkpoint kind {kind!r}; known: {', '.join(KINDS)}")
 
 
-KINDS = ("kimi-mix", "kimi-dense-shared", "dsv32-topk", "dsv32-sharded", "dsv32-fp8", "dsv32-fp8-dequant")
+KINDS = ("kimi-mix", "kimi-dense-shared", "dsv32-topk", "dsv32-yarn", "dsv32-sharded", "dsv32-fp8",
+         "dsv32-fp8-dequant")
 
 
 def checkpoint_dir(kind: str, tokenizer: Callable[[Path], object] | None = None) -> Path:

@@ -177,12 +177,29 @@ def _dense_prefix(f: _Fields, num_layers: int) -> int:
     return dense
 
 
-def _rope(f: _Fields) -> float:
-    params = f.get("rope_parameters") or f.get("rope_scaling") or {}
+_YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+              "beta_slow", "mscale", "mscale_all_dim", "truncate"}
+
+
+def _rope(f: _Fields) -> dict[str, Any]:
+    """The rotary fields: plain RoPE, or YaRN (DeepSeek's rope_scaling / transformers' rope_parameters)."""
+    params = dict(f.get("rope_parameters") or {})
+    params.update(f.get("rope_scaling") or {})
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise f.fail(f"rope_parameters.rope_type {kind!r} is not supported (supported: 'default')")
-    return float(params.get("rope_theta", f.get("rope_theta", default=10000.0)))
+    theta = float(params.get("rope_theta", f.get("rope_theta", default=10000.0)))
+    if kind == "default":
+        return dict(rope_theta=theta)
+    if kind != "yarn":
+        raise f.fail(f"rope_parameters.rope_type {kind!r} is not supported (supported: 'default', 'yarn')")
+    unknown = sorted(set(params) - _YARN_KEYS)
+    if unknown or params.get("truncate", True) is not True:
+        raise f.fail(f"rope_parameters {unknown or ['truncate']} are not supported for yarn")
+    original = int(params.get("original_max_position_embeddings", 4096))
+    factor = params.get("factor") or f.int("max_position_embeddings") / original
+    return dict(rope_theta=theta, rope_factor=float(factor), rope_original_context=original,
+                rope_beta_fast=float(params.get("beta_fast") or 32), rope_beta_slow=float(params.get("beta_slow") or 1),
+                rope_mscale=float(params.get("mscale") or 1.0), rope_mscale_all_dim=float(params.get("mscale_all_dim")
+                                                                                         or 0.0))
 
 
 def _kimi_linear(f: _Fields) -> dict[str, Any]:
@@ -228,7 +245,7 @@ def _deepseek_v32(f: _Fields) -> dict[str, Any]:
     return dict(
         kda_layers=(), mla_layers=tuple(range(1, num_layers + 1)), q_lora_rank=f.int("q_lora_rank"),
         max_context=int(f.get("max_position_embeddings", default=163840)), mla_rope="interleaved",
-        rope_theta=_rope(f), dsa_indexer=True, index_num_heads=f.int("index_n_heads"),
+        **_rope(f), dsa_indexer=True, index_num_heads=f.int("index_n_heads"),
         index_head_dim=f.int("index_head_dim"), index_topk=f.int("index_topk"), index_rope="half",
         index_norm_eps=1e-6, kda_state_groups=1,
     )

@@ -61,6 +61,18 @@ class ModelConfig:
     DeepSeek's MLA) or "half" (pairs (x_i, x_{i + r/2}))."""
     rope_theta: float = 10000.0
     """Rotary base of every rotary embedding of the model (MLA and indexer)."""
+    rope_factor: float = 1.0
+    """YaRN context extension factor of the rotary embeddings (1: plain RoPE; engine/model/numerics.Rotary)."""
+    rope_original_context: int = 4096
+    """YaRN: the context the model was pretrained at."""
+    rope_beta_fast: float = 32.0
+    """YaRN: rotations over the original context below which a dim is interpolated..."""
+    rope_beta_slow: float = 1.0
+    """...and above which (of this many) it is extrapolated; linear in between."""
+    rope_mscale: float = 1.0
+    """YaRN: cos and sin are scaled by mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim)."""
+    rope_mscale_all_dim: float = 0.0
+    """YaRN: the MLA softmax scale is multiplied by mscale(factor, this)^2 (0: not)."""
 
     # DSA indexer
     dsa_indexer: bool = True

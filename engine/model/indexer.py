@@ -27,10 +27,12 @@ from torch import nn
 from engine.model.config import ModelConfig
 from engine.model.numerics import (
     RowLinear,
+    Rotary,
     apply_rope,
     fp8_quantize_rowwise,
     fp8_to_float,
     hadamard_matrix,
+    yarn_mscale,
 )
 
 
@@ -51,6 +53,7 @@ class Indexer(nn.Module):
         self.num_heads = cfg.index_num_heads
         self.head_dim = cfg.index_head_dim
         self.is_exact = cfg.index_key_dtype == "fp32"
+        self.rotary = model_rotary(cfg)
         self.wq = RowLinear(cfg.q_lora_rank, cfg.index_num_heads * cfg.index_head_dim)
         self.wk = RowLinear(cfg.d_model, cfg.index_head_dim)
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=cfg.index_norm_eps)
@@ -64,7 +67,7 @@ class Indexer(nn.Module):
         if cfg.index_rope == "none":
             return x
         r = cfg.qk_rope_dim
-        return torch.cat([apply_rope(x[..., :r], positions, cfg.index_rope, cfg.rope_theta), x[..., r:]], dim=-1)
+        return torch.cat([apply_rope(x[..., :r], positions, cfg.index_rope, self.rotary), x[..., r:]], dim=-1)
 
     def keys(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [R, d] (rows padded), positions [R] -> (key bytes [R, d_I] uint8 (fp32: [R, 4 d_I]), scale [R])."""
@@ -83,6 +86,17 @@ class Indexer(nn.Module):
         q_bytes, q_scale = fp8_quantize_rowwise(q @ self.hadamard)
         weights = self.w_proj(x) * const * q_scale
         return IndexQueries(q=fp8_to_float(q_bytes), weights=weights)
+
+
+def model_rotary(cfg: ModelConfig) -> Rotary:
+    """The model's rotary embedding (MLA and indexer share it), from the rope_* fields of its config."""
+    attention_factor = 1.0
+    if cfg.rope_factor > 1:
+        attention_factor = yarn_mscale(cfg.rope_factor, cfg.rope_mscale)
+        if cfg.rope_mscale_all_dim:
+            attention_factor /= yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+    return Rotary(cfg.rope_theta, cfg.rope_factor, cfg.rope_original_context, cfg.rope_beta_fast, cfg.rope_beta_slow,
+                  attention_factor)
 
 
 def index_keys_to_float(raw: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from engine.model.config import ModelConfig
-from engine.model.indexer import Indexer, IndexQueries, index_scores, select_topk
-from engine.model.numerics import RMSNorm, RowLinear, apply_rope, cache_encode, cache_decode
+from engine.model.indexer import Indexer, IndexQueries, index_scores, model_rotary, select_topk
+from engine.model.numerics import RMSNorm, RowLinear, apply_rope, cache_decode, cache_encode, yarn_mscale
 
 QUERY_BLOCK = 256
 
@@ -68,7 +68,10 @@ class MLA(nn.Module):
         self.wg = RowLinear(cfg.d_model, h * v) if cfg.mla_output_gate else None
         self.wo = RowLinear(h * v, cfg.d_model)
         self.indexer = Indexer(cfg) if cfg.dsa_indexer else None
+        self.rotary = model_rotary(cfg)
         self.softmax_scale = (nope + rope) ** -0.5
+        if cfg.rope_mscale_all_dim:  # YaRN scales the whole q.k, not only its rotary part
+            self.softmax_scale *= yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
         self.latent_scale = cfg.latent_fp8_scale
 
     def decode_latent(self, raw: torch.Tensor) -> torch.Tensor:
@@ -92,7 +95,7 @@ class MLA(nn.Module):
         cfg = self.cfg
         qr = self.q_norm(self.wq_a(x)) if self.wq_a is not None else x
         q = self.wq_b(qr).view(x.shape[0], cfg.num_heads, cfg.qk_nope_dim + cfg.qk_rope_dim)
-        q_rope = apply_rope(q[..., cfg.qk_nope_dim :], positions, cfg.mla_rope, cfg.rope_theta)
+        q_rope = apply_rope(q[..., cfg.qk_nope_dim :], positions, cfg.mla_rope, self.rotary)
         return qr, q[..., : cfg.qk_nope_dim], q_rope
 
     def latent(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,7 +103,7 @@ class MLA(nn.Module):
         cfg = self.cfg
         kv = self.wkv_a(x)
         c = self.kv_norm(kv[:, : cfg.kv_lora_rank])
-        return torch.cat([c, apply_rope(kv[:, cfg.kv_lora_rank :], positions, cfg.mla_rope, cfg.rope_theta)], dim=-1)
+        return torch.cat([c, apply_rope(kv[:, cfg.kv_lora_rank :], positions, cfg.mla_rope, self.rotary)], dim=-1)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> MLAProjection:
         """x [R, d] (padded rows) at `positions` (the first len(positions) rows' absolute positions; the padding

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -135,21 +136,55 @@ def check_row_invariance(weight: torch.Tensor, max_rows: int = 80, seed: int = 0
     return bad
 
 
-def rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [N, dim/2] of positions [N]: angle_i = pos * theta^(-2i/dim), computed in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
-    return angles.cos(), angles.sin()
+@dataclass(frozen=True)
+class Rotary:
+    """A rotary embedding's frequencies: plain RoPE (`factor` 1) or YaRN context extension (`factor` > 1: each
+    frequency blends its extrapolated value theta^(-2i/r) and its interpolated value / factor along a linear ramp
+    over the dims whose wavelengths fit between `beta_fast` and `beta_slow` rotations of `original_context`), and
+    the factor cos and sin are multiplied by."""
+
+    theta: float = 10000.0
+    factor: float = 1.0
+    original_context: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+
+    def inv_freq(self, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[dim/2] inverse frequencies."""
+        base = self.theta ** (torch.arange(0, dim, 2, dtype=dtype) / dim)
+        if self.factor == 1.0:
+            return 1.0 / base
+
+        def ramp_dim(rotations: float) -> float:  # the dim whose wavelength makes `rotations` turns
+            return dim * math.log(self.original_context / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+        low = max(math.floor(ramp_dim(self.beta_fast)), 0)
+        high = min(math.ceil(ramp_dim(self.beta_slow)), dim - 1)
+        span = (high - low) or 0.001
+        ramp = ((torch.arange(dim // 2, dtype=dtype) - low) / span).clamp(0, 1)  # 0: extrapolate, 1: interpolate
+        return (1.0 / (self.factor * base)) * ramp + (1.0 / base) * (1 - ramp)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, style: str, theta: float) -> torch.Tensor:
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 without extension)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_angles(positions: torch.Tensor, dim: int, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, dim/2] of positions [N] (fp32), times the rotary's attention factor."""
+    angles = positions.to(torch.float32).unsqueeze(-1) * rotary.inv_freq(dim)
+    return angles.cos() * rotary.attention_factor, angles.sin() * rotary.attention_factor
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, style: str, rotary: Rotary) -> torch.Tensor:
     """Rotary embedding of x [N, ..., r] at positions [N]. "interleaved" rotates pairs (x_2i, x_2i+1) and returns
     them de-interleaved ([rotated evens | rotated odds]: dot products between two rotated vectors are those of
     the interleaved layout, as DeepSeek's MLA computes them); "half" rotates pairs (x_i, x_{i+r/2}); "none"
     returns x."""
     if style == "none":
         return x
-    cos, sin = rope_angles(positions, x.shape[-1], theta)
+    cos, sin = rope_angles(positions, x.shape[-1], rotary)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
     cos, sin = cos.view(shape), sin.view(shape)
     if style == "interleaved":
@@ -159,19 +194,20 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, style: str, theta: floa
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
-def naive_rope(x: torch.Tensor, positions: torch.Tensor, style: str, theta: float) -> torch.Tensor:
-    """Reference: each pair as a complex number times e^(i * angle), float64, pairs put back where `apply_rope`
-    puts them."""
+def naive_rope(x: torch.Tensor, positions: torch.Tensor, style: str, rotary: Rotary) -> torch.Tensor:
+    """Reference: each pair as a complex number times attention_factor * e^(i * angle), float64, pairs put back
+    where `apply_rope` puts them."""
     if style == "none":
         return x
     r = x.shape[-1]
     pairs = [(2 * i, 2 * i + 1) if style == "interleaved" else (i, i + r // 2) for i in range(r // 2)]
+    inv_freq = rotary.inv_freq(r, torch.float64)
     out = torch.empty(x.shape, dtype=torch.float64)
     for n in range(x.shape[0]):
         for i, (lo, hi) in enumerate(pairs):
-            angle = float(positions[n]) * theta ** (-2.0 * i / r)
-            z = torch.complex(x[n, ..., lo].double(), x[n, ..., hi].double()) * complex(math.cos(angle),
-                                                                                        math.sin(angle))
+            angle = float(positions[n]) * float(inv_freq[i])
+            turn = complex(math.cos(angle), math.sin(angle)) * rotary.attention_factor
+            z = torch.complex(x[n, ..., lo].double(), x[n, ..., hi].double()) * turn
             out[n, ..., i], out[n, ..., i + r // 2] = z.real, z.imag
     return out.to(torch.float32)
 

@@ -31,7 +31,7 @@ PROMPT_TOKENS = 200
 GREEDY_TOKENS = 32
 TOLERANCE = 1e-4
 """Largest |engine - transformers| logit difference allowed, as a fraction of the logit range."""
-KINDS = ["kimi-mix", "kimi-dense-shared", "dsv32-topk", "dsv32-sharded", "dsv32-fp8"]
+KINDS = ["kimi-mix", "kimi-dense-shared", "dsv32-topk", "dsv32-yarn", "dsv32-sharded", "dsv32-fp8"]
 PARALLEL_KINDS = ["kimi-mix", "dsv32-topk"]
 
 
@@ -192,7 +192,7 @@ def _edit_config(tmp_path, kind: str, **changes):  # noqa: ANN001, ANN201
     ({"model_type": "llama"}, "model_type 'llama' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"attention_bias": True}, "attention_bias True is not supported"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}}, "rope_type .longrope."),
     ({"some_new_knob": 3}, "unsupported config fields ['some_new_knob']"),
     ({"quantization_config": {"quant_method": "awq"}}, "quant_method 'awq' is not supported"),
     ({"mlp_layer_types": ["sparse", "dense", "sparse"]}, "dense layers after a MoE layer"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,8 +13,8 @@ from engine.model.kda import (causal_conv, causal_conv_step, kda_chunked, kda_re
                               naive_recurrent_kda)
 from engine.model.mla import naive_mla_absorbed, naive_mla_expanded, sparse_mla
 from engine.model.moe import MoE, naive_moe
-from engine.model.numerics import (FP8_DTYPE, check_row_invariance, fp8_quantize_rowwise, fp8_to_float,
-                                   hadamard_matrix, pad_rows)
+from engine.model.numerics import (FP8_DTYPE, Rotary, apply_rope, check_row_invariance, fp8_quantize_rowwise,
+                                   fp8_to_float, hadamard_matrix, naive_rope, pad_rows)
 from engine.model.weights import build_model
 
 CFG = get_preset("kimi-k3.1-mini")
@@ -156,9 +158,16 @@ def test_conv_prefill_equals_conv_steps_bitwise() -> None:
 # ---------------------------------------------------------------- MoE, numerics
 
 
-def test_moe_matches_naive() -> None:
-    """Fast MoE (per-expert padded GEMMs, ascending-id combine) vs per-token float64 reference: atol 1e-4."""
-    moe = MoE(CFG)
+CHECKPOINT_MOE = {"latent-grouped": dict(num_expert_groups=4, topk_groups=2),
+                  "plain-grouped": dict(moe_latent_dim=0, num_expert_groups=4, topk_groups=2),
+                  "plain-unnormalised": dict(moe_latent_dim=0, moe_renormalize=False, routed_scaling_factor=2.5)}
+
+
+@pytest.mark.parametrize("changes", [{}, *CHECKPOINT_MOE.values()], ids=["preset", *CHECKPOINT_MOE])
+def test_moe_matches_naive(changes: dict) -> None:
+    """Fast MoE (per-expert padded GEMMs, ascending-id combine) vs per-token float64 reference: atol 1e-4; also
+    with the checkpoints' variants (no latent, grouped top-k, unnormalised weights)."""
+    moe = MoE(dataclasses.replace(CFG, **changes).validate())
     gen = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for p in moe.parameters():
@@ -166,6 +175,36 @@ def test_moe_matches_naive() -> None:
     x = torch.randn(37, CFG.d_model, generator=gen)
     fast = moe(pad_rows(x), 37)[:37]
     torch.testing.assert_close(fast, naive_moe(moe, x), rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_routing_picks_only_kept_groups() -> None:
+    """Grouped top-k: every chosen expert lies in one of the topk_groups groups with the best top-2 sums."""
+    cfg = dataclasses.replace(CFG, num_expert_groups=4, topk_groups=2).validate()
+    moe = MoE(cfg)
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    x = pad_rows(torch.randn(20, cfg.d_model, generator=gen))
+    ids, _ = moe.route(x)
+    biased = (torch.sigmoid(moe.router(x)) + moe.correction_bias).view(x.shape[0], 4, -1)
+    best_groups = biased.topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices
+    group_of = ids // (cfg.num_experts // 4)
+    assert all(set(g.tolist()) <= set(b.tolist()) for g, b in zip(group_of, best_groups))
+
+
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("rotary", [Rotary(), Rotary(theta=50000.0, factor=40.0, original_context=64,
+                                                       attention_factor=0.9)], ids=["rope", "yarn"])
+def test_rope_matches_naive(style: str, rotary: Rotary) -> None:
+    """apply_rope vs the complex-number float64 reference at positions below 1000: atol 2e-4 (fp32 angles are off
+    by up to position * 2^-24 radians, as transformers' are)."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(9, 3, 16, generator=gen)
+    positions = torch.randint(0, 1000, (9,), generator=gen)
+    torch.testing.assert_close(apply_rope(x, positions, style, rotary), naive_rope(x, positions, style, rotary),
+                               rtol=0, atol=2e-4)
+    assert torch.equal(apply_rope(x, positions, "none", rotary), x)
 
 
 def test_moe_router_ties_go_to_lower_expert() -> None:
