@@ -159,7 +159,7 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int,
     node kind's hand-off owner once the ranks reported in (`executor.startup_info`)."""
     from engine.model.config import resolve_model
 
-    model_cfg = resolve_model(config.engine.model)
+    model_cfg = resolve_model(config.engine.model, config.engine.exact_index_scores)  # what the ranks build
     backend = backend_module(config.backend)
     tokenizer = backend.load_tokenizer(model_cfg)  # before the ranks: bad tokenizer files refuse the start at once
     fingerprint = served_weights_fingerprint(model_cfg, config.engine.seed, tokenizer)
