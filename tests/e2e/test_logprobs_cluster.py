@@ -96,10 +96,6 @@ def test_served_logprobs_equal_teacher_forcing(cluster, pool):
     _check_teacher_forcing(cluster, pool, NUM_PROMPTS)
 
 
-@pytest.mark.xfail(strict=True, reason="engine numerics (issue #33 item 3, not this test): on the kimi-mix "
-                   "checkpoint a position's prefill log-prob depends on the prompt's length by an ulp even on one rank "
-                   "(served -3.711829423904419, echo -3.7118287086486816); the presets are exact. Drop this mark when "
-                   "the checkpoint's ops are length-invariant (strict: a pass fails the run until then)")
 @pytest.mark.parametrize("pool", POOLS)
 def test_checkpoint_served_logprobs_equal_teacher_forcing(checkpoint_cluster, pool):
     _check_teacher_forcing(checkpoint_cluster, pool, CHECKPOINT_PROMPTS)
