@@ -12,7 +12,7 @@ import sys
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.cli", "run the reference engine on one prompt (the numerical oracle)"),
-    "plan": ("kv_transfer.cli", "packed-row layout and KV capacity for a model, GPU and parallelism"),
+    "plan": ("sim.plan_cli", "KV capacity of one instance; with --workload, a cluster plan searched by simulation"),
     "prefill": ("prefill_node.cli", "start a prefill node: FastAPI server + W rank processes"),
     "decode": ("decode_node.cli", "start a decode node (TP or DCP pool): FastAPI server + rank processes"),
     "router": ("router.cli", "start the OpenAI-compatible PD router"),

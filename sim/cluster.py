@@ -34,7 +34,7 @@ from router.settings import Settings as RouterSettings
 from router.state import RouterState
 from serving.errors import APIError
 from sim.events import EventLoop
-from sim.instance import Flight, InstanceSpec, SimInstance
+from sim.instance import Flight, HostCores, InstanceSpec, SimInstance
 from sim.profile import Profile
 from sim.tokens import Interner, TokenRuns
 
@@ -73,6 +73,7 @@ class SimCluster:
         self.profile = profile
         self.loop = loop or EventLoop()
         self.interner = Interner()
+        self.host = HostCores(profile.host_cores)
         self.instances: dict[str, SimInstance] = {}
         nodes = []
         for pool in config.pools:
@@ -100,7 +101,7 @@ class SimCluster:
             spec = InstanceSpec(name=name, role=pool.role, pool=pool.name, tp=pool.tp, dcp=pool.dcp,
                                 num_rows=num_rows, max_batch=eng.max_batch, max_step_tokens=eng.max_step_tokens,
                                 prefix_cache=eng.prefix_cache, max_context=settings.max_context or cfg.max_context)
-            self.instances[name] = SimInstance(spec, cfg, layout, cost, self.loop, record_chunks)
+            self.instances[name] = SimInstance(spec, cfg, layout, cost, self.loop, record_chunks, self.host)
             nodes.append(_Node(name, pool.role, f"http://sim-{name}:8000", pool.name, "reference", pool.tp, pool.dcp))
 
     def _register_facts(self) -> None:

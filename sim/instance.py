@@ -49,6 +49,21 @@ class Flight:
     on_finished: Callable[[float, Request], None] | None = None
 
 
+class HostCores:
+    """Ranks computing now on a host of `cores` cores (None: no sharing); a step's stretch factor at its start."""
+
+    def __init__(self, cores: int | None) -> None:
+        self.cores = cores
+        self.busy = 0
+
+    def start(self, ranks: int) -> float:
+        self.busy += ranks
+        return 1.0 if self.cores is None else max(1.0, self.busy / self.cores)
+
+    def end(self, ranks: int) -> None:
+        self.busy -= ranks
+
+
 @dataclass
 class _Segment:
     plan: tuple[Request, ...]
@@ -79,8 +94,10 @@ class InstanceSpec:
 
 class SimInstance:
     def __init__(self, spec: InstanceSpec, cfg: ModelConfig, layout: RowLayout, cost: StepCost, loop: EventLoop,
-                 record_chunks: bool = True) -> None:
+                 record_chunks: bool = True, host: HostCores | None = None) -> None:
         self.spec = spec
+        self.host = host or HostCores(None)
+        self.ranks = max(spec.tp, spec.dcp)
         self.layout = layout
         self.cost = cost
         self.loop = loop
@@ -189,10 +206,12 @@ class SimInstance:
         req, end = plan.prefill, plan.prefill_end
         sum_ctx = sum(r.num_tokens for r in plan.decode)
         duration = self.cost.step_s(end - req.num_computed, end, len(plan.decode), sum_ctx)
+        duration *= self.host.start(self.ranks)
         self.loop.after(duration, lambda: self._end_step(req, end, plan.decode, now))
 
     def _end_step(self, req: Request, end: int, decode: tuple[Request, ...], t0: float) -> None:
         now = self.loop.now
+        self.host.end(self.ranks)
         self._account(t0, now)
         sched = self.scheduler
         n = len(req.prompt_token_ids)
@@ -259,8 +278,9 @@ class SimInstance:
         remaining = min(r.sampling.max_tokens - len(r.output_token_ids) for r in batch)
         quarantine = [q.until for q in self.pool._quarantine]
         cost = self.cost
-        first = cost.step_s(batch=b, sum_context=sum(r.num_tokens for r in batch))
-        growth = cost.decode_ctx_s * b
+        stretch = self.host.start(self.ranks)
+        first = cost.step_s(batch=b, sum_context=sum(r.num_tokens for r in batch)) * stretch
+        growth = cost.decode_ctx_s * b * stretch
         steps = max(1, remaining)
         if quarantine:  # a reclaim may free rows for the queue head: stop at the first step past it
             steps = min(steps, max(1, self._steps_within(first, growth, min(quarantine) - now) + 1))
@@ -306,6 +326,7 @@ class SimInstance:
         seg = self.segment
         assert seg is not None
         self.segment = None
+        self.host.end(self.ranks)
         if self.record_chunks:
             times = [seg.t0 + self._elapsed(seg, j) for j in range(1, seg.num_steps + 1)]
         else:

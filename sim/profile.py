@@ -10,6 +10,7 @@ Only time is modelled from a profile; every decision comes from the product code
 - `http`: the prefill leg's round trip besides its engine time (`prefill_leg_s`), the decode leg's dispatch until
   the node starts on it (`decode_leg_s`), and what the router adds to a request (`router_s`), all per request.
 - `template`: how a prompt becomes tokens (sim/tokens.py `Template`).
+- `host_cores`: on one CPU host, the cores every instance's ranks share (first-order contention; see the field).
 - `sources`: where every number came from; `fit`: for fitted profiles, which measured points were used for
   fitting and which are predictions (with their errors).
 Bad input raises ValueError naming the field.
@@ -95,6 +96,9 @@ class Profile(_Strict):
     steps: list[StepCost]
     transfer: TransferCost
     http: HttpCost = Field(default_factory=HttpCost)
+    host_cores: int | None = Field(None, ge=1)
+    """CPU profiles: every instance's ranks share this many cores (a step stretches by the ranks busy at its start,
+    its own included, over host_cores, when that is above 1). None: instances do not share compute (GPUs)."""
     sources: list[str] = Field(min_length=1)
     fit: list[FitPoint] = Field(default_factory=list)
     notes: str = ""

@@ -1,0 +1,169 @@
+"""The simulator against real runs on this machine: each configuration run for real (`pdcluster up`'s launcher +
+loadgen) and simulated (`pdcluster sim` with the same config, workload, seed, levels and duration), side by side.
+
+Configurations (CONFIGS): topologies default (P TP=2 -> D tp TP=1 + D dcp DCP=2), P TP=2 -> D TP=1 only, and
+colocated (the default pools, the router never sends a P leg: disagg_min_uncached_tokens above any prompt); loads
+below and near saturation (closed-loop concurrency); workloads agentx with the prefix cache on and off, random.
+Per configuration and level: relative error |sim - real| / real of TTFT p50, TPOT p50 and output tok/s, and of
+TTFT p99. Headline: the median absolute relative error over TTFT p50, TPOT p50 and throughput of every level
+(goal <= 10%); beside it the median error of TTFT p99 (goal <= 25%).
+
+    python benchmarks/sim_validation.py --profile sim/profiles/cpu-mini-reference.json --json /tmp/simval.json
+    python benchmarks/sim_validation.py --only default-random-low,default-agentx-on-low --duration 20   # quick look
+
+Each real side starts its own cluster (a free router port) and writes loadgen's summary.json under --work-dir;
+the simulated side writes its own beside it, so `pdcluster loadgen compare REAL SIM` shows every metric.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cluster.config import DEFAULT_CONFIG_PATH, ClusterConfig, load_config, parse_config  # noqa: E402
+from loadgen.lengths import parse_dist  # noqa: E402
+from loadgen.scenarios.agentx import AgentXConfig, AgentXWorkload  # noqa: E402
+from loadgen.scenarios.random_requests import RandomConfig, RandomWorkload  # noqa: E402
+
+AGENTX = dict(system_len=parse_dist("512"), task_len=parse_dist("lognormal:256,0.5"),
+              tool_len=parse_dist("lognormal:96,0.5"), output_len=parse_dist("16"), turns=parse_dist("uniform:4,8"),
+              max_context=4096)
+"""benchmarks/agent_sessions.py's agent workload (words; the byte tokenizer sees about five tokens per word)."""
+RANDOM = dict(input_len=parse_dist("uniform:40,400"), output_len=parse_dist("uniform:16,48"))
+
+
+def _topology(name: str, cache: bool) -> ClusterConfig:
+    base = load_config(DEFAULT_CONFIG_PATH).model_dump(by_alias=False, exclude_none=True)
+    if name == "p2-d1":
+        base["pools"] = [p for p in base["pools"] if p["name"] != "dcp"]
+        base["pools"][1].pop("max_context_tokens", None)
+    if name == "colocated":
+        base["router"]["settings"]["disagg_min_uncached_tokens"] = 10**9
+    if not cache:
+        for pool in base["pools"]:
+            pool["settings"] = {**pool.get("settings", {}), "prefix_cache": False}
+    return parse_config(base, f"{name} (sim_validation)")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    topology: str
+    scenario: str
+    cache: bool
+    levels: tuple[int, ...]
+
+    def workload(self, seed: int):
+        if self.scenario == "agentx":
+            return AgentXWorkload(AgentXConfig(seed=seed, **AGENTX))
+        return RandomWorkload(RandomConfig(seed=seed, **RANDOM))
+
+
+CONFIGS = (
+    Config("default-agentx-on-low", "default", "agentx", True, (1,)),
+    Config("default-agentx-on-high", "default", "agentx", True, (4,)),
+    Config("default-agentx-off", "default", "agentx", False, (2,)),
+    Config("default-random-low", "default", "random", True, (1,)),
+    Config("default-random-high", "default", "random", True, (6,)),
+    Config("p2-d1-random", "p2-d1", "random", True, (1, 4)),
+    Config("colocated-agentx", "colocated", "agentx", True, (2,)),
+)
+
+METRICS = (("ttft_p50", "ttft_ms", "p50"), ("tpot_p50", "tpot_ms", "p50"), ("throughput", "output_tok_s", None),
+           ("ttft_p99", "ttft_ms", "p99"))
+
+
+def _value(level, attr: str, pct: str | None) -> float | None:
+    got = getattr(level, attr)
+    return getattr(got, pct) if pct else got
+
+
+@dataclass
+class Row:
+    config: str
+    concurrency: int
+    metric: str
+    real: float | None
+    sim: float | None
+
+    @property
+    def error(self) -> float | None:
+        if self.real in (None, 0) or self.sim is None:
+            return None
+        return abs(self.sim - self.real) / abs(self.real)
+
+
+def run_config(cfg: Config, profile, work: Path, duration_s: float, seed: int) -> list[Row]:
+    from sim.measure import measure
+    from sim.run import SimOptions, simulate
+
+    cluster = _topology(cfg.topology, cfg.cache)
+    real = measure(cluster, cfg.workload(seed), cfg.scenario, list(cfg.levels), duration_s, work / cfg.name / "real",
+                   seed=seed, drain_s=300.0)
+    sim = simulate(cluster, profile, cfg.workload(seed), cfg.scenario,
+                   SimOptions(list(cfg.levels), duration_s, work / cfg.name / "sim", seed=seed, drain_s=300.0,
+                              config_name=cfg.topology)).summary
+    rows = []
+    for lv_real, lv_sim in zip(real.levels, sim.levels):
+        for metric, attr, pct in METRICS:
+            rows.append(Row(cfg.name, lv_real.concurrency, metric, _value(lv_real, attr, pct), _value(lv_sim, attr, pct)))
+    return rows
+
+
+def _median(rows: list[Row], metrics: tuple[str, ...]) -> float | None:
+    errors = [r.error for r in rows if r.metric in metrics and r.error is not None]
+    return statistics.median(errors) if errors else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--profile", default="cpu-mini-reference", help="profile JSON or name in sim/profiles/")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds per level, real and simulated")
+    p.add_argument("--only", default=None, help="comma-separated configuration names (default: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", type=Path, default=Path("sim-validation"))
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    from sim.profile import resolve_profile
+
+    profile = resolve_profile(args.profile)
+    names = set(args.only.split(",")) if args.only else {c.name for c in CONFIGS}
+    unknown = names - {c.name for c in CONFIGS}
+    if unknown:
+        p.error(f"--only: unknown configuration(s) {sorted(unknown)}; known: {[c.name for c in CONFIGS]}")
+    started = time.time()
+    rows: list[Row] = []
+    for cfg in CONFIGS:
+        if cfg.name in names:
+            print(f"== {cfg.name}", file=sys.stderr)
+            rows += run_config(cfg, profile, args.work_dir, args.duration, args.seed)
+    head = _median(rows, ("ttft_p50", "tpot_p50", "throughput"))
+    p99 = _median(rows, ("ttft_p99",))
+    print(f"| config | conc | metric | real | sim | error |\n|---|---:|---|---:|---:|---:|")
+    for r in rows:
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        print(f"| {r.config} | {r.concurrency} | {r.metric} | {fmt(r.real)} | {fmt(r.sim)} | "
+              f"{'-' if r.error is None else f'{100 * r.error:.1f}%'} |")
+    print(f"headline: median |rel error| over TTFT p50, TPOT p50, throughput = "
+          f"{'-' if head is None else f'{100 * head:.1f}%'} (goal <= 10%); TTFT p99 "
+          f"{'-' if p99 is None else f'{100 * p99:.1f}%'} (goal <= 25%); {len(names)} configurations, "
+          f"{time.time() - started:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "headline": {"metric": "median_abs_rel_error_ttft_p50_tpot_p50_throughput", "value": head, "goal": 0.10},
+            "ttft_p99": {"metric": "median_abs_rel_error_ttft_p99", "value": p99, "goal": 0.25},
+            "profile": profile.name, "duration_s": args.duration, "configs": sorted(names),
+            "rows": [dict(asdict(r), error=r.error) for r in rows], "command": ["benchmarks/sim_validation.py", *(argv or sys.argv[1:])],
+        }, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""`pdcluster sim calibrate`: measure a CPU profile on this machine's reference cluster.
+
+It starts the cluster of `--config` (default cluster/default.yaml: P TP=2, D `tp` TP=1, D `dcp` DCP=2), drives it
+with loadgen's `random` scenario at fixed lengths (`POINTS`: one request shape and concurrency each, so TTFT
+isolates the prefill and TPOT the decode batch; three untimed requests first warm the pairs and caches), and fits the profile's step costs:
+- prefill (the P pool's tp): TTFT(T) = C + sum over the chunks c of T (the pool's max_step_tokens) of
+  base + prefill_token_s*c + prefill_attn_s*c*(end - c/2), with base the TP=1 decode fit's (a per-request constant
+  and a per-step one are the same unknown when a prompt takes one step), least squares over the `ttft_*` points
+  weighted by 1/TTFT (a coefficient that comes out negative is dropped and the rest refitted); C, the request's
+  path outside the engine (router, both legs, the READ), becomes `http.prefill_leg_s`;
+- decode, TP=1 pool: TPOT = base + decode_seq_s*b + decode_ctx_s*S (b requests, S their summed context) from
+  batch 1 short, batch 4 short and batch 1 long;
+- decode, DCP=2 pool: base and decode_seq_s from batch 1 and 2 at the same context; decode_ctx_s is taken as
+  half the TP=1 pool's (each rank holds half the tokens): an assumption the profile states.
+Not measured (stated in the profile's notes): a decode node's own prefill (every calibration prompt takes the
+P leg); it is set to the P pool's per-token cost times its world size over the node's (a TP=1 node prefills
+alone what two token-sharded ranks share). Transfer costs come from benchmarks/RESULTS.md (CPU loopback).
+Every measured point and what the fitted model gives for it are written to the profile's `fit` list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cluster.config import DEFAULT_CONFIG_PATH, ClusterConfig, load_config, node_settings_class
+from loadgen.lengths import parse_dist
+from loadgen.scenarios.random_requests import RandomConfig, RandomWorkload
+
+PROG = "pdcluster sim calibrate"
+WORD_BYTES = 5
+"""loadgen's words are four letters and a space: the byte tokenizer sees five tokens per word."""
+TEMPLATE_TOKENS = 19 - 1
+"""BOS, ROLE "user\\n", END, ROLE "assistant\\n" around one user message (the last word has no space)."""
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    words: int
+    output: int
+    concurrency: int
+    requests: int
+
+
+POINTS = (
+    Point("ttft_w20", 20, 2, 1, 3), Point("ttft_w300", 300, 2, 1, 2), Point("ttft_w700", 700, 2, 1, 2),
+    Point("ttft_w1200", 1200, 2, 1, 2),
+    Point("tpot_tp_b1_short", 20, 33, 1, 2), Point("tpot_tp_b4_short", 20, 33, 4, 8),
+    Point("tpot_tp_b1_long", 1000, 33, 1, 2),
+    Point("tpot_dcp_b1", 1400, 33, 1, 2), Point("tpot_dcp_b2", 1400, 33, 2, 4),
+)
+QUICK = ("ttft_w20", "ttft_w300", "ttft_w700", "tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long",
+         "tpot_dcp_b1", "tpot_dcp_b2")
+
+
+def prompt_tokens(words: int) -> int:
+    return TEMPLATE_TOKENS + WORD_BYTES * words
+
+
+def chunk_features(tokens: int, chunk: int | None) -> tuple[int, int, float]:
+    """(steps, tokens, sum of c*(end - c/2)) of a prompt prefilled in chunks of `chunk` tokens."""
+    size = chunk or tokens
+    steps, attn, done = 0, 0.0, 0
+    while done < tokens:
+        c = min(size, tokens - done)
+        done += c
+        steps += 1
+        attn += c * (done - c / 2)
+    return steps, tokens, attn
+
+
+def nonneg_lstsq(features: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (a negative one is dropped, the rest refitted)."""
+    keep = list(range(features.shape[1]))
+    while True:
+        coef = np.zeros(features.shape[1])
+        sol, *_ = np.linalg.lstsq(features[:, keep], target, rcond=None)
+        coef[keep] = sol
+        bad = [k for k in keep if coef[k] < 0]
+        if not bad:
+            return coef
+        keep.remove(min(bad, key=lambda k: coef[k]))
+
+
+def host_cores() -> int:
+    """Cores this process may run on (what every rank of the local cluster shares)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _pools(config: ClusterConfig) -> tuple:
+    prefill = config.pools_by_role("prefill")
+    tp = [p for p in config.pools_by_role("decode") if p.dcp == 1 and p.tp == 1]
+    dcp = [p for p in config.pools_by_role("decode") if p.dcp > 1]
+    if len(prefill) != 1 or len(tp) != 1 or len(dcp) != 1:
+        raise ValueError("calibration needs one prefill pool, one TP=1 decode pool and one DCP decode pool "
+                         "(cluster/default.yaml's shape)")
+    return prefill[0], tp[0], dcp[0]
+
+
+def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path) -> dict[str, dict]:
+    """Measure each point on one started cluster: median TTFT (s) and TPOT (s) per point."""
+    from sim.measure import RealCluster
+
+    found: dict[str, dict] = {}
+    with RealCluster(config, out_dir / "logs") as real:
+        warm = RandomWorkload(RandomConfig(seed=3, input_len=parse_dist("300"), output_len=parse_dist("8")))
+        real.sweep(warm, "random", [1], 1e6, out_dir / "warmup", max_requests=3, drain_s=600.0)  # first READs, caches
+        for point in POINTS:
+            if point.name not in names:
+                continue
+            workload = RandomWorkload(RandomConfig(seed=7, input_len=parse_dist(str(point.words)),
+                                                   output_len=parse_dist(str(point.output))))
+            summary = real.sweep(workload, "random", [point.concurrency], 1e6, out_dir / point.name,
+                                 max_requests=point.requests, drain_s=600.0)
+            level = summary.levels[0]
+            if not level.num_ok:
+                raise RuntimeError(f"calibration point {point.name}: no request succeeded ({level.errors_by_kind})")
+            found[point.name] = {"ttft_s": level.ttft_ms.p50 / 1000, "tpot_s": (level.tpot_ms.p50 or 0) / 1000,
+                                 "prompt_tokens": level.input_tokens // level.num_ok, "num_ok": level.num_ok}
+            print(f"{point.name}: {found[point.name]}", file=sys.stderr)
+    return found
+
+
+def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, command: str) -> dict:
+    """The profile JSON (a dict) fitted to `measured` (see the module docstring for the model)."""
+    prefill, tp_pool, dcp_pool = _pools(config)
+    p_eng = node_settings_class("prefill").model_validate(prefill.settings).engine
+    def ctx(point: str, batch: int) -> float:
+        v = measured[point]
+        out = next(p.output for p in POINTS if p.name == point)
+        return batch * (v["prompt_tokens"] + out / 2)
+
+    tp_rows = [[1, 1, ctx("tpot_tp_b1_short", 1)], [1, 4, ctx("tpot_tp_b4_short", 4)],
+               [1, 1, ctx("tpot_tp_b1_long", 1)]]
+    tp_y = [measured[k]["tpot_s"] for k in ("tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long")]
+    d_base, d_seq, d_ctx = nonneg_lstsq(np.array(tp_rows, dtype=float), np.array(tp_y))
+    # prefill: a step's fixed cost is the decode pool's base (a constant per request cannot be told apart from
+    # it when prompts take one step); the fit weighs every point by 1/TTFT (relative error)
+    p_base = d_base
+    ttft = [(k, v) for k, v in measured.items() if k.startswith("ttft_")]
+    rows = [[1.0, *chunk_features(v["prompt_tokens"], p_eng.max_step_tokens)] for _, v in ttft]
+    y = np.array([v["ttft_s"] - p_base * row[1] for (_, v), row in zip(ttft, rows)])
+    weights = np.array([1.0 / v["ttft_s"] for _, v in ttft])
+    feats = np.array([[row[0], row[2], row[3]] for row in rows])
+    c0, p_tok, p_attn = nonneg_lstsq(feats * weights[:, None], y * weights)
+    dcp_ctx = d_ctx / 2
+    dcp_y = [measured[k]["tpot_s"] - dcp_ctx * ctx(k, b) for k, b in (("tpot_dcp_b1", 1), ("tpot_dcp_b2", 2))]
+    dcp_base, dcp_seq = nonneg_lstsq(np.array([[1.0, 1.0], [1.0, 2.0]]), np.array(dcp_y))
+    p_world = max(prefill.tp, prefill.dcp)
+
+    def step(pool, base: float, seq: float, ctx_s: float) -> dict:
+        scale = p_world / max(pool.tp, pool.dcp)
+        return {"tp": pool.tp, "dcp": pool.dcp, "base_s": base, "prefill_token_s": p_tok * scale,
+                "prefill_attn_s": p_attn * scale, "decode_seq_s": seq, "decode_ctx_s": ctx_s}
+
+    steps = [{"tp": prefill.tp, "dcp": 1, "base_s": p_base, "prefill_token_s": p_tok, "prefill_attn_s": p_attn,
+              "decode_seq_s": d_seq, "decode_ctx_s": d_ctx},
+             step(tp_pool, d_base, d_seq, d_ctx), step(dcp_pool, dcp_base, dcp_seq, dcp_ctx)]
+    fit = []
+    for (k, v), row in zip(ttft, rows):
+        fit.append({"name": k, "measured": v["ttft_s"], "used_for_fit": True, "source": "TTFT p50, s",
+                    "modelled": float(np.dot([c0, p_base, p_tok, p_attn], row))})
+    for (k, row), y in zip(zip(("tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long"), tp_rows), tp_y):
+        fit.append({"name": k, "measured": y, "used_for_fit": True, "source": "TPOT p50, s",
+                    "modelled": float(d_base + d_seq * row[1] + d_ctx * row[2])})
+    for k, b in (("tpot_dcp_b1", 1), ("tpot_dcp_b2", 2)):
+        fit.append({"name": k, "measured": measured[k]["tpot_s"], "used_for_fit": True, "source": "TPOT p50, s",
+                    "modelled": float(dcp_base + dcp_seq * b + dcp_ctx * ctx(k, b))})
+    return {
+        "name": name, "model": config.model, "device": "cpu (this machine, reference engine)",
+        "template": {"kind": "bytes", "tokens_per_message": 4}, "steps": steps,
+        "transfer": {"setup_s": 0.002, "per_descriptor_s": 5e-6, "bytes_per_s": 5.3e9},
+        "host_cores": host_cores(),
+        "http": {"router_s": 0.0005, "prefill_leg_s": float(c0), "decode_leg_s": 0.0},
+        "sources": [f"measured by `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: loadgen random "
+                    "points against the cluster of the config (sim/calibrate.py POINTS)",
+                    "transfer: benchmarks/RESULTS.md 2026-11-29 KV transfer over NIXL, CPU loopback (packed 5.3 GB/s, "
+                    "a descriptor a few microseconds on CMA)",
+                    "router_s: benchmarks/RESULTS.md 2026-12-03 (evening), the router's own work per request"],
+        "fit": fit,
+        "notes": ("decode-node prefill costs are the P pool's per-token costs scaled by world size (not measured); "
+                  "DCP decode_ctx_s is half the TP=1 pool's (assumed); http.prefill_leg_s holds every constant of "
+                  "a disaggregated request's path (router, legs, READ setup) as fitted."),
+    }
+
+
+def main_calibrate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH)
+    p.add_argument("--out", type=Path, required=True, help="profile JSON to write")
+    p.add_argument("--name", default="cpu-mini-reference")
+    p.add_argument("--work-dir", type=Path, default=Path("sim-calibrate"), help="loadgen outputs and node logs")
+    p.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} points (no 1200-word TTFT)")
+    p.add_argument("--measured", type=Path, default=None, help="refit from a measured.json of an earlier run")
+    p.add_argument("--figures", choices=("h200", "gb300"), default=None,
+                   help="no measurement: fit a GPU profile to published figures (sim/figures.py)")
+    args = p.parse_args(argv)
+    try:
+        if args.figures:
+            from sim.figures import build
+
+            return _write(build(args.figures), args.out)
+        config = load_config(args.config)
+        _pools(config)
+        if args.measured:
+            measured = json.loads(args.measured.read_text())
+        else:
+            measured = run_points(config, QUICK if args.quick else tuple(pt.name for pt in POINTS), args.work_dir)
+            args.work_dir.mkdir(parents=True, exist_ok=True)
+            (args.work_dir / "measured.json").write_text(json.dumps(measured, indent=1))
+        profile = fit_profile(config, measured, args.name, "pdcluster sim calibrate " + " ".join(argv))
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    return _write(profile, args.out)
+
+
+def _write(profile: dict, out: Path) -> int:
+    from sim.profile import Profile
+
+    Profile.model_validate(profile)  # what `pdcluster sim` will read
+    out.write_text(json.dumps(profile, indent=1) + "\n")
+    for point in profile["fit"]:
+        kind = "fit" if point["used_for_fit"] else "predicted"
+        err = abs(point["modelled"] - point["measured"]) / point["measured"]
+        print(f"{point['name']:>22}: measured {point['measured']:.4f}  modelled {point['modelled']:.4f}  "
+              f"({kind}, {100 * err:.1f}%)")
+    print(f"wrote {out}")
+    return 0

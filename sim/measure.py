@@ -1,0 +1,57 @@
+"""Measure a real cluster on this machine: `pdcluster up`'s launcher plus loadgen's sweep, in one call.
+
+`RealCluster(config, log_dir)` starts the cluster of `config` (its router on a free port) and `sweep(...)` runs
+loadgen's sweep against the router exactly as `pdcluster loadgen` does, returning the Summary (also written to its
+`out_dir`); `measure(...)` is one sweep on a cluster of its own. Used by `pdcluster sim calibrate` and
+benchmarks/sim_validation.py: the measured side of every comparison.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from cluster.config import ClusterConfig
+from cluster.launcher import Cluster
+from loadgen.client import Target
+from loadgen.schedule import Workload
+from loadgen.slo import SLO
+from loadgen.summary import Summary
+from loadgen.sweep import SweepOptions, run_sweep
+
+
+def with_free_router_port(config: ClusterConfig) -> ClusterConfig:
+    """The same cluster with its router on a free port (tests and other engineers may hold 8000)."""
+    router = config.router.model_copy(update={"port": None})
+    return config.model_copy(update={"router": router})
+
+
+class RealCluster:
+    """A started cluster (context manager) that sweeps loadgen workloads against its router."""
+
+    def __init__(self, config: ClusterConfig, log_dir: Path) -> None:
+        self.cluster = Cluster(with_free_router_port(config), Path(log_dir))
+
+    def __enter__(self) -> RealCluster:
+        self.cluster.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cluster.stop()
+
+    def sweep(self, workload: Workload, scenario: str, levels: list[int], duration_s: float, out_dir: Path,
+              seed: int = 0, drain_s: float = 120.0, max_requests: int | None = None, slo: SLO | None = None,
+              gpus: int | None = None) -> Summary:
+        target = Target(self.cluster.router_url, self.cluster.model_name)
+        opts = SweepOptions(target=target, concurrency_levels=levels, duration_s=duration_s, out_dir=Path(out_dir),
+                            seed=seed, slo=slo or SLO(), gpus=gpus, drain_s=drain_s, max_requests=max_requests,
+                            plots=False, command=["sim.measure", scenario])
+        return asyncio.run(run_sweep(workload, opts, scenario, []))
+
+
+def measure(config: ClusterConfig, workload: Workload, scenario: str, levels: list[int], duration_s: float,
+            out_dir: Path, **kw) -> Summary:
+    """Start the cluster, sweep once, stop it."""
+    out_dir = Path(out_dir)
+    with RealCluster(config, out_dir / "logs") as real:
+        return real.sweep(workload, scenario, levels, duration_s, out_dir, **kw)
