@@ -171,7 +171,7 @@ class Engine:
         name = type(model).__name__
         from engine.fast.support import fast_unsupported
 
-        lacks = fast_unsupported(self.model_config)
+        lacks = fast_unsupported(self.model_config, self._parallelism)
         if lacks is not None:
             return lacks
         if runs is None:

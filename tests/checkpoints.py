@@ -53,7 +53,7 @@ def _mla_shapes() -> dict:
 def kimi_config(kind: str, vocab_size: int = VOCAB_SIZE):  # noqa: ANN201
     from transformers import KimiLinearConfig
 
-    common = dict(vocab_size=vocab_size, pad_token_id=0, bos_token_id=1, eos_token_id=2, linear_head_dim=16,
+    common = dict(vocab_size=vocab_size, pad_token_id=0, bos_token_id=1, eos_token_id=2, linear_head_dim=32,
                   linear_num_heads=4, linear_conv_kernel_dim=4, num_local_experts=8, num_experts_per_tok=2,
                   rms_norm_eps=1e-5, **_mla_shapes())
     if kind == "kimi-mix":

@@ -22,6 +22,13 @@ Triton kernels that read and write the row pool stay outside the compiled graphs
 same functions eagerly (the CPU tests, and the reference for the compiled path).
 Everything stays on the device; the step has no host synchronisation (the page batch is built beforehand).
 
+Checkpoint semantics (engine/model/config.py fields; engine/fast/support.py says which configs run here): the MLA
+front rotates q^R, k^R and the indexer's rope dims at the rows' positions (`_rotate`, the reference's
+`apply_rope`), takes the normed input as the query latent when the query is full-rank, and for a dense MLA writes
+zero index keys and selects every key (`attention_topk`); the KDA front computes the softplus gate; the MoE runs
+its experts on the normed input when there is no latent, with grouped top-k (`_group_mask`) and optional
+renormalisation.
+
 Linears of up to GEMV_MAX_ROWS rows on CUDA run `gemv.gemv` (one weight-streaming kernel each) where the
 launch cost is paid once: inside compiled segments and in steps run under `gemv_kernels()` (what
 graphs.GraphedDecode does for its warm-up and capture). A plain eager step launches every kernel from Python
@@ -50,7 +57,7 @@ from engine.fast.pages import PageBatch, write_token
 from engine.fast.support import fast_unsupported
 from engine.layout import RowLayout
 from engine.model.kda import KDA
-from engine.model.mla import MLA
+from engine.model.mla import MLA, attention_topk
 from engine.model.model import KimiModel
 from engine.model.moe import DenseMLP, MoE
 from engine.model.numerics import FP8_DTYPE, fp8_quantize_rowwise, fp8_quantize_static, rms_norm
@@ -104,16 +111,33 @@ the graphed pro-rank b32 / 128K step took 2.503 ms with 64 against 2.633 ms with
 sort and gather kernels per MoE layer; benchmarks/RESULTS.md, 2026-12-04)."""
 
 
-def _route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]:
-    """Router scores (fp32 sigmoid) and the top-k expert ids by score + bias, best first. Up to
-    ROUTE_FUSED_MAX_ROWS rows the dot products and the selection (k rounds of arg-max, each taking the first of
-    equal maxima) are elementwise work and reductions that torch.compile fuses into the segment's kernels;
-    larger batches (prefill) use a matmul and torch.topk."""
+def _group_mask(biased: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
+    """Grouped top-k (engine.model.moe.mask_groups): experts outside the `keep` groups with the best top-2 sums
+    set to -inf."""
+    rows, experts = biased.shape
+    grouped = biased.view(rows, groups, experts // groups)
+    best = torch.topk(grouped, 2, dim=-1).values.sum(-1)  # [B, G]
+    kept = torch.topk(best, keep, dim=-1).indices
+    allowed = torch.zeros_like(best, dtype=torch.bool).scatter(1, kept, True)
+    return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(rows, experts)
+
+
+def _route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int = 1,
+           keep_groups: int = 1) -> tuple[torch.Tensor, ...]:
+    """Router scores (fp32 sigmoid) and the top-k expert ids by score + bias (within the kept groups of a grouped
+    top-k), best first. Up to ROUTE_FUSED_MAX_ROWS rows the dot products and the selection (k rounds of arg-max,
+    each taking the first of equal maxima) are elementwise work and reductions that torch.compile fuses into the
+    segment's kernels; larger batches (prefill) use a matmul and torch.topk."""
     if h.shape[0] > ROUTE_FUSED_MAX_ROWS:
         scores = torch.sigmoid(h @ router.t())
-        return scores, torch.topk(scores + bias, top_k, dim=-1).indices
+        biased = scores + bias
+        if groups > 1:
+            biased = _group_mask(biased, groups, keep_groups)
+        return scores, torch.topk(biased, top_k, dim=-1).indices
     scores = torch.sigmoid((h.unsqueeze(1) * router.unsqueeze(0)).sum(-1))  # [B, E]
     left = scores + bias
+    if groups > 1:
+        left = _group_mask(left, groups, keep_groups)
     experts = torch.arange(left.shape[1], device=left.device)
     picks = []
     for _ in range(top_k):  # element-wise masking between the rounds (no scatter): one fusable chain
@@ -123,32 +147,68 @@ def _route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int
     return scores, torch.cat(picks, dim=1)
 
 
-def _mla_front(x: torch.Tensor, norm: torch.Tensor, w_h: torch.Tensor, q_norm: torch.Tensor, w_qr: torch.Tensor,
-               w_uk: torch.Tensor, kv_norm: torch.Tensor, k_norm_w: torch.Tensor, k_norm_b: torch.Tensor,
-               hadamard: torch.Tensor, eps: float, k_eps: float, latent_scale: float, heads: int, nope: int,
-               kv_rank: int, index_heads: int, h_split: list[int], qr_split: list[int]) -> tuple[torch.Tensor, ...]:
+def _rotate(x: torch.Tensor, positions: torch.Tensor | None, style: str, inv_freq: torch.Tensor | None,
+            factor: float) -> torch.Tensor:
+    """engine.model.numerics.apply_rope on the segment's tensors (fp32 angles; "none": x)."""
+    if style == "none":
+        return x
+    angles = positions.float().unsqueeze(-1) * inv_freq  # [N, r/2]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (angles.shape[-1],)
+    cos, sin = (angles.cos() * factor).view(shape), (angles.sin() * factor).view(shape)
+    a, b = (x[..., 0::2], x[..., 1::2]) if style == "interleaved" else x.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def _mla_front(x: torch.Tensor, norm: torch.Tensor, w_h: torch.Tensor, q_norm: torch.Tensor | None,
+               w_qr: torch.Tensor, w_uk: torch.Tensor, kv_norm: torch.Tensor, k_norm_w: torch.Tensor | None,
+               k_norm_b: torch.Tensor | None, hadamard: torch.Tensor, eps: float, k_eps: float, latent_scale: float,
+               heads: int, nope: int, kv_rank: int, index_heads: int, h_split: list[int], qr_split: list[int],
+               inv_freq: torch.Tensor | None = None, positions: torch.Tensor | None = None, mla_rope: str = "none",
+               index_rope: str = "none", rope_factor: float = 1.0) -> tuple[torch.Tensor, ...]:
     """Queries (absorbed), the new token's latent and index key (FP8 bytes), the index queries and head weights
     and the output gate (None without one) of one MLA layer. `w_h` is every projection of the normed input
-    stacked (wq_a, wkv_a, the indexer's wk and w_proj, then wg where the layer has one; sizes `h_split`) and
-    `w_qr` the two of the query latent (wq_b, the indexer's wq; `qr_split`): one linear each."""
+    stacked (wq_a unless the query is full-rank, wkv_a, the indexer's wk and w_proj unless the MLA is dense,
+    then wg where the layer has one; sizes `h_split`) and `w_qr` the ones of the query latent (wq_b, the indexer's
+    wq; `qr_split`): one linear each. Rotary (checkpoints): q^R and k^R rotated by `mla_rope`, the indexer's first
+    rope dims by `index_rope`, at `positions` with `inv_freq` and cos/sin scaled by `rope_factor`. A dense MLA
+    (`k_norm_w` None) returns zero index keys, queries and weights: nothing scores them."""
     batch = x.shape[0]
     h = rms_norm(x, norm, eps)
     parts = _lin_split(h, w_h, h_split)
-    q_a, kv, idx_k, idx_w = parts[:4]
-    gate = torch.sigmoid(parts[4].float()) if len(parts) > 4 else None
-    qr = rms_norm(q_a.float(), q_norm, eps)
-    q, qi = _lin_split(qr, w_qr, qr_split)
-    q = q.reshape(batch, heads, -1)
+    if q_norm is not None:
+        q_a, parts = parts[0], parts[1:]
+        qr = rms_norm(q_a.float(), q_norm, eps)
+    else:
+        qr = h
+    indexed = k_norm_w is not None
+    kv = parts[0]
+    idx_k, idx_w = (parts[1], parts[2]) if indexed else (None, None)
+    rest = parts[3:] if indexed else parts[1:]
+    gate = torch.sigmoid(rest[0].float()) if rest else None
+    q_parts = _lin_split(qr, w_qr, qr_split)
+    q = q_parts[0].reshape(batch, heads, -1)
     q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk)  # [H, B, kv]
-    q_abs = torch.cat([q_lat.transpose(0, 1), q[..., nope:]], dim=-1)
+    q_rope = _rotate(q[..., nope:].float(), positions, mla_rope, inv_freq, rope_factor)
+    q_abs = torch.cat([q_lat.transpose(0, 1), q_rope.to(q_lat.dtype)], dim=-1)
     kv = kv.float()
-    latent = torch.cat([rms_norm(kv[:, :kv_rank], kv_norm, eps), kv[:, kv_rank:]], dim=-1)
+    k_rope = _rotate(kv[:, kv_rank:], positions, mla_rope, inv_freq, rope_factor)
+    latent = torch.cat([rms_norm(kv[:, :kv_rank], kv_norm, eps), k_rope], dim=-1)
     latent_bytes = fp8_quantize_static(latent, latent_scale)
     dim = hadamard.shape[0]
-    key = F.layer_norm(idx_k.float(), (dim,), k_norm_w, k_norm_b, k_eps) @ hadamard
-    key_bytes, key_scale = fp8_quantize_rowwise(key)
-    qi = qi.float().reshape(batch, index_heads, dim) @ hadamard
-    qi_bytes, qi_scale = fp8_quantize_rowwise(qi)
+    if not indexed:
+        zeros = torch.zeros(batch, index_heads, dim, device=x.device)
+        return (gate, q_abs, latent_bytes, torch.zeros(batch, dim, dtype=torch.uint8, device=x.device),
+                torch.zeros(batch, device=x.device), zeros, torch.zeros(batch, index_heads, device=x.device))
+    rope_dim = inv_freq.shape[0] * 2 if inv_freq is not None else 0
+    key = F.layer_norm(idx_k.float(), (dim,), k_norm_w, k_norm_b, k_eps)
+    qi = q_parts[1].float().reshape(batch, index_heads, dim)
+    if index_rope != "none":
+        key = torch.cat([_rotate(key[:, :rope_dim], positions, index_rope, inv_freq, rope_factor),
+                         key[:, rope_dim:]], dim=-1)
+        qi = torch.cat([_rotate(qi[..., :rope_dim], positions, index_rope, inv_freq, rope_factor),
+                        qi[..., rope_dim:]], dim=-1)
+    key_bytes, key_scale = fp8_quantize_rowwise(key @ hadamard)
+    qi_bytes, qi_scale = fp8_quantize_rowwise(qi @ hadamard)
     weights = idx_w.float() * (index_heads * dim) ** -0.5 * qi_scale
     return gate, q_abs, latent_bytes, key_bytes, key_scale, qi_bytes.view(FP8_DTYPE).float(), weights
 
@@ -171,14 +231,17 @@ def _mla_back_splits(x: torch.Tensor, gate: torch.Tensor | None, partial: torch.
 
 def _kda_front(x: torch.Tensor, norm: torch.Tensor, w_h: torch.Tensor, w_fb: torch.Tensor, rate: torch.Tensor,
                dt_bias: torch.Tensor, eps: float, lower_bound: float, heads: int,
-               h_split: list[int]) -> tuple[torch.Tensor, ...]:
+               h_split: list[int], softplus: bool = False) -> tuple[torch.Tensor, ...]:
     """The output gate, the decay gate g [B, H, d], beta [B, H] and the conv input of one KDA layer. `w_h` is
     every projection of the normed input stacked (w_fa, w_b, w_qkv, w_g; sizes `h_split`): one linear."""
     batch = x.shape[0]
     h = rms_norm(x, norm, eps)
     f_a, b, qkv, gate = _lin_split(h, w_h, h_split)
     raw = _lin(f_a, w_fb).float()
-    g = (lower_bound * torch.sigmoid(rate * (raw + dt_bias))).view(batch, heads, -1)
+    if softplus:  # Kimi-Linear's gate: -exp(A_log) * softplus(f + dt_bias)
+        g = (-rate * F.softplus(raw + dt_bias)).view(batch, heads, -1)
+    else:
+        g = (lower_bound * torch.sigmoid(rate * (raw + dt_bias))).view(batch, heads, -1)
     beta = torch.sigmoid(b.float())
     return torch.sigmoid(gate.float()), g, beta, qkv.contiguous()
 
@@ -198,19 +261,24 @@ def _ffn_dense(x: torch.Tensor, norm: torch.Tensor, w_gate_up: torch.Tensor, w_d
 
 
 def _moe_route(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, bias: torch.Tensor,
-               w_h: torch.Tensor, eps: float, top_k: int, scaling: float,
-               latent: int) -> tuple[torch.Tensor, ...]:
-    """Routing (fp32: expert ids [B, k] and their weights), the latent z [B, latent] and the shared expert's
-    activation (None without one) of a MoE layer. `w_h` stacks the projections of the normed input
-    (w_down_latent, then the shared expert's gate and up): one linear."""
+               w_h: torch.Tensor | None, eps: float, top_k: int, scaling: float,
+               latent: int, groups: int = 1, keep_groups: int = 1, renormalize: bool = True,
+               dtype: torch.dtype = BF16) -> tuple[torch.Tensor, ...]:
+    """Routing (fp32: expert ids [B, k] and their weights), the experts' input z [B, latent] (latent 0: the normed
+    rows themselves, in `dtype`) and the shared expert's activation (None without one) of a MoE layer. `w_h`
+    stacks the projections of the normed input (w_down_latent where there is a latent, then the shared expert's
+    gate and up): one linear."""
     h = rms_norm(x, norm, eps)
-    scores, ids = _route(h, router, bias, top_k)  # [B, E], [B, k]
+    scores, ids = _route(h, router, bias, top_k, groups, keep_groups)  # [B, E], [B, k]
     picked = scores.gather(1, ids)
-    weights = picked / picked.sum(-1, keepdim=True) * scaling
+    weights = (picked / picked.sum(-1, keepdim=True) if renormalize else picked) * scaling
+    if w_h is None:
+        return None, ids, weights, h.to(dtype).contiguous()
     inter = (w_h.shape[0] - latent) // 2
-    parts = _lin_split(h, w_h, [latent, inter, inter] if inter else [latent])
-    shared = F.silu(parts[1]) * parts[2] if inter else None
-    return shared, ids, weights, parts[0].contiguous()
+    parts = _lin_split(h, w_h, ([latent] if latent else []) + ([inter, inter] if inter else []))
+    shared = F.silu(parts[-2]) * parts[-1] if inter else None
+    z = parts[0].contiguous() if latent else h.to(w_h.dtype).contiguous()
+    return shared, ids, weights, z
 
 
 def _moe_all_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
@@ -225,12 +293,12 @@ def _moe_all_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
 
 
 def _moe_out(x: torch.Tensor, shared: torch.Tensor | None, experts_out: torch.Tensor, weights: torch.Tensor | None,
-             latent_norm: torch.Tensor, w_up_latent: torch.Tensor, shared_down: torch.Tensor | None,
+             latent_norm: torch.Tensor | None, w_up_latent: torch.Tensor | None, shared_down: torch.Tensor | None,
              eps: float) -> torch.Tensor:
     """x + the MoE output: `experts_out` is [B, k, lat] per slot (mixed here by `weights`) or [B, lat] mixed;
     `shared` the shared expert's activation (`_moe_route`) and `shared_down` its down projection."""
     mixed = experts_out if weights is None else (experts_out.float() * weights.unsqueeze(-1)).sum(1)
-    out = _lin(rms_norm(mixed, latent_norm, eps), w_up_latent).float()
+    out = _lin(rms_norm(mixed, latent_norm, eps), w_up_latent).float() if w_up_latent is not None else mixed.float()
     if shared is not None:
         out = out + _lin(shared, shared_down).float()
     return x + out
@@ -256,10 +324,13 @@ class _LayerWeights:
 
 
 class FastDecoder:
+    PARALLELISM = "single"
+    """What `fast_unsupported` checks this decoder's model against (the TP/DCP subclasses: "tp")."""
+
     def __init__(self, model: KimiModel, layout: RowLayout, dtype: torch.dtype = BF16, compile: bool = False) -> None:
         """`dtype`: of the weight copies and GEMM activations (bf16; fp32 lets tests check the structure tightly).
         `compile`: run the torch segments through torch.compile (CUDA; see the module docstring)."""
-        lacks = fast_unsupported(model.cfg)
+        lacks = fast_unsupported(model.cfg, self.PARALLELISM)
         if lacks is not None:
             raise ValueError(lacks)
         self.model, self.cfg, self.layout, self.dtype = model, model.cfg, layout, dtype
@@ -283,15 +354,21 @@ class FastDecoder:
                            "w_down": w(ffn.w_down.weight)}
             else:
                 assert isinstance(ffn, MoE)
-                projections = [ffn.w_down_latent.weight]
+                latent = ffn.w_down_latent is not None
+                projections = [ffn.w_down_latent.weight] if latent else []
                 if ffn.shared is not None:
                     projections += [ffn.shared.w_gate.weight, ffn.shared.w_up.weight]
                 weights = {"norm": layer.ffn_norm.weight, "router": ffn.router.weight, "bias": ffn.correction_bias,
-                           "w_h": self._stack(*projections), "latent": ffn.w_down_latent.weight.shape[0],
-                           "w1": w(ffn.w1), "w3": w(ffn.w3), "w2": w(ffn.w2), "latent_norm": ffn.latent_norm.weight,
-                           "w_up_latent": w(ffn.w_up_latent.weight),
+                           "w_h": self._stack(*projections) if projections else None,
+                           "latent": ffn.w_down_latent.weight.shape[0] if latent else 0,
+                           "w1": w(ffn.w1), "w3": w(ffn.w3), "w2": w(ffn.w2),
+                           "latent_norm": ffn.latent_norm.weight if latent else None,
+                           "w_up_latent": w(ffn.w_up_latent.weight) if latent else None,
                            "shared_down": None if ffn.shared is None else w(ffn.shared.w_down.weight)}
             self.layers.append(_LayerWeights(kind, index, mixer, weights, dense))
+        self.route_const = dict(groups=self.cfg.num_expert_groups, keep_groups=self.cfg.topk_groups,
+                                renormalize=self.cfg.moe_renormalize, dtype=dtype)
+        """The routing settings `_moe_route` takes beyond the presets' (grouped top-k, renormalisation)."""
         self.embed = model.embed
         self.final_norm = model.final_norm.weight
         self.lm_head = w(model.lm_head.weight)
@@ -310,18 +387,27 @@ class FastDecoder:
         cfg, w = self.cfg, self._w
         wkv_b = w(mla.wkv_b).view(cfg.num_heads, cfg.qk_nope_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         idx = mla.indexer
-        on_h = [mla.wq_a.weight, mla.wkv_a.weight, idx.wk.weight, idx.w_proj.weight]
+        on_h = ([mla.wq_a.weight] if mla.wq_a is not None else []) + [mla.wkv_a.weight]
+        on_qr = [mla.wq_b.weight]
+        if idx is not None:
+            on_h += [idx.wk.weight, idx.w_proj.weight]
+            on_qr.append(idx.wq.weight)
         if mla.wg is not None:
             on_h.append(mla.wg.weight)
-        on_qr = [mla.wq_b.weight, idx.wq.weight]
+        rotary = mla.rotary
+        rope = cfg.mla_rope != "none" or cfg.index_rope != "none"
+        hadamard = idx.hadamard if idx is not None else torch.eye(cfg.index_head_dim, device=norm.device)
         return {
-            "front": (norm, self._stack(*on_h), mla.q_norm.weight, self._stack(*on_qr),
-                      wkv_b[:, : cfg.qk_nope_dim].contiguous(), mla.kv_norm.weight, idx.k_norm.weight,
-                      idx.k_norm.bias, idx.hadamard),
-            "front_const": dict(eps=cfg.rms_eps, k_eps=idx.k_norm.eps, latent_scale=mla.latent_scale,
-                                heads=cfg.num_heads, nope=cfg.qk_nope_dim, kv_rank=cfg.kv_lora_rank,
-                                index_heads=cfg.index_num_heads, h_split=[p.shape[0] for p in on_h],
-                                qr_split=[p.shape[0] for p in on_qr]),
+            "front": (norm, self._stack(*on_h), mla.q_norm.weight if mla.q_norm is not None else None,
+                      self._stack(*on_qr), wkv_b[:, : cfg.qk_nope_dim].contiguous(), mla.kv_norm.weight,
+                      idx.k_norm.weight if idx is not None else None, idx.k_norm.bias if idx is not None else None,
+                      hadamard),
+            "front_const": dict(eps=cfg.rms_eps, k_eps=idx.k_norm.eps if idx is not None else 0.0,
+                                latent_scale=mla.latent_scale, heads=cfg.num_heads, nope=cfg.qk_nope_dim,
+                                kv_rank=cfg.kv_lora_rank, index_heads=cfg.index_num_heads,
+                                h_split=[p.shape[0] for p in on_h], qr_split=[p.shape[0] for p in on_qr],
+                                mla_rope=cfg.mla_rope, index_rope=cfg.index_rope, rope_factor=rotary.attention_factor,
+                                inv_freq=rotary.inv_freq(cfg.qk_rope_dim).to(norm.device) if rope else None),
             "w_uv": wkv_b[:, cfg.qk_nope_dim :].transpose(1, 2).contiguous(),  # [H, kv, v]
             "wo": w(mla.wo.weight),
             "softmax_scale": mla.softmax_scale,
@@ -340,7 +426,7 @@ class FastDecoder:
         return {
             "front": (norm, self._stack(*on_h), self._w(w_fb).contiguous(), rate, dt_bias.contiguous()),
             "front_const": dict(eps=self.cfg.rms_eps, lower_bound=self.cfg.kda_gate_lower_bound, heads=heads,
-                                h_split=[p.shape[0] for p in on_h]),
+                                h_split=[p.shape[0] for p in on_h], softplus=self.cfg.kda_gate == "softplus"),
             "conv_weight": conv_weight.detach().float().contiguous(),
             "o_norm": kda.o_norm, "wo": self._w(kda.wo.weight),
         }
@@ -366,7 +452,8 @@ class FastDecoder:
     def _moe(self, f: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
         cfg, seg = self.cfg, self._seg
         shared, ids, weights, z = seg["_moe_route"](x, f["norm"], f["router"], f["bias"], f["w_h"], cfg.rms_eps,
-                                                    cfg.num_experts_per_tok, cfg.routed_scaling_factor, f["latent"])
+                                                    cfg.num_experts_per_tok, cfg.routed_scaling_factor, f["latent"],
+                                                    **self.route_const)
         if x.shape[0] * cfg.num_experts_per_tok < cfg.num_experts and self.dtype == BF16:
             out = expert_gemv(z, ids, f["w1"], f["w3"], f["w2"])  # few tokens: each slot reads its own expert
         else:
@@ -377,9 +464,10 @@ class FastDecoder:
     def _mla(self, m: dict[str, Any], x: torch.Tensor, buffer: torch.Tensor, pages: PageBatch,
              index: int) -> torch.Tensor:
         cfg = self.cfg
-        gate, q_abs, latent, key, key_scale, qi, weights = self._seg["_mla_front"](x, *m["front"], **m["front_const"])
+        gate, q_abs, latent, key, key_scale, qi, weights = self._seg["_mla_front"](
+            x, *m["front"], positions=pages.positions, **m["front_const"])
         write_token(buffer, self.layout, pages, index, latent, key, key_scale)
-        selected = select(buffer, self.layout, pages, index, qi, weights, cfg.index_topk)
+        selected = select(buffer, self.layout, pages, index, qi, weights, attention_topk(cfg, pages.max_len))
         partial, lse = sparse_mla_decode(buffer, self.layout, pages, index, q_abs, selected, m["softmax_scale"],
                                          m["latent_scale"], cfg.kv_lora_rank, merge=False)
         return self._seg["_mla_back_splits"](x, gate, partial, lse, m["latent_scale"], m["w_uv"], m["wo"])

@@ -31,6 +31,7 @@ from engine.fast.prefill_attention import prefill_select, sparse_mla_prefill, wr
 from engine.fast.prefill_kda import kda_conv_prefill, kda_prefill_core, kda_state_views
 from engine.layout import RowLayout
 from engine.model.kda import l2_normalize
+from engine.model.mla import attention_topk
 from engine.model.model import KimiModel
 
 
@@ -116,7 +117,7 @@ class FastPrefiller:
             else:
                 shared, ids, weights, z = seg["_moe_route"](x, f["norm"], f["router"], f["bias"], f["w_h"],
                                                            cfg.rms_eps, cfg.num_experts_per_tok,
-                                                           cfg.routed_scaling_factor, f["latent"])
+                                                           cfg.routed_scaling_factor, f["latent"], **dec.route_const)
                 mixed = grouped_experts(z, ids, weights, f["w1"], f["w3"], f["w2"])  # [T, lat] fp32
                 x = seg["_moe_out"](x, shared, mixed, None, f["latent_norm"], f["w_up_latent"], f["shared_down"],
                                     cfg.rms_eps)
@@ -126,11 +127,13 @@ class FastPrefiller:
     def _mla(self, m: dict, x: torch.Tensor, buffer: torch.Tensor, subblocks: torch.Tensor, start: int,
              index: int) -> torch.Tensor:
         cfg = self.cfg
-        gate, q_abs, latent, key, key_scale, qi, weights = self.decoder._seg["_mla_front"](x, *m["front"],
-                                                                                           **m["front_const"])
+        positions = torch.arange(start, start + x.shape[0], device=x.device)
+        gate, q_abs, latent, key, key_scale, qi, weights = self.decoder._seg["_mla_front"](
+            x, *m["front"], positions=positions, **m["front_const"])
         write_tokens(buffer, self.layout, subblocks, index, start, latent, key, key_scale)
         del latent, key
-        selected = prefill_select(buffer, self.layout, subblocks, index, start, qi, weights, cfg.index_topk)
+        topk = attention_topk(cfg, start + x.shape[0])
+        selected = prefill_select(buffer, self.layout, subblocks, index, start, qi, weights, topk)
         del qi
         o_lat = attend_selected(buffer, self.layout, subblocks, index, start, q_abs, selected, m, cfg.kv_lora_rank)
         return self.decoder._seg["_mla_back"](x, gate, o_lat, m["w_uv"], m["wo"])

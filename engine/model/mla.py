@@ -145,8 +145,9 @@ class MLA(nn.Module):
 
 def attention_topk(cfg: ModelConfig, num_keys: int) -> int:
     """Keys each query attends to when the longest query sees `num_keys` keys: index_topk with the DSA indexer,
-    all of them without (dense MLA: every query keeps every earlier key and nothing is scored)."""
-    return cfg.index_topk if cfg.dsa_indexer else max(num_keys, 1)
+    all of them without (dense MLA: every query keeps every earlier key and nothing is scored; rounded up to a
+    multiple of 64, which bounds the shapes a step compiles for and changes no selection)."""
+    return cfg.index_topk if cfg.dsa_indexer else -(-max(num_keys, 1) // 64) * 64
 
 
 def sparse_mla(

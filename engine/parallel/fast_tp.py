@@ -53,6 +53,8 @@ def _moe_local_experts(z: torch.Tensor, local: torch.Tensor, w1: torch.Tensor, w
 
 
 class TPFastDecoder(FastDecoder):
+    PARALLELISM = "tp"  # its MoE and KDA sharding implement the presets' semantics only (engine/fast/support.py)
+
     def __init__(self, model: KimiModel, layout: RowLayout, ctx: ParallelContext, dtype: torch.dtype = BF16,
                  compile: bool = False) -> None:
         cfg = model.cfg
