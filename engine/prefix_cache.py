@@ -119,6 +119,35 @@ class PrefixCache:
         self.counters = CacheCounters()
         self.now = 0.0
         """The engine's clock at the last `tick` (pins are compared with it)."""
+        self._lru_rows = 0
+        """Rows of the blocks in `_lru` (kept as they change, so `evictable_rows` costs no walk)."""
+        self._tail_rows = 0
+        """Rows of the tails in `tails`."""
+        self._pinned: set[bytes] = set()
+        """Keys of blocks given a pin (`pinned_until` > 0) and not yet seen expired by `evictable_rows`."""
+
+    def _lru_put(self, block: CachedBlock) -> None:
+        if block.key not in self._lru:
+            self._lru_rows += len(block.rows)
+        self._lru[block.key] = block
+        self._lru.move_to_end(block.key)
+
+    def _lru_drop(self, key: bytes) -> CachedBlock | None:
+        block = self._lru.pop(key, None)
+        if block is not None:
+            self._lru_rows -= len(block.rows)
+        return block
+
+    def _tail_put(self, tail: CachedTail) -> None:
+        if id(tail) not in self.tails:
+            self._tail_rows += len(tail.rows)
+        self.tails[id(tail)] = tail
+
+    def _tail_drop(self, key: int) -> CachedTail | None:
+        tail = self.tails.pop(key, None)
+        if tail is not None:
+            self._tail_rows -= len(tail.rows)
+        return tail
 
     def keys(self, tokens: Sequence[int], num_blocks: int) -> list[bytes]:
         return chain_keys(tokens, self.block_tokens, num_blocks, self.fingerprint)
@@ -161,23 +190,23 @@ class PrefixCache:
         """Keep a finished turn's tail (its rows now belong to the cache). Tails it extends are dropped."""
         for key, old in list(self.tails.items()):
             if old.parent == tail.parent and old.index == tail.index and tail.tokens[:len(old.tokens)] == old.tokens:
-                del self.tails[key]
+                self._tail_drop(key)
                 self.pool.free(old.rows)
-        self.tails[id(tail)] = tail
+        self._tail_put(tail)
 
     def take_tail(self, tail: CachedTail) -> None:
         """Keep `tail` out of eviction while a request copies it (`put_back_tail` ends that)."""
-        self.tails.pop(id(tail), None)
+        self._tail_drop(id(tail))
 
     def put_back_tail(self, tail: CachedTail) -> None:
-        self.tails[id(tail)] = tail
+        self._tail_put(tail)
         self.tails.move_to_end(id(tail))
 
     # ---- references ----
     def acquire(self, blocks: Sequence[CachedBlock]) -> None:
         for block in blocks:
             block.refs += 1
-            self._lru.pop(block.key, None)
+            self._lru_drop(block.key)
 
     def release(self, blocks: Sequence[CachedBlock], pin_until: float | None = None) -> None:
         """A request is done with `blocks` (its table order); the last blocks become the first to evict."""
@@ -186,9 +215,10 @@ class PrefixCache:
             assert block.refs >= 0, "cache block released more often than acquired"
             if pin_until is not None:
                 block.pinned_until = max(block.pinned_until, pin_until)
+                if block.pinned_until > 0:
+                    self._pinned.add(block.key)
             if block.refs == 0 and block.key in self.blocks:
-                self._lru[block.key] = block
-                self._lru.move_to_end(block.key)
+                self._lru_put(block)
 
     def insert(self, key: bytes, index: int, attn_row: int, kda_rows: tuple[int, ...] | None) -> CachedBlock | None:
         """Publish a finished block (refs 1: the caller's request uses it). None when the key is already cached
@@ -198,6 +228,8 @@ class PrefixCache:
         if block is not None:
             if block.kda_rows is None and kda_rows is not None:
                 block.kda_rows = kda_rows
+                if key in self._lru:
+                    self._lru_rows += len(kda_rows)
             elif kda_rows is not None:
                 self.pool.free(list(kda_rows))
             return None
@@ -209,10 +241,24 @@ class PrefixCache:
         """Free a block's KDA snapshot (a later snapshot of the same request supersedes it)."""
         if block.kda_rows is not None and block.key in self.blocks:
             rows, block.kda_rows = block.kda_rows, None
+            if block.key in self._lru:
+                self._lru_rows -= len(rows)
             self.pool.free(list(rows))
 
     # ---- eviction ----
     def evictable_rows(self) -> int:
+        """Rows `evict` could free now: unreferenced blocks not pinned past `now`, and every tail. Kept as counts;
+        only blocks with a pin are looked at (`naive_evictable_rows` walks everything)."""
+        pinned = 0
+        for key in list(self._pinned):
+            block = self._lru.get(key)
+            if block is not None and block.pinned_until > self.now:
+                pinned += len(block.rows)
+            elif key not in self.blocks or block is not None:
+                self._pinned.discard(key)  # evicted, or its pin is over (a later pin adds it again)
+        return self._lru_rows - pinned + self._tail_rows
+
+    def naive_evictable_rows(self) -> int:
         return sum(len(b.rows) for b in self._lru.values() if b.pinned_until <= self.now) + \
             sum(len(t.rows) for t in self.tails.values())
 
@@ -223,7 +269,7 @@ class PrefixCache:
         for key in list(self.tails):
             if freed >= num_rows:
                 break
-            tail = self.tails.pop(key)
+            tail = self._tail_drop(key)
             self.pool.free(tail.rows)
             freed += len(tail.rows)
         for key in list(self._lru):
@@ -232,7 +278,7 @@ class PrefixCache:
             block = self._lru[key]
             if block.pinned_until > self.now:
                 continue
-            del self._lru[key]
+            self._lru_drop(key)
             del self.blocks[key]
             self.pool.free(block.rows)
             freed += len(block.rows)

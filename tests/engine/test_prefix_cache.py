@@ -290,3 +290,61 @@ def test_block_bytes_of_ids_and_of_a_self_encoding_sequence() -> None:
 
     assert block_bytes(Encoded([5, 6])) == b"runs:\x00\x00"
     assert chain_keys(Encoded([5, 6]), 2, 1, b"fp") != chain_keys([5, 6], 2, 1, b"fp")
+
+
+def test_evictable_rows_counts_equal_the_walk_under_random_operations() -> None:
+    """The kept counts of `evictable_rows` against `naive_evictable_rows` (a walk over every block and tail) after
+    every operation of a random mix: acquire/release with pins, inserts with and without snapshots, dropped
+    snapshots, tails added, taken and put back, evictions, the clock moving."""
+    import random
+
+    from engine.prefix_cache import CachedTail, PrefixCache
+
+    class Pool:
+        def __init__(self) -> None:
+            self.next = 0
+
+        def rows(self, n: int) -> tuple[int, ...]:
+            self.next += n
+            return tuple(range(self.next - n, self.next))
+
+        def free(self, rows) -> None:  # noqa: ANN001
+            pass
+
+    rng = random.Random(0)
+    pool = Pool()
+    cache = PrefixCache(pool, 4, b"fp")
+    held: list = []
+    tails: list = []
+    for step in range(3000):
+        op = rng.randrange(8)
+        if op == 0:
+            key = bytes([rng.randrange(40)])
+            block = cache.insert(key, 0, pool.rows(1)[0], pool.rows(2) if rng.random() < 0.5 else None)
+            if block is not None:
+                held.append(block)
+        elif op == 1 and held:
+            block = held.pop(rng.randrange(len(held)))
+            cache.release([block], pin_until=cache.now + rng.random() * 3 if rng.random() < 0.3 else None)
+        elif op == 2:
+            blocks = list(cache.blocks.values())
+            if blocks:
+                block = rng.choice(blocks)
+                cache.acquire([block])
+                held.append(block)
+        elif op == 3 and cache.blocks:
+            cache.drop_snapshot(rng.choice(list(cache.blocks.values())))
+        elif op == 4:
+            tail = CachedTail(b"p", rng.randrange(3), (rng.randrange(5),), 1, pool.rows(1)[0], pool.rows(2))
+            cache.add_tail(tail)
+            tails.append(tail)
+        elif op == 5 and tails:
+            tail = rng.choice(tails)
+            if id(tail) in cache.tails:
+                cache.take_tail(tail)
+                cache.put_back_tail(tail)
+        elif op == 6:
+            cache.evict(rng.randrange(1, 6))
+        else:
+            cache.now += rng.random()
+        assert cache.evictable_rows() == cache.naive_evictable_rows(), step
