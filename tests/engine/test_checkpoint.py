@@ -245,12 +245,12 @@ def test_mtp_layers_are_skipped_with_one_log_line(tmp_path, caplog) -> None:  # 
         assert torch.equal(a, b), name
 
 
-def test_fast_kernels_refuse_checkpoint_semantics_by_name() -> None:
+def test_fast_kernels_refuse_by_name_and_auto_runs_reference() -> None:
     from engine.fast.support import fast_unsupported
 
     assert fast_unsupported(resolve_model("kimi-k3.1-mini")) is None
-    reason = fast_unsupported(resolve_model(str(checkpoint_dir("dsv32-topk"))))
-    assert "mla_rope interleaved" in reason and "index_rope half" in reason
+    reason = fast_unsupported(resolve_model(str(checkpoint_dir("dsv32-topk"))), "tp")
+    assert "mla_rope interleaved" in reason and "index_rope half" in reason and "latent_dtype fp32" in reason
     engine = Engine(EngineConfig(model=str(checkpoint_dir("kimi-mix")), kernels="auto", num_rows=16))
     assert engine.kernels == "reference"
 
