@@ -89,8 +89,9 @@ def deepseek_config(index_topk: int = 16, vocab_size: int = VOCAB_SIZE, num_laye
 def _save(config, directory: Path, seed: int, max_shard_size: str | None = None) -> None:  # noqa: ANN001
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.random.fork_rng():  # seeded init without moving the caller's random state
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
 

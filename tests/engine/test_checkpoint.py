@@ -262,3 +262,22 @@ def test_presets_unchanged_by_the_new_fields() -> None:
             cfg.moe_renormalize, cfg.tie_embeddings, cfg.checkpoint) == ("none", "none", True, "sigmoid", 1, True,
                                                                          False, None)
     assert dataclasses.replace(cfg, index_key_dtype="fp32") == resolve_model("kimi-k3.1-mini", True)
+
+
+def test_moonshot_spelling_reads_as_transformers_spelling(tmp_path) -> None:  # noqa: ANN001
+    """Kimi-Linear's original config.json keys (linear_attn_config, first_k_dense_replace, ...) give the same
+    ModelConfig as transformers' spelling of the same model."""
+    src = checkpoint_dir("kimi-mix")
+    raw = json.loads((src / "config.json").read_text())
+    types = raw.pop("layer_types")
+    linear = {"head_dim": raw.pop("linear_head_dim"), "num_heads": raw.pop("linear_num_heads"),
+              "short_conv_kernel_size": raw.pop("linear_conv_kernel_dim"),
+              "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+              "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"]}
+    first_dense = raw.pop("mlp_layer_types").count("dense")
+    original = {**raw, "linear_attn_config": linear, "first_k_dense_replace": first_dense, "mla_use_nope": True,
+                "moe_router_activation_func": "sigmoid", "use_grouped_topk": True}
+    directory = shutil.copytree(src, tmp_path / "moonshot")
+    (directory / "config.json").write_text(json.dumps(original))
+    want = resolve_model(str(src))
+    assert dataclasses.replace(resolve_model(str(directory)), name=want.name, checkpoint=want.checkpoint) == want
