@@ -15,10 +15,12 @@ _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "pe", "su", "do", 
 VOCAB: tuple[str, ...] = tuple(a + b for a in _SYLLABLES for b in _SYLLABLES)  # 256 words
 
 
-FAST_WORDS = 1024
-"""From this many words on, `words` draws them through numpy's MT19937 (same generator, same draws)."""
+FAST_WORDS = 512
+"""From this many words on, `words` replays the generator in numpy (same draws, same state after)."""
 _VOCAB_BYTES = np.frombuffer("".join(w + " " for w in VOCAB).encode("ascii"), dtype=np.uint8).reshape(len(VOCAB), -1)
 """Row i: VOCAB[i] and a space (every word has four letters)."""
+_N, _M = 624, 397
+_UPPER, _LOWER, _MATRIX = np.uint32(0x80000000), np.uint32(0x7FFFFFFF), np.uint32(0x9908B0DF)
 
 
 def words(rng: random.Random, num_tokens: int) -> str:
@@ -33,33 +35,52 @@ def naive_words(rng: random.Random, num_tokens: int) -> str:
     return " ".join(rng.choice(VOCAB) for _ in range(num_tokens))
 
 
+def _twist(mt: np.ndarray) -> np.ndarray:
+    """The Mersenne Twister's next 624 state words (MT19937's generate step, in the four slices its recurrence
+    allows: word i reads words i+1 (old) and i+397 (old below 227, already new above))."""
+    new = mt.copy()
+
+    def part(lo: int, hi: int) -> None:
+        y = (new[lo:hi] & _UPPER) | (mt[lo + 1:hi + 1] & _LOWER)
+        new[lo:hi] = new[(lo + _M) % _N:(hi + _M - 1) % _N + 1] ^ (y >> 1) ^ ((y & 1) * _MATRIX)
+
+    part(0, 227)
+    part(227, 454)
+    part(454, 623)
+    y = (new[623] & _UPPER) | (new[0] & _LOWER)
+    new[623] = new[396] ^ (y >> 1) ^ ((y & 1) * _MATRIX)
+    return new
+
+
+def _temper(y: np.ndarray) -> np.ndarray:
+    y = y ^ (y >> 11)
+    y = y ^ ((y << 7) & np.uint32(0x9D2C5680))
+    y = y ^ ((y << 15) & np.uint32(0xEFC60000))
+    return y ^ (y >> 18)
+
+
 def _words_mt(rng: random.Random, num_tokens: int) -> str:
     """`rng.choice` over 256 words takes `getrandbits(9)` (the top 9 bits of one 32-bit Mersenne Twister output)
-    until it is below 256: replay that on numpy's MT19937 from `rng`'s state, then hand `rng` the state after
+    until it is below 256: replay that on `rng`'s own state words in numpy, then hand `rng` the state after
     exactly the outputs used."""
     version, internal, gauss_next = rng.getstate()
-    start = {"bit_generator": "MT19937", "state": {"key": np.array(internal[:624], dtype=np.uint32),
-                                                   "pos": internal[624]}}
-    gen = np.random.MT19937()
-    gen.state = start
-    chunks, used, need = [], 0, num_tokens
-    while need > 0:
-        top = gen.random_raw(2 * need + 64) >> 23
+    mt, pos = np.array(internal[:_N], dtype=np.uint32), internal[_N]
+    picked, need = [], num_tokens
+    while need:
+        if pos >= _N:
+            mt, pos = _twist(mt), 0
+        top = _temper(mt[pos:]) >> 23
         accepted = np.flatnonzero(top < len(VOCAB))
         if len(accepted) >= need:
-            end = int(accepted[need - 1]) + 1
-            chunks.append(top[accepted[:need]])
-            used += end
+            picked.append(top[accepted[:need]])
+            pos += int(accepted[need - 1]) + 1
             need = 0
         else:
-            chunks.append(top[accepted])
-            used += len(top)
+            picked.append(top[accepted])
             need -= len(accepted)
-    gen.state = start
-    gen.random_raw(used)
-    after = gen.state["state"]
-    rng.setstate((version, (*(int(k) for k in after["key"]), int(after["pos"])), gauss_next))
-    return _VOCAB_BYTES[np.concatenate(chunks)].tobytes()[:-1].decode("ascii")
+            pos = _N
+    rng.setstate((version, (*mt.tolist(), pos), gauss_next))
+    return _VOCAB_BYTES[np.concatenate(picked)].tobytes()[:-1].decode("ascii")
 
 
 def seeded_words(key: str, num_tokens: int) -> str:
