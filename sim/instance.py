@@ -26,6 +26,7 @@ from engine.model.config import ModelConfig
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import Request, RequestState, Scheduler
 from router.cache_view import CacheReport
+from sim.decode_batch import BOUNDARY, DecodeBatch
 from sim.events import Event, EventLoop
 from sim.pool import TimelessRowPool
 from sim.profile import StepCost
@@ -66,7 +67,6 @@ class HostCores:
 
 @dataclass
 class _Segment:
-    plan: tuple[Request, ...]
     t0: float
     first_s: float
     """Duration of the first step."""
@@ -113,6 +113,7 @@ class SimInstance:
         self.sessions: OrderedDict[str, tuple[list[bytes], list]] = OrderedDict()
         self.is_busy = False
         self.segment: _Segment | None = None
+        self.batch = DecodeBatch(layout.block_size, record_chunks)
         self.busy_s = 0.0
         self.num_steps = 0
 
@@ -172,8 +173,7 @@ class SimInstance:
             req.num_computed = n
             self.scheduler.publish(req, n, snapshot=n % self.layout.block_size == 0)
             self.scheduler.keep_prompt_state(req)
-            self.scheduler.start_running(req)
-            self._append(req, 1, [self.loop.now])
+            self._first_token(req)
         self._command(run)
 
     def release(self, rid: str, generation: int) -> None:
@@ -200,19 +200,21 @@ class SimInstance:
         if plan.prefill is None and not plan.decode:
             self.is_busy = False  # waiting for rows: a command (finish elsewhere, release) wakes it
             return
+        assert len(plan.decode) == len(self.batch), "the lazily counted batch is the scheduler's decode batch"
         if plan.prefill is None:
-            self._start_segment(plan.decode)
+            self._start_segment()
             return
         req, end = plan.prefill, plan.prefill_end
-        sum_ctx = sum(r.num_tokens for r in plan.decode)
-        duration = self.cost.step_s(end - req.num_computed, end, len(plan.decode), sum_ctx)
+        duration = self.cost.step_s(end - req.num_computed, end, len(self.batch), self.batch.context())
         duration *= self.host.start(self.ranks)
-        self.loop.after(duration, lambda: self._end_step(req, end, plan.decode, now))
+        has_decode = bool(plan.decode)
+        self.loop.after(duration, lambda: self._end_step(req, end, has_decode, now))
 
-    def _end_step(self, req: Request, end: int, decode: tuple[Request, ...], t0: float) -> None:
+    def _end_step(self, req: Request, end: int, has_decode: bool, t0: float) -> None:
+        """`Engine.step` after a step with a prefill chunk (and the decode batch, when it had one)."""
         now = self.loop.now
         self.host.end(self.ranks)
-        self._account(t0, now)
+        self._account(t0, now, 1)
         sched = self.scheduler
         n = len(req.prompt_token_ids)
         req.num_computed = end
@@ -220,6 +222,9 @@ class SimInstance:
         if end >= n:
             sched.prefill_done(req)
             sched.keep_prompt_state(req)
+        if has_decode:
+            self._handle(self.batch.advance([now]))
+        if end >= n:
             if req.export:
                 req.output_token_ids = req.output_token_ids.extended(self.flights[req.request_id].out_uid, 1)
                 self._remember(req)
@@ -228,36 +233,56 @@ class SimInstance:
                 assert flight.on_exported is not None
                 flight.on_exported(now, req.num_cached_tokens, req.generation)
             else:
-                sched.start_running(req)
-                self._append(req, 1, [now])
-        for other in decode:
-            if other.state == RequestState.RUNNING:
-                self._decode_segment(other, 1, [now])
+                self._first_token(req)
         self._begin()
 
-    def _account(self, t0: float, t1: float) -> None:
+    def _account(self, t0: float, t1: float, steps: int) -> None:
         self.busy_s += t1 - t0
-        self.num_steps += 1
+        self.num_steps += steps
 
     def _extend(self, req: Request, count: int) -> None:
         if count > 0:
             req.output_token_ids = req.output_token_ids.extended(self.flights[req.request_id].out_uid, count)
 
-    def _append(self, req: Request, count: int, times: list[float]) -> None:
-        """The request's outputs grow to cover `times` (count tokens still to add now); it ends at max_tokens."""
+    def _first_token(self, req: Request) -> None:
+        """`start_running` and the first token (prefilled here, or the prefill node's after an import)."""
+        self.scheduler.start_running(req)
         flight = self.flights[req.request_id]
-        self._extend(req, count)
-        flight.on_tokens(times, len(times))
-        self._finish_if_done(req, flight)
+        self._extend(req, 1)
+        flight.on_tokens([self.loop.now], 1)
+        if len(req.output_token_ids) >= req.sampling.max_tokens:
+            self._finish(req, flight)
+        elif len(self.scheduler.running) <= self.scheduler.max_batch:
+            self.batch.join(req)
 
-    def _finish_if_done(self, req: Request, flight: Flight) -> None:
-        """At max_tokens: `keep_tail`, remember the session, `finish` (`Engine._append`)."""
-        if len(req.output_token_ids) < req.sampling.max_tokens:
-            return
+    def _catch_up(self, rid: str) -> Request:
+        req, count, times = self.batch.catch_up(rid)
+        if count:
+            self._extend(req, count)
+            self.flights[rid].on_tokens(times, count)
+        return req
+
+    def _handle(self, due: list[tuple[int, str, int]]) -> None:
+        """Events of the decode batch at this step: publish a block, or end a request at max_tokens."""
+        for kind, rid, boundary in due:
+            req = self._catch_up(rid)
+            if kind == BOUNDARY:
+                self.scheduler.publish(req, boundary, snapshot=True)
+                self.batch.after_boundary(req)
+            else:
+                self.batch.leave(rid)
+                self._finish(req, self.flights[rid])
+
+    def _finish(self, req: Request, flight: Flight) -> None:
+        """At max_tokens: `keep_tail`, remember the session, `finish` (`Engine._append`); the request next in line
+        moves up into the decode batch."""
         tails = self.scheduler.keep_tail(req)
         self._remember(req, tails)
         self.scheduler.finish(req, "length")
         del self.flights[req.request_id]
+        running, cap = self.scheduler.running, self.scheduler.max_batch
+        if len(running) >= cap and running[cap - 1].request_id not in self.batch.members:
+            self.batch.join(running[cap - 1])
         if flight.on_finished is not None:
             flight.on_finished(self.loop.now, req)
         self._retry_imports()
@@ -272,19 +297,19 @@ class SimInstance:
             self.sessions.popitem(last=False)
 
     # ---- decode segments ----
-    def _start_segment(self, batch: tuple[Request, ...]) -> None:
+    def _start_segment(self) -> None:
         now = self.loop.now
-        b = len(batch)
-        remaining = min(r.sampling.max_tokens - len(r.output_token_ids) for r in batch)
-        quarantine = [q.until for q in self.pool._quarantine]
-        cost = self.cost
+        batch = self.batch
+        next_event = batch.next_event_step()
+        assert next_event is not None and next_event > batch.steps
+        steps = next_event - batch.steps
         stretch = self.host.start(self.ranks)
-        first = cost.step_s(batch=b, sum_context=sum(r.num_tokens for r in batch)) * stretch
-        growth = cost.decode_ctx_s * b * stretch
-        steps = max(1, remaining)
+        first = self.cost.step_s(batch=len(batch), sum_context=batch.context()) * stretch
+        growth = self.cost.decode_ctx_s * len(batch) * stretch
+        quarantine = [q.until for q in self.pool._quarantine]
         if quarantine:  # a reclaim may free rows for the queue head: stop at the first step past it
             steps = min(steps, max(1, self._steps_within(first, growth, min(quarantine) - now) + 1))
-        seg = _Segment(batch, now, first, growth, steps)
+        seg = _Segment(now, first, growth, steps)
         seg.event = self.loop.at(now + self._elapsed(seg, steps), self._end_segment)
         self.segment = seg
 
@@ -301,8 +326,7 @@ class SimInstance:
             return 0
         if growth <= 0:
             return int(span // first) if first > 0 else 1 << 40
-        # growth/2 j^2 + (first - growth/2) j - span <= 0
-        a, b = growth / 2, first - growth / 2
+        a, b = growth / 2, first - growth / 2  # growth/2 j^2 + (first - growth/2) j <= span
         j = int((-b + math.sqrt(b * b + 4 * a * span)) / (2 * a))
         while j > 0 and self._cumulative(first, growth, j) > span:
             j -= 1
@@ -327,26 +351,13 @@ class SimInstance:
         assert seg is not None
         self.segment = None
         self.host.end(self.ranks)
+        self._account(seg.t0, self.loop.now, seg.num_steps)
         if self.record_chunks:
             times = [seg.t0 + self._elapsed(seg, j) for j in range(1, seg.num_steps + 1)]
         else:
-            times = [seg.t0 + seg.first_s, self.loop.now] if seg.num_steps > 1 else [self.loop.now]
-        self.busy_s += self.loop.now - seg.t0
-        self.num_steps += seg.num_steps
-        for req in seg.plan:
-            self._decode_segment(req, seg.num_steps, times)
+            times = [self.loop.now] * seg.num_steps
+        self._handle(self.batch.advance(times))
         self._begin()
-
-    def _decode_segment(self, req: Request, num_steps: int, times: list[float]) -> None:
-        bt = self.layout.block_size
-        start = req.num_tokens
-        flight = self.flights[req.request_id]
-        for boundary in range(-(-start // bt) * bt, start + num_steps, bt):
-            self._extend(req, boundary - req.num_tokens)
-            self.scheduler.publish(req, boundary, snapshot=True)
-        self._extend(req, start + num_steps - req.num_tokens)
-        flight.on_tokens(times, num_steps)
-        self._finish_if_done(req, flight)
 
     # ---- what the router polls ----
     def load(self) -> tuple[int, int, float]:
