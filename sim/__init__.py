@@ -1,0 +1,1 @@
+"""The cluster simulator (`pdcluster sim`, `pdcluster plan --workload`): docs/PLANNING.md."""

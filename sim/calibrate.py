@@ -3,7 +3,7 @@
 It starts the cluster of `--config` (default cluster/default.yaml: P TP=2, D `tp` TP=1, D `dcp` DCP=2), drives it
 with loadgen's `random` scenario at fixed lengths (`POINTS`: one request shape and concurrency each, so TTFT
 isolates the prefill and TPOT the decode batch; three untimed requests first warm the pairs and caches), and fits the profile's step costs:
-- prefill (the P pool's tp): TTFT(T) = C + sum over the chunks c of T (the pool's max_step_tokens) of
+- prefill (the P pool's tp): TTFT(T) = C + sum over the chunks c of the T new tokens (after those cached) (the pool's max_step_tokens) of
   base + prefill_token_s*c + prefill_attn_s*c*(end - c/2), with base the TP=1 decode fit's (a per-request constant
   and a per-step one are the same unknown when a prompt takes one step), least squares over the `ttft_*` points
   weighted by 1/TTFT (a coefficient that comes out negative is dropped and the rest refitted); C, the request's
@@ -56,25 +56,29 @@ POINTS = (
     Point("tpot_tp_b1_short", 20, 33, 1, 2), Point("tpot_tp_b4_short", 20, 33, 4, 8),
     Point("tpot_tp_b1_long", 1000, 33, 1, 2),
     Point("tpot_dcp_b1", 1400, 33, 1, 2), Point("tpot_dcp_b2", 1400, 33, 2, 4),
+    Point("ttft_append_w1000_w300", 1000, 300, 1, 6),
 )
+"""`ttft_append_*`: agent sessions of two turns (a 1000-word system prompt, a 300-word tool result): the second
+turn's TTFT is a prefill of the new tokens attending over the cached prefix (its `output` is the new words)."""
 QUICK = ("ttft_w20", "ttft_w300", "ttft_w700", "tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long",
-         "tpot_dcp_b1", "tpot_dcp_b2")
+         "tpot_dcp_b1", "tpot_dcp_b2", "ttft_append_w1000_w300")
 
 
 def prompt_tokens(words: int) -> int:
     return TEMPLATE_TOKENS + WORD_BYTES * words
 
 
-def chunk_features(tokens: int, chunk: int | None) -> tuple[int, int, float]:
-    """(steps, tokens, sum of c*(end - c/2)) of a prompt prefilled in chunks of `chunk` tokens."""
+def chunk_features(tokens: int, chunk: int | None, cached: int = 0) -> tuple[int, int, float]:
+    """(steps, new tokens, sum of c*(end - c/2)) of a prompt of `tokens` prefilled from position `cached` in chunks
+    of `chunk` tokens."""
     size = chunk or tokens
-    steps, attn, done = 0, 0.0, 0
+    steps, attn, done = 0, 0.0, cached
     while done < tokens:
         c = min(size, tokens - done)
         done += c
         steps += 1
         attn += c * (done - c / 2)
-    return steps, tokens, attn
+    return steps, tokens - cached, attn
 
 
 def nonneg_lstsq(features: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -116,6 +120,10 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path) -> 
         for point in POINTS:
             if point.name not in names:
                 continue
+            if point.name.startswith("ttft_append"):
+                found[point.name] = _append_point(real, point, out_dir)
+                print(f"{point.name}: {found[point.name]}", file=sys.stderr)
+                continue
             workload = RandomWorkload(RandomConfig(seed=7, input_len=parse_dist(str(point.words)),
                                                    output_len=parse_dist(str(point.output))))
             summary = real.sweep(workload, "random", [point.concurrency], 1e6, out_dir / point.name,
@@ -127,6 +135,24 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path) -> 
                                  "prompt_tokens": level.input_tokens // level.num_ok, "num_ok": level.num_ok}
             print(f"{point.name}: {found[point.name]}", file=sys.stderr)
     return found
+
+
+def _append_point(real, point: Point, out_dir: Path) -> dict:  # noqa: ANN001 - sim.measure.RealCluster
+    """Second turns of two-turn agent sessions: median TTFT, their prompt and cached tokens."""
+    from loadgen.scenarios.agentx import AgentXConfig, AgentXWorkload
+
+    cfg = AgentXConfig(seed=11, system_len=parse_dist(str(point.words)), task_len=parse_dist("20"),
+                       tool_len=parse_dist(str(point.output)), output_len=parse_dist("2"), turns=parse_dist("2"),
+                       think_s=parse_dist("0"), subagent_prob=0.0, max_context=10**6)
+    summary = real.sweep(AgentXWorkload(cfg), "agentx", [point.concurrency], 1e6, out_dir / point.name,
+                         max_requests=point.requests, drain_s=600.0)
+    second = [r for r in summary.levels[0].records if r.is_ok and r.request_id.endswith(".t1")]
+    if not second:
+        raise RuntimeError(f"calibration point {point.name}: no second turn succeeded")
+    ttfts = sorted(r.ttft_s for r in second)
+    return {"ttft_s": ttfts[len(ttfts) // 2], "tpot_s": 0.0, "num_ok": len(second),
+            "prompt_tokens": round(sum(r.prompt_tokens or 0 for r in second) / len(second)),
+            "cached_tokens": round(sum(r.cached_tokens or 0 for r in second) / len(second))}
 
 
 def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, command: str) -> dict:
@@ -146,7 +172,8 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     # it when prompts take one step); the fit weighs every point by 1/TTFT (relative error)
     p_base = d_base
     ttft = [(k, v) for k, v in measured.items() if k.startswith("ttft_")]
-    rows = [[1.0, *chunk_features(v["prompt_tokens"], p_eng.max_step_tokens)] for _, v in ttft]
+    rows = [[1.0, *chunk_features(v["prompt_tokens"], p_eng.max_step_tokens, v.get("cached_tokens", 0))]
+            for _, v in ttft]
     y = np.array([v["ttft_s"] - p_base * row[1] for (_, v), row in zip(ttft, rows)])
     weights = np.array([1.0 / v["ttft_s"] for _, v in ttft])
     feats = np.array([[row[0], row[2], row[3]] for row in rows])

@@ -4,12 +4,14 @@ The step loop mirrors `engine.engine.Engine.step` call for call (reclaim, `Sched
 chunk's `publish` / `prefill_done` / `keep_prompt_state`, first token: `export` or `start_running`, decodes
 publishing at block boundaries, `keep_tail` + `finish` at max_tokens), imports follow `allocate_for_import` /
 `start_decode`, exports end with `release`. What the engine computes is replaced by a duration from the
-profile's `StepCost`; nothing else is decided here.
+profile's `StepCost` (stretched by the host's core sharing on CPU profiles); nothing else is decided here
+(tests/sim/test_engine_parity.py holds it to the engine's decisions).
 
 Commands (new requests, imports, start_decode, releases) reach the scheduler between steps, as the node's rank
-rounds deliver them. A run of decode-only steps with nothing queued is one *segment* (many steps, one event):
-it ends when the first request of the batch reaches max_tokens, and is cut at the next step boundary when a
-command arrives. Decodes beyond `max_batch` wait, as in the engine.
+rounds deliver them; an import short of rows waits in the node's import queue, head first. A run of decode-only
+steps with nothing queued is one *segment* (many steps, one event), counted lazily by `sim.decode_batch`: it ends
+at the batch's first block boundary or finished request, and is cut at the next step boundary when a command
+arrives. Decodes beyond `max_batch` wait, as in the engine.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from engine.api import SamplingParams
 from engine.cache import OutOfRows
 from engine.layout import RowLayout
 from engine.model.config import ModelConfig
-from engine.prefix_cache import PrefixCache
 from engine.scheduler import Request, RequestState, Scheduler
 from router.cache_view import CacheReport
+from sim.cache_report import ObservedPrefixCache, SessionReports
 from sim.decode_batch import BOUNDARY, DecodeBatch
 from sim.events import Event, EventLoop
 from sim.pool import TimelessRowPool
@@ -103,8 +105,9 @@ class SimInstance:
         self.loop = loop
         self.record_chunks = record_chunks
         self.pool = TimelessRowPool(layout, cfg, spec.num_rows)
-        self.cache = PrefixCache(self.pool, layout.block_size, f"{spec.fingerprint}:{layout.fingerprint}".encode(),
-                                 spec.prefix_cache)
+        self.cache = ObservedPrefixCache(self.pool, layout.block_size,
+                                         f"{spec.fingerprint}:{layout.fingerprint}".encode(), spec.prefix_cache)
+        self.reports = SessionReports(self.cache)
         self.pool.spare = self.cache
         self.scheduler = Scheduler(self.pool, spec.max_batch, self.cache, spec.max_step_tokens)
         self.inbox: deque[Callable[[], None]] = deque()
@@ -291,10 +294,12 @@ class SimInstance:
         """`Engine._remember_session`: what the cache report says per session."""
         if not req.session or not self.cache.enabled:
             return
-        self.sessions[req.session] = (list(req.block_keys), tails or [])
+        record = (list(req.block_keys), tails or [])
+        self.reports.remember(req.session, self.sessions.get(req.session), *record)
+        self.sessions[req.session] = record
         self.sessions.move_to_end(req.session)
         while len(self.sessions) > MAX_SESSIONS:
-            self.sessions.popitem(last=False)
+            self.reports.forget(*self.sessions.popitem(last=False))
 
     # ---- decode segments ----
     def _start_segment(self) -> None:
@@ -367,11 +372,14 @@ class SimInstance:
         return sched.num_running, sched.num_waiting + len(self.import_queue), used
 
     def cache_report(self) -> CacheReport:
-        cache, recent = self.cache, list(reversed(self.sessions.items()))
+        """`Engine.cache_report` as the router's poll parses it (per-session figures kept by `SessionReports`)."""
+        cache = self.cache
+        self.reports.refresh(self.sessions)
+        figures = self.reports.figures
+        recent = [(s, figures[s]) for s in reversed(self.sessions)]
         return CacheReport(
             block_tokens=self.layout.block_size, fingerprint="sim",
-            sessions={s: cache.held_tokens(keys) for s, (keys, _) in recent},
-            resumable={s: cache.held_tokens(keys, snapshot=True, tails=tails) for s, (keys, tails) in recent},
+            sessions={s: f[0] for s, f in recent if f[0] > 0}, resumable={s: f[1] for s, f in recent if f[1] > 0},
             blocks_cached=cache.num_blocks, rows_free=self.pool.num_free, hits_tokens=cache.counters.hit_tokens,
             queried_tokens=cache.counters.queried_tokens, evicted_blocks=cache.counters.evicted_blocks,
             tails=cache.enabled and self.scheduler.resume)

@@ -1,0 +1,120 @@
+"""A simulated node's `/v1/cache` report, kept up to date per session instead of recomputed whole every poll.
+
+`Engine.cache_report` walks the block keys of every remembered session (up to 1024) on each poll; a simulated hour
+of eight instances polled every second would spend most of its time there. The figures per session
+(`PrefixCache.held_tokens`, plain and with snapshots and tails) change only when the session's own record changes
+or when one of its blocks or tails is inserted, evicted or loses its snapshot. `ObservedPrefixCache` is the real
+PrefixCache whose block and tail tables note the keys and tails that change; `SessionReports` recomputes, with
+the real `held_tokens`, only the sessions those touch. tests/sim checks the report against the full recomputation.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.prefix_cache import CachedBlock, PrefixCache
+
+
+class _NotedDict(dict):
+    """A dict that notes every key set or deleted into `changed`."""
+
+    def __init__(self, changed: set) -> None:
+        super().__init__()
+        self.changed = changed
+
+    def __setitem__(self, key, value) -> None:  # noqa: ANN001
+        self.changed.add(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key) -> None:  # noqa: ANN001
+        self.changed.add(key)
+        super().__delitem__(key)
+
+
+class _NotedOrderedDict(OrderedDict):
+    """An OrderedDict that notes every key removed into `changed` (tails leave by `pop` or `del`)."""
+
+    def __init__(self, changed: set) -> None:
+        super().__init__()
+        self.changed = changed
+
+    def pop(self, key, *default):  # noqa: ANN001, ANN201
+        self.changed.add(key)
+        return super().pop(key, *default)
+
+    def __delitem__(self, key) -> None:  # noqa: ANN001
+        self.changed.add(key)
+        super().__delitem__(key)
+
+
+class ObservedPrefixCache(PrefixCache):
+    def __init__(self, pool, block_tokens: int, fingerprint: bytes, enabled: bool = True) -> None:  # noqa: ANN001
+        super().__init__(pool, block_tokens, fingerprint, enabled)
+        self.changed_keys: set[bytes] = set()
+        self.changed_tails: set[int] = set()
+        self.blocks = _NotedDict(self.changed_keys)
+        self.tails = _NotedOrderedDict(self.changed_tails)
+
+    def insert(self, key: bytes, index: int, attn_row: int, kda_rows: tuple[int, ...] | None) -> CachedBlock | None:
+        self.changed_keys.add(key)  # an existing block may gain its snapshot
+        return super().insert(key, index, attn_row, kda_rows)
+
+    def drop_snapshot(self, block: CachedBlock) -> None:
+        self.changed_keys.add(block.key)
+        super().drop_snapshot(block)
+
+
+class SessionReports:
+    """Per session: (held tokens, resumable tokens), recomputed when something it depends on changed."""
+
+    def __init__(self, cache: ObservedPrefixCache) -> None:
+        self.cache = cache
+        self.figures: dict[str, tuple[int, int]] = {}
+        self._by_key: dict[bytes, set[str]] = {}
+        self._by_tail: dict[int, set[str]] = {}
+        self._dirty: set[str] = set()
+
+    def remember(self, session: str, old: tuple[list[bytes], list] | None, keys: list[bytes], tails: list) -> None:
+        if old is not None:
+            self._unindex(session, old)
+        for key in keys:
+            self._by_key.setdefault(key, set()).add(session)
+        for tail in tails:
+            self._by_tail.setdefault(id(tail), set()).add(session)
+        self._dirty.add(session)
+
+    def forget(self, session: str, old: tuple[list[bytes], list]) -> None:
+        self._unindex(session, old)
+        self.figures.pop(session, None)
+        self._dirty.discard(session)
+
+    def _unindex(self, session: str, old: tuple[list[bytes], list]) -> None:
+        for key in old[0]:
+            found = self._by_key.get(key)
+            if found is not None:
+                found.discard(session)
+                if not found:
+                    del self._by_key[key]
+        for tail in old[1]:
+            found = self._by_tail.get(id(tail))
+            if found is not None:
+                found.discard(session)
+                if not found:
+                    del self._by_tail[id(tail)]
+
+    def refresh(self, sessions: OrderedDict) -> None:
+        """Recompute the sessions whose blocks, tails or records changed since the last refresh."""
+        cache = self.cache
+        dirty = self._dirty
+        for key in cache.changed_keys:
+            dirty.update(self._by_key.get(key, ()))
+        for tail in cache.changed_tails:
+            dirty.update(self._by_tail.get(tail, ()))
+        cache.changed_keys.clear()
+        cache.changed_tails.clear()
+        for session in dirty:
+            record = sessions.get(session)
+            if record is not None:
+                keys, tails = record
+                self.figures[session] = (cache.held_tokens(keys), cache.held_tokens(keys, snapshot=True, tails=tails))
+        dirty.clear()
