@@ -1,0 +1,52 @@
+"""`pdcluster sim`: loadgen's flags and outputs, the same request stream as loadgen, refusals naming the bad input."""
+
+from __future__ import annotations
+
+import json
+
+from loadgen.cli_compare import main_compare
+from loadgen.summary import load_summary
+from sim.cli import main
+from tests.sim.helpers import profile
+
+ARGS = ["--scenario", "agentx", "--concurrency", "1,2", "--duration", "20", "--seed", "3", "--no-plots",
+        "--turns", "uniform:2,3", "--max-context", "2000"]
+
+
+def _profile_file(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(profile(base_s=0.01, token_s=1e-4, seq_s=1e-3, kind="bytes").model_dump_json())
+    return path
+
+
+def test_writes_loadgen_summary_with_loadgens_schedule(tmp_path, capsys) -> None:
+    out = tmp_path / "sim"
+    assert main([*ARGS, "--profile", str(_profile_file(tmp_path)), "--out", str(out)]) == 0
+    summary = load_summary(out / "summary.json")
+    assert [lv.concurrency for lv in summary.levels] == [1, 2] and all(lv.num_ok for lv in summary.levels)
+    assert summary.run.url.startswith("sim:default.yaml@")
+    from loadgen.cli import main as loadgen_main
+
+    capsys.readouterr()
+    assert loadgen_main([*ARGS, "--dry-run"]) == 0
+    assert summary.run.schedule_hash in capsys.readouterr().out  # the very stream loadgen would send
+    assert main_compare([str(out), str(out)]) == 0
+    assert (out / "report.md").exists()
+
+
+def test_refuses_client_flags_and_bad_profiles(tmp_path, capsys) -> None:
+    good = str(_profile_file(tmp_path))
+    assert main([*ARGS, "--profile", good, "--api-key", "k", "--out", str(tmp_path / "x")]) == 2
+    assert "--api-key" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    data = json.loads(open(good).read())
+    data["steps"][0]["base_s"] = -1
+    bad.write_text(json.dumps(data))
+    assert main([*ARGS, "--profile", str(bad), "--out", str(tmp_path / "y")]) == 2
+    assert "steps.0.base_s" in capsys.readouterr().err
+    missing = tmp_path / "missing.json"
+    data["steps"] = [s for s in data["steps"] if (s["tp"], s["dcp"]) != (1, 2)]
+    data["steps"][0]["base_s"] = 0.01
+    missing.write_text(json.dumps(data))
+    assert main([*ARGS, "--profile", str(missing), "--out", str(tmp_path / "z")]) == 2
+    assert "no step cost for tp=1 dcp=2" in capsys.readouterr().err
