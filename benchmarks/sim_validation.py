@@ -100,13 +100,19 @@ class Row:
         return abs(self.sim - self.real) / abs(self.real)
 
 
-def run_config(cfg: Config, profile, work: Path, duration_s: float, seed: int) -> list[Row]:
+def run_config(cfg: Config, profile, work: Path, duration_s: float, seed: int, reuse: bool) -> list[Row]:
+    from loadgen.summary import load_summary
     from sim.measure import measure
     from sim.run import SimOptions, simulate
 
     cluster = _topology(cfg.topology, cfg.cache)
-    real = measure(cluster, cfg.workload(seed), cfg.scenario, list(cfg.levels), duration_s, work / cfg.name / "real",
-                   seed=seed, drain_s=300.0)
+    real_dir = work / cfg.name / "real"
+    done = real_dir / "summary.json"
+    if reuse and done.exists() and load_summary(done).run.duration_s == duration_s:
+        real = load_summary(done)
+    else:
+        real = measure(cluster, cfg.workload(seed), cfg.scenario, list(cfg.levels), duration_s, real_dir, seed=seed,
+                       drain_s=300.0)
     sim = simulate(cluster, profile, cfg.workload(seed), cfg.scenario,
                    SimOptions(list(cfg.levels), duration_s, work / cfg.name / "sim", seed=seed, drain_s=300.0,
                               config_name=cfg.topology)).summary
@@ -130,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", type=Path, default=Path("sim-validation"))
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--reuse-real", action="store_true",
+                   help="take a configuration's real side from --work-dir when a run of the same duration is there")
     args = p.parse_args(argv)
     from sim.profile import resolve_profile
 
@@ -139,11 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--only: unknown configuration(s) {sorted(unknown)}; known: {[c.name for c in CONFIGS]}")
     started = time.time()
+    from cluster.launcher import ClusterStartError
+
     rows: list[Row] = []
+    failed: dict[str, str] = {}
     for cfg in CONFIGS:
         if cfg.name in names:
             print(f"== {cfg.name}", file=sys.stderr)
-            rows += run_config(cfg, profile, args.work_dir, args.duration, args.seed)
+            try:
+                rows += run_config(cfg, profile, args.work_dir, args.duration, args.seed, args.reuse_real)
+            except ClusterStartError as exc:  # the real cluster did not start: say so, go on
+                failed[cfg.name] = str(exc).splitlines()[0]
+                print(f"{cfg.name}: real cluster failed to start: {failed[cfg.name]}", file=sys.stderr)
     head = _median(rows, ("ttft_p50", "tpot_p50", "throughput"))
     p99 = _median(rows, ("ttft_p99",))
     print(f"| config | conc | metric | real | sim | error |\n|---|---:|---|---:|---:|---:|")
@@ -153,13 +168,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{'-' if r.error is None else f'{100 * r.error:.1f}%'} |")
     print(f"headline: median |rel error| over TTFT p50, TPOT p50, throughput = "
           f"{'-' if head is None else f'{100 * head:.1f}%'} (goal <= 10%); TTFT p99 "
-          f"{'-' if p99 is None else f'{100 * p99:.1f}%'} (goal <= 25%); {len(names)} configurations, "
-          f"{time.time() - started:.0f} s")
+          f"{'-' if p99 is None else f'{100 * p99:.1f}%'} (goal <= 25%); {len(names) - len(failed)} of {len(names)} "
+          f"configurations, {time.time() - started:.0f} s")
+    for name, why in failed.items():
+        print(f"not run: {name}: {why}")
     if args.json:
         args.json.write_text(json.dumps({
             "headline": {"metric": "median_abs_rel_error_ttft_p50_tpot_p50_throughput", "value": head, "goal": 0.10},
             "ttft_p99": {"metric": "median_abs_rel_error_ttft_p99", "value": p99, "goal": 0.25},
-            "profile": profile.name, "duration_s": args.duration, "configs": sorted(names),
+            "profile": profile.name, "duration_s": args.duration, "configs": sorted(set(names) - set(failed)),
+            "failed": failed,
             "rows": [dict(asdict(r), error=r.error) for r in rows], "command": ["benchmarks/sim_validation.py", *(argv or sys.argv[1:])],
         }, indent=1))
     return 0

@@ -4,7 +4,7 @@ It starts the cluster of `--config` (default cluster/default.yaml: P TP=2, D `tp
 with loadgen's `random` scenario at fixed lengths (`POINTS`: one request shape and concurrency each, so TTFT
 isolates the prefill and TPOT the decode batch; three untimed requests first warm the pairs and caches), and fits the profile's step costs:
 - prefill (the P pool's tp): TTFT(T) = C + sum over the chunks c of the T new tokens (after those cached) (the pool's max_step_tokens) of
-  base + prefill_token_s*c + prefill_attn_s*c*(end - c/2), with base the TP=1 decode fit's (a per-request constant
+  base + prefill_token_s*c + prefill_attn_s*c*c/2 + prefill_ctx_s*c*start (start: tokens before the chunk), with base the TP=1 decode fit's (a per-request constant
   and a per-step one are the same unknown when a prompt takes one step), least squares over the `ttft_*` points
   weighted by 1/TTFT (a coefficient that comes out negative is dropped and the rest refitted); C, the request's
   path outside the engine (router, both legs, the READ), becomes `http.prefill_leg_s`;
@@ -68,17 +68,18 @@ def prompt_tokens(words: int) -> int:
     return TEMPLATE_TOKENS + WORD_BYTES * words
 
 
-def chunk_features(tokens: int, chunk: int | None, cached: int = 0) -> tuple[int, int, float]:
-    """(steps, new tokens, sum of c*(end - c/2)) of a prompt of `tokens` prefilled from position `cached` in chunks
-    of `chunk` tokens."""
+def chunk_features(tokens: int, chunk: int | None, cached: int = 0) -> tuple[int, int, float, float]:
+    """(steps, new tokens, sum of c*c/2, sum of c*start) of a prompt of `tokens` prefilled from position `cached` in
+    chunks of `chunk` tokens (c: a chunk's tokens, start: the tokens before it)."""
     size = chunk or tokens
-    steps, attn, done = 0, 0.0, cached
+    steps, within, ctx, done = 0, 0.0, 0.0, cached
     while done < tokens:
         c = min(size, tokens - done)
+        within += c * c / 2
+        ctx += c * done
         done += c
         steps += 1
-        attn += c * (done - c / 2)
-    return steps, tokens - cached, attn
+    return steps, tokens - cached, within, ctx
 
 
 def nonneg_lstsq(features: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -176,8 +177,8 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
             for _, v in ttft]
     y = np.array([v["ttft_s"] - p_base * row[1] for (_, v), row in zip(ttft, rows)])
     weights = np.array([1.0 / v["ttft_s"] for _, v in ttft])
-    feats = np.array([[row[0], row[2], row[3]] for row in rows])
-    c0, p_tok, p_attn = nonneg_lstsq(feats * weights[:, None], y * weights)
+    feats = np.array([[row[0], row[2], row[3], row[4]] for row in rows])
+    c0, p_tok, p_attn, p_ctx = nonneg_lstsq(feats * weights[:, None], y * weights)
     dcp_ctx = d_ctx / 2
     dcp_y = [measured[k]["tpot_s"] - dcp_ctx * ctx(k, b) for k, b in (("tpot_dcp_b1", 1), ("tpot_dcp_b2", 2))]
     dcp_base, dcp_seq = nonneg_lstsq(np.array([[1.0, 1.0], [1.0, 2.0]]), np.array(dcp_y))
@@ -186,15 +187,16 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     def step(pool, base: float, seq: float, ctx_s: float) -> dict:
         scale = p_world / max(pool.tp, pool.dcp)
         return {"tp": pool.tp, "dcp": pool.dcp, "base_s": base, "prefill_token_s": p_tok * scale,
-                "prefill_attn_s": p_attn * scale, "decode_seq_s": seq, "decode_ctx_s": ctx_s}
+                "prefill_attn_s": p_attn * scale, "prefill_ctx_s": p_ctx * scale, "decode_seq_s": seq,
+                "decode_ctx_s": ctx_s}
 
     steps = [{"tp": prefill.tp, "dcp": 1, "base_s": p_base, "prefill_token_s": p_tok, "prefill_attn_s": p_attn,
-              "decode_seq_s": d_seq, "decode_ctx_s": d_ctx},
+              "prefill_ctx_s": p_ctx, "decode_seq_s": d_seq, "decode_ctx_s": d_ctx},
              step(tp_pool, d_base, d_seq, d_ctx), step(dcp_pool, dcp_base, dcp_seq, dcp_ctx)]
     fit = []
     for (k, v), row in zip(ttft, rows):
         fit.append({"name": k, "measured": v["ttft_s"], "used_for_fit": True, "source": "TTFT p50, s",
-                    "modelled": float(np.dot([c0, p_base, p_tok, p_attn], row))})
+                    "modelled": float(np.dot([c0, p_base, p_tok, p_attn, p_ctx], row))})
     for (k, row), y in zip(zip(("tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long"), tp_rows), tp_y):
         fit.append({"name": k, "measured": y, "used_for_fit": True, "source": "TPOT p50, s",
                     "modelled": float(d_base + d_seq * row[1] + d_ctx * row[2])})

@@ -2,10 +2,12 @@
 
 Only time is modelled from a profile; every decision comes from the product code (docs/PLANNING.md).
 - `steps`: one `StepCost` per instance parallelism (tp, dcp). An engine step that prefills a chunk of T prompt
-  tokens ending at position E (so attending to about E - T/2 earlier tokens on average) and decodes b requests
-  whose contexts sum to S costs
-  `base_s + prefill_token_s*T + prefill_attn_s*T*(E - T/2) + decode_seq_s*b + decode_ctx_s*S`
-  (each part only when the step has it). A step is the node's whole round: the rank IPC is in `base_s`.
+  tokens after C tokens already in the cache (a cached prefix, earlier chunks) and decodes b requests whose
+  contexts sum to S costs
+  `base_s + prefill_token_s*T + prefill_attn_s*T*T/2 + prefill_ctx_s*T*C + decode_seq_s*b + decode_ctx_s*S`
+  (each part only when the step has it): attention among the chunk's own tokens and attention to cached ones
+  are separate terms (the engine reads the cached part from the row pool). A step is the node's whole round: the
+  rank IPC is in `base_s`.
 - `transfer`: a P->D READ of R rows (descriptors) and N bytes takes `setup_s + per_descriptor_s*R + N / bytes_per_s`.
 - `http`: the prefill leg's round trip besides its engine time (`prefill_leg_s`), the decode leg's dispatch until
   the node starts on it (`decode_leg_s`), and what the router adds to a request (`router_s`), all per request.
@@ -36,11 +38,13 @@ class StepCost(_Strict):
     base_s: float = Field(ge=0)
     prefill_token_s: float = Field(0.0, ge=0)
     prefill_attn_s: float = Field(0.0, ge=0)
+    prefill_ctx_s: float = Field(0.0, ge=0)
     decode_seq_s: float = Field(0.0, ge=0)
     decode_ctx_s: float = Field(0.0, ge=0)
 
     def prefill_part(self, num_tokens: int, end: int) -> float:
-        return self.prefill_token_s * num_tokens + self.prefill_attn_s * num_tokens * (end - num_tokens / 2)
+        cached = end - num_tokens
+        return num_tokens * (self.prefill_token_s + self.prefill_attn_s * num_tokens / 2 + self.prefill_ctx_s * cached)
 
     def decode_part(self, batch: int, sum_context: int) -> float:
         return self.decode_seq_s * batch + self.decode_ctx_s * sum_context
