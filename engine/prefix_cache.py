@@ -266,22 +266,26 @@ class PrefixCache:
         """Evict tails, then unreferenced blocks, least recently used first, until num_rows rows were freed (or
         none is left)."""
         freed = 0
-        for key in list(self.tails):
+        tails = []  # victims are chosen first, then removed: no copy of the whole table per call
+        for key, tail in self.tails.items():
             if freed >= num_rows:
                 break
-            tail = self._tail_drop(key)
-            self.pool.free(tail.rows)
+            tails.append(key)
             freed += len(tail.rows)
-        for key in list(self._lru):
+        for key in tails:
+            self.pool.free(self._tail_drop(key).rows)
+        blocks = []
+        for key, block in self._lru.items():
             if freed >= num_rows:
                 break
-            block = self._lru[key]
             if block.pinned_until > self.now:
                 continue
-            self._lru_drop(key)
-            del self.blocks[key]
-            self.pool.free(block.rows)
+            blocks.append(block)
             freed += len(block.rows)
+        for block in blocks:
+            self._lru_drop(block.key)
+            del self.blocks[block.key]
+            self.pool.free(block.rows)
             self.counters.evicted_blocks += 1
         return freed
 
