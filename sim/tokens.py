@@ -45,24 +45,32 @@ class TokenRuns(Sequence[int]):
         self.runs = tuple(merged)
         self._ends = list(itertools.accumulate(r[2] for r in self.runs))
 
+    @classmethod
+    def _canonical(cls, runs: tuple[tuple[int, int, int], ...]) -> TokenRuns:
+        """From runs already canonical (a slice or a join of canonical sequences): no merging pass."""
+        obj = cls.__new__(cls)
+        obj.runs = runs
+        obj._ends = list(itertools.accumulate(r[2] for r in runs))
+        return obj
+
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
 
     def _slice(self, lo: int, hi: int) -> TokenRuns:
         if hi <= lo:
             return TokenRuns()
-        first = bisect.bisect_right(self._ends, lo)
-        out = []
-        start = self._ends[first - 1] if first else 0
-        for index in range(first, len(self.runs)):
-            uid, offset, length = self.runs[index]
-            a, b = max(lo, start), min(hi, start + length)
-            if a < b:
-                out.append((uid, offset + a - start, b - a))
-            start += length
-            if start >= hi:
-                break
-        return TokenRuns(out)
+        ends, runs = self._ends, self.runs
+        first = bisect.bisect_right(ends, lo)
+        last = bisect.bisect_left(ends, hi)  # the run holding token hi - 1
+        start = ends[first - 1] if first else 0
+        if first == last:
+            uid, offset, _ = runs[first]
+            return TokenRuns._canonical(((uid, offset + lo - start, hi - lo),))
+        uid, offset, length = runs[first]
+        head = (uid, offset + lo - start, start + length - lo)
+        uid, offset, length = runs[last]
+        tail = (uid, offset, hi - ends[last - 1])
+        return TokenRuns._canonical((head, *runs[first + 1:last], tail))
 
     def __getitem__(self, index):  # noqa: ANN001 - int or slice, as a Sequence
         n = len(self)
@@ -84,7 +92,14 @@ class TokenRuns(Sequence[int]):
 
     def __add__(self, other: Sequence[int]) -> TokenRuns:
         if isinstance(other, TokenRuns):
-            return TokenRuns(self.runs + other.runs)
+            if not other.runs:
+                return self
+            if not self.runs:
+                return other
+            a, b = self.runs[-1], other.runs[0]
+            if a[0] == b[0] and a[1] + a[2] == b[1]:  # the junction continues one text
+                return TokenRuns._canonical(self.runs[:-1] + ((a[0], a[1], a[2] + b[2]),) + other.runs[1:])
+            return TokenRuns._canonical(self.runs + other.runs)
         if len(other):
             raise TypeError("a TokenRuns extends only with another TokenRuns")
         return self
@@ -103,8 +118,9 @@ class TokenRuns(Sequence[int]):
         if count <= 0:
             return self
         last = self.runs[-1] if self.runs else None
-        offset = last[1] + last[2] if last is not None and last[0] == uid else 0
-        return TokenRuns(self.runs + ((uid, offset, count),))
+        if last is not None and last[0] == uid:
+            return TokenRuns._canonical(self.runs[:-1] + ((uid, last[1], last[2] + count),))
+        return TokenRuns._canonical(self.runs + ((uid, 0, count),))
 
 
 class Interner:
