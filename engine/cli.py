@@ -52,7 +52,7 @@ def _fail(message: str) -> int:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     from engine.model.config import resolve_model
-    from engine.model.tokenizer import ByteTokenizer
+    from engine.model.tokenizer import load_tokenizer
 
     try:
         cfg = resolve_model(args.model)
@@ -66,7 +66,10 @@ def main(argv: list[str]) -> int:
     elif not args.prompt:
         return _fail("--prompt is empty")
     else:
-        prompt_ids = ByteTokenizer().encode(args.prompt)
+        try:  # the model's own tokenizer: a checkpoint's files, else the presets' byte tokenizer (with BOS)
+            prompt_ids = load_tokenizer(cfg.checkpoint or args.model).encode(args.prompt)
+        except ValueError as exc:
+            return _fail(str(exc))
     if args.max_tokens <= 0:
         return _fail(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.device.split(":")[0] not in ("cpu", "cuda"):

@@ -29,12 +29,12 @@ def _engine(model: str, device: str, weights_seed: int | None, kernels: str):
     from engine.api import DEFAULT_SEED, EngineConfig
     from engine.engine import Engine
     from engine.layout import plan_layout
-    from engine.model.config import get_preset
+    from engine.model.config import resolve_model
 
     key = (model, device, weights_seed, kernels)
     if key not in _engines:
         seed = DEFAULT_SEED if weights_seed is None else weights_seed
-        rows = sum(plan_layout(get_preset(model)).rows_per_request(ORACLE_TOKENS))
+        rows = sum(plan_layout(resolve_model(model)).rows_per_request(ORACLE_TOKENS))
         _engines[key] = Engine(EngineConfig(model=model, seed=seed, device=device, kernels=kernels,
                                             prefix_cache=False, num_rows=rows))
     return _engines[key]
@@ -62,7 +62,8 @@ def generate(prompt_ids: list[int] | tuple[int, ...], max_tokens: int, *, model:
 
 
 def generate_text(prompt: str, max_tokens: int, **kwargs) -> dict:
-    """`pdcluster generate --prompt TEXT`: the prompt as byte tokens with BOS (the CLI's encoding)."""
-    from engine.model.tokenizer import ByteTokenizer
+    """`pdcluster generate --prompt TEXT`: the prompt through the model's tokenizer (the CLI's encoding: byte
+    tokens with BOS for a preset, a checkpoint's own tokenizer for a checkpoint directory)."""
+    from engine.model.tokenizer import load_tokenizer
 
-    return generate(ByteTokenizer().encode(prompt), max_tokens, **kwargs)
+    return generate(load_tokenizer(kwargs.get("model", "kimi-k3.1-mini")).encode(prompt), max_tokens, **kwargs)

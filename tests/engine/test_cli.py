@@ -73,3 +73,21 @@ def test_bad_prompt_ids_exit_2(ids: str, message: str, capsys: pytest.CaptureFix
 def test_prompt_and_prompt_ids_are_exclusive() -> None:
     with pytest.raises(SystemExit):
         main(["--prompt", "x", "--prompt-ids", "[1]"])
+
+
+def test_text_prompt_of_a_checkpoint_goes_through_its_tokenizer(capsys: pytest.CaptureFixture[str]) -> None:
+    """`generate --model DIR --prompt TEXT` encodes with the checkpoint's own tokenizer (the ids transformers'
+    AutoTokenizer gives), and its answer is the `--prompt-ids` answer for those ids."""
+    transformers = pytest.importorskip("transformers")
+    from tests.checkpoint_tokenizer import save_bpe_tokenizer
+    from tests.checkpoints import checkpoint_dir
+
+    model = str(checkpoint_dir("kimi-mix", tokenizer=save_bpe_tokenizer))
+    text = "The agent reads the file, caf\u00e9 \u4f60\u597d"
+    expected_ids = transformers.AutoTokenizer.from_pretrained(model).encode(text)
+    assert main(["--model", model, "--prompt", text, "--max-tokens", "4", "--json"]) == 0
+    by_text = json.loads(capsys.readouterr().out)
+    assert by_text["prompt_token_ids"] == expected_ids
+    assert main(["--model", model, "--prompt-ids", json.dumps(expected_ids), "--max-tokens", "4", "--json"]) == 0
+    by_ids = json.loads(capsys.readouterr().out)
+    assert by_text["token_ids"] == by_ids["token_ids"] and by_text["text"] == by_ids["text"]
