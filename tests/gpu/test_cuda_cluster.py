@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.process,
 
 PROMPT = "Disaggregated serving splits prefill and decode across separate pools of machines."
 MAX_TOKENS = 16
+WARM_BATCH = 4
 ROUTER_SETTINGS = {"chars_per_token": 1.0, "disagg_min_uncached_tokens": 1, "health_interval_s": 0.5,
                    "prefill_timeout_s": 180.0, "first_token_timeout_s": 180.0}
 
@@ -39,6 +40,11 @@ def gpu_cluster(tmp_path_factory: pytest.TempPathFactory, repo_root) -> Iterator
 
     data = yaml.safe_load(GPU1_CONFIG_PATH.read_text())
     data["router"] = {"port": None, "settings": ROUTER_SETTINGS}
+    # The fast kernels' warm-up compiles the decode step and captures a graph per batch bucket up to max_batch
+    # before a node reports healthy (minutes at the default 64); these tests send one request at a time.
+    for pool in data["pools"]:
+        pool["settings"] = {**pool.get("settings", {}), "max_batch": WARM_BATCH}
+    data["startup_timeout_s"] = 600
     config = parse_config(data, "tests/gpu")
     handle = ClusterHandle(Cluster(config, tmp_path_factory.mktemp("gpu-logs"), python=sys.executable).start())
     try:
