@@ -1,11 +1,11 @@
 """The decode node's side of a hand-off on one rank: post, poll and cancel the READs of an import.
 
-`build_rank_importer(config, rank, backend)` is the `WorkerConfig.rank_role` of a decode node (decode_node/app.py
+`build_rank_importer(config, rank, engine)` is the `WorkerConfig.rank_role` of a decode node (decode_node/app.py
 names it): it builds the rank's NIXL agent (`kv_transfer.nixl_agent.NixlTransport`, agent `<engine id>-d<rank>`)
-over the backend's row pool, unless the node runs without a transport, and hands it to a `RankImporter`, which
+over the engine's row pool, unless the node runs without a transport, and hands it to a `RankImporter`, which
 the shared worker (node/worker.py) calls:
-- `apply(ImportKV)`: allocate the rows through the backend (which may reuse the prompt's leading blocks from its
-  prefix cache: `reused_tokens`, those are not read), plan the reads with kv_transfer.remap (P's layout rebuilt
+- `apply(ImportKV)`: allocate the rows through the engine (`RankEngine.import_kv`: it may reuse the prompt's
+  leading blocks from its prefix cache, `ImportRows.num_reused_tokens`, which are not read), plan the reads with kv_transfer.remap (P's layout rebuilt
   from the params and checked against its fingerprint: kv_transfer/importer.py) and post ONE READ per source P
   rank carrying one descriptor per merged row range, with the lease's DONE notification;
 - `step()`, after every engine step: one non-blocking poll of every import in flight
@@ -24,11 +24,11 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from engine.api import Command, Event, ImportKV, ImportOutcome
+from engine.api import Command, Event, ImportKV, ImportOutcome, RankEngine
 from kv_transfer.importer import post_import
 from kv_transfer.reads import PendingReads
 from kv_transfer.transport import KVTransport
-from node.rank import Backend, WorkerConfig
+from node.rank import WorkerConfig
 
 
 @dataclass
@@ -43,9 +43,9 @@ class _Import:
 class RankImporter:
     """One decode rank's imports in flight (see the module docstring)."""
 
-    def __init__(self, rank: int, backend: Backend, transport: KVTransport | None, timeout_s: float) -> None:
+    def __init__(self, rank: int, engine: RankEngine, transport: KVTransport | None, timeout_s: float) -> None:
         self.rank = rank
-        self.backend = backend
+        self.engine = engine
         self.transport = transport
         self.timeout_s = timeout_s
         """An import's deadline from its post (the node's `kv.timeout_s`)."""
@@ -67,12 +67,11 @@ class RankImporter:
         try:
             if self.transport is None:
                 raise ValueError("this node runs without a KV transport")
-            attn_rows, kda_rows = self.backend.allocate_import(cmd)
-            reused = getattr(self.backend, "reused_tokens", None)
-            reads = post_import(self.transport, self.backend.model_config, self.backend.layout, self.rank,
-                                cmd.params, cmd.peer, attn_rows, kda_rows, timeout_s=self.timeout_s,
-                                skip_tokens=reused(cmd.request_id) if reused is not None else 0)
-        except OutOfRows as exc:  # allocate_import raises before allocating: nothing to undo, the node may retry
+            rows = self.engine.import_kv(cmd)
+            reads = post_import(self.transport, self.engine.model_config, self.engine.layout, self.rank, cmd.params,
+                                cmd.peer, list(rows.attn_row_ids), list(rows.kda_row_ids), timeout_s=self.timeout_s,
+                                skip_tokens=rows.num_reused_tokens)
+        except OutOfRows as exc:  # import_kv raises before allocating: nothing to undo, the node may retry
             return [dataclasses.replace(self._error(cmd.request_id, exc), short_of_rows=True)]
         except Exception as exc:  # noqa: BLE001 - any failure becomes this rank's import error
             return [self._error(cmd.request_id, exc)]
@@ -114,9 +113,9 @@ class RankImporter:
             self.transport.close()
 
 
-def build_rank_importer(config: WorkerConfig, rank: int, backend: Backend) -> RankImporter:
+def build_rank_importer(config: WorkerConfig, rank: int, engine: RankEngine) -> RankImporter:
     """The decode node's RankRole factory (runs in the rank process)."""
     from kv_transfer.nixl_agent import rank_agent
 
-    transport = rank_agent(config, backend, "d", rank)
-    return RankImporter(rank, backend, transport, config.kv.timeout_s)
+    transport = rank_agent(config, engine, "d", rank)
+    return RankImporter(rank, engine, transport, config.kv.timeout_s)

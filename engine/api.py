@@ -4,15 +4,18 @@
   engine samples with it); constructing one checks its ranges and raises `SamplingParamsError` naming the field.
 - `EngineConfig`: how an engine is built (engine/engine.py).
 - The rank protocol: the commands the node's driver sends every rank each round and the events ranks send back
-  (node/executor.py, node/worker.py). Frozen, picklable dataclasses; no behaviour. The per-token events are
-  engine/outputs.py's `TokenEvent` and `PromptLogprobs`.
+  (node/executor.py, node/worker.py), the rows an import got (`ImportRows`) and a rank's load (`RankStats`).
+  Frozen, picklable dataclasses; no behaviour. The per-token events are engine/outputs.py's `TokenEvent` and
+  `PromptLogprobs`.
+- `RankEngine`: the surface of a rank's engine that applies those commands (engine/engine.py `Engine`, built by
+  engine/rank_engine.py `build_rank_engine`); the node's rank worker and rank roles drive nothing else.
 Invariant: imports no torch, nor any module that does (tests/test_layering.py checks it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from engine.kernels import REQUESTS
 from engine.outputs import PromptLogprobs, TokenEvent
@@ -208,6 +211,16 @@ class HoldRows:
 Command = Submit | ImportKV | StartDecode | Abort | Release | HoldRows
 
 
+@dataclass(frozen=True)
+class ImportRows:
+    """The rows an `ImportKV` got on one rank (`RankEngine.import_kv`): a transport writes the attention rows past
+    the first `num_reused_tokens` prompt tokens (those blocks came from this rank's prefix cache) and every KDA row."""
+
+    attn_row_ids: tuple[int, ...]
+    kda_row_ids: tuple[int, ...]
+    num_reused_tokens: int = 0
+
+
 # ---------------------------------------------------------------------- events (ranks -> driver)
 
 
@@ -271,3 +284,52 @@ class TransportNotice:
 
 
 Event = TokenEvent | PromptLogprobs | ExportedRows | ImportOutcome | EngineFailure | TransportNotice
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's load after a round."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_rows_used: int = 0
+    num_rows_total: int = 0
+    has_work: bool = False
+    counters: tuple[tuple[str, float], ...] = ()
+    """Cumulative counters (name, total) since the rank started."""
+    timings: tuple[tuple[str, str, float], ...] = ()
+    """Durations measured since the last round (name, label, seconds), e.g. ("prefill", "token", 1.2)."""
+    cache: Any = None
+    """Rank 0's prefix-cache report (engine.engine.CacheReport) when it changed since the last round, else None."""
+
+
+# ---------------------------------------------------------------------- the rank's engine
+
+
+class RankEngine(Protocol):
+    """What a node's rank worker (node/worker.py) and its rank role drive: one rank's engine, every rank of a node
+    applying the same commands in the same order (engine/engine.py `Engine`; the node tests' toy engine)."""
+
+    config: EngineConfig
+    """What the engine was built from (`num_rows`: the pool's rows)."""
+    layout: Any
+    """engine.layout.RowLayout of the rank's pool."""
+    model_config: Any
+    """engine.model.config.ModelConfig of the served model."""
+    kernels: str
+    """The kernel set the engine runs ("reference" | "fast")."""
+    pool: Any
+    """The row pool; `pool.buffer` is the one contiguous tensor a transport registers."""
+
+    def apply(self, cmd: Command) -> list[Event]:
+        """A command's events (`ImportKV` excepted: `import_kv`); ValueError naming bad input."""
+
+    def import_kv(self, cmd: ImportKV) -> ImportRows:
+        """Rows for an import, kept (with `cmd.first`) until `StartDecode`; engine.cache.OutOfRows, allocating
+        nothing, when the pool is short of rows."""
+
+    def step_events(self) -> list[Event]:
+        """Free the quarantines whose time is up, then one step when there is work; its events."""
+
+    def rank_stats(self, report_cache: bool = False) -> RankStats:
+        """The rank's load; `report_cache`: also the prefix cache's counters and report (one rank speaks for all)."""

@@ -27,6 +27,10 @@ Token events are `engine.outputs.TokenEvent(request_id, token_id, index, logprob
 The pool buffer (`engine.pool.buffer`) is the one contiguous tensor a transport registers, on `config.device` (a CPU
 tensor, or VRAM of one GPU).
 Parallel wrappers (engine/parallel/) may pass their own `model` (any object with KimiModel's prefill/decode).
+A node's rank (engine/rank_engine.py builds its engine) applies the rank commands of engine/api.py here
+(`RankEngine`): `apply(cmd) -> list[Event]` (Submit, StartDecode, Abort, Release, HoldRows), `import_kv(ImportKV)
+-> ImportRows` (the rows, the prompt blocks reused from the prefix cache, the prefill node's first token kept for
+StartDecode), `step_events()` (a step's events: tokens, prompt log-probs, ExportedRows) and `rank_stats()`.
 `EngineConfig` and `SamplingParams` are engine/api.py's (torch-free, imported here for callers).
 """
 
@@ -42,7 +46,21 @@ from typing import Any
 
 import torch
 
-from engine.api import EngineConfig, SamplingParams
+from engine.api import (
+    Abort,
+    Command,
+    EngineConfig,
+    Event,
+    ExportedRows,
+    HoldRows,
+    ImportKV,
+    ImportRows,
+    RankStats,
+    Release,
+    SamplingParams,
+    StartDecode,
+    Submit,
+)
 from engine.cache import BlockTable, RowPool
 from engine.prefix_cache import CachedTail, PrefixCache
 from engine.kernels import KernelChoice, interpreter_active, parallelism_of, resolve, triton_installed
@@ -53,6 +71,7 @@ from engine.model.model import KimiModel
 from engine.model.tokenizer import ByteTokenizer
 from engine.model.weights import build_model
 from engine.outputs import PromptLogprobs, TokenEvent
+from engine.parallel.spmd import TimedModel
 from engine.runner import ModelRunner
 from engine.sampling import SampledToken, prompt_logprobs, request_seed, sample
 from engine.scheduler import Request, RequestState, Scheduler
@@ -108,6 +127,15 @@ class PrefillResult:
     num_cached_tokens: int = 0
     """Prompt tokens reused from this engine's prefix cache (not computed)."""
 
+    def event(self) -> ExportedRows:
+        """The rank event that reports this export (its first token finishes the prefill leg: "length")."""
+        first = TokenEvent(request_id=self.request_id, token_id=self.first_token, logprob=self.first_logprob,
+                           top_logprobs=self.first_top_logprobs, finish_reason="length",
+                           num_prompt_tokens=self.num_tokens, num_cached_tokens=self.num_cached_tokens)
+        return ExportedRows(request_id=self.request_id, attn_row_ids=self.attn_row_ids, kda_row_ids=self.kda_row_ids,
+                            num_tokens=self.num_tokens, first=first, num_cached_tokens=self.num_cached_tokens,
+                            generation=self.generation)
+
 
 @dataclass(frozen=True)
 class GenerationResult:
@@ -157,6 +185,10 @@ class Engine:
         self.sessions: OrderedDict[str, tuple[list[bytes], list[CachedTail]]] = OrderedDict()
         """Session key -> (block keys of its last finished turn (prompt + answer), that turn's tails), most recent
         last."""
+        self._import_firsts: dict[str, TokenEvent] = {}
+        """Imports waiting for StartDecode -> the prefill node's first token (`import_kv`)."""
+        self._reported_cache: tuple | None = None
+        """What the last CacheReport of `rank_stats` depended on."""
 
     @property
     def _parallelism(self) -> str:
@@ -211,6 +243,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is; an exported or importing one's rows are quarantined, not freed."""
+        self._import_firsts.pop(request_id, None)
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return False
@@ -404,6 +437,76 @@ class Engine:
             tokens += [t for t in self.step().tokens if t.request_id == request_id]
         return GenerationResult(request_id, [int(t) for t in prompt_token_ids], [t.token_id for t in tokens],
                                 [t.logprob for t in tokens], tokens[-1].finish_reason if tokens else None)
+
+    # ---- the rank protocol (engine/api.py `RankEngine`) ----
+    def apply(self, cmd: Command) -> list[Event]:
+        """One rank command's events (bad input: ValueError naming it). `ImportKV` is `import_kv`'s: its rows wait
+        for a transport's writes, which the decode node's rank role posts."""
+        if isinstance(cmd, Submit):
+            self.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, export=cmd.export,
+                             session=cmd.session)
+            return []
+        if isinstance(cmd, StartDecode):
+            first = self._import_firsts.pop(cmd.request_id, None)
+            if first is None:  # aborted between its import and this command (a client that left between the legs)
+                return []
+            return list(self.start_decode(cmd.request_id, int(first.token_id or 0), first.logprob,
+                                          first.top_logprobs))
+        if isinstance(cmd, Abort):
+            ended = self.abort(cmd.request_id)
+            return [TokenEvent(request_id=cmd.request_id, token_id=None, finish_reason="abort")] if ended else []
+        if isinstance(cmd, Release):
+            self.release(cmd.request_id, cmd.generation, reads_done=cmd.reads_done)
+            return []
+        if isinstance(cmd, HoldRows):
+            self.hold(cmd.request_id)
+            return []
+        if isinstance(cmd, ImportKV):
+            raise ValueError(f"ImportKV {cmd.request_id!r} needs a transport to fill its rows: import_kv allocates them")
+        raise ValueError(f"unknown command {type(cmd).__name__}")
+
+    def import_kv(self, cmd: ImportKV) -> ImportRows:
+        """Rows for an import (`allocate_for_import`; OutOfRows allocates nothing), ready for a transport's writes
+        once this returns; `cmd.first` waits for its `StartDecode`."""
+        table = self.allocate_for_import(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, session=cmd.session)
+        if self.pool.buffer.is_cuda:  # the KDA rows' zeroing is queued on the GPU: done before a READ may write them
+            torch.cuda.synchronize(self.pool.buffer.device)
+        self._import_firsts[cmd.request_id] = cmd.first
+        return ImportRows(tuple(table.attn_row_ids), tuple(table.kda_row_ids), self.num_reused_tokens(cmd.request_id))
+
+    def step_events(self) -> list[Event]:
+        """Free the quarantines whose time is up (in lockstep, busy or idle), then one step when there is work."""
+        self.reclaim()
+        if not self.has_work:
+            return []
+        outputs = self.step()
+        return [*outputs.prompt_logprobs, *outputs.tokens, *(res.event() for res in outputs.exported)]
+
+    def rank_stats(self, report_cache: bool = False) -> RankStats:
+        """The rank's load; rows only the prefix cache holds (evictable on demand) count as free, as vLLM counts its
+        cached blocks. The SPMD wrapper's counters and timings (taken: each is reported once). `report_cache`
+        (every rank's cache decides alike: one rank speaks for the node): the prefix cache's counters, and its
+        CacheReport when anything it depends on moved since the last one reported."""
+        counters = self.model.counters() if isinstance(self.model, TimedModel) else ()
+        timings = self.model.take_timings() if isinstance(self.model, TimedModel) else ()
+        cache = None
+        if report_cache:
+            totals = self.cache.counters
+            counters += (("prefix_cache_queried_tokens", float(totals.queried_tokens)),
+                         ("prefix_cache_hit_tokens", float(totals.hit_tokens)),
+                         ("prefix_cache_evicted_blocks", float(totals.evicted_blocks)),
+                         ("kv_transfer_blocks_read", float(totals.blocks_read)),
+                         ("kv_transfer_blocks_reused", float(totals.blocks_reused)))
+            last_session = next(reversed(self.sessions), None)
+            depends = (self.cache.num_blocks, self.pool.num_free, tuple(vars(totals).values()), len(self.sessions),
+                       last_session)
+            if depends != self._reported_cache:
+                self._reported_cache, cache = depends, self.cache_report()
+        total = self.pool.num_usable  # config.num_rows less rows the engine set aside for itself
+        return RankStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                         num_rows_used=total - self.pool.num_available - self.pool.num_quarantined,
+                         num_rows_total=total, has_work=self.has_work, counters=counters, timings=timings,
+                         cache=cache)
 
     # ---- sessions and the cache report ----
     def _remember_session(self, req: Request, tails: list[CachedTail] | None = None) -> None:

@@ -252,11 +252,11 @@ class NixlTransport:
 
 
 
-def rank_agent(config: Any, backend: Any, side: str, rank: int) -> NixlTransport | None:
-    """A node rank's agent over its backend's row pool, named `<engine id>-<side><rank>` (side "p" or "d"); None
-    when the node runs without a transport (`config.transport` false: tests of the rank protocol alone).
-    `config` is the rank's node.rank.WorkerConfig (its engine_id, transport and kv settings)."""
+def rank_agent(config: Any, engine: Any, side: str, rank: int) -> NixlTransport | None:
+    """A node rank's agent over its engine's row pool (`engine.pool.buffer`, engine/api.py `RankEngine`), named
+    `<engine id>-<side><rank>` (side "p" or "d"); None when the node runs without a transport (`config.transport`
+    false: tests of the rank protocol alone). `config` is the rank's node.rank.WorkerConfig (its engine_id,
+    transport and kv settings)."""
     if not config.transport:
         return None
-    return NixlTransport(f"{config.engine_id}-{side}{rank}", backend.pool_buffer(), backend.layout.row_bytes,
-                         config.kv)
+    return NixlTransport(f"{config.engine_id}-{side}{rank}", engine.pool.buffer, engine.layout.row_bytes, config.kv)

@@ -44,10 +44,11 @@ from engine.api import (
     HoldRows,
     ImportKV,
     ImportOutcome,
+    RankStats,
     TransportNotice,
 )
 from engine.ports import free_port
-from node.protocol import RankStats, StepPlan, StepReply
+from node.protocol import StepPlan, StepReply
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,25 @@
 """What a rank process is built from and what it reports, and the two plug-ins of the shared rank worker.
 
-- `WorkerConfig`: everything every rank needs to build its engine replica (picklable: it crosses the spawn).
+- `WorkerConfig`: everything every rank needs to build its engine replica (picklable: it crosses the spawn); its
+  `backend` names the first plug-in, the engine factory (engine/rank_engine.py `build_rank_engine`, returning an
+  engine/api.py `RankEngine` that applies the rank commands itself).
 - `RankInfo`: what a rank reports once ready.
-- `Backend`: one rank's engine as the worker sees it (node/backend.py is the reference one).
-- `RankRole`: a node kind's side of the KV hand-off on one rank, which the worker (node/worker.py) calls around
-  the engine: prefill_node/rank_exporter.py (register the pool, drain the readers' notifications) or
+- `RankRole`: the second, a node kind's side of the KV hand-off on one rank, which the worker (node/worker.py)
+  calls around the engine: prefill_node/rank_exporter.py (register the pool, drain the readers' notifications) or
   decode_node/rank_importer.py (post, poll and cancel the READs of an import). The worker config names its
   factory (`rank_role`), which the node package chose, so node/ holds no prefill-only or decode-only code and
   knows the transport only as `kv_transfer.transport.KVTransport`.
-A leaf of node/: it imports nothing of node/ but the round framing.
+A leaf of node/: it imports nothing of node/.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from engine.api import Command, EngineConfig, Event, ImportKV, Release, Submit
+from engine.api import Command, EngineConfig, Event
 from kv_transfer.transport import KVTransport, RankEndpoint
 from kv_transfer.ucx_env import KVTransferSettings
-from node.protocol import RankStats
 
 
 @dataclass(frozen=True)
@@ -28,16 +28,20 @@ class WorkerConfig:
 
     engine: EngineConfig
     """The ranks' engine, as the node's settings hold it and completed with what the node decided (`tp_size`,
-    `dcp_size`, `quarantine_s`); a rank passes it to its engine whole, placing `device` "cuda" on its own GPU."""
+    `dcp_size`, `quarantine_s`); a rank hands it to the engine factory whole (engine/rank_engine.py places
+    `device` "cuda" on the rank's own GPU)."""
     role: str
-    """"prefill" or "decode": the node kind (labels, warm-up); the hand-off code comes from `rank_role`."""
+    """"prefill" or "decode": the node kind (labels; a prefill rank's warm-up captures no decode graphs); the
+    hand-off code comes from `rank_role`."""
     engine_id: str
     token_shard_min_tokens: int = 1
     backend: str = "reference"
-    """"reference" (engine/) or a "module:function" backend factory."""
+    """The ranks' engine factory: "reference" (engine/rank_engine.py `build_rank_engine`) or the "module:function"
+    of another with its signature, returning an engine/api.py `RankEngine` (the node tests' toy engine)."""
     rank_role: str | None = None
     """"module:function" of the node kind's `RankRole` factory, called in the rank process as
-    `factory(config, rank, backend)`; None: a rank with no hand-off (it refuses `ImportKV`)."""
+    `factory(config, rank, engine)` (the rank's `RankEngine`); None: a rank with no hand-off (it refuses
+    `ImportKV`)."""
     transport: bool = True
     """Register the pool with the KV transport (needed for P -> D transfer); the role builds the transport."""
     kv: KVTransferSettings = KVTransferSettings()
@@ -62,39 +66,6 @@ class RankInfo:
     """UCX can only move this pool's bytes over TCP (kv_transfer.ucx_env.detect_tcp_fallback)."""
     kernels: str = "reference"
     """The kernel set this rank's engine runs ("reference" | "fast")."""
-
-
-class Backend(Protocol):
-    """One rank's engine as the worker sees it."""
-
-    layout: Any
-    """engine.layout.RowLayout of this rank's pool."""
-    model_config: Any
-
-    def begin_round(self, now: float) -> None:
-        """The round's time (the driver's clock, the same on every rank): quarantines are measured in it."""
-
-    def pool_buffer(self) -> Any: ...
-
-    def num_rows(self) -> int: ...
-
-    def submit(self, cmd: Submit) -> list[Event]: ...
-
-    def allocate_import(self, cmd: ImportKV) -> tuple[list[int], list[int]]: ...
-
-    def start_decode(self, request_id: str) -> list[Event]: ...
-
-    def abort(self, request_id: str) -> list[Event]: ...
-
-    def release(self, cmd: Release) -> None: ...
-
-    def hold(self, request_id: str) -> None: ...
-
-    def step(self) -> list[Event]: ...
-
-    def stats(self) -> RankStats: ...
-
-    def close(self) -> None: ...
 
 
 class RankRole(Protocol):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import logging
 import threading
@@ -25,7 +26,7 @@ from node.metrics import CacheInfo, NodeMetrics
 from node.rank import RankInfo, WorkerConfig
 from node.settings import NodeSettings
 from node.textgen import Limits, Tokenizer
-from node.worker import backend_module
+from node.tokenizer import load_tokenizer
 
 WORKER_FACTORY = "node.worker:build_worker"
 log = logging.getLogger("pdcluster.node")
@@ -160,12 +161,14 @@ def start_runtime(settings: NodeSettings, config: WorkerConfig, world_size: int,
     from engine.model.config import resolve_model
 
     model_cfg = resolve_model(config.engine.model, config.engine.exact_index_scores)  # what the ranks build
-    backend = backend_module(config.backend)
-    tokenizer = backend.load_tokenizer(model_cfg)  # before the ranks: bad tokenizer files refuse the start at once
+    # before the ranks: bad tokenizer files refuse the start at once. Another engine factory's module (the node
+    # tests' toy engine) brings its own tokenizer, and may say its ranks run no collective (PROCESS_GROUP)
+    factory_module = None if config.backend == "reference" else importlib.import_module(config.backend.split(":")[0])
+    tokenizer = factory_module.load_tokenizer(model_cfg) if factory_module is not None else load_tokenizer(model_cfg)
     fingerprint = served_weights_fingerprint(model_cfg, config.engine.seed, tokenizer)
     spec = WorkerSpec(factory=WORKER_FACTORY, config=config, world_size=world_size, pin_cores=settings.pin_cores,
                       step_timeout_s=settings.step_timeout_s, device=config.engine.device,
-                      process_group=getattr(backend, "PROCESS_GROUP", True))
+                      process_group=getattr(factory_module, "PROCESS_GROUP", True))
     executor = Executor(spec)
     executor.start(timeout_s=settings.start_timeout_s)
     head: RankInfo = executor.startup_info[0]

@@ -37,7 +37,7 @@ NODE_DECIDES = frozenset({"tp_size", "dcp_size", "quarantine_s"})
 NODE_ENGINE_DEFAULTS = {"max_batch": 16}
 """Where a node's default differs from the engine's (a node runs fewer requests per batch)."""
 DEVICES = ("cpu", "cuda")
-"""A node's `device`: rank r of a `cuda` node binds the node's local GPU r (node/backend.py)."""
+"""A node's `device`: rank r of a `cuda` node binds the node's local GPU r (engine/rank_engine.py)."""
 
 
 def engine_fields(settings_cls: type[BaseSettings]) -> frozenset[str]:
@@ -103,7 +103,8 @@ class NodeSettings(BaseSettings):
     """A rank that does not answer a step within this long is declared dead."""
     pin_cores: bool = True
     backend: str = "reference"
-    """Engine backend of the ranks: "reference" (engine/), or "module:function" of another backend factory."""
+    """The ranks' engine factory: "reference" (engine/rank_engine.py), or the "module:function" of another with its
+    signature (the node tests' toy engine)."""
     transport: bool = True
     """Register the row pool with NIXL (P -> D transfer); off only for a node that never transfers."""
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(**NODE_ENGINE_DEFAULTS))

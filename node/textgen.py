@@ -29,7 +29,7 @@ Kind = Literal["completion", "chat"]
 
 
 class Tokenizer(Protocol):
-    """The served model's tokenizer as the HTTP layer uses it (node/backend.py `ServerTokenizer`)."""
+    """The served model's tokenizer as the HTTP layer uses it (node/tokenizer.py `ServerTokenizer`)."""
 
     vocab_size: int
     stop_token_ids: tuple[int, ...]

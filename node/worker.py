@@ -1,12 +1,14 @@
-"""The object each rank process runs: an engine backend plus, where the node transfers KV, its role's hooks.
+"""The object each rank process runs: the rank's engine plus, where the node transfers KV, its role's hooks.
 
-`build_worker(config, ctx)` is the executor's factory (node/executor.py). The worker turns executor commands
-into backend calls, in the same order on every rank, and calls the node kind's `RankRole` (node/rank.py) around
-them: the role owns the rank's transport and its side of the hand-off (prefill_node/rank_exporter.py,
+`build_worker(config, ctx)` is the executor's factory (node/executor.py): it builds the rank's engine through the
+factory `config.backend` names ("reference": engine/rank_engine.py `build_rank_engine`) and the node kind's
+`RankRole` (node/rank.py) over it. The engine applies the rank commands itself (engine/api.py `RankEngine`): the
+worker hands each command on unchanged, in the same order on every rank, and calls the role around it. The role
+owns the rank's transport and its side of the hand-off (prefill_node/rank_exporter.py,
 decode_node/rank_importer.py); the worker knows neither. Per command: the role may claim it (`ImportKV`), an
 `Abort` reaches the role before the engine, and every round's events are the engine step's then the role's.
 A rank without a role answers an `ImportKV` with an error outcome (each `ImportKV` gets exactly one outcome).
-Backends implement `Backend` (node/rank.py); `config.backend` names the factory ("reference" = engine/).
+Time: the engine measures quarantines in `RoundClock`, the driver's round time (the same on every rank).
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from engine.api import Abort, Command, Event, HoldRows, ImportKV, ImportOutcome, Release, StartDecode, Submit
-from node.protocol import RankStats
-from node.rank import Backend, RankInfo, RankRole, WorkerConfig
+from engine.api import Abort, Command, Event, ImportKV, ImportOutcome, RankEngine, RankStats
+from node.rank import RankInfo, RankRole, WorkerConfig
 
-REFERENCE_BACKEND = "node.backend:build_backend"
+REFERENCE_ENGINE = "engine.rank_engine:build_rank_engine"
 
 
 def load(path: str) -> Any:
@@ -27,75 +28,72 @@ def load(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _backend_path(path: str) -> str:
-    return REFERENCE_BACKEND if path == "reference" else path
+def engine_factory_path(backend: str) -> str:
+    """The "module:function" of the ranks' engine factory that `WorkerConfig.backend` names."""
+    return REFERENCE_ENGINE if backend == "reference" else backend
 
 
-def backend_module(path: str) -> Any:
-    """The backend's module; it also provides `load_tokenizer(model_config)` for the server process."""
-    return importlib.import_module(_backend_path(path).split(":")[0])
+class RoundClock:
+    """The time a rank's engine measures quarantines in: the round's (`StepPlan.now`), set before its commands."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 class RankWorker:
-    def __init__(self, config: WorkerConfig, ctx: Any, backend: Backend, role: RankRole | None = None) -> None:
-        self.config = config
+    def __init__(self, ctx: Any, engine: RankEngine, clock: RoundClock, role: RankRole | None = None) -> None:
         self.ctx = ctx
-        self.backend = backend
+        self.engine = engine
+        self.clock = clock
         self.role = role
 
     def startup_info(self) -> RankInfo:
-        layout = self.backend.layout
+        layout = self.engine.layout
         transport = self.role.transport if self.role is not None else None
-        return RankInfo(rank=self.ctx.rank, num_rows=self.backend.num_rows(), block_size=layout.block_size,
+        return RankInfo(rank=self.ctx.rank, num_rows=self.engine.config.num_rows, block_size=layout.block_size,
                         row_bytes=layout.row_bytes, subblock_tokens=layout.subblock_tokens,
                         layout_fingerprint=layout.fingerprint,
                         cache_dtype=f"{layout.latent_format}+{layout.index_key_format}",
                         kda_groups=layout.kda_groups,
                         endpoint=transport.endpoint(self.ctx.rank) if transport is not None else None,
                         tcp_fallback=bool(transport is not None and transport.tcp_fallback),
-                        kernels=getattr(self.backend, "kernels", "reference"))
+                        kernels=self.engine.kernels)
 
     def begin_round(self, now: float) -> None:
-        self.backend.begin_round(now)
+        self.clock.now = now
 
     def apply(self, cmd: Command) -> list[Event]:
         claimed = self.role.apply(cmd) if self.role is not None else None
         if claimed is not None:
             return claimed
-        if isinstance(cmd, Submit):
-            return self.backend.submit(cmd)
         if isinstance(cmd, ImportKV):
             return [ImportOutcome(request_id=cmd.request_id, error=f"rank {self.ctx.rank}: this node imports no KV")]
-        if isinstance(cmd, StartDecode):
-            return self.backend.start_decode(cmd.request_id)
-        if isinstance(cmd, Abort):
-            ended = self.role.abort(cmd.request_id) if self.role is not None else []
-            return ended + self.backend.abort(cmd.request_id)
-        if isinstance(cmd, Release):
-            self.backend.release(cmd)
-            return []
-        if isinstance(cmd, HoldRows):
-            self.backend.hold(cmd.request_id)
-            return []
-        raise ValueError(f"unknown command {type(cmd).__name__}")
+        if isinstance(cmd, Abort) and self.role is not None:
+            return self.role.abort(cmd.request_id) + self.engine.apply(cmd)
+        return self.engine.apply(cmd)
 
     def step(self) -> list[Event]:
-        events = self.backend.step()
+        events = self.engine.step_events()
         if self.role is not None:
             events += self.role.step()
         return events
 
     def stats(self) -> RankStats:
-        return self.backend.stats()
+        return self.engine.rank_stats(report_cache=self.ctx.rank == 0)  # every rank's cache decides alike
 
     def close(self) -> None:
         if self.role is not None:
             self.role.close()
-        self.backend.close()
 
 
 def build_worker(config: WorkerConfig, ctx: Any) -> RankWorker:
-    """The executor's rank factory: the backend, then the role the config names (it registers the pool)."""
-    backend = load(_backend_path(config.backend))(config, ctx)
-    role = load(config.rank_role)(config, ctx.rank, backend) if config.rank_role else None
-    return RankWorker(config, ctx, backend, role)
+    """The executor's rank factory: the engine, then the role the config names (it registers the pool)."""
+    clock = RoundClock()
+    engine = load(engine_factory_path(config.backend))(config.engine, ctx, clock,
+                                                       token_shard_min_tokens=config.token_shard_min_tokens,
+                                                       warm_decode=config.role != "prefill")
+    role = load(config.rank_role)(config, ctx.rank, engine) if config.rank_role else None
+    return RankWorker(ctx, engine, clock, role)

@@ -1,9 +1,9 @@
 """The prefill node's side of a hand-off on one rank: the pool registered with the KV transport, and the readers'
 notifications turned into events.
 
-`build_rank_exporter(config, rank, backend)` is the `WorkerConfig.rank_role` of a prefill node (prefill_node/app.py
+`build_rank_exporter(config, rank, engine)` is the `WorkerConfig.rank_role` of a prefill node (prefill_node/app.py
 names it): it builds the rank's NIXL agent (`kv_transfer.nixl_agent.NixlTransport`, agent `<engine id>-p<rank>`)
-over the backend's row pool, unless the node runs without a transport, and hands it to a `RankExporter`. The
+over the engine's row pool, unless the node runs without a transport, and hands it to a `RankExporter`. The
 worker (node/worker.py) reports the transport's endpoint at start (the side channel serves it); after every
 engine step `RankExporter.step` drains what readers sent (lease DONE / ABORT messages) into `TransportNotice`s,
 which the node's exporter (prefill_node/exporter.py) applies to its leases. A prefill rank claims no command.
@@ -11,9 +11,9 @@ which the node's exporter (prefill_node/exporter.py) applies to its leases. A pr
 
 from __future__ import annotations
 
-from engine.api import Command, Event, TransportNotice
+from engine.api import Command, Event, RankEngine, TransportNotice
 from kv_transfer.transport import KVTransport
-from node.rank import Backend, WorkerConfig
+from node.rank import WorkerConfig
 
 
 class RankExporter:
@@ -40,9 +40,9 @@ class RankExporter:
             self.transport.close()
 
 
-def build_rank_exporter(config: WorkerConfig, rank: int, backend: Backend) -> RankExporter:
+def build_rank_exporter(config: WorkerConfig, rank: int, engine: RankEngine) -> RankExporter:
     """The prefill node's RankRole factory (runs in the rank process)."""
     from kv_transfer.nixl_agent import rank_agent
 
-    transport = rank_agent(config, backend, "p", rank)
+    transport = rank_agent(config, engine, "p", rank)
     return RankExporter(rank, transport)

@@ -114,7 +114,7 @@ def estimate_prompt_tokens(body: Mapping, chars_per_token: float) -> int:
 
 
 def estimate_prompt_tokens_bytes(body: Mapping) -> int:
-    """Prompt tokens under the reference engine's byte-level tokenizer (node/backend.py ServerTokenizer):
+    """Prompt tokens under the reference engine's byte-level tokenizer (node/tokenizer.py ServerTokenizer):
     chat = BOS + per message (ROLE id, UTF-8 of "role\\ncontent", END id) + ROLE id + "assistant\\n";
     text = BOS + its UTF-8 bytes; token ids count as they are. Exact for that tokenizer."""
     def utf8(text: str) -> int:

@@ -184,3 +184,44 @@ decode_node's, never node/'s."""
 def test_node_holds_neither_half_of_a_handoff() -> None:
     bad = {m: f for m, f in _package_imports("node").items() if m in HANDOFF_HALVES}
     assert not bad, bad
+
+
+ENGINE_BUILDERS = {"engine.engine", "engine.rank_engine", "engine.parallel.spmd", "engine.model.weights",
+                   "engine.runner", "engine.scheduler", "engine.cache"}
+"""Engine modules that build or drive an engine: the rank's engine is engine/rank_engine.py's, built in the rank
+process from the factory's name, and node/ holds no mirror of it."""
+
+
+def test_node_builds_no_engine_and_names_the_engines_factory() -> None:
+    """node/ imports nothing that builds or drives an engine (the backend mirror that wrapped `Engine` is gone): its
+    rank worker loads the factory by name and hands every command to the engine's own `apply`."""
+    bad = {m: f for m, f in _package_imports("node").items() if m in ENGINE_BUILDERS}
+    assert not bad, bad
+    from engine.rank_engine import build_rank_engine
+    from node.worker import REFERENCE_ENGINE, load
+
+    assert load(REFERENCE_ENGINE) is build_rank_engine
+
+
+def _class_methods(path: Path, names: set[str] | None = None) -> set[str]:
+    """Public method and property names of the classes of `path` (of those named in `names`, when given)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and (names is None or node.name in names):
+            found |= {f.name for f in node.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")}
+            found |= {f.target.id for f in node.body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
+    return found
+
+
+def test_node_drives_the_engine_only_through_its_rank_surface() -> None:
+    """No node/ code calls an `Engine` method outside engine/api.py's `RankEngine` (`apply`, `import_kv`,
+    `step_events`, `rank_stats`), so no node class can translate commands into engine calls one to one. Names that
+    node/'s own classes define (a hand-off's `abort`, a role's `step`) are theirs, not the engine's."""
+    engine_only = (_class_methods(REPO_ROOT / "engine" / "engine.py", {"Engine"})
+                   - _class_methods(REPO_ROOT / "engine" / "api.py", {"RankEngine"})
+                   - {m for path in (REPO_ROOT / "node").rglob("*.py") for m in _class_methods(path)})
+    assert {"add_request", "start_decode", "allocate_for_import", "prefill_and_keep"} <= engine_only
+    calls = sorted(f"{path.relative_to(REPO_ROOT)}:{node.lineno} .{node.func.attr}()"
+                   for path in sorted((REPO_ROOT / "node").rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in engine_only)
+    assert not calls, calls

@@ -15,7 +15,7 @@ log = logging.getLogger("pdcluster.engine")
 
 class TimedModel:
     """The plain single-rank model with its prefill steps timed (mode `single`); the base of the SPMD wrappers,
-    which time theirs by sharding mode. `timings` holds the steps since the last `stats()`."""
+    which time theirs by sharding mode. `timings` holds the steps since the last `take_timings()`."""
 
     parallelism = "single"
     """The wrapper's parallelism in the kernel registry (engine/kernels.py), which decides the kernel set and names
@@ -30,6 +30,15 @@ class TimedModel:
         logits = self.model.prefill(token_ids, cache, start, all_logits)
         self.timings.append(("prefill", "single", time.perf_counter() - started))
         return logits
+
+    def take_timings(self) -> tuple[tuple[str, str, float], ...]:
+        """The steps timed since the last call (name, label, seconds)."""
+        timings, self.timings = tuple(self.timings), []
+        return timings
+
+    def counters(self) -> tuple[tuple[str, float], ...]:
+        """Cumulative counters (name, total) of the wrapper's collectives since it was built (none on one rank)."""
+        return ()
 
     def fast_kernels(self, layout: Any) -> "TimedModel":
         """Switch to the fast kernel set (engine/fast/): the wrapped model becomes a FastModel over `layout`."""
@@ -61,6 +70,9 @@ class TPModel(TimedModel):
         """The fast TP decode step (`fast_kernels`), or None: the reference TP decode."""
         self.fast_prefiller: Any = None
         """The fast SPMD prefill (`fast_kernels`), or None: the reference SPMD prefill."""
+
+    def counters(self) -> tuple[tuple[str, float], ...]:
+        return (("alltoall_bytes", float(self.alltoall_bytes)),)
 
     def _on_fast_pool(self, cache: Any) -> bool:
         """The cache is a request's rows in a single-rank-layout pool on the model's device (what the fast prefill
@@ -128,6 +140,10 @@ class DCPModel(TPModel):
         self.merge, self.attention = merge, attention
         self.merge_bytes = 0
         self.merge_fallbacks = 0
+
+    def counters(self) -> tuple[tuple[str, float], ...]:
+        return (*super().counters(), (f"dcp_merge_bytes_{self.merge}", float(self.merge_bytes)),
+                ("dcp_merge_fallbacks", float(self.merge_fallbacks)))
 
     def prefill(self, token_ids: Any, cache: Any, start: int = 0, all_logits: bool = False) -> Any:
         from engine.parallel.kda_shard import rank_cache

@@ -15,7 +15,7 @@ import httpx
 
 from tests.conftest import REPO_ROOT, free_port
 
-TOY = "tests.node.toy_backend:build_backend"
+TOY = "tests.node.toy_backend:build_engine"
 START_TIMEOUT_S = 900.0  # rank processes import torch and start NIXL; slow when the machine is busy
 TEST_CLUSTER_SECRET = "pdcluster-test-cluster-secret-0123456789"
 """Every node these helpers start shares it (a node without a cluster secret refuses to start)."""

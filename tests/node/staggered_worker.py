@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.api import Command, Event, HoldRows, ImportKV, ImportOutcome, StartDecode, TokenEvent
-from node.protocol import RankStats
+from engine.api import Command, Event, HoldRows, ImportKV, ImportOutcome, RankStats, StartDecode, TokenEvent
 
 ROUNDS_PER_RANK = 30
 

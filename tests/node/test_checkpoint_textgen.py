@@ -14,7 +14,7 @@ import pytest
 
 from engine.api import TokenEvent
 from engine.model.config import ModelConfig
-from node.backend import ServerTokenizer, load_tokenizer
+from node.tokenizer import ServerTokenizer, load_tokenizer
 from node.textgen import GenerationResult, Limits, generate_pieces, prepare
 from serving.errors import APIError
 from serving.protocol import ChatCompletionRequest, CompletionRequest

@@ -8,18 +8,18 @@ import torch
 
 from engine.cli import main as generate_main
 from engine.parallel.groups import ParallelContext
-from node.backend import _rank_device
+from engine.rank_engine import rank_device
 from node.runtime import worker_config
 from prefill_node.settings import Settings as PrefillSettings
 
 
 def test_rank_device_follows_the_setting_and_the_context() -> None:
     ctx = ParallelContext.single("cpu")
-    assert _rank_device("cpu", ctx) == torch.device("cpu")
+    assert rank_device("cpu", ctx) == torch.device("cpu")
     with pytest.raises(ValueError, match="bound to a GPU"):
-        _rank_device("cuda", ctx)
+        rank_device("cuda", ctx)
     with pytest.raises(ValueError, match="cpu or cuda"):
-        _rank_device("tpu", ctx)
+        rank_device("tpu", ctx)
 
 
 def test_settings_carry_the_device_to_the_ranks(monkeypatch) -> None:

@@ -1,6 +1,6 @@
 """A node setting reaches the engine without being copied: the node settings' `engine` section is engine/api.py's
 `EngineConfig`, handed to the ranks whole (node/runtime.py `worker_config`) and to the Engine whole
-(node/backend.py). So a field added to EngineConfig is a node setting, by flag-less keyword, environment (flat or
+(node/worker.py -> engine/rank_engine.py). So a field added to EngineConfig is a node setting, by flag-less keyword, environment (flat or
 nested) and cluster config, with no node/ code naming it; and `max_step_tokens` set through each user-facing
 spelling (`--max-step-tokens`, `PREFILL_MAX_STEP_TOKENS`, `PREFILL_ENGINE__MAX_STEP_TOKENS`, a pool's
 `settings: {max_step_tokens: ...}`) reaches `Engine.config.max_step_tokens`."""
@@ -19,7 +19,7 @@ from cluster.plan import assign_ports, plan_nodes
 from decode_node.settings import Settings as DecodeSettings
 from engine.api import EngineConfig
 from engine.parallel.groups import ParallelContext
-from node.backend import build_backend
+from engine.rank_engine import build_rank_engine
 from node.cli import add_common_flags, settings_fields
 from node.rank import WorkerConfig
 from node.runtime import worker_config
@@ -41,14 +41,14 @@ class WiderSettings(PrefillSettings):
 
 def _engine(settings) -> EngineConfig:  # type: ignore[no-untyped-def]
     """The config the rank's Engine was built from (reference backend, one CPU rank)."""
-    backend = build_backend(worker_config(settings, "prefill"), ParallelContext.single())
-    return backend.engine.config
+    return build_rank_engine(worker_config(settings, "prefill").engine, ParallelContext.single()).config
 
 
 def test_worker_config_names_no_engine_field():
     engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
     assert not engine_names & {f.name for f in dataclasses.fields(WorkerConfig)}
-    assert "EngineConfig(" not in (NODE_DIR / "backend.py").read_text()  # built once, by the settings
+    assert not any("EngineConfig(" in path.read_text() for path in NODE_DIR.glob("*.py")
+                   if path.name != "settings.py")  # built once, by the settings
 
 
 def test_a_new_engine_field_reaches_the_engine_unnamed(monkeypatch):

@@ -18,9 +18,8 @@ from decode_node.cli import main as decode_main
 from engine.api import EngineConfig
 from engine.parallel.groups import ParallelContext
 from engine.parallel.spmd import TimedModel
-from node.backend import build_backend
+from engine.rank_engine import build_rank_engine
 from node.cli import add_common_flags, settings_fields
-from node.rank import WorkerConfig
 from node.runtime import worker_config
 from prefill_node.cli import main as prefill_main
 from prefill_node.settings import Settings as PrefillSettings
@@ -84,16 +83,15 @@ def test_nodes_refuse_to_start_with_fast_where_unsupported(no_interpreter, capsy
     assert "kernels='fast' needs a CUDA device" in capsys.readouterr().err
 
 
-def _config(**kw) -> WorkerConfig:  # type: ignore[no-untyped-def]
-    return WorkerConfig(engine=EngineConfig(num_rows=8, max_batch=2, **kw), role="decode", engine_id="test",
-                        transport=False)
+def _config(**kw) -> EngineConfig:  # type: ignore[no-untyped-def]
+    return EngineConfig(num_rows=8, max_batch=2, **kw)
 
 
-def test_cpu_backend_keeps_the_reference_set(no_interpreter) -> None:
+def test_a_cpu_rank_engine_keeps_the_reference_set(no_interpreter) -> None:
     from engine.model.model import KimiModel
 
-    backend = build_backend(_config(), ParallelContext.single())
-    assert backend.kernels == "reference" == backend.engine.kernels
-    assert isinstance(backend.engine.model, TimedModel) and isinstance(backend.engine.model.model, KimiModel)
+    engine = build_rank_engine(_config(), ParallelContext.single())
+    assert engine.kernels == "reference"
+    assert isinstance(engine.model, TimedModel) and isinstance(engine.model.model, KimiModel)
     with pytest.raises(ValueError, match="kernels='fast' needs a CUDA device"):
-        build_backend(_config(kernels="fast"), ParallelContext.single())
+        build_rank_engine(_config(kernels="fast"), ParallelContext.single())

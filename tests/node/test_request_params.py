@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from decode_node.app import create_app as create_decode_app
 from decode_node.settings import Settings as DecodeSettings
 from engine.model.tokenizer import ByteTokenizer
-from node.backend import ServerTokenizer
+from node.tokenizer import ServerTokenizer
 from node.textgen import Limits, prepare
 from prefill_node.app import create_app as create_prefill_app
 from prefill_node.settings import Settings as PrefillSettings

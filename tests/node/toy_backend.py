@@ -1,4 +1,6 @@
-"""A small deterministic backend for testing the node layer (executor, HTTP, leases, NIXL plumbing).
+"""A small deterministic engine for testing the node layer (executor, HTTP, leases, NIXL plumbing): the rank surface
+of engine/api.py `RankEngine` (`apply`, `import_kv`, `step_events`, `rank_stats`), built by `build_engine`, the
+engine factory a node names with `backend="tests.node.toy_backend:build_engine"`.
 
 It is not a model: it owns a real row pool laid out by engine.layout, fills a request's rows with
 bytes derived from its prompt at prefill, and derives every output token from a CRC of the request's rows
@@ -6,7 +8,7 @@ bytes derived from its prompt at prefill, and derives every output token from a 
 only if every row byte arrived intact, which is what the P -> D tests check. Rows are allocated lowest id
 first, so every rank of a node makes the same choices (SPMD). Row ownership follows the engine's rules: an
 export is released by request id and generation; aborted exports and imports are quarantined for
-`config.engine.quarantine_s` in the round's time (rows in quarantine count neither as used nor as free); `hold` keeps a
+`quarantine_s` in the round's time (rows in quarantine count neither as used nor as free); `HoldRows` keeps a
 request's rows out for good.
 """
 
@@ -14,16 +16,30 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from engine.api import Event, ExportedRows, ImportKV, Release, Submit, TokenEvent
+from engine.api import (
+    Abort,
+    Command,
+    EngineConfig,
+    Event,
+    ExportedRows,
+    HoldRows,
+    ImportKV,
+    ImportRows,
+    RankStats,
+    Release,
+    StartDecode,
+    Submit,
+    TokenEvent,
+)
 from engine.layout import plan_layout
 from engine.model.config import get_preset
 from engine.model.tokenizer_stream import IncrementalDecoder
-from node.protocol import RankStats
 
 EOS = 257
 PROCESS_GROUP = False
@@ -71,33 +87,31 @@ class _Req:
     held: bool = False
 
 
-class ToyBackend:
-    def __init__(self, config: Any, ctx: Any) -> None:
-        self.model_config = get_preset(config.engine.model)
-        self.layout = plan_layout(self.model_config, tp_size=config.engine.tp_size, dcp_size=config.engine.dcp_size,
-                                  block_size=config.engine.block_size)
-        self.rank = ctx.rank
-        self._num_rows = config.engine.num_rows
-        self.pool = np.zeros(config.engine.num_rows * self.layout.row_bytes, dtype=np.uint8)
-        self.free = list(range(config.engine.num_rows))
+@dataclass(frozen=True)
+class ToyPool:
+    buffer: np.ndarray
+    """The rows, `num_rows * row_bytes` bytes (what a transport registers)."""
+
+
+class ToyEngine:
+    kernels = "reference"
+    """What a rank reports as its kernel set (the toy runs no model kernels; "reference" is the node default)."""
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.model_config = get_preset(config.model)
+        self.layout = plan_layout(self.model_config, tp_size=config.tp_size, dcp_size=config.dcp_size,
+                                  block_size=config.block_size)
+        self.pool = ToyPool(np.zeros(config.num_rows * self.layout.row_bytes, dtype=np.uint8))
+        self.free = list(range(config.num_rows))
         self.reqs: dict[str, _Req] = {}
-        self.quarantine_s = config.engine.quarantine_s
         self.quarantined: list[list] = []  # [until, rows, request id]
-        self.now = 0.0
+        self.clock = clock
         self.generations = 0
-
-    def begin_round(self, now: float) -> None:
-        self.now = now
-
-    def pool_buffer(self) -> np.ndarray:
-        return self.pool
-
-    def num_rows(self) -> int:
-        return self._num_rows
 
     def _row(self, row: int) -> np.ndarray:
         size = self.layout.row_bytes
-        return self.pool[row * size:(row + 1) * size]
+        return self.pool.buffer[row * size:(row + 1) * size]
 
     def _alloc(self, num_tokens: int) -> tuple[list[int], list[int]]:
         num_attn, num_kda = self.layout.rows_per_request(num_tokens)
@@ -132,21 +146,32 @@ class ToyBackend:
             crc = zlib.crc32(self._row(row)[:size].tobytes(), crc)
         return zlib.crc32(prev.to_bytes(4, "little") + len(req.out).to_bytes(4, "little"), crc) % 256
 
-    def submit(self, cmd: Submit) -> list[Event]:
-        if not cmd.prompt_token_ids:
-            raise ValueError("empty prompt")
-        self.reqs[cmd.request_id] = _Req(cmd)
-        return []
+    def apply(self, cmd: Command) -> list[Event]:
+        if isinstance(cmd, Submit):
+            if not cmd.prompt_token_ids:
+                raise ValueError("empty prompt")
+            self.reqs[cmd.request_id] = _Req(cmd)
+            return []
+        if isinstance(cmd, StartDecode):
+            req = self.reqs.get(cmd.request_id)
+            if req is None:  # aborted between its import and this command, as the engine allows
+                return []
+            req.state = "running"
+            return self._emit(req, int(req.cmd.first.token_id))
+        if isinstance(cmd, Abort):
+            return self._abort(cmd.request_id)
+        if isinstance(cmd, Release):
+            self._release(cmd)
+            return []
+        if isinstance(cmd, HoldRows):
+            self._hold(cmd.request_id)
+            return []
+        raise ValueError(f"the toy engine applies no {type(cmd).__name__} (ImportKV: import_kv)")
 
-    def allocate_import(self, cmd: ImportKV) -> tuple[list[int], list[int]]:
+    def import_kv(self, cmd: ImportKV) -> ImportRows:
         attn, kda = self._alloc(len(cmd.prompt_token_ids))
         self.reqs[cmd.request_id] = _Req(cmd, attn, kda, state="importing")
-        return attn, kda
-
-    def start_decode(self, request_id: str) -> list[Event]:
-        req = self.reqs[request_id]
-        req.state = "running"
-        return self._emit(req, int(req.cmd.first.token_id))
+        return ImportRows(tuple(attn), tuple(kda))
 
     def _emit(self, req: _Req, token: int) -> list[Event]:
         req.out.append(token)
@@ -161,34 +186,35 @@ class ToyBackend:
         if req is not None:
             rows = req.attn_rows + req.kda_rows
             if req.held or quarantine:
-                until = math.inf if req.held else self.now + self.quarantine_s
+                until = math.inf if req.held else self.clock() + self.config.quarantine_s
                 self.quarantined.append([until, rows, request_id])
             else:
                 self.free += rows
             req.attn_rows, req.kda_rows = [], []
 
-    def abort(self, request_id: str) -> list[Event]:
+    def _abort(self, request_id: str) -> list[Event]:
         req = self.reqs.get(request_id)
         if req is None:
             return []
         self._drop(request_id, quarantine=req.state in ("exported", "importing"))
         return [TokenEvent(request_id=request_id, token_id=None, finish_reason="abort")]
 
-    def release(self, cmd: Release) -> None:
+    def _release(self, cmd: Release) -> None:
         req = self.reqs.get(cmd.request_id)
         if req is not None and req.state == "exported" and req.generation == cmd.generation:
             self._drop(cmd.request_id, quarantine=not cmd.reads_done)
 
-    def hold(self, request_id: str) -> None:
+    def _hold(self, request_id: str) -> None:
         if request_id in self.reqs:
             self.reqs[request_id].held = True
         for entry in self.quarantined:
             if entry[2] == request_id:
                 entry[0] = math.inf
 
-    def step(self) -> list[Event]:
-        due = [entry for entry in self.quarantined if entry[0] <= self.now]
-        self.quarantined = [entry for entry in self.quarantined if entry[0] > self.now]
+    def step_events(self) -> list[Event]:
+        now = self.clock()
+        due = [entry for entry in self.quarantined if entry[0] <= now]
+        self.quarantined = [entry for entry in self.quarantined if entry[0] > now]
         self.free += [row for entry in due for row in entry[1]]
         events: list[Event] = []
         for req in list(self.reqs.values()):
@@ -214,17 +240,21 @@ class ToyBackend:
                 events += self._emit(req, self._token(req, req.out[-1]))
         return events
 
-    def stats(self) -> RankStats:
+    def rank_stats(self, report_cache: bool = False) -> RankStats:
+        """The toy keeps no prefix cache: `report_cache` adds nothing."""
         running = sum(r.state == "running" for r in self.reqs.values())
         waiting = sum(r.state == "waiting" for r in self.reqs.values())
         num_quarantined = sum(len(entry[1]) for entry in self.quarantined)
         return RankStats(num_running=running, num_waiting=waiting,
-                         num_rows_used=self._num_rows - len(self.free) - num_quarantined,
-                         num_rows_total=self._num_rows, has_work=bool(running or waiting))
-
-    def close(self) -> None:
-        pass
+                         num_rows_used=self.config.num_rows - len(self.free) - num_quarantined,
+                         num_rows_total=self.config.num_rows, has_work=bool(running or waiting))
 
 
-def build_backend(config: Any, ctx: Any) -> ToyBackend:
-    return ToyBackend(config, ctx)
+def build_engine(config: EngineConfig, ctx: Any, clock: Callable[[], float], token_shard_min_tokens: int = 1,
+                 warm_decode: bool = True) -> ToyEngine:
+    """The toy's engine factory, with engine/rank_engine.py `build_rank_engine`'s signature. Its ranks shard no
+    prefill (a threshold other than the default is refused, not ignored) and have nothing to warm up (a prefill
+    node's `warm_decode=False` skips nothing)."""
+    if token_shard_min_tokens != 1:
+        raise ValueError(f"the toy engine shards no prefill: token_shard_min_tokens {token_shard_min_tokens}")
+    return ToyEngine(config, clock)
