@@ -12,9 +12,10 @@ isolates the prefill and TPOT the decode batch; three untimed requests first war
   batch 1 short, batch 4 short and batch 1 long;
 - decode, DCP=2 pool: base and decode_seq_s from batch 1 and 2 at the same context; decode_ctx_s is taken as
   half the TP=1 pool's (each rank holds half the tokens): an assumption the profile states.
-Not measured (stated in the profile's notes): a decode node's own prefill (every calibration prompt takes the
-P leg); it is set to the P pool's per-token cost times its world size over the node's (a TP=1 node prefills
-alone what two token-sharded ranks share). Transfer costs come from benchmarks/RESULTS.md (CPU loopback).
+- the TP=1 decode node's own prefill (colocated turns, skipped P legs): the `COLOCATED` points on a second cluster
+  of the same pools whose router never sends a P leg, fitted like the P pool's (its chunks, its base).
+Not measured (stated in the profile's notes): the DCP pool's own prefill (set to the P pool's: both are two-rank
+SPMD prefills). Transfer costs come from benchmarks/RESULTS.md (CPU loopback).
 Every measured point and what the fitted model gives for it are written to the profile's `fit` list.
 """
 
@@ -58,7 +59,10 @@ POINTS = (
     Point("tpot_dcp_b1", 1400, 33, 1, 2), Point("tpot_dcp_b2", 1400, 33, 2, 4),
     Point("ttft_append_w1000_w300", 1000, 300, 1, 6),
 )
-"""`ttft_append_*`: agent sessions of two turns (a 1000-word system prompt, a 300-word tool result): the second
+COLOCATED = (Point("colo_ttft_w20", 20, 2, 1, 3), Point("colo_ttft_w300", 300, 2, 1, 2),
+             Point("colo_ttft_w1200", 1200, 2, 1, 2), Point("colo_append_w1000_w300", 1000, 300, 1, 6))
+"""The same shapes with the router never sending a P leg: the TP=1 decode node prefills (in its chunks)."""
+"""`ttft_append_*` / `colo_append_*`: agent sessions of two turns (a 1000-word system prompt, a 300-word tool result): the second
 turn's TTFT is a prefill of the new tokens attending over the cached prefix (its `output` is the new words)."""
 QUICK = ("ttft_w20", "ttft_w300", "ttft_w700", "tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long",
          "tpot_dcp_b1", "tpot_dcp_b2", "ttft_append_w1000_w300")
@@ -125,17 +129,31 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path) -> 
                 found[point.name] = _append_point(real, point, out_dir)
                 print(f"{point.name}: {found[point.name]}", file=sys.stderr)
                 continue
-            workload = RandomWorkload(RandomConfig(seed=7, input_len=parse_dist(str(point.words)),
-                                                   output_len=parse_dist(str(point.output))))
-            summary = real.sweep(workload, "random", [point.concurrency], 1e6, out_dir / point.name,
-                                 max_requests=point.requests, drain_s=600.0)
-            level = summary.levels[0]
-            if not level.num_ok:
-                raise RuntimeError(f"calibration point {point.name}: no request succeeded ({level.errors_by_kind})")
-            found[point.name] = {"ttft_s": level.ttft_ms.p50 / 1000, "tpot_s": (level.tpot_ms.p50 or 0) / 1000,
-                                 "prompt_tokens": level.input_tokens // level.num_ok, "num_ok": level.num_ok}
+            found[point.name] = _random_point(real, point, out_dir)
+            print(f"{point.name}: {found[point.name]}", file=sys.stderr)
+    colocated = config.model_copy(update={"router": config.router.model_copy(update={
+        "settings": {**config.router.settings, "disagg_min_uncached_tokens": 10**9}})})
+    with RealCluster(colocated, out_dir / "logs-colocated") as real:
+        real.sweep(warm, "random", [1], 1e6, out_dir / "warmup-colocated", max_requests=3, drain_s=600.0)
+        for point in COLOCATED:
+            if "append" in point.name:
+                found[point.name] = _append_point(real, point, out_dir)
+            else:
+                found[point.name] = _random_point(real, point, out_dir)
             print(f"{point.name}: {found[point.name]}", file=sys.stderr)
     return found
+
+
+def _random_point(real, point: Point, out_dir: Path) -> dict:  # noqa: ANN001 - sim.measure.RealCluster
+    workload = RandomWorkload(RandomConfig(seed=7, input_len=parse_dist(str(point.words)),
+                                           output_len=parse_dist(str(point.output))))
+    summary = real.sweep(workload, "random", [point.concurrency], 1e6, out_dir / point.name,
+                         max_requests=point.requests, drain_s=600.0)
+    level = summary.levels[0]
+    if not level.num_ok:
+        raise RuntimeError(f"calibration point {point.name}: no request succeeded ({level.errors_by_kind})")
+    return {"ttft_s": level.ttft_ms.p50 / 1000, "tpot_s": (level.tpot_ms.p50 or 0) / 1000,
+            "prompt_tokens": level.input_tokens // level.num_ok, "num_ok": level.num_ok}
 
 
 def _append_point(real, point: Point, out_dir: Path) -> dict:  # noqa: ANN001 - sim.measure.RealCluster
@@ -183,12 +201,25 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     dcp_y = [measured[k]["tpot_s"] - dcp_ctx * ctx(k, b) for k, b in (("tpot_dcp_b1", 1), ("tpot_dcp_b2", 2))]
     dcp_base, dcp_seq = nonneg_lstsq(np.array([[1.0, 1.0], [1.0, 2.0]]), np.array(dcp_y))
     p_world = max(prefill.tp, prefill.dcp)
+    d_eng = node_settings_class("decode").model_validate(tp_pool.settings).engine
+    colo = [(k, v) for k, v in measured.items() if k.startswith("colo_")]
+    colo_rows = [[1.0, *chunk_features(v["prompt_tokens"], d_eng.max_step_tokens, v.get("cached_tokens", 0))]
+                 for _, v in colo]
+    colo_fit = None
+    if len(colo) >= 4:
+        y = np.array([v["ttft_s"] - d_base * row[1] for (_, v), row in zip(colo, colo_rows)])
+        w = np.array([1.0 / v["ttft_s"] for _, v in colo])
+        feats = np.array([[row[0], row[2], row[3], row[4]] for row in colo_rows])
+        colo_fit = nonneg_lstsq(feats * w[:, None], y * w)
 
     def step(pool, base: float, seq: float, ctx_s: float) -> dict:
-        scale = p_world / max(pool.tp, pool.dcp)
-        return {"tp": pool.tp, "dcp": pool.dcp, "base_s": base, "prefill_token_s": p_tok * scale,
-                "prefill_attn_s": p_attn * scale, "prefill_ctx_s": p_ctx * scale, "decode_seq_s": seq,
-                "decode_ctx_s": ctx_s}
+        if colo_fit is not None and pool is tp_pool:
+            tok, attn, pctx = colo_fit[1:]
+        else:
+            scale = p_world / max(pool.tp, pool.dcp)
+            tok, attn, pctx = p_tok * scale, p_attn * scale, p_ctx * scale
+        return {"tp": pool.tp, "dcp": pool.dcp, "base_s": base, "prefill_token_s": tok, "prefill_attn_s": attn,
+                "prefill_ctx_s": pctx, "decode_seq_s": seq, "decode_ctx_s": ctx_s}
 
     steps = [{"tp": prefill.tp, "dcp": 1, "base_s": p_base, "prefill_token_s": p_tok, "prefill_attn_s": p_attn,
               "prefill_ctx_s": p_ctx, "decode_seq_s": d_seq, "decode_ctx_s": d_ctx},
@@ -200,6 +231,10 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     for (k, row), y in zip(zip(("tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long"), tp_rows), tp_y):
         fit.append({"name": k, "measured": y, "used_for_fit": True, "source": "TPOT p50, s",
                     "modelled": float(d_base + d_seq * row[1] + d_ctx * row[2])})
+    for (k, v), row in zip(colo, colo_rows):
+        if colo_fit is not None:
+            fit.append({"name": k, "measured": v["ttft_s"], "used_for_fit": True, "source": "TTFT p50, s (colocated)",
+                        "modelled": float(colo_fit[0] + d_base * row[1] + np.dot(colo_fit[1:], row[2:]))})
     for k, b in (("tpot_dcp_b1", 1), ("tpot_dcp_b2", 2)):
         fit.append({"name": k, "measured": measured[k]["tpot_s"], "used_for_fit": True, "source": "TPOT p50, s",
                     "modelled": float(dcp_base + dcp_seq * b + dcp_ctx * ctx(k, b))})
@@ -215,7 +250,8 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                     "a descriptor a few microseconds on CMA)",
                     "router_s: benchmarks/RESULTS.md 2026-12-03 (evening), the router's own work per request"],
         "fit": fit,
-        "notes": ("decode-node prefill costs are the P pool's per-token costs scaled by world size (not measured); "
+        "notes": ("the TP=1 decode node's prefill costs are fitted to the colo_* points (the router sending no P "
+                  "leg) when measured; the DCP pool's are the P pool's (both two-rank SPMD prefills, not measured); "
                   "DCP decode_ctx_s is half the TP=1 pool's (assumed); http.prefill_leg_s holds every constant of "
                   "a disaggregated request's path (router, legs, READ setup) as fitted."),
     }
