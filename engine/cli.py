@@ -125,7 +125,7 @@ def _generate(args: argparse.Namespace, prompt_ids: list[int]) -> int:
             finish = out.finish_reason or finish
         first_at = first_at or time.perf_counter()
     done = time.perf_counter()
-    text = engine.tokenizer.decode(tokens)
+    text = engine.tokenizer.decode(tokens) if engine.tokenizer is not None else None  # weights-only checkpoint
     for stop in args.stop:
         if stop and stop in text:
             text = text[: text.index(stop)]

@@ -44,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pathlib import Path
+
 import torch
 
 from engine.api import (
@@ -68,7 +70,7 @@ from engine.layout import RowLayout, plan_layout
 from engine.model.checkpoint import weights_fingerprint as model_weights_fingerprint
 from engine.model.config import ModelConfig, resolve_model
 from engine.model.model import KimiModel
-from engine.model.tokenizer import ByteTokenizer
+from engine.model.tokenizer import load_tokenizer
 from engine.model.weights import build_model
 from engine.outputs import PromptLogprobs, TokenEvent
 from engine.parallel.spmd import TimedModel
@@ -80,13 +82,15 @@ from engine.scheduler import Request, RequestState, Scheduler
 MAX_SESSIONS = 1024
 
 
-def weights_fingerprint(config: EngineConfig, layout_fingerprint: str, model_config: ModelConfig | None = None) -> str:
+def weights_fingerprint(config: EngineConfig, layout_fingerprint: str, model_config: ModelConfig | None = None,
+                        tokenizer: str = "byte") -> str:
     """Model preset, weights (seed, file), tokenizer and row layout: KV is interchangeable only between equals.
-    A checkpoint's model is named by its checkpoint fingerprint (engine/model/checkpoint.py), not its path."""
+    A checkpoint's model is named by its checkpoint fingerprint (engine/model/checkpoint.py), not its path;
+    `tokenizer`: the tokenizer's fingerprint (`byte` for the presets' byte tokenizer)."""
     model = config.model
     if model_config is not None and model_config.checkpoint is not None:
         model = model_weights_fingerprint(model_config, config.seed)
-    text = f"{model}|seed={config.seed}|weights={config.weights}|tokenizer=byte|layout={layout_fingerprint}"
+    text = f"{model}|seed={config.seed}|weights={config.weights}|tokenizer={tokenizer}|layout={layout_fingerprint}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
@@ -165,7 +169,13 @@ class Engine:
         self.model_config: ModelConfig = resolve_model(config.model, config.exact_index_scores)
         self.model = model if model is not None else build_model(self.model_config, config.seed, config.weights,
                                                                  device=config.device)
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = None if self._weights_only() else load_tokenizer(self.model_config.checkpoint or config.model)
+        """The model's tokenizer (a checkpoint's own files, else the byte tokenizer); None for a checkpoint that ships
+        weights only (token ids in and out; stop strings are refused)."""
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        self.eos_token_ids = frozenset({self.model_config.eos_token_id, *eos})
+        """What ends a request unless it sets ignore_eos: the model's EOS and every EOS id of its tokenizer (a
+        checkpoint's configs may name several)."""
         self.layout: RowLayout = plan_layout(self.model_config, tp_size=config.tp_size, dcp_size=config.dcp_size,
                                              subblock_tokens=config.subblock_tokens, block_size=config.block_size)
         self.pool = RowPool(self.layout, self.model_config, config.num_rows, device=config.device)
@@ -176,7 +186,8 @@ class Engine:
         self.kernels = self.kernel_choice.kernels
         if self.kernels == "fast":
             self.model = self._fast_model()
-        self.fingerprint = weights_fingerprint(config, self.layout.fingerprint, self.model_config)
+        self.fingerprint = weights_fingerprint(config, self.layout.fingerprint, self.model_config,
+                                               self.tokenizer.fingerprint if self.tokenizer else "none")
         self.cache = PrefixCache(self.pool, self.layout.block_size, self.fingerprint.encode(), config.prefix_cache)
         self.pool.spare = self.cache
         self.scheduler = Scheduler(self.pool, config.max_batch, self.cache, config.max_step_tokens,
@@ -230,12 +241,21 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range 0..{cfg.vocab_size - 1}: {bad[:5]}")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer; the checkpoint {cfg.checkpoint} ships none (use "
+                             "stop_token_ids)")
         total = len(prompt) + (1 if export else sampling.max_tokens)
         if total > cfg.max_context:
             raise ValueError(f"the model's maximum context length is {cfg.max_context} tokens; the request needs "
                              f"{total} ({len(prompt)} prompt + {total - len(prompt)} completion)")
         return Request(request_id, prompt, sampling, request_seed(sampling, request_id), export=export,
                        session=session)
+
+    def _weights_only(self) -> bool:
+        from engine.model.tokenizer_files import VOCAB_FILES
+
+        directory = self.model_config.checkpoint
+        return directory is not None and not any((Path(directory) / name).is_file() for name in VOCAB_FILES)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
                     sampling: SamplingParams, export: bool = False, session: str = "") -> None:
@@ -343,7 +363,7 @@ class Engine:
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         params = req.sampling
-        if token in params.stop_token_ids or (token == self.model_config.eos_token_id and not params.ignore_eos):
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             return "stop"
         if params.stop:
             text = self.tokenizer.decode(req.output_token_ids)
