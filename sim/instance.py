@@ -53,18 +53,30 @@ class Flight:
 
 
 class HostCores:
-    """Ranks computing now on a host of `cores` cores (None: no sharing); a step's stretch factor at its start."""
+    """Ranks computing now on a host of `cores` cores (None: no sharing); a step's stretch factor at its start.
+    When the count changes, every other instance's decode segment is cut at its next step boundary, so the steps
+    after it are timed with the new count (a segment's steps all share the factor of its start)."""
 
     def __init__(self, cores: int | None) -> None:
         self.cores = cores
         self.busy = 0
+        self.instances: list[SimInstance] = []
 
-    def start(self, ranks: int) -> float:
+    def start(self, ranks: int, who: SimInstance | None = None) -> float:
         self.busy += ranks
+        self._changed(who)
         return 1.0 if self.cores is None else max(1.0, self.busy / self.cores)
 
-    def end(self, ranks: int) -> None:
+    def end(self, ranks: int, who: SimInstance | None = None) -> None:
         self.busy -= ranks
+        self._changed(who)
+
+    def _changed(self, who: SimInstance | None) -> None:
+        if self.cores is None:
+            return
+        for inst in self.instances:
+            if inst is not who and inst.segment is not None:
+                inst._cut_segment()
 
 
 @dataclass
@@ -99,6 +111,7 @@ class SimInstance:
                  record_chunks: bool = True, host: HostCores | None = None) -> None:
         self.spec = spec
         self.host = host or HostCores(None)
+        self.host.instances.append(self)
         self.ranks = max(spec.tp, spec.dcp)
         self.layout = layout
         self.cost = cost
@@ -209,14 +222,14 @@ class SimInstance:
             return
         req, end = plan.prefill, plan.prefill_end
         duration = self.cost.step_s(end - req.num_computed, end, len(self.batch), self.batch.context())
-        duration *= self.host.start(self.ranks)
+        duration *= self.host.start(self.ranks, self)
         has_decode = bool(plan.decode)
         self.loop.after(duration, lambda: self._end_step(req, end, has_decode, now))
 
     def _end_step(self, req: Request, end: int, has_decode: bool, t0: float) -> None:
         """`Engine.step` after a step with a prefill chunk (and the decode batch, when it had one)."""
         now = self.loop.now
-        self.host.end(self.ranks)
+        self.host.end(self.ranks, self)
         self._account(t0, now, 1)
         sched = self.scheduler
         n = len(req.prompt_token_ids)
@@ -308,7 +321,7 @@ class SimInstance:
         next_event = batch.next_event_step()
         assert next_event is not None and next_event > batch.steps
         steps = next_event - batch.steps
-        stretch = self.host.start(self.ranks)
+        stretch = self.host.start(self.ranks, self)
         first = self.cost.step_s(batch=len(batch), sum_context=batch.context()) * stretch
         growth = self.cost.decode_ctx_s * len(batch) * stretch
         quarantine = [q.until for q in self.pool._quarantine]
@@ -355,7 +368,7 @@ class SimInstance:
         seg = self.segment
         assert seg is not None
         self.segment = None
-        self.host.end(self.ranks)
+        self.host.end(self.ranks, self)
         self._account(seg.t0, self.loop.now, seg.num_steps)
         if self.record_chunks:
             times = [seg.t0 + self._elapsed(seg, j) for j in range(1, seg.num_steps + 1)]
