@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# benchmarks/ (the script's folder, first on the path) holds an engine.py that would shadow the engine package
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "benchmarks")]
 
 SHARD_BYTES = 512 << 20
 

@@ -11,7 +11,8 @@
   parameter is read-only memory: the engine never writes a weight in place (the expert-parallel wrapper and the
   fast kernels make their own copies), and code that wants to must clone it first. Any other tensor is viewed in place in a mapping of its file (`torch.frombuffer`, no
   copy), converted straight into its slice of the parameter (on the parameter's device and dtype), and its pages
-  are released (`madvise(MADV_DONTNEED)`). Resident memory stays close to the parameters' own bytes: no second
+  are released (`madvise(MADV_DONTNEED)`); a whole tensor (any dtype but FP8) is instead read with `preadv` straight
+  into its parameter, or through one 64 MB bounce buffer when it changes dtype or device. Resident memory stays close to the parameters' own bytes: no second
   full copy, no state dict.
 - FP8 block-scaled weights (`weight` in float8_e4m3fn + `weight_scale_inv` [ceil(out/b0), ceil(in/b1)], with
   `quantization_config = {"quant_method": "fp8", "weight_block_size": [b0, b1]}`) are dequantized on the way in.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,14 +115,65 @@ def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(d for d in shape if d != 1)
 
 
+READ_CHUNK_BYTES = 64 << 20
+"""Bytes per read of `_Reader.read_into` (and the size of its one bounce buffer)."""
+
+
 class _Reader:
-    """Memory-mapped views of checkpoint tensors; `release` drops a tensor's pages from this process."""
+    """Memory-mapped views of checkpoint tensors; `release` drops a tensor's pages from this process;
+    `read_into` reads a tensor's bytes straight into its parameter."""
 
     def __init__(self, entries: dict[str, TensorEntry], block_size: tuple[int, int] | None) -> None:
         self.entries = entries
         self.block_size = block_size
         self.maps: dict[Path, mmap.mmap] = {}
         self.files: list = []
+        self.fds: dict[Path, int] = {}
+        self.bounce: torch.Tensor | None = None
+
+    def read_into(self, name: str, target: torch.Tensor) -> bool:
+        """Fill `target` (contiguous, as many elements as the tensor) with the tensor's values by reading the file
+        in READ_CHUNK_BYTES pieces: straight into a CPU parameter of the same dtype (one copy, from the page
+        cache), else through one reused bounce buffer and a converting copy (another dtype or device). No page
+        of a mapping is faulted in. False (nothing done) where this does not apply: FP8 (dequantized through
+        `view`), a non-contiguous target, an element count that differs."""
+        e = self.entries[name]
+        size = torch.empty(0, dtype=e.dtype).element_size()
+        count = (e.end - e.start) // size
+        if e.dtype == torch.float8_e4m3fn or count == 0 or not target.is_contiguous() or target.numel() != count:
+            return False
+        flat = target.view(-1)
+        direct = target.device.type == "cpu" and target.dtype == e.dtype
+        per = max(1, READ_CHUNK_BYTES // size)
+        fd = self._fd(e.path)
+        done = 0
+        while done < count:
+            n = min(per, count - done)
+            dst = flat[done:done + n] if direct else self._bounce(n * size)[: n * size].view(e.dtype)
+            self._pread(fd, dst.view(torch.uint8).numpy(), e.start + done * size, name)
+            if not direct:
+                flat[done:done + n].copy_(dst)
+            done += n
+        return True
+
+    def _fd(self, path: Path) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def _bounce(self, nbytes: int) -> torch.Tensor:
+        if self.bounce is None or self.bounce.numel() < nbytes:
+            self.bounce = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        return self.bounce
+
+    @staticmethod
+    def _pread(fd: int, out, offset: int, name: str) -> None:  # noqa: ANN001 - a uint8 numpy view
+        view, got = memoryview(out), 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n <= 0:
+                raise CheckpointError(f"tensor {name}: the file ended {len(view) - got} bytes early")
+            got += n
 
     def _map(self, path: Path) -> mmap.mmap:
         if path not in self.maps:
@@ -188,6 +241,8 @@ class _Reader:
             mm.close()
         for fh in self.files:
             fh.close()
+        for fd in self.fds.values():
+            os.close(fd)
 
 
 def _can_share(piece: Piece, target: torch.Tensor, entries: dict[str, TensorEntry]) -> bool:
@@ -231,6 +286,8 @@ def load_pieces(model: KimiModel, pieces: list[Piece], entries: dict[str, Tensor
                     if shared is not None:
                         params[piece.param].data = shared
                         continue
+                if piece.combine is None and reader.read_into(piece.sources[0], target):
+                    continue
                 views = [reader.view(s) for s in piece.sources]
                 value = piece.combine(*views) if piece.combine is not None else views[0].reshape(target.shape)
                 if tuple(value.shape) != tuple(target.shape):

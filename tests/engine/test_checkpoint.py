@@ -281,3 +281,22 @@ def test_moonshot_spelling_reads_as_transformers_spelling(tmp_path) -> None:  # 
     (directory / "config.json").write_text(json.dumps(original))
     want = resolve_model(str(src))
     assert dataclasses.replace(resolve_model(str(directory)), name=want.name, checkpoint=want.checkpoint) == want
+
+
+@pytest.mark.parametrize("kind", ["kimi-mix", "dsv32-sharded"])
+def test_copy_path_loads_the_mapped_values(kind: str) -> None:
+    """The copying load (tensors read into their parameters, `zero_copy=False`) and a load into bf16 parameters
+    (through the bounce buffer and a converting copy) give the values of the mapped load."""
+    from engine.model.model import KimiModel
+    from engine.model.weights import load_checkpoint
+
+    cfg = resolve_model(str(checkpoint_dir(kind)))
+    mapped = dict(build_model(cfg).named_parameters())
+    copied = KimiModel(cfg)
+    load_checkpoint(copied, cfg.checkpoint, zero_copy=False)
+    halved = KimiModel(cfg).to(torch.bfloat16)
+    load_checkpoint(halved, cfg.checkpoint)
+    for name, param in copied.named_parameters():
+        assert torch.equal(param, mapped[name]), name
+    for name, param in halved.named_parameters():
+        assert torch.equal(param, mapped[name].to(torch.bfloat16)), name
