@@ -57,15 +57,17 @@ POINTS = (
     Point("tpot_tp_b1_short", 20, 33, 1, 2), Point("tpot_tp_b4_short", 20, 33, 4, 8),
     Point("tpot_tp_b1_long", 1000, 33, 1, 2),
     Point("tpot_dcp_b1", 1400, 33, 1, 2), Point("tpot_dcp_b2", 1400, 33, 2, 4),
-    Point("ttft_append_w1000_w300", 1000, 300, 1, 6),
+    Point("ttft_append_w600_w300", 600, 300, 1, 6),
 )
 COLOCATED = (Point("colo_ttft_w20", 20, 2, 1, 3), Point("colo_ttft_w300", 300, 2, 1, 2),
-             Point("colo_ttft_w1200", 1200, 2, 1, 2), Point("colo_append_w1000_w300", 1000, 300, 1, 6))
+             Point("colo_ttft_w1200", 1200, 2, 1, 2), Point("colo_append_w600_w300", 600, 300, 1, 6))
 """The same shapes with the router never sending a P leg: the TP=1 decode node prefills (in its chunks)."""
-"""`ttft_append_*` / `colo_append_*`: agent sessions of two turns (a 1000-word system prompt, a 300-word tool result): the second
-turn's TTFT is a prefill of the new tokens attending over the cached prefix (its `output` is the new words)."""
+"""`ttft_append_*` / `colo_append_*`: agent sessions of two turns (a 600-word system prompt, a 300-word tool result): the second
+turn's TTFT is a prefill of the new tokens attending over the cached prefix (its `output` is the new words). Both
+turns stay within the TP pool's 8,192 tokens with the router's growth allowance, so the second turn goes where
+the first left its cache; `_append_point` refuses a run whose second turns found nothing cached."""
 QUICK = ("ttft_w20", "ttft_w300", "ttft_w700", "tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long",
-         "tpot_dcp_b1", "tpot_dcp_b2", "ttft_append_w1000_w300")
+         "tpot_dcp_b1", "tpot_dcp_b2", "ttft_append_w600_w300")
 
 
 def prompt_tokens(words: int) -> int:
@@ -168,6 +170,9 @@ def _append_point(real, point: Point, out_dir: Path) -> dict:  # noqa: ANN001 - 
     second = [r for r in summary.levels[0].records if r.is_ok and r.request_id.endswith(".t1")]
     if not second:
         raise RuntimeError(f"calibration point {point.name}: no second turn succeeded")
+    if not any(r.cached_tokens for r in second):
+        raise RuntimeError(f"calibration point {point.name}: no second turn reused the first's cache (did the "
+                           "session change pools?)")
     ttfts = sorted(r.ttft_s for r in second)
     return {"ttft_s": ttfts[len(ttfts) // 2], "tpot_s": 0.0, "num_ok": len(second),
             "prompt_tokens": round(sum(r.prompt_tokens or 0 for r in second) / len(second)),
