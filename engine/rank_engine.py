@@ -72,6 +72,6 @@ def build_rank_engine(config: EngineConfig, ctx: Any, clock: Callable[[], float]
     started = time.perf_counter()
     warmed = engine.warm_up(decode=warm_decode)  # compilation and decode graphs (fast, CUDA), before reporting in
     if warmed is not None and ctx.rank == 0:
-        log.info("fast kernels warmed up in %.1f s (decode graphs for batches %s)", time.perf_counter() - started,
-                 warmed)
+        log.info("fast kernels warmed up in %.1f s (decode graphs for batches %s; seconds per phase %s)",
+                 time.perf_counter() - started, warmed, getattr(engine.model, "warm_up_seconds", {}))
     return engine

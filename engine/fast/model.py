@@ -18,6 +18,8 @@ graphed (benchmarks/RESULTS.md, 2026-12-04).
 
 from __future__ import annotations
 
+import time
+
 from typing import Any
 
 import torch
@@ -75,15 +77,26 @@ class FastModel:
 
         sizes = [b for b in BATCH_BUCKETS if b <= max_batch]
         table = pool.allocate_request(prompt_tokens + 1)
+        self.warm_up_seconds = {}
         try:
             cache = RowSequenceCache(pool, table)
             with torch.no_grad():
-                self.prefill(torch.zeros(prompt_tokens, dtype=torch.int64), cache)
+                self._timed("prefill", self.prefill, torch.zeros(prompt_tokens, dtype=torch.int64), cache)
                 for size in sizes:
-                    self.decode(torch.zeros(size, dtype=torch.int64), [prompt_tokens] * size, [cache] * size)
+                    self._timed(f"decode_b{size}", self.decode, torch.zeros(size, dtype=torch.int64),
+                                [prompt_tokens] * size, [cache] * size)
         finally:
             pool.free(table.row_ids)
         return sizes
+
+    def _timed(self, phase: str, fn: Any, *args: Any) -> None:
+        """Run one warm-up step and keep its wall time (synchronised) in `warm_up_seconds[phase]`: the first
+        prefill pays the segments' compilation, each decode bucket its compilation and graph capture."""
+        start = time.perf_counter()
+        fn(*args)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        self.warm_up_seconds[phase] = round(time.perf_counter() - start, 2)
 
     def _graphs_for(self, pool: Any) -> Any:
         """The pool's DecodeGraphs (made with its scratch request on first use); None while the pool has no rows

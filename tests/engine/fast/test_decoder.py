@@ -164,5 +164,8 @@ def test_warm_up_decodes_each_bucket_and_frees_its_rows(device) -> None:  # type
     before, free = pool.buffer.clone(), pool.num_free
     fast = FastModel(model, layout, graphs=False)
     assert fast.warm_up(pool, max_batch=3) == [1, 2]
+    assert sorted(fast.warm_up_seconds) == ["decode_b1", "decode_b2", "prefill"]  # the node logs them per phase
+    assert all(seconds > 0 for seconds in fast.warm_up_seconds.values())
     assert pool.num_free == free and torch.equal(pool.buffer[table.row_ids], before[table.row_ids])
     assert fast.warm_up(pool, max_batch=0) == [] and pool.num_free == free  # a prefill node: the prefill only
+    assert list(fast.warm_up_seconds) == ["prefill"]
