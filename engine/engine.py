@@ -41,10 +41,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
-
-from pathlib import Path
 
 import torch
 
@@ -53,7 +50,6 @@ from engine.api import (
     Command,
     EngineConfig,
     Event,
-    ExportedRows,
     HoldRows,
     ImportKV,
     ImportRows,
@@ -71,9 +67,11 @@ from engine.model.checkpoint import weights_fingerprint as model_weights_fingerp
 from engine.model.config import ModelConfig, resolve_model
 from engine.model.model import KimiModel
 from engine.model.tokenizer import load_tokenizer
+from engine.model.tokenizer_files import vocab_file
 from engine.model.weights import build_model
 from engine.outputs import PromptLogprobs, TokenEvent
 from engine.parallel.spmd import TimedModel
+from engine.results import CacheReport, GenerationResult, PrefillResult, StepOutputs
 from engine.runner import ModelRunner
 from engine.sampling import SampledToken, prompt_logprobs, request_seed, sample
 from engine.scheduler import Request, RequestState, Scheduler
@@ -94,69 +92,6 @@ def weights_fingerprint(config: EngineConfig, layout_fingerprint: str, model_con
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
-@dataclass(frozen=True)
-class CacheReport:
-    """What the node's /v1/cache answers (docs/SESSIONS.md)."""
-
-    block_tokens: int
-    fingerprint: str
-    sessions: tuple[tuple[str, int], ...]
-    """(session, leading tokens of its last turn held), most recently used first."""
-    resumable: tuple[tuple[str, int], ...]
-    """(session, leading tokens a local prefill could resume from: held and ending in a KDA snapshot, or the
-    end of the session's last turn while its tail is held)."""
-    blocks_cached: int
-    rows_free: int
-    hits_tokens: int
-    queried_tokens: int
-    evicted_blocks: int
-    blocks_read: int
-    blocks_reused: int
-    tails: bool = False
-    """Finished turns leave a tail (resumable at their exact end): the cache is on and prefills can resume."""
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    request_id: str
-    attn_row_ids: tuple[int, ...]
-    kda_row_ids: tuple[int, ...]
-    num_tokens: int
-    first_token: int
-    first_logprob: float
-    generation: int = 0
-    """Names this export for `release` (unique within the engine)."""
-    first_top_logprobs: tuple[tuple[int, float], ...] = ()
-    """Alternatives to the first token, as many as the request asked for."""
-    num_cached_tokens: int = 0
-    """Prompt tokens reused from this engine's prefix cache (not computed)."""
-
-    def event(self) -> ExportedRows:
-        """The rank event that reports this export (its first token finishes the prefill leg: "length")."""
-        first = TokenEvent(request_id=self.request_id, token_id=self.first_token, logprob=self.first_logprob,
-                           top_logprobs=self.first_top_logprobs, finish_reason="length",
-                           num_prompt_tokens=self.num_tokens, num_cached_tokens=self.num_cached_tokens)
-        return ExportedRows(request_id=self.request_id, attn_row_ids=self.attn_row_ids, kda_row_ids=self.kda_row_ids,
-                            num_tokens=self.num_tokens, first=first, num_cached_tokens=self.num_cached_tokens,
-                            generation=self.generation)
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str | None
-
-
-@dataclass
-class StepOutputs:
-    tokens: list[TokenEvent] = field(default_factory=list)
-    exported: list[PrefillResult] = field(default_factory=list)
-    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
-
-
 class Engine:
     def __init__(self, config: EngineConfig, model: KimiModel | None = None,
                  make_cache: Callable[[RowPool, BlockTable], Any] | None = None,
@@ -169,7 +104,9 @@ class Engine:
         self.model_config: ModelConfig = resolve_model(config.model, config.exact_index_scores)
         self.model = model if model is not None else build_model(self.model_config, config.seed, config.weights,
                                                                  device=config.device)
-        self.tokenizer = None if self._weights_only() else load_tokenizer(self.model_config.checkpoint or config.model)
+        checkpoint = self.model_config.checkpoint
+        weights_only = checkpoint is not None and vocab_file(checkpoint) is None
+        self.tokenizer = None if weights_only else load_tokenizer(checkpoint or config.model)
         """The model's tokenizer (a checkpoint's own files, else the byte tokenizer); None for a checkpoint that ships
         weights only (token ids in and out; stop strings are refused)."""
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
@@ -250,12 +187,6 @@ class Engine:
                              f"{total} ({len(prompt)} prompt + {total - len(prompt)} completion)")
         return Request(request_id, prompt, sampling, request_seed(sampling, request_id), export=export,
                        session=session)
-
-    def _weights_only(self) -> bool:
-        from engine.model.tokenizer_files import VOCAB_FILES
-
-        directory = self.model_config.checkpoint
-        return directory is not None and not any((Path(directory) / name).is_file() for name in VOCAB_FILES)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
                     sampling: SamplingParams, export: bool = False, session: str = "") -> None:

@@ -144,7 +144,7 @@ class ExecutorState:
     rounds: int = 0
     timings: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_PENDING_TIMINGS))
     cache: Any = None
-    """Rank 0's latest prefix-cache report (engine.engine.CacheReport; None until the first)."""
+    """Rank 0's latest prefix-cache report (engine.results.CacheReport; None until the first)."""
     """Rank 0's durations not yet taken by the metrics (`take_timings`); the oldest drop past the bound."""
 
     def take_timings(self) -> list[tuple[str, str, float]]:

@@ -140,13 +140,21 @@ def _flag(config: dict[str, Any], name: str, where: str) -> bool | None:
     return value
 
 
+def vocab_file(directory: str | Path) -> tuple[Path, str] | None:
+    """The directory's vocabulary file and the package that reads it (the first of VOCAB_FILES present); None
+    for a checkpoint that ships weights only."""
+    directory = Path(directory)
+    return next(((directory / name, kind) for name, kind in VOCAB_FILES.items() if (directory / name).is_file()),
+                None)
+
+
 def read_tokenizer_files(directory: str | Path) -> TokenizerFiles:
     """Parse a checkpoint directory's tokenizer files (see the module docstring); raises TokenizerFileError."""
     directory = Path(directory)
-    found = [(directory / name, kind) for name, kind in VOCAB_FILES.items() if (directory / name).is_file()]
-    if not found:
+    found = vocab_file(directory)
+    if found is None:
         raise TokenizerFileError(f"{directory}: no tokenizer: expected {' or '.join(VOCAB_FILES)}")
-    vocab_path, kind = found[0]
+    vocab_path, kind = found
     config_path = directory / "tokenizer_config.json"
     config = _read_json(config_path)
     where = str(config_path)
