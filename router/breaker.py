@@ -1,26 +1,92 @@
 """Circuit breakers, one per instance and one per P-D link.
 
 closed -> (failure_threshold consecutive failures) -> open -> (recovery_s later) -> half-open: one trial
-request is let through; its success closes the breaker, its failure opens it again. Time is passed in
-(`now`) so the state machine is tested without sleeping. `Breakers.tripped` holds the keys of every
-breaker that is not closed, so the hot path skips breaker checks entirely while all are closed.
+request is let through; its success closes the breaker, its failure opens it again.
+
+Every request through a breaker is an `Attempt` (`CircuitBreaker.attempt`), and every attempt ends exactly once:
+`succeeded`, `failed` or `neutral` (the node shed it, the client left, the leg was cancelled: nothing learnt about
+health). Ending an attempt again does nothing, so a caller ends it where the outcome is known and also, as a
+backstop, `neutral()` in a `finally`: whatever path a leg takes (a streamed answer relayed to its end, a
+cancellation, an unexpected exception), its attempt is over when the leg is. The half-open trial is the attempt
+the breaker handed out while half-open; only its own end frees the trial slot, so the state machine cannot stay
+blocked past `recovery_s` with no trial in flight (tests/router/test_breaker_property.py drives random
+sequences). A trial attempt dropped without an end (a bug) is ended neutral when it is garbage-collected, with a
+warning.
+
+Time is passed in (`now`) so the state machine is tested without sleeping. `Breakers.tripped` holds the keys of
+every breaker that is not closed, so the hot path skips breaker checks entirely while all are closed.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from dataclasses import dataclass, field
 
+log = logging.getLogger("router")
 
-@dataclass
+
+class Attempt:
+    """One request through one breaker; the first of `succeeded` / `failed` / `neutral` ends it, later calls do
+    nothing."""
+
+    __slots__ = ("breaker", "trial_token", "is_ended", "__weakref__")
+
+    def __init__(self, breaker: CircuitBreaker, trial_token: object | None = None) -> None:
+        self.breaker = breaker
+        self.trial_token = trial_token
+        """Set on the half-open trial: the breaker's mark of it."""
+        self.is_ended = False
+
+    @property
+    def is_trial(self) -> bool:
+        return self.trial_token is not None
+
+    def succeeded(self) -> None:
+        if self._end():
+            self.breaker._record_success()
+
+    def failed(self, now: float) -> None:
+        if self._end():
+            self.breaker._record_failure(now)
+
+    def neutral(self) -> None:
+        """Nothing learnt about health (shed, client gone, leg cancelled): only the trial slot is freed."""
+        self._end()
+
+    def _end(self) -> bool:
+        if self.is_ended:
+            return False
+        self.is_ended = True
+        if self.trial_token is not None and self.breaker._trial_token is self.trial_token:
+            self.breaker._trial_token = None
+        return True
+
+
+def _lost_trial(breaker_ref: weakref.ref, token: object) -> None:
+    """A trial attempt was garbage-collected without an end: free its slot (neutral) and say so."""
+    breaker = breaker_ref()
+    if breaker is not None and breaker._trial_token is token:
+        log.warning("router: the half-open trial of breaker %s was dropped without an outcome; freed", breaker.key)
+        breaker._trial_token = None
+
+
+@dataclass(eq=False)
 class CircuitBreaker:
     failure_threshold: int
     recovery_s: float
     num_failures: int = 0
     opened_at: float | None = None
-    is_trial_inflight: bool = False
     key: object = None
     tripped: set | None = None
     """The owner's set of keys of breakers that are not closed (kept current here)."""
+    _trial_token: object | None = None
+    """Identifies the half-open trial in flight (None: none); the trial attempt itself is not held, so that a
+    dropped one can be collected and its finalizer free the slot."""
+
+    @property
+    def is_trial_inflight(self) -> bool:
+        return self._trial_token is not None
 
     def state(self, now: float) -> str:
         if self.opened_at is None:
@@ -30,27 +96,26 @@ class CircuitBreaker:
     def allows(self, now: float) -> bool:
         """May a request use this instance/link now (does not reserve the half-open trial)?"""
         state = self.state(now)
-        return state == "closed" or (state == "half_open" and not self.is_trial_inflight)
+        return state == "closed" or (state == "half_open" and self._trial_token is None)
 
-    def on_attempt(self, now: float) -> None:
-        if self.state(now) == "half_open":
-            self.is_trial_inflight = True
+    def attempt(self, now: float) -> Attempt:
+        """Start a request through this breaker: the half-open trial when the breaker is half-open and no trial
+        is in flight. The caller ends the attempt exactly once (`Attempt`)."""
+        if self.opened_at is None or self._trial_token is not None or self.state(now) != "half_open":
+            return Attempt(self)
+        token = self._trial_token = object()
+        attempt = Attempt(self, token)
+        weakref.finalize(attempt, _lost_trial, weakref.ref(self), token)
+        return attempt
 
-    def on_success(self) -> None:
+    def _record_success(self) -> None:
         self.num_failures = 0
         self.opened_at = None
-        self.is_trial_inflight = False
         if self.tripped is not None:
             self.tripped.discard(self.key)
 
-    def on_neutral(self) -> None:
-        """An attempt that says nothing about health (the node shed it with Retry-After): frees the
-        half-open trial, counts neither way."""
-        self.is_trial_inflight = False
-
-    def on_failure(self, now: float) -> None:
+    def _record_failure(self, now: float) -> None:
         self.num_failures += 1
-        self.is_trial_inflight = False
         if self.opened_at is not None or self.num_failures >= self.failure_threshold:
             self.opened_at = now
             if self.tripped is not None:

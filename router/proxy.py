@@ -27,6 +27,7 @@ import orjson
 
 from router.aborts import aborter_for
 from router.admission import is_node_shed
+from router.breaker import Attempt
 from router.kvparams import KVHandoff, decode_body, handoff_from_answer, prefill_body
 from router.placement import Placement, RequestShape, load_score
 from router.registry import InstanceState, host_of
@@ -62,6 +63,36 @@ class RequestContext:
     """Holds a slot of its pool's admission cap until `service.finish` releases it."""
     prefill_cached_tokens: int | None = None
     """The P leg's usage cached_tokens (what the client sees when a P leg ran; router/session_routing.py)."""
+    leg: str = "placement"
+    """Where the request is (or failed): placement, prefill, decode, then stream once the relay runs."""
+    instance: str = "none"
+    """The instance of the leg in `leg` (the last one tried)."""
+    stream_attempts: DecodeAttempts | None = None
+    """A streamed D leg's breaker attempts, ended with the relay (service._StreamEnd)."""
+
+
+@dataclass
+class DecodeAttempts:
+    """The D leg's breaker attempts: its decode instance and, when a handoff was used, the P-D link. Each ends
+    once; `neutral` after an end does nothing."""
+
+    instance: Attempt
+    link: Attempt | None
+
+    def succeeded(self) -> None:
+        self.instance.succeeded()
+        if self.link is not None:
+            self.link.succeeded()
+
+    def failed(self, now: float) -> None:
+        self.instance.failed(now)
+        if self.link is not None:
+            self.link.failed(now)
+
+    def neutral(self) -> None:
+        self.instance.neutral()
+        if self.link is not None:
+            self.link.neutral()
 
 
 def upstream_message(content: bytes, limit: int = 300) -> str:
@@ -137,9 +168,16 @@ class Orchestrator:
         raise APIError(502, f"prefill failed after {num_attempts} attempt(s)")
 
     async def _prefill_once(self, ctx: RequestContext, state: InstanceState) -> KVHandoff | None:
+        name = state.spec.name
+        attempt = self.state.breakers.instance(name).attempt(time.monotonic())
+        ctx.leg, ctx.instance = "prefill", name
+        try:
+            return await self._prefill_attempt(ctx, state, attempt)
+        finally:
+            attempt.neutral()  # a cancelled or broken leg that ended no other way (no-op once ended)
+
+    async def _prefill_attempt(self, ctx: RequestContext, state: InstanceState, attempt: Attempt) -> KVHandoff | None:
         name, url = state.spec.name, state.spec.url
-        breaker = self.state.breakers.instance(name)
-        breaker.on_attempt(time.monotonic())
         state.num_inflight += 1
         started = time.monotonic()
         try:
@@ -148,12 +186,13 @@ class Orchestrator:
         except TimeoutError:
             self.state.metrics.leg_timeouts.labels("prefill").inc()
             ctx.is_prefill_timeout = True
-            breaker.on_failure(time.monotonic())
+            ctx.notes.append(f"{name}: timed out")
+            attempt.failed(time.monotonic())
             self.abort(state, ctx.request_id)
             return None
         except UPSTREAM_ERRORS as exc:
             ctx.notes.append(f"{name}: {type(exc).__name__}")
-            breaker.on_failure(time.monotonic())
+            attempt.failed(time.monotonic())
             return None
         except asyncio.CancelledError:
             self.abort(state, ctx.request_id)
@@ -163,16 +202,15 @@ class Orchestrator:
             ctx.upstream_s += time.monotonic() - started
         if is_node_shed(resp.status_code, resp.headers):
             ctx.notes.append(f"{name}: shed ({resp.status_code})")
-            breaker.on_neutral()
+            attempt.neutral()
             return None
         if resp.status_code >= 500:
             ctx.notes.append(f"{name}: HTTP {resp.status_code}")
-            breaker.on_failure(time.monotonic())
+            attempt.failed(time.monotonic())
             return None
+        attempt.succeeded()
         if resp.status_code >= 400:
-            breaker.on_success()
             raise UpstreamReply(resp.status_code, content, resp.headers.get("content-type"))
-        breaker.on_success()
         ctx.prefill_s = time.monotonic() - started
         try:
             answer = orjson.loads(content)
@@ -187,29 +225,25 @@ class Orchestrator:
             self.state.note_prefill_engine(name, handoff.remote_engine_id)
         return handoff
 
-    def record_decode_status(self, ctx: RequestContext, status: int | None, headers=None) -> None:
-        """Breaker and warm-pair bookkeeping after D answered (`status` None: connection failed or timed
-        out). A node's shedding (429, 503 with Retry-After) counts neither way."""
+    def start_decode_attempts(self, ctx: RequestContext, name: str) -> DecodeAttempts:
+        """The D leg's attempts: the decode instance's breaker and, with a handoff, the P-D link's."""
         now = time.monotonic()
-        decode = ctx.placement.decode
-        breaker = self.state.breakers.instance(decode)
-        link = self.state.breakers.link(ctx.handoff.prefill, decode) if ctx.handoff is not None else None
+        breakers = self.state.breakers
+        link = breakers.link(ctx.handoff.prefill, name).attempt(now) if ctx.handoff is not None else None
+        ctx.leg, ctx.instance = "decode", name
+        return DecodeAttempts(breakers.instance(name).attempt(now), link)
+
+    def record_decode_status(self, ctx: RequestContext, attempts: DecodeAttempts, status: int | None,
+                             headers=None) -> None:
+        """End the D leg's attempts and keep the warm pairs after D answered (`status` None: connection failed,
+        timed out or the stream broke). A node's shedding (429, 503 with Retry-After) counts neither way."""
         if status is not None and is_node_shed(status, headers or {}):
-            breaker.on_neutral()
-            if link is not None:
-                link.on_neutral()
+            attempts.neutral()
             return
         ok = status is not None and status < 500
-        breaker.on_success() if ok else breaker.on_failure(now)
-        if link is None:
-            return
-        pair = (ctx.handoff.prefill, decode)
-        if ok:
-            link.on_success()
-            self.state.set_warm(pair, True)
-        else:
-            link.on_failure(now)
-            self.state.set_warm(pair, False)
+        attempts.succeeded() if ok else attempts.failed(time.monotonic())
+        if ctx.handoff is not None:
+            self.state.set_warm((ctx.handoff.prefill, ctx.placement.decode), ok)
 
     async def _post(self, url: str, ctx: RequestContext, body: bytes) -> tuple[UpstreamResponse, bytes]:
         """One whole leg: send, read the answer to its end (the connection goes back to the pool)."""
@@ -254,24 +288,31 @@ class Orchestrator:
 
     async def _decode_json_once(self, ctx: RequestContext) -> tuple[UpstreamResponse, bytes]:
         state = self._decode_state(ctx)
+        attempts = self.start_decode_attempts(ctx, state.spec.name)
+        try:
+            return await self._decode_json_attempt(ctx, state, attempts)
+        finally:
+            attempts.neutral()  # a cancelled leg (no-op once ended)
+
+    async def _decode_json_attempt(self, ctx: RequestContext, state: InstanceState,
+                                   attempts: DecodeAttempts) -> tuple[UpstreamResponse, bytes]:
         body = orjson.dumps(decode_body(ctx.valid.body, ctx.handoff))
         state.num_inflight += 1
-        self.state.breakers.instance(state.spec.name).on_attempt(time.monotonic())
         started = time.monotonic()
         try:
             async with self.state.deadlines.within(self.settings.decode_timeout_s):
                 resp, content = await self._post(state.spec.url, ctx, body)
         except TimeoutError:
             self.state.metrics.leg_timeouts.labels("decode").inc()
-            self.record_decode_status(ctx, None)
+            self.record_decode_status(ctx, attempts, None)
             ctx.outcome = "timeout"
             self.abort_legs(ctx)
             raise APIError(504, f"decode timed out after {self.settings.decode_timeout_s} s") from None
         except CONNECT_ERRORS as exc:
-            self.record_decode_status(ctx, None)
+            self.record_decode_status(ctx, attempts, None)
             raise DecodeUnreachable(type(exc).__name__) from None
         except UPSTREAM_ERRORS as exc:
-            self.record_decode_status(ctx, None)
+            self.record_decode_status(ctx, attempts, None)
             ctx.outcome = "upstream_error"
             raise APIError(502, f"decode instance {state.spec.name} failed: {type(exc).__name__}") from None
         except asyncio.CancelledError:
@@ -280,7 +321,7 @@ class Orchestrator:
         finally:
             state.num_inflight -= 1
             ctx.upstream_s += time.monotonic() - started
-        self.record_decode_status(ctx, resp.status_code, resp.headers)
+        self.record_decode_status(ctx, attempts, resp.status_code, resp.headers)
         if is_node_shed(resp.status_code, resp.headers):
             self.abort_legs(ctx)  # the prefill's rows go back now, not when its lease expires
         self._note_kv_time(ctx, resp)
@@ -306,10 +347,20 @@ class Orchestrator:
 
     async def _open_stream_once(self, ctx: RequestContext) -> tuple[UpstreamResponse, object, bytes]:
         state = self._decode_state(ctx)
+        attempts = self.start_decode_attempts(ctx, state.spec.name)
+        try:
+            opened = await self._open_stream_attempt(ctx, state, attempts)
+        except BaseException:
+            attempts.neutral()  # a cancelled leg (no-op once ended)
+            raise
+        ctx.stream_attempts = attempts  # ended by the relay's end (service._StreamEnd)
+        return opened
+
+    async def _open_stream_attempt(self, ctx: RequestContext, state: InstanceState,
+                                   attempts: DecodeAttempts) -> tuple[UpstreamResponse, object, bytes]:
         body = orjson.dumps(decode_body(ctx.valid.body, ctx.handoff))
         started = time.monotonic()
         state.num_inflight += 1
-        self.state.breakers.instance(state.spec.name).on_attempt(started)
         resp: UpstreamResponse | None = None
         try:
             async with self.state.deadlines.within(self.settings.first_token_timeout_s):
@@ -318,7 +369,7 @@ class Orchestrator:
                     content = await resp.aread()
                     await resp.aclose()
                     state.num_inflight -= 1
-                    self.record_decode_status(ctx, resp.status_code, resp.headers)
+                    self.record_decode_status(ctx, attempts, resp.status_code, resp.headers)
                     if is_node_shed(resp.status_code, resp.headers):
                         self.abort_legs(ctx)
                         raise UpstreamReply(resp.status_code, content, resp.headers.get("content-type"),
@@ -332,17 +383,17 @@ class Orchestrator:
                 first = await anext(chunks)
         except TimeoutError:
             await self._close_failed(resp, state, ctx)
-            self.record_decode_status(ctx, None)
+            self.record_decode_status(ctx, attempts, None)
             self.state.metrics.leg_timeouts.labels("first_decode").inc()
             ctx.outcome = "timeout"
             raise APIError(504, f"no first token within {self.settings.first_token_timeout_s} s") from None
         except CONNECT_ERRORS as exc:
             state.num_inflight -= 1  # nothing reached the node: no abort, the handoff stays valid for a retry
-            self.record_decode_status(ctx, None)
+            self.record_decode_status(ctx, attempts, None)
             raise DecodeUnreachable(type(exc).__name__) from None
         except (*UPSTREAM_ERRORS, StopAsyncIteration) as exc:
             await self._close_failed(resp, state, ctx)
-            self.record_decode_status(ctx, None)
+            self.record_decode_status(ctx, attempts, None)
             ctx.outcome = "upstream_error"
             raise APIError(502, f"decode instance {state.spec.name} failed: {type(exc).__name__}") from None
         except asyncio.CancelledError:

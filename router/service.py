@@ -193,14 +193,22 @@ class _StreamEnd:
             decode.num_inflight -= 1
         self.ctx.upstream_s += (self.acct.ended_at or time.monotonic()) - self.acct.started_relay
         self.ctx.outcome = status
+        self.ctx.leg = "stream"
         if status != "ok":
             self.orch.abort_legs(self.ctx)
-        if status == "upstream_error":
+        attempts = self.ctx.stream_attempts
+        assert attempts is not None, "open_stream hands the stream's attempts over"
+        if status == "ok":  # a clean end ([DONE], no error event) is a success of the instance and the link
+            self.orch.record_decode_status(self.ctx, attempts, 200)
+        elif status == "upstream_error":
             self.ctx.error = self.acct.error or "decode stream ended without [DONE] or broke"
-            self.orch.record_decode_status(self.ctx, None)
-        if status == "timeout":
+            self.orch.record_decode_status(self.ctx, attempts, None)
+        elif status == "timeout":
+            self.ctx.error = f"decode stream idle for more than {self.state.settings.stream_idle_timeout_s} s"
             self.state.metrics.leg_timeouts.labels("decode").inc()
-            self.orch.record_decode_status(self.ctx, None)
+            self.orch.record_decode_status(self.ctx, attempts, None)
+        else:  # the client left: says nothing about the node
+            attempts.neutral()
         finish(self.state, self.ctx, self.acct, self.acct.usage)
 
     async def abandon(self) -> None:

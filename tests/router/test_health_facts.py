@@ -65,17 +65,16 @@ def test_health_thresholds(probes, unhealthy_at, healthy_at, expected):
 
 def test_circuit_breaker_cycle():
     b = CircuitBreaker(failure_threshold=2, recovery_s=10.0)
-    b.on_failure(0.0)
+    b.attempt(0.0).failed(0.0)
     assert b.allows(1.0)
-    b.on_failure(1.0)
+    b.attempt(1.0).failed(1.0)
     assert b.state(2.0) == "open" and not b.allows(2.0)
     assert b.state(11.0) == "half_open" and b.allows(11.0)
-    b.on_attempt(11.0)
+    trial = b.attempt(11.0)
     assert not b.allows(11.5), "one trial at a time while half-open"
-    b.on_failure(12.0)
+    trial.failed(12.0)
     assert b.state(13.0) == "open"
-    b.on_attempt(22.0)
-    b.on_success()
+    b.attempt(22.0).succeeded()
     assert b.state(22.0) == "closed" and b.allows(22.0)
 
 
