@@ -10,7 +10,8 @@ and finishes what it serves, node/serving.py), and once it exited, whatever is l
 
 Per cluster, the launcher also provides what reference nodes need beyond their command line, as environment:
 - a cluster secret, generated at start into `<log dir>/cluster.secret` (mode 0600), named by
-  `PREFILL_/DECODE_CLUSTER_SECRET_FILE` (never the secret itself on a command line); hand-offs are signed with it;
+  `PREFILL_/DECODE_/ROUTER_CLUSTER_SECRET_FILE` (never the secret itself on a command line); hand-offs and the
+  control requests between the router and the nodes (kv_transfer/cluster_auth.py) are signed with it;
 - `DECODE_PREFILL_PEERS`: the reference prefill instances, the only ones a decode node reads from;
 - `PREFILL_/DECODE_METRICS_PORT`: a separate /metrics port per node (`metrics_urls` points there).
 A pool's own `env` / `settings` naming any of these wins.
@@ -152,7 +153,10 @@ class Cluster:
             fh.write(secrets.token_urlsafe(48))
 
     def node_env(self, plan: ProcessPlan) -> dict[str, str]:
-        """What the launcher adds to a reference node's environment (see the module docstring)."""
+        """What the launcher adds to a reference node's environment, or the router's (see the module docstring)."""
+        if plan.role == "router":  # it signs its calls to the nodes' control routes, whatever engines they run
+            given = {**os.environ, **plan.env}
+            return {} if "ROUTER_CLUSTER_SECRET_FILE" in given else {"ROUTER_CLUSTER_SECRET_FILE": str(self.secret_path)}
         prefix = ENV_PREFIX.get(plan.role)
         if plan.engine != "reference" or prefix is None:
             return {}

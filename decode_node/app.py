@@ -58,14 +58,15 @@ def _importer(settings: Settings, gate: HandoffGate, peers: PeerDirectory
 def create_app(settings: Settings) -> FastAPI:
     if settings.tp > 1 and settings.dcp > 1:
         raise ValueError("choose --tp B or --dcp W, not both")
-    gate = HandoffGate(settings.handoff_secret())  # no secret and not insecure: refuse to start
+    secret = settings.handoff_secret()  # no secret and not insecure: refuse to start
+    gate = HandoffGate(secret, settings.engine_id)
     settings.resolved_kernels(settings.world_size, settings.dcp)  # kernels=fast where unsupported: refuse, saying why
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         world = settings.world_size
         config = worker_config(settings, "decode", dcp_size=settings.dcp, rank_role=RANK_IMPORTER, tp_size=world)
-        peers = PeerDirectory(settings.prefill_peers, timeout_s=settings.kv.timeout_s)
+        peers = PeerDirectory(settings.prefill_peers, timeout_s=settings.kv.timeout_s, secret=secret)
         try:
             runtime = await asyncio.to_thread(start_runtime, settings, config, world,
                                               _importer(settings, gate, peers))

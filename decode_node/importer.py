@@ -6,10 +6,12 @@ completion. `Importer` holds what admission uses: the hand-off gate, the peer di
 node's geometry and the KV-load failure policy.
 
 Failures before admission are 4xx answers that touch no memory: first the hand-off gate (decode_node/handoff.py:
-signature, ids, prompt, replay; 403 before any connection), then the peer directory (decode_node/peers.py: the
-address comes from the node's configured peers, 403 for an engine that is not one of them), then malformed
-params, unknown engine, expired lease, geometry mismatch; the prefill node is told to release its rows where the
-lease is ours to end. An import short of rows waits in the bounded queue of decode_node/admission.py (503 with
+signature, ids, prompt, reader, replay here; 403 before any connection), then the peer directory
+(decode_node/peers.py: the address comes from the node's configured peers, 403 for an engine that is not one of
+them), then the claim at the prefill node (the one authority that a lease is redeemed once: 409 when another
+presentation, here or on another decode node, claimed it first; 403 when it was issued for another reader), then
+malformed params, unknown engine, expired lease, geometry mismatch; the prefill node is told to release its rows
+once the lease is ours (claimed) to end. An import short of rows waits in the bounded queue of decode_node/admission.py (503 with
 Retry-After when it cannot get them in time), never a 502.
 `check_readable` runs here, once per import (the ranks plan and post without checking again).
 The import itself is asynchronous on the ranks (decode_node/rank_importer.py): this handler awaits the merged
@@ -37,6 +39,7 @@ from kv_transfer.geometry import Geometry
 from kv_transfer.params import KVParamsError, KVTransferParams, check_readable
 from kv_transfer.remap import pair_problems
 from kv_transfer.side_channel import InstanceMetadata
+from kv_transfer.signing import lease_key
 from node.app import NodeBusy, until_disconnect
 from node.local import respond, serve_local
 from node.runtime import NodeRuntime
@@ -67,14 +70,19 @@ class Importer:
         return 0
 
 
-async def _admit(runtime: NodeRuntime[Importer], prepared: PreparedRequest, params: KVTransferParams,
-                 address: Address) -> InstanceMetadata:
-    """Every check before memory is touched; raises APIError (4xx) naming the problem."""
+def _check_request(prepared: PreparedRequest, params: KVTransferParams) -> None:
+    """The checks of the params against the request alone (no peer asked); raises APIError 400 naming the problem."""
     if params.first_token_id is None:
         raise APIError(400, "kv_transfer_params: first_token_id is missing", "kv_transfer_params")
     if params.remote_num_tokens != len(prepared.prompt_token_ids):
         raise APIError(400, f"kv_transfer_params: remote_num_tokens {params.remote_num_tokens} does not match the "
                             f"prompt's {len(prepared.prompt_token_ids)} tokens", "kv_transfer_params")
+
+
+async def _admit(runtime: NodeRuntime[Importer], prepared: PreparedRequest, params: KVTransferParams,
+                 address: Address) -> InstanceMetadata:
+    """Every check against the prefill node's metadata before memory is touched; raises APIError (4xx) naming the
+    problem."""
     try:
         info = await runtime.handoff.peers.get(address, params.remote_engine_id)
     except (httpx.HTTPError, ValueError) as exc:
@@ -102,37 +110,42 @@ async def serve_remote(runtime: NodeRuntime[Importer], prepared: PreparedRequest
     started = time.monotonic()
     importer = runtime.handoff
     peers, gate, policy = importer.peers, importer.gate, importer.policy
-    gate.check(params, prepared.prompt_token_ids)  # 403 before any connection or memory access
+    _check_request(prepared, params)
+    gate.admit(params, prepared.prompt_token_ids)  # 403 before any connection or memory access; marks it used
     address = await peers.resolve(params)  # 403 for an engine that is not a peer of this node
+    reader, claimed = gate.engine_id, False
     try:
+        await peers.claim(address, str(params.lease_id), reader)  # the prefill node: first claim wins
+        claimed = True
         info = await _admit(runtime, prepared, params, address)
     except APIError as exc:
+        if claimed:  # ours to end: nothing was read
+            await peers.release(address, params.lease_id, reader)
         if exc.status == 502 and policy == "recompute":  # the prefill node is unreachable: a KV load failure
             runtime.metrics.failed_transfers.inc()
             return await serve_local(runtime, prepared, request)
-        if exc.status != 502 and "remote_engine_id" not in exc.message and "expired" not in exc.message:
-            await peers.release(address, params.lease_id)
         raise
     first = params.first_token(prepared.request_id, len(prepared.prompt_token_ids))
+    notify_key = b"" if gate.secret is None else lease_key(gate.secret, str(params.lease_id))
     cmd = ImportKV(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-                   sampling=prepared.sampling, first=first, params=params, peer=info, session=prepared.session)
+                   sampling=prepared.sampling, first=first, params=params, peer=info, session=prepared.session,
+                   notify_key=notify_key)
 
     async def attempt() -> tuple[object, object]:
         events = runtime.executor.events(cmd)
         return await events.__anext__(), events  # a disconnect cancels this inside the generator: it aborts
 
-    gate.consume(params)
     try:
         outcome, events = await until_disconnect(request, importer.queue.admit(runtime, attempt, params.lease_expiry))
     except NodeBusy:
-        await peers.release(address, params.lease_id)  # nothing was read: the prefill rows go back at once
+        await peers.release(address, params.lease_id, reader)  # nothing was read: the rows go back at once
         raise
     if not isinstance(outcome, ImportOutcome) or outcome.error:
         await events.aclose()
         runtime.executor.abort(prepared.request_id)
         runtime.metrics.failed_transfers.inc()
         if not (isinstance(outcome, ImportOutcome) and outcome.uncancelled):  # a READ may still run: let it expire
-            await peers.release(address, params.lease_id)
+            await peers.release(address, params.lease_id, reader)
         reason = outcome.error if isinstance(outcome, ImportOutcome) else getattr(outcome, "error", "import failed")
         if policy == "recompute":
             return await serve_local(runtime, prepared, request)

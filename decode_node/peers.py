@@ -8,7 +8,8 @@ A hand-off names its prefill engine (`remote_engine_id`); the address the node c
 - without it (the chart, where prefill pods come and go), from the params' `remote_host`/`remote_port`, which the
   node only reads once their signature verified (kv_transfer/signing.py): a prefill node of this cluster wrote
   them.
-Metadata is cached per address and refetched when the engine id differs (the prefill node restarted).
+Metadata is cached per address and refetched when the engine id differs (the prefill node restarted). Every
+request to a side channel is signed with the cluster secret (kv_transfer/cluster_auth.py `ClusterAuth`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import time
 
 import httpx
 
+from kv_transfer.cluster_auth import ClusterAuth
 from kv_transfer.params import KVTransferParams
 from kv_transfer.side_channel import InstanceMetadata, fetch_metadata
+from kv_transfer.signing import ClusterSecret
 from serving.errors import APIError
 
 Address = tuple[str, int]
@@ -37,8 +40,11 @@ def parse_peer(text: str) -> Address:
 class PeerDirectory:
     """Prefill instances this decode node reads from (see the module docstring)."""
 
-    def __init__(self, peers: list[str] | None = None, timeout_s: float = 10.0, rescan_s: float = 1.0) -> None:
+    def __init__(self, peers: list[str] | None = None, timeout_s: float = 10.0, rescan_s: float = 1.0,
+                 secret: ClusterSecret | None = None) -> None:
         self.timeout_s = timeout_s
+        self.auth = ClusterAuth(secret)
+        """Signs every side-channel request (unsigned only on an insecure node)."""
         self.rescan_s = rescan_s
         self.configured: list[Address] = [parse_peer(p) for p in peers or []]
         self._by_engine: dict[str, Address] = {}
@@ -46,10 +52,10 @@ class PeerDirectory:
         self._last_scan = -float("inf")
         self._scan_lock = asyncio.Lock()
         """One scan at a time; a request arriving during a scan waits for its answer."""
-        self._client = httpx.AsyncClient(timeout=timeout_s)
+        self._client = httpx.AsyncClient(timeout=timeout_s, auth=self.auth)
 
     async def _fetch(self, address: Address) -> InstanceMetadata:
-        info = await asyncio.to_thread(fetch_metadata, address[0], address[1], self.timeout_s)
+        info = await asyncio.to_thread(fetch_metadata, address[0], address[1], self.auth, self.timeout_s)
         self._cache[address] = info
         self._by_engine[info.engine_id] = address
         return info
@@ -86,13 +92,34 @@ class PeerDirectory:
             info = await self._fetch(address)
         return info
 
-    async def release(self, address: Address, lease_id: str | None) -> None:
-        """Best effort: tell the prefill node we will not read (its lease would expire anyway). `lease_id` was
-        validated as a lease id (kv_transfer.signing.check_ids) before it reaches this URL."""
+    async def claim(self, address: Address, lease_id: str, reader: str) -> None:
+        """Redeem the lease at its prefill node before reading (the first claim wins, kv_transfer/lease.py);
+        APIError 403 / 409 when P refuses it (issued for another reader, already redeemed, ended), 502 when P
+        cannot be asked. `lease_id` was validated as a lease id before it reaches this URL."""
+        url = f"http://{address[0]}:{address[1]}/kv/leases/{lease_id}/claim"
+        try:
+            resp = await self._client.post(url, json={"reader": reader})
+        except httpx.HTTPError as exc:
+            raise APIError(502, f"cannot reach the prefill node's side channel to claim the hand-off: "
+                                f"{type(exc).__name__}") from None
+        if resp.status_code == 200:
+            return
+        try:
+            reason = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            reason = f"HTTP {resp.status_code}"
+        status = 409 if resp.status_code == 409 else 403 if resp.status_code in (401, 403, 404) else 502
+        raise APIError(status, f"the prefill node refused the hand-off: {reason}", "kv_transfer_params")
+
+    async def release(self, address: Address, lease_id: str | None, reader: str) -> None:
+        """Best effort: tell the prefill node that `reader` (this node, which claimed the lease) will not read (the
+        lease would expire anyway). `lease_id` was validated as a lease id (kv_transfer.signing.check_ids) before
+        it reaches this URL."""
         if lease_id is None:
             return
         try:
-            await self._client.post(f"http://{address[0]}:{address[1]}/kv/leases/{lease_id}/abort")
+            await self._client.post(f"http://{address[0]}:{address[1]}/kv/leases/{lease_id}/abort",
+                                    json={"reader": reader})
         except httpx.HTTPError:
             pass
 

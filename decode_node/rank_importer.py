@@ -70,7 +70,7 @@ class RankImporter:
             rows = self.engine.import_kv(cmd)
             reads = post_import(self.transport, self.engine.model_config, self.engine.layout, self.rank, cmd.params,
                                 cmd.peer, list(rows.attn_row_ids), list(rows.kda_row_ids), timeout_s=self.timeout_s,
-                                skip_tokens=rows.num_reused_tokens)
+                                skip_tokens=rows.num_reused_tokens, notify_key=cmd.notify_key)
         except OutOfRows as exc:  # import_kv raises before allocating: nothing to undo, the node may retry
             return [dataclasses.replace(self._error(cmd.request_id, exc), short_of_rows=True)]
         except Exception as exc:  # noqa: BLE001 - any failure becomes this rank's import error

@@ -173,6 +173,9 @@ class ImportKV:
     peer: Any
     session: str = ""
     """Opaque session key, as in `Submit`."""
+    notify_key: bytes = b""
+    """The lease's notification key (kv_transfer/signing.py `lease_key`): the ranks sign their DONE notifications
+    with it, so they need no cluster secret; empty on an insecure node."""
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ altered), a timestamp outside `window_s` of its own clock, and a nonce it alread
 Callers: `sign_headers(secret, method, target, body)` for one request, or `ClusterAuth(secret)` as an httpx
 `auth=` (sync and async clients; it signs the body httpx sends). The router imports this module too (its
 layering allows kv_transfer). A node without a secret (`insecure_handoffs`) checks nothing: it trusts its network.
-Lease notifications (NIXL, not HTTP) are authenticated in kv_transfer/lease.py with a per-lease key derived here
-(`lease_key`), so a decode rank signs its DONE messages without holding the cluster secret.
+Lease notifications (NIXL, not HTTP) are authenticated in kv_transfer/lease.py with a per-lease key
+(kv_transfer/signing.py `lease_key`), so a decode rank signs its DONE messages without holding the cluster secret.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from serving.errors import APIError
 
 HEADER = "X-PD-Cluster-Auth"
 DOMAIN = b"pdcluster-control-v1"
-LEASE_KEY_DOMAIN = b"pdcluster-lease-notify-v1"
 VERSION = "v1"
 DEFAULT_WINDOW_S = 30.0
 """How far a request's timestamp may be from the receiver's clock (the nodes' clocks are NTP-synchronised)."""
@@ -64,12 +63,6 @@ def sign_headers(secret: ClusterSecret, method: str, target: bytes | str, body: 
     nonce = secrets.token_hex(16)
     mac = _mac(secret, method, _target(target), timestamp, nonce, body)
     return {HEADER: f"{VERSION}:{timestamp}:{nonce}:{mac}"}
-
-
-def lease_key(secret: ClusterSecret, lease_id: str) -> bytes:
-    """The key a lease's notifications are signed with: only members of the cluster can derive it, and it opens
-    nothing but that lease's notifications."""
-    return hmac.new(secret.key, LEASE_KEY_DOMAIN + b"\n" + lease_id.encode(), hashlib.sha256).digest()
 
 
 class ControlGuard:
@@ -150,7 +143,11 @@ class ClusterAuth(httpx.Auth):
     def __init__(self, secret: ClusterSecret | None) -> None:
         self.secret = secret
 
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+    def __call__(self, request: httpx.Request) -> httpx.Request:
+        """Sign `request` in place (the function-auth form other httpx-compatible clients take)."""
         if self.secret is not None:
             request.headers.update(sign_headers(self.secret, request.method, request.url.raw_path, request.content))
-        yield request
+        return request
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        yield self(request)

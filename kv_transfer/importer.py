@@ -48,20 +48,22 @@ def plan_import(cfg: ModelConfig, d_layout: RowLayout, params: KVTransferParams,
 
 def post_import(transport, cfg: ModelConfig, d_layout: RowLayout, d_rank: int, params: KVTransferParams, meta,
                 d_attn_rows: list[int], d_kda_rows: list[int], timeout_s: float | None = None,
-                endpoints: dict[int, RankEndpoint] | None = None, skip_tokens: int = 0) -> PendingReads:
+                endpoints: dict[int, RankEndpoint] | None = None, skip_tokens: int = 0,
+                notify_key: bytes = b"") -> PendingReads:
     """Steps 2-4 for one D rank (the params were checked): the posted READs, to poll. `endpoints` defaults to
-    `meta.endpoints()` (side_channel.InstanceMetadata); `skip_tokens`: leading tokens D already holds."""
+    `meta.endpoints()` (side_channel.InstanceMetadata); `skip_tokens`: leading tokens D already holds;
+    `notify_key`: the lease's notification key (kv_transfer/signing.py `lease_key`)."""
     plan = plan_import(cfg, d_layout, params, meta, d_attn_rows, d_kda_rows, skip_tokens)
     eps = endpoints if endpoints is not None else meta.endpoints()
-    return PendingReads(transport, d_rank, plan, eps, str(params.lease_id), timeout_s)
+    return PendingReads(transport, d_rank, plan, eps, str(params.lease_id), timeout_s, notify_key)
 
 
 def import_request(transport, cfg: ModelConfig, d_layout: RowLayout, d_rank: int, params: KVTransferParams,
                    meta, d_attn_rows: list[int], d_kda_rows: list[int], timeout_s: float | None = None,
-                   endpoints: dict[int, RankEndpoint] | None = None) -> list[ReadResult]:
+                   endpoints: dict[int, RankEndpoint] | None = None, notify_key: bytes = b"") -> list[ReadResult]:
     """All four steps for one D rank, blocking: the read results (one per source P rank)."""
     check_readable(params, engine_id=meta.engine_id, fingerprint=meta.layout_fingerprint, num_rows=meta.num_rows,
                    kda_groups=meta.kda_groups, block_size=meta.block_size)
     plan = plan_import(cfg, d_layout, params, meta, d_attn_rows, d_kda_rows)
     eps = endpoints if endpoints is not None else meta.endpoints()
-    return read_request(transport, d_rank, plan, eps, str(params.lease_id), timeout_s)
+    return read_request(transport, d_rank, plan, eps, str(params.lease_id), timeout_s, notify_key)

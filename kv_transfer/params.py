@@ -18,6 +18,8 @@ Packed-row fields (ours, absent from vLLM's JSON and therefore optional):
 - `lease_id`, `lease_expiry` (unix seconds on P's clock): how long P keeps the rows for this reader.
 - `prompt_digest`, `signature`: the prompt the rows belong to and P's HMAC over every field naming memory, peer
   or lease (kv_transfer/signing.py); D verifies it before anything else.
+- `decode_engine_id`: the decode instance the hand-off was issued for (the router names it on the prefill leg's
+  params, P signs it); a decode node refuses one issued for another, and P lets one reader claim a lease once.
 
 `check_readable(params, ...)` is the D-side gate run before any memory is touched: every problem with the
 params (unknown engine id, fingerprint mismatch, row ids out of range, expired lease, missing fields) raises
@@ -69,6 +71,9 @@ class KVTransferParams(BaseModel):
     first_token_top_logprobs: list[tuple[int, float]] | None = None
     lease_id: str | None = None
     lease_expiry: float | None = None
+    decode_engine_id: str | None = None
+    """The decode instance that may redeem the hand-off (on the prefill leg: the one the router placed the request
+    on); None: any decode node of the cluster, still once (the prefill node's claim, kv_transfer/lease.py)."""
     prompt_digest: str | None = None
     """SHA-256 of the prompt's token ids (kv_transfer.signing.prompt_digest): the hand-off serves only that prompt."""
     signature: str | None = None

@@ -1,7 +1,8 @@
 """One request's READs on one decode rank, posted at once and polled without blocking, over a KVTransport.
 
-`PendingReads(transport, d_rank, plan, endpoints, lease_id, timeout_s)` posts one READ per source P rank (each
-carries the lease's DONE notification, so P hears one DONE per READ). Then:
+`PendingReads(transport, d_rank, plan, endpoints, lease_id, timeout_s, notify_key)` posts one READ per source P
+rank (each carries the lease's DONE notification, signed with `notify_key`, kv_transfer/lease.py, so P hears one
+authenticated DONE per READ). Then:
 - `poll()` never blocks: True once every READ is DONE; TransferError when one failed (ERR) or the request's own
   deadline (`timeout_s`, default settings.timeout_s, from the post) passed. A READ still running after
   `settings.repost_after_s` is cancelled and posted once more on a fresh endpoint (NixlTransport.repost).
@@ -37,7 +38,7 @@ class PendingReads:
     """One request's READs on one D rank (see the module docstring)."""
 
     def __init__(self, transport: Any, d_rank: int, plan: ReadPlan, endpoints: dict[int, RankEndpoint],
-                 lease_id: str, timeout_s: float | None = None) -> None:
+                 lease_id: str, timeout_s: float | None = None, notify_key: bytes = b"") -> None:
         self.transport = transport
         self.timeout_s = timeout_s or transport.settings.timeout_s
         self.deadline = time.monotonic() + self.timeout_s
@@ -49,7 +50,7 @@ class PendingReads:
         total = len(plan.consumers())
         try:
             for p_rank, ops in plan.by_source(d_rank).items():
-                notif = done_message(lease_id, f"{d_rank}.{p_rank}", total)
+                notif = done_message(lease_id, f"{d_rank}.{p_rank}", total, notify_key)
                 self.handles.append(transport.post_read(endpoints[p_rank], ops, notif))
         except BaseException:
             self.close()
@@ -102,10 +103,10 @@ class PendingReads:
 
 
 def read_request(transport: Any, d_rank: int, plan: ReadPlan, endpoints: dict[int, RankEndpoint], lease_id: str,
-                 timeout_s: float | None = None) -> list[ReadResult]:
+                 timeout_s: float | None = None, notify_key: bytes = b"") -> list[ReadResult]:
     """Blocking form of PendingReads: post, poll to completion (spin SPIN_S, then every POLL_SLEEP_S), release.
     Raises TransferError on ERR or past the deadline."""
-    reads = PendingReads(transport, d_rank, plan, endpoints, lease_id, timeout_s)
+    reads = PendingReads(transport, d_rank, plan, endpoints, lease_id, timeout_s, notify_key)
     started = time.monotonic()
     try:
         while not reads.poll():

@@ -3,10 +3,17 @@
 Prefill node: `app.include_router(side_channel_router(get_metadata, leases))` mounts
   GET  /kv/metadata                    -> InstanceMetadata (engine id, layout facts, one entry per rank with
                                           its NIXL agent metadata, pool address and size)
-  POST /kv/leases/{lease_id}/abort     -> LeaseStatus | 404 OpenAI error JSON if it already ended
+  POST /kv/leases/{lease_id}/claim     -> LeaseStatus (body `LeaseClaim`: the reader's engine id) | 404 ended,
+                                          403 issued for another reader, 409 already redeemed (kv_transfer/lease.py)
+  POST /kv/leases/{lease_id}/abort     -> LeaseStatus (body `LeaseClaim`: the reader that claimed it) | 404 OpenAI
+                                          error JSON if it already ended, 403 claimed by another reader
 `get_metadata` is a callable so the node can build it lazily once its ranks registered their pools; `leases` is
-anything with `abort(lease_id) -> bool` (the node's export table: the abort goes through its lease).
-Decode node: `fetch_metadata(host, port)` (httpx, bounded timeout); it posts the abort when it will not read.
+anything with `abort(lease_id, reader) -> bool` and `claim(lease_id, reader)` (the node's export table: both go
+through its lease). Every route
+answers only requests signed with the cluster secret (`guard`, kv_transfer/cluster_auth.py; 401 otherwise): the
+metadata opens the pools to NIXL reads, an abort ends a reader's lease.
+Decode node: `fetch_metadata(host, port, auth=ClusterAuth(secret))` (httpx, bounded timeout); it claims each lease
+before it reads, and posts the abort when it will not read, both signed alike.
 """
 
 from __future__ import annotations
@@ -15,9 +22,12 @@ import base64
 from typing import Callable, Protocol
 
 import httpx
-from fastapi import APIRouter
-from pydantic import BaseModel
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, Field
 
+from kv_transfer.cluster_auth import ClusterAuth, ControlGuard
+from kv_transfer.lease import ClaimRefused
+from kv_transfer.signing import ENGINE_ID_PATTERN
 from kv_transfer.transport import RankEndpoint
 from serving.errors import APIError
 
@@ -68,32 +78,57 @@ class LeaseStatus(BaseModel):
     alive: bool
 
 
-class LeaseAborter(Protocol):
-    def abort(self, lease_id: str) -> bool: ...
+class LeaseClaim(BaseModel):
+    """A decode node redeems a lease: its own engine id."""
+
+    reader: str = Field(pattern=ENGINE_ID_PATTERN.pattern, max_length=128)
 
 
-def side_channel_router(get_metadata: Callable[[], InstanceMetadata], leases: LeaseAborter | None = None) -> APIRouter:
-    """The /kv routes (see the module docstring)."""
-    router = APIRouter(prefix="/kv")
+class LeaseControl(Protocol):
+    def abort(self, lease_id: str, reader: str) -> bool:
+        """False when the lease already ended; ClaimRefused when `reader` did not claim it."""
+
+    def claim(self, lease_id: str, reader: str) -> None:
+        """Raises ClaimRefused (kv_transfer/lease.py) unless `reader` redeems the lease now."""
+
+
+def side_channel_router(get_metadata: Callable[[], InstanceMetadata], guard: ControlGuard,
+                        leases: LeaseControl | None = None) -> APIRouter:
+    """The /kv routes (see the module docstring), each behind `guard`."""
+    router = APIRouter(prefix="/kv", dependencies=[Depends(guard.check)])
 
     @router.get("/metadata", response_model=InstanceMetadata)
     def metadata() -> InstanceMetadata:
         return get_metadata()
 
-    @router.post("/leases/{lease_id}/abort", response_model=LeaseStatus)
-    def abort(lease_id: str) -> LeaseStatus:
+    @router.post("/leases/{lease_id}/claim", response_model=LeaseStatus)
+    def claim(lease_id: str, body: LeaseClaim) -> LeaseStatus:
         if leases is None:
             raise APIError(404, "this node exports no leases")
-        if not leases.abort(lease_id):
+        try:
+            leases.claim(lease_id, body.reader)
+        except ClaimRefused as exc:
+            raise APIError(exc.status, str(exc), param="lease_id") from None
+        return LeaseStatus(lease_id=lease_id, alive=True)
+
+    @router.post("/leases/{lease_id}/abort", response_model=LeaseStatus)
+    def abort(lease_id: str, body: LeaseClaim) -> LeaseStatus:
+        if leases is None:
+            raise APIError(404, "this node exports no leases")
+        try:
+            ended = leases.abort(lease_id, body.reader)
+        except ClaimRefused as exc:
+            raise APIError(exc.status, str(exc), param="lease_id") from None
+        if not ended:
             raise APIError(404, f"lease {lease_id} has ended (expired, aborted or already read)", param="lease_id")
         return LeaseStatus(lease_id=lease_id, alive=False)
 
     return router
 
 
-def fetch_metadata(host: str, port: int, timeout_s: float = 5.0) -> InstanceMetadata:
-    """GET the prefill instance's metadata (raises httpx errors on failure)."""
-    resp = httpx.get(f"http://{host}:{port}/kv/metadata", timeout=timeout_s)
+def fetch_metadata(host: str, port: int, auth: ClusterAuth, timeout_s: float = 5.0) -> InstanceMetadata:
+    """GET the prefill instance's metadata, signed by `auth` (raises httpx errors on failure)."""
+    resp = httpx.get(f"http://{host}:{port}/kv/metadata", timeout=timeout_s, auth=auth)
     resp.raise_for_status()
     return InstanceMetadata.model_validate(resp.json())
 

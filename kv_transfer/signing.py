@@ -12,6 +12,8 @@ params model dumps them (so a round trip through any JSON codec that keeps float
 verifies). A field absent from the params signs as null, so adding or removing one changes the signature.
 
 `ClusterSecret.load(value, path)` reads the secret from a settings value or a file (at least 16 bytes).
+`lease_key(secret, lease_id)`: the key of one lease's notifications (kv_transfer/lease.py), derived from the secret,
+so the decode node can hand its ranks that key alone.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from kv_transfer.params import KVTransferParams
 
 SIGNATURE_DOMAIN = "pdcluster-handoff-v1"
+LEASE_KEY_DOMAIN = b"pdcluster-lease-notify-v1"
 SIGNATURE_PREFIX = "v1:"
 MIN_SECRET_BYTES = 16
 
@@ -36,10 +39,11 @@ SIGNED_FIELDS = (
     "block_size", "subblock_tokens", "layout_fingerprint", "transfer_mode",
     "first_token_id", "first_token_logprob", "first_token_top_logprobs",
     "lease_id", "lease_expiry", "remote_blocks_expiry_time",
-    "prompt_digest",
+    "prompt_digest", "decode_engine_id",
 )
 """Every field that names memory (rows, geometry, token count), a peer (engine id, host, port), a lease, the
-request, the prompt it belongs to, or what the decode node reports as its first token."""
+request, the prompt it belongs to, the decode instance that may redeem it, or what the decode node reports as its
+first token."""
 
 LEASE_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 """A lease id is a uuid4 hex (kv_transfer.lease): nothing else may reach a URL path or a notification."""
@@ -74,6 +78,12 @@ class ClusterSecret:
         return cls(key)
 
 
+def lease_key(secret: ClusterSecret, lease_id: str) -> bytes:
+    """The key a lease's notifications are signed with: only members of the cluster can derive it, and it opens
+    nothing but that lease's notifications."""
+    return hmac.new(secret.key, LEASE_KEY_DOMAIN + b"\n" + lease_id.encode(), hashlib.sha256).digest()
+
+
 def prompt_digest(prompt_token_ids: list[int] | tuple[int, ...]) -> str:
     """SHA-256 of the prompt's token ids: binds a hand-off to the prompt whose rows it names."""
     return hashlib.sha256(json.dumps(list(prompt_token_ids), separators=(",", ":")).encode()).hexdigest()
@@ -101,11 +111,13 @@ def sign(params: KVTransferParams, secret: ClusterSecret) -> KVTransferParams:
 
 
 def check_ids(params: KVTransferParams) -> None:
-    """Raise HandoffRefused unless the lease id and engine id have the shapes this cluster issues."""
+    """Raise HandoffRefused unless the lease id and engine ids have the shapes this cluster issues."""
     if params.lease_id is None or not LEASE_ID_PATTERN.fullmatch(params.lease_id):
         raise HandoffRefused("kv_transfer_params.lease_id is not a lease id")
     if params.remote_engine_id is None or not ENGINE_ID_PATTERN.fullmatch(params.remote_engine_id):
         raise HandoffRefused("kv_transfer_params.remote_engine_id is not an engine id")
+    if params.decode_engine_id is not None and not ENGINE_ID_PATTERN.fullmatch(params.decode_engine_id):
+        raise HandoffRefused("kv_transfer_params.decode_engine_id is not an engine id")
 
 
 def verify(params: KVTransferParams, secret: ClusterSecret) -> None:

@@ -4,6 +4,9 @@ A node supplies a `NodeRuntime` (node/runtime.py: executor, tokenizer, limits, m
 a `handle` coroutine that serves one prepared request; this module parses, validates, assigns request ids,
 watches for client disconnects and answers errors as OpenAI JSON. Request ids: the `X-Request-Id` header when given (the
 router sends the same id to both legs), else a fresh one; `/abort_requests` takes those ids.
+Control routes (`/abort_requests`, `/v1/cache`; the prefill node's `/kv/...`) answer only requests signed with
+the cluster secret (kv_transfer/cluster_auth.py, 401 otherwise): they act on or reveal other clients' requests.
+The OpenAI routes, `/tokenize`, `/v1/models`, `/health` and `/metrics` stay open to whoever reaches the port.
 Admission: a node holds at most `max_num_seqs + max_queued_requests` requests; beyond that, while it drains
 (node/serving.py), or when a handler raises `NodeBusy`, the answer is 503 with Retry-After (the router's "shed",
 never a link failure) and `pdcluster_node_requests_total{outcome="shed"}` counts it.
@@ -17,10 +20,11 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from kv_transfer.cluster_auth import ControlGuard
 from node.runtime import NodeRuntime
 from node.serving import Drain, GuardMiddleware, MetricsServer
 from node.settings import NodeSettings
@@ -89,9 +93,11 @@ def _models(runtime: NodeRuntime) -> ModelList:
                                      weights_fingerprint=runtime.weights_fingerprint)])
 
 
-def node_router(handle: Handler, settings: NodeSettings) -> APIRouter:
-    """Routes shared by the prefill and decode nodes; `handle` serves one prepared request."""
+def node_router(handle: Handler, settings: NodeSettings, guard: ControlGuard) -> APIRouter:
+    """Routes shared by the prefill and decode nodes; `handle` serves one prepared request; `guard` admits the
+    control routes' callers."""
     router = APIRouter()
+    control = [Depends(guard.check)]
     max_in_flight = settings.engine.max_batch + settings.max_queued_requests
 
     def _shed(runtime: NodeRuntime, message: str) -> Response:
@@ -144,13 +150,14 @@ def node_router(handle: Handler, settings: NodeSettings) -> APIRouter:
             return shed_response("draining: the node is shutting down", settings.retry_after_s)
         return Response(status_code=200)
 
-    @router.get("/v1/cache")
+    @router.get("/v1/cache", dependencies=control)
     async def cache(request: Request) -> Response:
-        """What this node's prefix cache holds (docs/SESSIONS.md)."""
+        """What this node's prefix cache holds (docs/SESSIONS.md), and its engine id (the router names a decode
+        node's as the reader of the hand-offs it asks a prefill node for: kv_transfer/params.py)."""
         report = runtime_of(request).executor.state.cache
         if report is None:
             raise APIError(503, "the engine has not reported its cache yet")
-        return JSONResponse({"block_tokens": report.block_tokens, "fingerprint": report.fingerprint,
+        return JSONResponse({"engine_id": settings.engine_id, "block_tokens": report.block_tokens, "fingerprint": report.fingerprint,
                              "sessions": dict(report.sessions), "resumable": dict(report.resumable),
                              "blocks_cached": report.blocks_cached, "rows_free": report.rows_free,
                              "hits_tokens": report.hits_tokens, "queried_tokens": report.queried_tokens,
@@ -182,7 +189,7 @@ def node_router(handle: Handler, settings: NodeSettings) -> APIRouter:
             ids = tok.encode(body.prompt or "", body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=runtime.limits.max_context, tokens=ids)
 
-    @router.post("/abort_requests")
+    @router.post("/abort_requests", dependencies=control)
     async def abort_requests(request: Request, body: AbortRequests) -> dict[str, list[str]]:
         runtime = runtime_of(request)
         aborted = []
@@ -218,11 +225,14 @@ def _with_metrics_port(lifespan: Any, settings: NodeSettings) -> Any:
 
 
 def build_app(title: str, handle: Handler, lifespan: Any, settings: NodeSettings) -> FastAPI:
+    """The node's app; `app.state.control_guard` checks its control routes (the prefill node's side channel too)."""
     from serving.errors import install_error_handlers
 
     app = FastAPI(title=title, lifespan=_with_metrics_port(lifespan, settings))
     install_error_handlers(app)
-    app.include_router(node_router(handle, settings))
+    guard = ControlGuard(settings.handoff_secret())
+    app.state.control_guard = guard
+    app.include_router(node_router(handle, settings, guard))
     app.add_middleware(GuardMiddleware, max_body_bytes=settings.max_body_bytes,
                        body_read_timeout_s=settings.body_read_timeout_s,
                        write_timeout_s=settings.stream_write_timeout_s)

@@ -88,15 +88,18 @@ def create_app(settings: Settings) -> FastAPI:
             ranks=[RankMetadata.from_endpoint(info.endpoint) for info in ranks if info.endpoint is not None])
 
     app = build_app("pdcluster prefill node", handle, lifespan, settings)
-    app.include_router(side_channel_router(metadata, _LeaseAborter(running)))
+    app.include_router(side_channel_router(metadata, app.state.control_guard, _LeaseControl(running)))
     return app
 
 
-class _LeaseAborter:
-    """The running node's Exporter as the side channel's lease aborter (it exists once the lifespan started)."""
+class _LeaseControl:
+    """The running node's Exporter as the side channel's lease control (it exists once the lifespan started)."""
 
     def __init__(self, running: Callable[[], NodeRuntime[Exporter]]) -> None:
         self._running = running
 
-    def abort(self, lease_id: str) -> bool:
-        return self._running().handoff.abort_lease(lease_id)
+    def abort(self, lease_id: str, reader: str) -> bool:
+        return self._running().handoff.abort_lease(lease_id, reader)
+
+    def claim(self, lease_id: str, reader: str) -> None:
+        self._running().handoff.leases.claim(lease_id, reader)

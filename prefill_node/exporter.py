@@ -9,8 +9,8 @@ remote_num_tokens, ...} plus the packed-row fields (block size, layout fingerpri
 lease id and expiry, prompt digest), signed with the cluster secret.
 Lease: `Exporter.grant()` turns an engine export (`ExportedRows`: request id, generation, rows) into the wire params
 and starts a lease naming that export. The lease ends exactly once, by whichever comes first: the readers' DONE
-notifications (one per READ), an abort (`abort(request_id)` from the node's /abort_requests, or `abort_lease`
-from a reader's HTTP abort / ABORT notification), or expiry (`sweep()`, run periodically). Its end sends
+notifications (one per READ, each signed with the lease's key: kv_transfer/lease.py), an abort (`abort(request_id)`
+from the node's /abort_requests, or `abort_lease` from a reader's signed side-channel abort), or expiry (`sweep()`, run periodically). Its end sends
 `Release(request_id, generation, reads_done)` to every rank: the engine frees exactly that export (a release
 naming an export that is no longer live frees nothing), at once when no READ can still run (notified, or the
 reader aborted), else into quarantine for the read timeout (a READ posted before the end may still target them).
@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.api import EngineFailure, ExportedRows, Release, Submit, TransportNotice
 from kv_transfer.lease import OUTCOMES, ExportKey, Lease, LeaseManager
 from kv_transfer.params import KVTransferParams
-from kv_transfer.signing import ClusterSecret, prompt_digest, sign
+from kv_transfer.signing import ENGINE_ID_PATTERN, ClusterSecret, prompt_digest, sign
 from node.app import until_disconnect
 from node.executor import Executor
 from node.metrics import NodeMetrics, RequestTiming
@@ -69,7 +69,7 @@ class Exporter:
         """Signs every granted hand-off (kv_transfer/signing.py); None only on an insecure node."""
         self.executor = executor
         self.metrics = metrics
-        self.leases = LeaseManager(self._lease_ended, ttl_s=lease_seconds)
+        self.leases = LeaseManager(self._lease_ended, ttl_s=lease_seconds, secret=secret)
         self._lease_of: dict[str, str] = {}
         self._exporting: dict[str, bool] = {}
         """Exports in flight (`begin` .. `forget`) -> aborted before their grant."""
@@ -97,16 +97,18 @@ class Exporter:
                     self._counted[outcome] += delta
             self.metrics.leases_outstanding.set(self.leases.outstanding)
 
-    def grant(self, request_id: str, exported: ExportedRows, prompt_token_ids: list[int]) -> KVTransferParams:
-        """Lease the export and answer its params, bound to the prompt and signed with the cluster secret;
-        APIError 499 if the request was aborted before this."""
+    def grant(self, request_id: str, exported: ExportedRows, prompt_token_ids: list[int],
+              reader: str | None = None) -> KVTransferParams:
+        """Lease the export and answer its params, bound to the prompt and to `reader` (the decode engine the
+        router named, which alone may claim it; None: the first decode node that claims it) and signed with the
+        cluster secret; APIError 499 if the request was aborted before this."""
         with self._lock:
             aborted = self._exporting.get(request_id, False)
         if aborted:
             if self.executor.healthy:  # the ranks' Abort ends it too; whichever comes second frees nothing
                 self.executor.submit(Release(request_id=request_id, generation=exported.generation))
             raise APIError(499, f"request {request_id} was aborted before its rows were leased")
-        lease = self.leases.create(ExportKey(request_id, exported.generation))
+        lease = self.leases.create(ExportKey(request_id, exported.generation), reader=reader)
         with self._lock:
             self._lease_of[request_id] = lease.lease_id
         self.metrics.rows_exported.inc(len(exported.attn_row_ids) + len(exported.kda_row_ids))
@@ -121,15 +123,16 @@ class Exporter:
             subblock_tokens=ident.subblock_tokens, layout_fingerprint=ident.layout_fingerprint,
             remote_kda_block_ids=list(exported.kda_row_ids), **KVTransferParams.first_token_fields(exported.first),
             lease_id=lease.lease_id, lease_expiry=lease.expiry, prompt_digest=prompt_digest(prompt_token_ids),
+            decode_engine_id=reader,
         )
         return params if self.secret is None else sign(params, self.secret)
 
     def on_notice(self, notice: TransportNotice) -> None:
-        """A reader's DONE / ABORT message (called on the driver thread)."""
+        """A reader's DONE message (called on the driver thread)."""
         try:
             self.leases.apply_message(notice.message)
         except ValueError:
-            pass  # a malformed message frees nothing; the lease still expires
+            pass  # a malformed or forged message frees nothing; the lease still ends by its reader or expiry
         self._sync_metrics()
 
     def abort(self, request_id: str, in_flight: Iterable[str] = ()) -> bool:
@@ -144,11 +147,13 @@ class Exporter:
         self._sync_metrics()
         return ended
 
-    def abort_lease(self, lease_id: str) -> bool:
-        """The reader will not read, and none of its READs can still run (the side channel's abort route)."""
-        ended = self.leases.abort(lease_id, by_reader=True)
-        self._sync_metrics()
-        return ended
+    def abort_lease(self, lease_id: str, reader: str) -> bool:
+        """The reader that claimed the lease will not read, and none of its READs can still run (the side channel's
+        abort route); ClaimRefused when another reader claimed it."""
+        try:
+            return self.leases.abort_claimed(lease_id, reader)
+        finally:
+            self._sync_metrics()
 
     def begin(self, request_id: str) -> None:
         """An export of `request_id` starts (before its Submit): an abort from now on reaches `grant`."""
@@ -177,12 +182,17 @@ class Exporter:
         return self.leases.outstanding
 
 
-def check_export_request(prepared: PreparedRequest) -> None:
+def check_export_request(prepared: PreparedRequest) -> str | None:
+    """Refuse an export request this node cannot serve; the decode engine it names as the reader, if any."""
+    reader = prepared.kv_params.decode_engine_id if prepared.kv_params is not None else None
+    if reader is not None and not ENGINE_ID_PATTERN.fullmatch(reader):
+        raise APIError(400, "kv_transfer_params.decode_engine_id is not an engine id", "kv_transfer_params")
     if prepared.sampling.max_tokens != 1:
         raise APIError(400, f"a do_remote_decode request must have max_tokens=1, got {prepared.sampling.max_tokens}",
                        "max_tokens")
     if prepared.stream:
         raise APIError(400, "a do_remote_decode request cannot stream (send stream=false)", "stream")
+    return reader
 
 
 async def _run_export(runtime: NodeRuntime[Exporter], prepared: PreparedRequest) -> ExportedRows:
@@ -198,13 +208,13 @@ async def _run_export(runtime: NodeRuntime[Exporter], prepared: PreparedRequest)
 
 async def serve_export(runtime: NodeRuntime[Exporter], prepared: PreparedRequest, request: Request) -> Response:
     """Prefill for a remote decoder and answer with the transfer params."""
-    check_export_request(prepared)
+    reader = check_export_request(prepared)
     started = time.monotonic()
     exporter = runtime.handoff
     exporter.begin(prepared.request_id)
     try:
         exported: ExportedRows = await until_disconnect(request, _run_export(runtime, prepared))
-        params = exporter.grant(prepared.request_id, exported, prepared.prompt_token_ids)  # refused if aborted first
+        params = exporter.grant(prepared.request_id, exported, prepared.prompt_token_ids, reader)  # refused if aborted
     finally:
         exporter.forget(prepared.request_id)
     elapsed = time.monotonic() - started

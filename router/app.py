@@ -19,6 +19,8 @@ import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from kv_transfer.cluster_auth import ClusterAuth
+from kv_transfer.signing import ClusterSecret
 from router import admin
 from router.cache_view import CachePoller
 from router.config import RouterConfig, load_config, quick_start_config
@@ -55,7 +57,8 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
     async def lifespan(app: FastAPI):
         timeout = httpx.Timeout(None, connect=settings.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        async with httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits) as client:
+        auth = ClusterAuth(ClusterSecret.load(None, settings.cluster_secret_file))  # signs node control calls
+        async with httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits, auth=auth) as client:
             upstream = UpstreamPool(settings.connect_timeout_s,
                                     max_connections_per_origin=settings.upstream_max_connections) \
                 if transport is None else HttpxUpstream(client)

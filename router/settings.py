@@ -106,6 +106,10 @@ class Settings(BaseSettings):
     """Comma-separated client API keys (e.g. env ROUTER_API_KEYS from a Secret); unset with no file: no auth."""
     api_keys_file: str | None = None
     """File of client API keys, one per line (`#` comments), e.g. a Secret mounted as a file."""
+    cluster_secret_file: str | None = None
+    """File holding the cluster secret (the nodes' `cluster_secret_file`): every request the router sends a node
+    from its shared client (aborts, `/v1/cache` polls, health) is signed with it (kv_transfer/cluster_auth.py); the
+    nodes' control routes refuse unsigned ones. Unset: an insecure cluster (nodes with `insecure_handoffs`)."""
     cache_poll_interval_s: float = Field(default=1.0, gt=0)
     """How often every healthy node's `GET /v1/cache` is read (what each holds per session)."""
     cache_poll_timeout_s: float = Field(default=2.0, gt=0)

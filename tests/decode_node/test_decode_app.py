@@ -3,6 +3,8 @@ prefill node, and the `recompute` KV-load failure policy (an unreachable prefill
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -34,7 +36,7 @@ def _params(**extra) -> dict:
             "remote_request_id": "r", "remote_block_ids": [[0]], "remote_host": "127.0.0.1",
             "remote_port": free_port(), "tp_size": 1, "remote_num_tokens": len(PROMPT), "block_size": 1024,
             "layout_fingerprint": "dac97fc18e73148c", "remote_kda_block_ids": [1, 2], "first_token_id": 7,
-            "lease_id": "0123456789abcdef0123456789abcdef", "lease_expiry": 4e9, "prompt_digest": _digest()}
+            "lease_id": uuid.uuid4().hex, "lease_expiry": 4e9, "prompt_digest": _digest()}
     return signed({**base, **extra})
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.node.nodes import TOY, running_nodes, signed
+from tests.node.nodes import TOY, control_auth, running_nodes, signed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 PROMPT = "Disaggregated serving splits prefill and decode. " * 30  # 1,470 tokens: 2 P rows of 1,024
@@ -124,7 +124,7 @@ def test_bad_params_are_clean_4xx(nodes, tamper, needle):
     error = resp.json()["error"]
     assert needle in error["message"] and error["param"] == "kv_transfer_params"
     _idle(d_url)
-    httpx.post(f"{p_url}/abort_requests", json={"request_ids": [request_id]})
+    httpx.post(f"{p_url}/abort_requests", json={"request_ids": [request_id]}, auth=control_auth())
     _idle(p_url)
 
 
@@ -143,8 +143,8 @@ def test_client_disconnect_and_abort_free_rows(nodes):
                       json=_decode_body(params, max_tokens=6000, stream=True)) as stream:
         lines = stream.iter_lines()
         next(lines)
-        assert httpx.post(f"{d_url}/abort_requests", json={"request_ids": ["pd-abort"]}).json()["aborted"] == [
-            "pd-abort"]
+        assert httpx.post(f"{d_url}/abort_requests", json={"request_ids": ["pd-abort"]},
+                          auth=control_auth()).json()["aborted"] == ["pd-abort"]
         data = [line[6:] for line in lines if line.startswith("data: ")]
     assert data[-1] == "[DONE]" and json.loads(data[-2])["choices"][0]["finish_reason"] == "abort"
     _idle(d_url)
@@ -157,7 +157,7 @@ def test_unreachable_prefill_fails_cleanly(nodes):
                       json=_decode_body(signed({**params, "remote_port": free_port()})))
     assert resp.status_code == 502 and "side channel" in resp.json()["error"]["message"]
     _idle(d_url)
-    httpx.post(f"{p_url}/abort_requests", json={"request_ids": ["pd-gone"]})
+    httpx.post(f"{p_url}/abort_requests", json={"request_ids": ["pd-gone"]}, auth=control_auth())
     _idle(p_url)
 
 

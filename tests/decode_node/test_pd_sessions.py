@@ -26,7 +26,7 @@ def nodes(cluster):
     """The shared cluster's nodes (tests/topologies.py), addressed directly. (Chunked prefill over rank groups with
     the prefix cache: tests/engine/test_prefix_cache_ranks.py.)"""
     return {"prefill": cluster.nodes_of(role="prefill")[0].url, "tp1": cluster.nodes_of(pool="tp")[0].url,
-            "dcp2": cluster.nodes_of(pool=LONG_POOL)[0].url}
+            "dcp2": cluster.nodes_of(pool=LONG_POOL)[0].url, "auth": cluster.control_auth}
 
 
 def _oracle(prompt_ids: list[int]) -> list[int]:
@@ -70,10 +70,10 @@ def test_session_turns_reuse_both_sides_and_equal_the_oracle(nodes, pool):
     reads = _metric(d_url, "pdcluster_kv_transfer_blocks_total", 'kind="read"') - reads0
     reused = _metric(d_url, "pdcluster_kv_transfer_blocks_total", 'kind="reused"') - reused0
     assert (reads, reused) == (2 + 1, 1)  # turn 1: 2 blocks read; turn 2: 1 read, 1 reused
-    view = httpx.get(f"{d_url}/v1/cache").json()
+    view = httpx.get(f"{d_url}/v1/cache", auth=nodes["auth"]).json()
     assert view["block_tokens"] == BLOCK and view["sessions"][session] >= BLOCK
     assert view["hits_tokens"] >= BLOCK and view["queried_tokens"] >= len(prompt) + len(prompt2)
-    assert httpx.get(f"{p_url}/v1/cache").json()["sessions"][session] >= 1024
+    assert httpx.get(f"{p_url}/v1/cache", auth=nodes["auth"]).json()["sessions"][session] >= 1024
     assert _metric(d_url, "pdcluster_prefix_cache_hit_tokens_total") >= BLOCK
     assert _metric(d_url, "pdcluster_prefix_cache_blocks") >= 1
     for url in (p_url, d_url):

@@ -107,6 +107,13 @@ class ClusterHandle:
     def nodes(self) -> list[NodeInfo]:
         return self.cluster.nodes
 
+    @property
+    def control_auth(self):
+        """httpx auth signing a request to a node's control routes with this cluster's secret."""
+        from tests.node.nodes import control_auth
+
+        return control_auth(self.cluster.secret_path.read_text().strip())
+
     def node(self, name: str) -> NodeInfo:
         return self.cluster.info(name)
 

@@ -37,8 +37,8 @@ def _text(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
-def _cache(url: str) -> dict:
-    resp = httpx.get(f"{url}/v1/cache", timeout=10)
+def _cache(url: str, auth) -> dict:
+    resp = httpx.get(f"{url}/v1/cache", timeout=10, auth=auth)
     resp.raise_for_status()
     return resp.json()
 
@@ -61,7 +61,7 @@ def test_six_turn_session_reuses_its_prefix_and_matches_the_uncached_answers(clu
     pools, previous_prompt = [], None
     for turn in range(1, NUM_TURNS + 1):
         expected = cluster.oracle_chat(messages, MAX_TOKENS)
-        reported = {name: _cache(url) for name, url in prefill_urls.items()}
+        reported = {name: _cache(url, cluster.control_auth) for name, url in prefill_urls.items()}
         raw = client.chat.completions.with_raw_response.create(
             model=cluster.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
             extra_headers={"X-Session-ID": session})

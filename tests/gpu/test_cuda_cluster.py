@@ -110,7 +110,7 @@ def test_pools_are_registered_as_vram(gpu_cluster) -> None:
 
     node = gpu_cluster.nodes_of(role="prefill")[0]
     host, port = node.url.removeprefix("http://").rsplit(":", 1)
-    endpoints = fetch_metadata(host, int(port), timeout_s=30).endpoints()
+    endpoints = fetch_metadata(host, int(port), gpu_cluster.control_auth, timeout_s=30).endpoints()
     assert endpoints and all(ep.mem_type == "VRAM" for ep in endpoints.values()), endpoints
 
 

@@ -14,16 +14,20 @@ from fastapi import FastAPI
 
 from engine.layout import RowLayout, plan_layout
 from engine.model.config import get_preset
+from kv_transfer.cluster_auth import ControlGuard
 from kv_transfer.lease import ExportKey, LeaseManager
 from kv_transfer.params import KVTransferParams
 from kv_transfer.remap import attention_source, naive_subblock_map
 from kv_transfer.side_channel import InstanceMetadata, RankMetadata, side_channel_router
+from kv_transfer.signing import ClusterSecret, lease_key
 from serving.errors import install_error_handlers
 from tests.conftest import free_port
 from tests.kv_transfer.rank_process import RankProcess, pool_pattern
 
 MODEL = "kimi-k3.1-mini"
 POOL_BYTES = 8 << 20
+SECRET = b"nixl-harness-cluster-secret-0123"
+"""The harness's cluster secret: its side channel and leases check it, its D ranks sign with it."""
 
 
 class FreeList:
@@ -54,7 +58,8 @@ class SideChannel:
     def start(self) -> None:
         app = FastAPI()
         install_error_handlers(app)
-        app.include_router(side_channel_router(lambda: self.meta, self._lease_proxy()))
+        guard = ControlGuard(ClusterSecret(SECRET))
+        app.include_router(side_channel_router(lambda: self.meta, guard, self._lease_proxy()))
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -67,8 +72,11 @@ class SideChannel:
         outer = self
 
         class Proxy:  # the current case's lease manager
-            def abort(self, lid):
-                return outer.leases.abort(lid)
+            def abort(self, lid, reader):
+                return outer.leases.abort_claimed(lid, reader)
+
+            def claim(self, lid, reader):
+                outer.leases.claim(lid, reader)
 
         return Proxy()
 
@@ -126,7 +134,8 @@ def export(cl: Cluster, p_kw: dict, d_kw: dict, num_tokens: int, seed: int, ttl_
     free = FreeList(POOL_BYTES // p.row_bytes)
     p_attn = free.take(-(-num_tokens // p.block_size), rng)
     p_kda = free.take(p.kda_groups, rng)
-    leases = LeaseManager(lambda lease, outcome: free.give(p_attn + p_kda), ttl_s=ttl_s, clock=clock)
+    leases = LeaseManager(lambda lease, outcome: free.give(p_attn + p_kda), ttl_s=ttl_s, clock=clock,
+                          secret=ClusterSecret(SECRET))
     lease = leases.create(ExportKey("req-1", 1))
     cl.side.leases = leases
     cl.side.meta = InstanceMetadata(
@@ -145,9 +154,13 @@ def export(cl: Cluster, p_kw: dict, d_kw: dict, num_tokens: int, seed: int, ttl_
 
 
 def start_import(cl: Cluster, req: Request, d_kw: dict, params: dict | None = None, ranks=None, **extra) -> None:
+    """D ranks import `req` as a decode node's would: side channel signed with the secret, DONEs with the lease's
+    key."""
+    notify_key = lease_key(ClusterSecret(SECRET), str(req.params.lease_id))
     for r in ranks if ranks is not None else range(req.d.tp_size):
         cl.d[r].send("import", model=MODEL, layout=d_kw, d_rank=r, params=params or req.params.to_wire(),
-                     host="127.0.0.1", port=cl.side.port, d_attn=req.d_attn, d_kda=req.d_kda, **extra)
+                     host="127.0.0.1", port=cl.side.port, d_attn=req.d_attn, d_kda=req.d_kda, secret=SECRET,
+                     notify_key=notify_key, **extra)
 
 
 def expected_d_pool(req: Request, d_rank: int) -> np.ndarray:

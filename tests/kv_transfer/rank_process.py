@@ -6,7 +6,8 @@ returns its answer (a child error is re-raised as RuntimeError carrying the chil
 Commands: fill (random bytes from a seed), zero, import (the full decode path of kv_transfer.importer:
 side channel over HTTP, checks, plan, READs with DONE notifications), raw_read (benchmark reads),
 read_plan (reads.read_request over given ops: DONE notifications, reposting a stalled read),
-digest, pool, notifs, tcp_fallback, stop. `settings` are KVTransferSettings fields for the rank's agent (the
+digest, pool, notifs, send_notif (any message to a peer's agent, as an attacker with its metadata can),
+tcp_fallback, stop. `settings` are KVTransferSettings fields for the rank's agent (the
 `kv` section of a node's settings).
 """
 
@@ -59,14 +60,14 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, sett
                 t.set_row_bytes(kw["row_bytes"])
                 out = t.endpoint(kw["rank"])
             elif cmd == "import":  # the decode path: side channel over HTTP, checks, plan, READs, notify
-                from kv_transfer.side_channel import (
-                    fetch_metadata,  # the HTTP stack only where it is used
-                )
+                from kv_transfer.cluster_auth import ClusterAuth  # the HTTP stack only where it is used
+                from kv_transfer.side_channel import fetch_metadata
+                from kv_transfer.signing import ClusterSecret
 
                 cfg = get_preset(kw["model"])
                 d_layout = plan_layout(cfg, **kw["layout"])
                 t.set_row_bytes(d_layout.row_bytes)
-                meta = fetch_metadata(kw["host"], kw["port"])
+                meta = fetch_metadata(kw["host"], kw["port"], ClusterAuth(ClusterSecret(kw["secret"])))
                 params = KVTransferParams.from_wire(kw["params"])
                 if kw.get("die_after_post"):
                     plan = plan_import(cfg, d_layout, params, meta, kw["d_attn"], kw["d_kda"])
@@ -74,7 +75,8 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, sett
                     for p_rank, rops in plan.by_source(kw["d_rank"]).items():
                         t.post_read(eps[p_rank], rops, b"")
                     os._exit(3)  # reader crashes mid-request: no completion, no notification
-                res = import_request(t, cfg, d_layout, kw["d_rank"], params, meta, kw["d_attn"], kw["d_kda"], 30)
+                res = import_request(t, cfg, d_layout, kw["d_rank"], params, meta, kw["d_attn"], kw["d_kda"], 30,
+                                     notify_key=kw["notify_key"])
                 out = [(r.state.value, r.bytes, r.descriptors, r.backend_descriptors, r.wall_s) for r in res]
             elif cmd == "raw_read":  # benchmark: ops against one peer, repeated; per read:
                 out = []  # (wall s, backend descriptors, backend transfer s, CPU s of this process)
@@ -87,7 +89,7 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, sett
                     t.release(h)
             elif cmd == "read_plan":  # read_request: one READ per P rank in `endpoints`, DONE notifications
                 res = read_request(t, kw["d_rank"], ReadPlan({kw["d_rank"]: kw["ops"]}), kw["endpoints"],
-                                   kw["lease_id"], kw.get("timeout"))
+                                   kw["lease_id"], kw.get("timeout"), kw.get("notify_key", b""))
                 out = {"results": [(r.state.value, r.bytes) for r in res], "reposted": t.reads_reposted}
             elif cmd == "digest":  # sha256 over the listed (offset, length) ranges, in order
                 hsh = hashlib.sha256()
@@ -102,6 +104,9 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, sett
                     inbox.extend(t.notifications())
                     time.sleep(0.002)
                 out, inbox = inbox, []
+            elif cmd == "send_notif":  # any agent that loaded a peer's metadata can notify it
+                t.send_notif(t.add_peer(kw["endpoint"]), kw["message"])
+                out = None
             elif cmd == "tcp_fallback":
                 out = (t.tcp_fallback, t.fallback_reason, t.ucx_tls)
             else:

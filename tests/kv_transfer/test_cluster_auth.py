@@ -9,8 +9,8 @@ import httpx
 import pytest
 from fastapi import Depends, FastAPI, Request
 
-from kv_transfer.cluster_auth import HEADER, AuthRefused, ClusterAuth, ControlGuard, lease_key, sign_headers
-from kv_transfer.signing import ClusterSecret
+from kv_transfer.cluster_auth import HEADER, AuthRefused, ClusterAuth, ControlGuard, sign_headers
+from kv_transfer.signing import ClusterSecret, lease_key
 from serving.errors import install_error_handlers
 
 SECRET = ClusterSecret(b"k" * 32)

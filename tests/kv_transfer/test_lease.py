@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer.lease import ExportKey, LeaseManager, abort_message, done_message
+from kv_transfer.lease import ClaimRefused, ExportKey, LeaseManager, done_message
+from kv_transfer.signing import ClusterSecret, lease_key
 
 
 class Clock:
@@ -50,12 +51,37 @@ def test_notification_ends_after_all_consumers(env):
 def test_abort_ends(env):
     leases, ended, _ = env
     lease = leases.create(ExportKey("c", 3))
-    leases.apply_message(abort_message(lease.lease_id))
+    assert leases.abort(lease.lease_id, by_reader=True)
     assert ended == [(ExportKey("c", 3), "aborted")] and leases.outcomes["aborted"] == 1
     assert not leases.abort(lease.lease_id)
 
 
-@pytest.mark.parametrize("msg", [b"DONE:x:1", b"DONE:x:a:b", b"WHAT:x", b"HB:x", b"ABORT:"])
+SECRET = ClusterSecret(b"s" * 32)
+
+
+@pytest.mark.parametrize("key", [b"", b"attacker-key-0123456789abcdef", lease_key(ClusterSecret(b"o" * 32), "x")],
+                         ids=["unsigned", "own-key", "other-cluster"])
+def test_forged_done_ends_nothing(key):
+    """With a secret, a DONE whose MAC is not under the lease's key is refused, and the lease lives on."""
+    ended = []
+    leases = LeaseManager(lambda lease, outcome: ended.append(outcome), ttl_s=10.0, secret=SECRET)
+    lease = leases.create(ExportKey("victim", 1))
+    with pytest.raises(ValueError, match="does not verify"):
+        leases.apply_message(done_message(lease.lease_id, "0.0", 1, key))
+    assert ended == [] and leases.outstanding == 1 and leases.rejected_notifications == 1
+    leases.apply_message(done_message(lease.lease_id, "0.0", 1, lease_key(SECRET, lease.lease_id)))
+    assert ended == ["notified"] and leases.outstanding == 0
+
+
+def test_a_key_opens_only_its_own_lease():
+    leases = LeaseManager(lambda lease, outcome: None, ttl_s=10.0, secret=SECRET)
+    mine, other = leases.create(ExportKey("a", 1)), leases.create(ExportKey("b", 1))
+    with pytest.raises(ValueError, match="does not verify"):  # my key, another lease's id
+        leases.apply_message(done_message(other.lease_id, "0.0", 1, lease_key(SECRET, mine.lease_id)))
+    assert leases.outstanding == 2
+
+
+@pytest.mark.parametrize("msg", [b"DONE:x:1", b"DONE:x:a:b", b"WHAT:x", b"HB:x", b"ABORT:x", b"DONE:x:0.0:1"])
 def test_malformed_notifications(env, msg):
     leases, _, _ = env
     with pytest.raises(ValueError):
@@ -69,3 +95,45 @@ def test_duplicate_lease_id_and_bad_ttl(env):
         leases.create(ExportKey("e", 1), lease_id="a")
     with pytest.raises(ValueError, match="positive"):
         LeaseManager(lambda lease, outcome: None, ttl_s=0)
+
+
+def test_first_claim_wins_and_binds_the_reader(env):
+    leases, _, _ = env
+    lease = leases.create(ExportKey("f", 1))
+    assert leases.claim(lease.lease_id, "decode-a").claimed_by == "decode-a"
+    for reader in ("decode-a", "decode-b"):  # a replay, by the same node (restarted) or another one
+        with pytest.raises(ClaimRefused, match="already redeemed") as refused:
+            leases.claim(lease.lease_id, reader)
+        assert refused.value.status == 409
+    bound = leases.create(ExportKey("g", 1), reader="decode-a")
+    with pytest.raises(ClaimRefused, match="another decode instance") as refused:
+        leases.claim(bound.lease_id, "decode-b")
+    assert refused.value.status == 403
+    leases.claim(bound.lease_id, "decode-a")
+    assert leases.abort(lease.lease_id)
+    with pytest.raises(ClaimRefused, match="has ended") as refused:
+        leases.claim(lease.lease_id, "decode-a")
+    assert refused.value.status == 404
+
+
+def test_concurrent_claims_one_winner():
+    import threading
+
+    leases = LeaseManager(lambda lease, outcome: None, ttl_s=10.0)
+    lease = leases.create(ExportKey("h", 1))
+    wins, barrier = [], threading.Barrier(8)
+
+    def claim(i: int) -> None:
+        barrier.wait()
+        try:
+            leases.claim(lease.lease_id, f"decode-{i}")
+            wins.append(i)
+        except ClaimRefused:
+            pass
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1

@@ -10,8 +10,12 @@ import httpx
 import numpy as np
 import pytest
 
+from kv_transfer.cluster_auth import ClusterAuth
 from kv_transfer.importer import plan_import
+from kv_transfer.lease import done_message
+from kv_transfer.signing import ClusterSecret
 from tests.kv_transfer.cluster import (
+    SECRET,
     Cluster,
     drain_notifications,
     expected_d_pool,
@@ -103,10 +107,53 @@ class SteppedClock:
 
 def test_abort_over_side_channel_frees_rows(cluster):
     req = export(cluster, {"tp_size": 2}, {"tp_size": 1}, 1024, seed=12)
-    resp = httpx.post(f"http://127.0.0.1:{cluster.side.port}/kv/leases/{req.params.lease_id}/abort", timeout=10)
+    url = f"http://127.0.0.1:{cluster.side.port}/kv/leases/{req.params.lease_id}/abort"
+    anonymous = httpx.post(url, json={"reader": "decode-a"}, timeout=10)  # anyone on the pod network: refused
+    assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"
+    assert req.leases.outstanding == 1
+    auth = ClusterAuth(ClusterSecret(SECRET))
+    claim = url.removesuffix("/abort") + "/claim"
+    assert httpx.post(claim, json={"reader": "decode-a"}, timeout=10, auth=auth).status_code == 200
+    second = httpx.post(claim, json={"reader": "decode-b"}, timeout=10, auth=auth)  # first claim wins
+    assert second.status_code == 409 and "already redeemed" in second.json()["error"]["message"]
+    other = httpx.post(url, json={"reader": "decode-b"}, timeout=10, auth=auth)  # only its reader ends it
+    assert other.status_code == 403 and req.leases.outstanding == 1
+    resp = httpx.post(url, json={"reader": "decode-a"}, timeout=10, auth=auth)
     assert resp.status_code == 200 and req.leases.outcomes["aborted"] == 1 and len(req.free.free) == req.free.idle
-    again = httpx.post(f"http://127.0.0.1:{cluster.side.port}/kv/leases/{req.params.lease_id}/abort", timeout=10)
+    again = httpx.post(url, json={"reader": "decode-a"}, timeout=10, auth=auth)
     assert again.status_code == 404 and "has ended" in again.json()["error"]["message"]
+
+
+def test_metadata_needs_the_cluster_secret(cluster):
+    """The agent metadata opens the pools to NIXL READs: only a member of the cluster gets it."""
+    export(cluster, {"tp_size": 1}, {"tp_size": 1}, 1024, seed=13)
+    url = f"http://127.0.0.1:{cluster.side.port}/kv/metadata"
+    for auth in (None, ClusterAuth(ClusterSecret(b"not-the-cluster-secret-000"))):
+        refused = httpx.get(url, timeout=10, auth=auth)
+        assert refused.status_code == 401 and "agent_metadata" not in refused.text
+    assert httpx.get(url, timeout=10, auth=ClusterAuth(ClusterSecret(SECRET))).json()["ranks"]
+
+
+def test_forged_done_ends_no_lease(cluster):
+    """An agent with P's metadata sends DONE notifications over NIXL for another request's lease: unsigned, and
+    signed with a key of its own. P ends nothing; the reader's own signed DONEs still end the lease."""
+    p_kw, d_kw = {"tp_size": 1}, {"tp_size": 1}
+    req = export(cluster, p_kw, d_kw, 2048, seed=14)
+    endpoint = cluster.side.meta.endpoints()[0]
+    forged = [done_message(req.params.lease_id, "0.0", 1),
+              done_message(req.params.lease_id, "0.0", 1, key=b"attacker-key-0123456789abcdef0")]
+    for message in forged:
+        cluster.d[3].call("send_notif", endpoint=endpoint, message=message)
+    for _src, msg in cluster.p[0].notifs(len(forged), 30):
+        with pytest.raises(ValueError, match="does not verify"):
+            req.leases.apply_message(msg)
+    assert req.leases.outstanding == 1 and req.leases.rejected_notifications == len(forged)
+    assert len(req.free.free) == req.free.idle - len(req.p_attn) - len(req.p_kda)  # nothing freed early
+    plan = plan_import(cluster.cfg, req.d, req.params, cluster.side.meta, req.d_attn, req.d_kda)
+    start_import(cluster, req, d_kw)
+    assert [x[0] for x in cluster.d[0].recv(240)] == ["DONE"] * len(plan.by_source(0))
+    assert drain_notifications(cluster, req, {0: len(plan.consumers())}) == len(plan.consumers())
+    assert req.leases.outcomes["notified"] == 1 and len(req.free.free) == req.free.idle
 
 
 def test_reader_killed_mid_request_rows_freed_after_expiry(cluster):
@@ -115,7 +162,8 @@ def test_reader_killed_mid_request_rows_freed_after_expiry(cluster):
     req = export(cluster, {"tp_size": 1}, {"tp_size": 1}, 4096, seed=9, ttl_s=60.0, clock=clock)
     doomed = cluster.d[3]
     doomed.send("import", model="kimi-k3.1-mini", layout={"tp_size": 1}, d_rank=0, params=req.params.to_wire(),
-                host="127.0.0.1", port=cluster.side.port, d_attn=req.d_attn, d_kda=req.d_kda, die_after_post=True)
+                host="127.0.0.1", port=cluster.side.port, d_attn=req.d_attn, d_kda=req.d_kda, die_after_post=True,
+                secret=SECRET, notify_key=b"")
     doomed.proc.join(120)
     if doomed.proc.exitcode is None and doomed.conn.poll(0):
         pytest.fail(f"the reader answered instead of dying: {doomed.conn.recv()}")
@@ -168,7 +216,6 @@ def test_a_stalled_read_is_posted_again_on_a_fresh_endpoint():
     import signal
     import threading
 
-    from kv_transfer.lease import done_message
     from kv_transfer.remap import ReadOp
     from tests.kv_transfer.rank_process import RankProcess, pool_pattern
 

@@ -44,6 +44,7 @@ ALTERED = {
     "layout_fingerprint": "0000000000000000", "transfer_mode": "push", "first_token_id": 43,
     "first_token_logprob": -0.25, "first_token_top_logprobs": [[42, -0.125]], "lease_id": "f" * 32,
     "lease_expiry": 4e9, "remote_blocks_expiry_time": 4e9, "prompt_digest": prompt_digest([1, 2, 4]),
+    "decode_engine_id": "decode-9",
 }
 
 

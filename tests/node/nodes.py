@@ -33,6 +33,15 @@ class Node:
             return fh.read()[-4000:]
 
 
+def control_auth(secret: str | bytes = TEST_CLUSTER_SECRET) -> httpx.Auth:
+    """httpx auth that signs a request to a node's control routes (/abort_requests, /v1/cache, /kv/...) as a member
+    of the cluster does (kv_transfer/cluster_auth.py)."""
+    from kv_transfer.cluster_auth import ClusterAuth
+    from kv_transfer.signing import ClusterSecret
+
+    return ClusterAuth(ClusterSecret(secret.encode() if isinstance(secret, str) else secret))
+
+
 def signed(params: dict, secret: str = TEST_CLUSTER_SECRET) -> dict:
     """`params` (a prefill node's kv_transfer_params, altered by a test) signed again with the test cluster secret:
     what a genuine prefill node would have sent, so the decode node's later checks are what a test exercises."""

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from prefill_node.app import create_app
 from prefill_node.settings import Settings
-from tests.node.nodes import TEST_CLUSTER_SECRET, TOY
+from tests.node.nodes import TEST_CLUSTER_SECRET, TOY, control_auth
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 
@@ -158,12 +158,27 @@ def test_remote_decode_answer_matches_vllm_shape_and_colocated_first_token(clien
     assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == "length"
     colocated = client.post("/v1/completions", json={"prompt": "disaggregate me", "max_tokens": 1}).json()
     assert body["choices"][0]["token_ids"] == colocated["choices"][0]["token_ids"] == [params["first_token_id"]]
-    assert client.post("/abort_requests", json={"request_ids": ["req-shape"]}).json() == {"aborted": ["req-shape"]}
+    unsigned = client.post("/abort_requests", json={"request_ids": ["req-shape"]})
+    _error(unsigned, 401)
+    assert _rows_used(client) == 3  # an anonymous caller on the pod network aborts nothing
+    assert client.post("/abort_requests", json={"request_ids": ["req-shape"]}, auth=control_auth()).json() == {
+        "aborted": ["req-shape"]}
     _wait_rows(client, 0)
 
 
+@pytest.mark.parametrize("method,path", [("GET", "/kv/metadata"), ("POST", "/kv/leases/" + "0" * 32 + "/abort"),
+                                         ("POST", "/abort_requests"), ("GET", "/v1/cache")])
+def test_control_routes_refuse_unsigned_callers(client, method, path):
+    """The control routes answer 401 to a caller without the cluster secret, or signing with another one."""
+    body = {"request_ids": ["x"]} if path == "/abort_requests" else {"reader": "decode-x"} if "leases" in path else None
+    for auth in (None, control_auth("another-cluster-secret-0123456789")):
+        message = _error(client.request(method, path, json=body, auth=auth), 401)
+        assert "cluster" in message and TEST_CLUSTER_SECRET not in message
+    assert client.request(method, path, json=body, auth=control_auth()).status_code in (200, 404, 503)
+
+
 def test_lease_expiry_frees_rows_and_side_channel(client):
-    meta = client.get("/kv/metadata").json()
+    meta = client.get("/kv/metadata", auth=control_auth()).json()
     assert meta["engine_id"] == "prefill-test" and meta["ranks"][0]["agent_name"] == "prefill-test-p0"
     params = _export(client, "req-expire")["kv_transfer_params"]
     assert _rows_used(client) == 3
@@ -172,4 +187,5 @@ def test_lease_expiry_frees_rows_and_side_channel(client):
     assert _metric(text, "pdcluster_node_lease_outcomes_total", 'outcome="expired"') >= 1
     assert _metric(text, "vllm:nixl_num_kv_expired_reqs_total") >= 1
     assert _metric(text, "pdcluster_node_leases_outstanding") == 0
-    _error(client.post(f"/kv/leases/{params['lease_id']}/abort"), 404, "lease_id")
+    _error(client.post(f"/kv/leases/{params['lease_id']}/abort", json={"reader": "decode-x"}, auth=control_auth()),
+           404, "lease_id")

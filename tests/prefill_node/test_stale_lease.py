@@ -97,7 +97,8 @@ def test_stale_lease_node_abort_before_grant_cannot_free_reused_rows():
                 executor.submit(Release(request_id="B", generation=generation, reads_done=True))
             await _rounds(executor)
             assert _rows_used(executor) == len(_rows(b)) and table.holds("B")  # B's rows untouched
-            assert table.abort_lease(params.lease_id)  # B's own lease ends: B's rows go (into quarantine)
+            table.leases.claim(params.lease_id, "decode-x")
+            assert table.abort_lease(params.lease_id, "decode-x")  # B's own lease ends: B's rows go (into quarantine)
             await _rounds(executor)
             assert _rows_used(executor) == 0 and table.num_outstanding == 0
 
