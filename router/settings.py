@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pathlib import Path
+
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -29,6 +31,8 @@ class Settings(BaseSettings):
 
     admin_token: str | None = None
     """Bearer token for /v1/pools and /admin/*; admin endpoints refuse every call when unset."""
+    admin_token_file: str | None = None
+    """A file holding the admin token (a Secret mounted as a file: the chart's way); fills `admin_token`."""
     max_body_bytes: int = 4 * 1024 * 1024
     max_tokens_limit: int = 1_000_000
 
@@ -130,3 +134,14 @@ class Settings(BaseSettings):
     kube_namespace: str | None = None
     kube_label_selector: str = "app.kubernetes.io/part-of=pdcluster"
     kube_watch_timeout_s: int = 60
+
+    @model_validator(mode="after")
+    def _admin_token_from_file(self) -> "Settings":
+        if self.admin_token_file is not None:
+            if self.admin_token is not None:
+                raise ValueError("set admin_token or admin_token_file, not both")
+            token = Path(self.admin_token_file).read_text().strip()
+            if not token:
+                raise ValueError(f"admin_token_file {self.admin_token_file} is empty")
+            self.admin_token = token
+        return self

@@ -47,11 +47,10 @@ def test_pool_pods_have_resources_and_a_restricted_context(values, rdma):
         assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"]["drop"] == ["ALL"]
         if rdma:
             assert ctx["capabilities"]["add"] == ["IPC_LOCK"]
-            assert "runAsNonRoot" not in pod.spec["securityContext"], "IPC_LOCK needs the image's (root) user"
         else:
             assert "add" not in ctx["capabilities"]
-            assert pod.spec["securityContext"]["runAsNonRoot"] is True
-            assert pod.spec["securityContext"]["runAsUser"] != 0
+        assert pod.spec["securityContext"]["runAsNonRoot"] is True, "never root, RDMA included"
+        assert pod.spec["securityContext"]["runAsUser"] != 0
 
 
 def test_router_runs_read_only_non_root_with_a_tmp_volume():

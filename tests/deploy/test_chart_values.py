@@ -143,9 +143,11 @@ def test_network_policy_only_router_reaches_node_http(gb300: Rendered) -> None:
     pod_peers = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in peers
                  if "podSelector" in peer]
     assert pod_peers == ["router"], "only router pods (and the metrics namespace) reach node HTTP ports"
-    node_to_node = [rule for rule in nodes["ingress"] if "ports" not in rule]
-    assert len(node_to_node) == 1
-    assert node_to_node[0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "node"
+    assert all("ports" in rule for rule in nodes["ingress"]), "no rule opens every port"
+    node_to_node = [rule for rule in nodes["ingress"]
+                    if rule["from"][0].get("podSelector", {}).get("matchLabels", {}).get(
+                        "app.kubernetes.io/component") == "node"]
+    assert len(node_to_node) == 1  # side channel on the HTTP port, vLLM's side channel, UCX (test_chart_secrets)
     # Every serving pod names its HTTP port `http`, which the policy refers to.
     for pod in gb300.pod_templates():
         if pod.labels.get("pdcluster.io/serving") == "true":
@@ -260,7 +262,8 @@ def test_pool_settings_render_as_the_role_env_and_read_back(tmp_path, monkeypatc
         {"name": "tp", "role": "decode", "engine": "reference", "settings": settings}]}, tmp_dir=tmp_path)
     env = {item["name"]: item["value"] for item in out.pool_pods("tp")[0].container["env"] if "value" in item}
     chart_env = {"DECODE_ADVERTISE_HOST": "$(POD_IP)", "DECODE_METRICS_PORT": "9100",  # every reference pod's
-                 "DECODE_DRAIN_S": "55"}  # the grace period (60 s) minus 5 s
+                 "DECODE_DRAIN_S": "55",  # the grace period (60 s) minus 5 s
+                 "DECODE_CLUSTER_SECRET_FILE": "/var/run/pdcluster/cluster-secret/cluster-secret"}
     assert {k: v for k, v in env.items() if k.startswith("DECODE_")} == settings_env("DECODE_", settings) | chart_env
     assert not any(k.startswith("PREFILL_") for k in env)
     for name, value in env.items():

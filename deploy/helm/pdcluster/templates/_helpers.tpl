@@ -132,12 +132,8 @@ settings: {{- toYaml ($p.settings | default dict) | nindent 2 }}
 {{- end }}
 {{- end }}
 terminationGracePeriodSeconds: {{ $grace }}
-{{- $psc := deepCopy ($d.podSecurityContext | default dict) }}
-{{- if $root.Values.rdma.enabled }}
-{{- /* IPC_LOCK (NIXL pins memory) only takes effect for root: Kubernetes grants no ambient capabilities. */}}
-{{- $psc = omit $psc "runAsNonRoot" "runAsUser" "runAsGroup" }}
-{{- end }}
-podSecurityContext: {{- toYaml ($p.podSecurityContext | default $psc) | nindent 2 }}
+{{- /* Never root, RDMA included: IPC_LOCK comes from the container's capabilities (values.yaml says how). */}}
+podSecurityContext: {{- toYaml ($p.podSecurityContext | default $d.podSecurityContext) | nindent 2 }}
 {{- with $p.maxContextTokens }}
 maxContextTokens: {{ int . }}
 {{- end }}
@@ -169,4 +165,43 @@ app.kubernetes.io/instance={{ .Release.Name }},app.kubernetes.io/component=node,
 {{/* The Secret holding the cluster secret (cluster-secret.yaml, or the operator's). */}}
 {{- define "pdcluster.clusterSecretName" -}}
 {{- .Values.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "pdcluster.fullname" .) | trunc 63 | trimSuffix "-") -}}
+{{- end -}}
+
+{{/*
+The cluster secret's value (base64), read once per render: the release's Secret as the cluster holds it (kept
+across upgrades, or the operator's `existingSecret`), else a fresh random key for a Secret the chart creates.
+*/}}
+{{- define "pdcluster.clusterSecretB64" -}}
+{{- if not (hasKey .Values "__clusterSecretB64") -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "pdcluster.clusterSecretName" .) -}}
+{{- $value := "" -}}
+{{- if $existing -}}
+{{- $value = index ($existing.data | default dict) .Values.clusterSecret.key | default "" -}}
+{{- end -}}
+{{- if and (not $value) (not .Values.clusterSecret.existingSecret) -}}
+{{- $value = randAlphaNum 48 | b64enc -}}
+{{- end -}}
+{{- $_ := set .Values "__clusterSecretB64" $value -}}
+{{- end -}}
+{{- .Values.__clusterSecretB64 -}}
+{{- end -}}
+
+{{/* Pod annotation: a rotated cluster secret (or a bumped `clusterSecret.revision`) restarts the pods. */}}
+{{- define "pdcluster.clusterSecretChecksum" -}}
+checksum/cluster-secret: {{ printf "%s/%s" (include "pdcluster.clusterSecretB64" .) .Values.clusterSecret.revision | sha256sum | quote }}
+{{- end -}}
+
+{{/* Where the cluster secret is mounted, and the file's path (its key). */}}
+{{- define "pdcluster.clusterSecretDir" -}}/var/run/pdcluster/cluster-secret{{- end -}}
+{{- define "pdcluster.clusterSecretFile" -}}{{ include "pdcluster.clusterSecretDir" . }}/{{ .Values.clusterSecret.key }}{{- end -}}
+
+{{/* The volume of the cluster secret: read-only, group-readable for the pod's fsGroup, nothing else in it. */}}
+{{- define "pdcluster.clusterSecretVolume" -}}
+- name: cluster-secret
+  secret:
+    secretName: {{ include "pdcluster.clusterSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.clusterSecret.key }}
+        path: {{ .Values.clusterSecret.key }}
 {{- end -}}

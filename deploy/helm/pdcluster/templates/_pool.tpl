@@ -163,6 +163,11 @@ containers:
     args: {{- include "pdcluster.referenceArgs" . | nindent 6 }}
     {{- end }}
     env:
+      {{- if $root.Values.networkPolicy.enabled }}
+      # The only ports besides HTTP the NetworkPolicy opens between nodes: UCX listens in this range.
+      - name: UCX_TCP_PORT_RANGE
+        value: {{ $root.Values.networkPolicy.ucxTcpPortRange | quote }}
+      {{- end }}
       - name: POD_IP
         valueFrom: {fieldRef: {fieldPath: status.podIP}}
       - name: POD_NAME
@@ -181,11 +186,10 @@ containers:
       {{- with $p.settings }}
       {{- include "pdcluster.settingsEnv" (dict "prefix" (printf "%s_" (upper $p.role)) "settings" .) | trim | nindent 6 }}
       {{- end }}
-      - name: {{ upper $p.role }}_CLUSTER_SECRET
-        valueFrom:
-          secretKeyRef:
-            name: {{ include "pdcluster.clusterSecretName" $root }}
-            key: {{ $root.Values.clusterSecret.key }}
+      {{- if not $worker }}
+      - name: {{ upper $p.role }}_CLUSTER_SECRET_FILE
+        value: {{ include "pdcluster.clusterSecretFile" $root | quote }}
+      {{- end }}
       - name: {{ upper $p.role }}_ADVERTISE_HOST
         value: "$(POD_IP)"
       - name: {{ upper $p.role }}_METRICS_PORT
@@ -242,6 +246,11 @@ containers:
     volumeMounts:
       - name: dshm
         mountPath: /dev/shm
+      {{- if and (ne $p.engine "vllm") (not $worker) }}
+      - name: cluster-secret
+        mountPath: {{ include "pdcluster.clusterSecretDir" $root }}
+        readOnly: true
+      {{- end }}
       {{- with $root.Values.poolDefaults.extraVolumeMounts }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
@@ -250,6 +259,9 @@ volumes:
     emptyDir:
       medium: Memory
       sizeLimit: {{ $root.Values.shm.sizeLimit }}
+  {{- if and (ne $p.engine "vllm") (not $worker) }}
+  {{- include "pdcluster.clusterSecretVolume" $root | nindent 2 }}
+  {{- end }}
   {{- with $root.Values.poolDefaults.extraVolumes }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
