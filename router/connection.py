@@ -92,6 +92,8 @@ class Connection(asyncio.Protocol):
         self.transport = transport
         self.loop = asyncio.get_running_loop()  # once per connection: on Python 3.11 each lookup is a getpid call
         if len(self.server.connections) >= self.limits.max_connections:
+            log.warning("router: connection refused with 503: %d connections open (max_connections)",
+                        len(self.server.connections))
             self.refuse(503, "too many connections; retry later")
             return
         self.server.connections.add(self)

@@ -328,6 +328,7 @@ class Orchestrator:
         return resp, content
 
     def _decode_state(self, ctx: RequestContext) -> InstanceState:
+        ctx.leg, ctx.instance = "decode", ctx.placement.decode
         state = self.state.registry.get(ctx.placement.decode)
         if state is None:
             raise APIError(503, f"decode instance {ctx.placement.decode} left the registry")

@@ -14,6 +14,7 @@ request serving the same app at 64 connections (benchmarks/RESULTS.md, 2026-12-0
 - One catch-all (`dispatch`): an unexpected exception anywhere on a request's path is logged with its
   traceback and answered as a scrubbed OpenAI error (500) while nothing of the answer was written; the
   connection is then closed. (The FastAPI routes' own errors are answered inside the app, serving/errors.py.)
+- Every 503 carries Retry-After (`shed_retry_after_s` unless the answer names its own, as a node's shedding does).
 - SIGTERM/SIGINT stop accepting and give requests in flight up to `GRACEFUL_S` to finish.
 The app's lifespan (registry, health checks, upstream pool) runs around the server.
 """
@@ -59,6 +60,8 @@ class RouterServer:
         self.limits = app.state.router.settings
         self.connections: set[Connection] = set()
         self._date = (0, b"")
+        self.retry_after = b"retry-after: %d\r\n" % self.limits.shed_retry_after_s
+        """Added to every 503 that names no Retry-After of its own (the router's and relayed ones alike)."""
 
     def date_header(self) -> bytes:
         now = int(time.time())
@@ -71,6 +74,8 @@ class RouterServer:
                  self.date_header()]
         for name, value in reply.headers.items():
             parts += [name.encode(), b": ", value.encode("latin-1"), b"\r\n"]
+        if reply.status == 503 and "retry-after" not in reply.headers:
+            parts.append(self.retry_after)
         if content_length is None:
             parts.append(b"transfer-encoding: chunked\r\n")
         else:
@@ -147,6 +152,8 @@ class RouterServer:
                                                 request.headers, request.body, tuple(peer[:2]), tuple(sock[:2]))
         parts = [status_line(status), self.date_header()]
         parts += [b"%s: %s\r\n" % (name, value) for name, value in headers if name.lower() not in DROPPED_HEADERS]
+        if status == 503 and not any(name.lower() == b"retry-after" for name, _ in headers):
+            parts.append(self.retry_after)
         parts.append(b"content-length: %d\r\n" % len(body))
         if not request.is_keep_alive:
             parts.append(b"connection: close\r\n")

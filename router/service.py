@@ -59,6 +59,18 @@ def error_reply(status: int, message: str, param: str | None = None, type_: str 
     return Reply(status, body=orjson.dumps(error_body(status, message, param, type_)))
 
 
+OUTCOME_REASONS = {"cancelled": "the client left", "shed": "the node shed it (busy, Retry-After)"}
+
+
+def log_failure(request_id: str, outcome: str, leg: str, instance: str, pool: str, elapsed_s: float,
+                reason: str) -> None:
+    """The one log line of a request that did not end `ok`: WARNING, or INFO for the client's own error (a bad
+    request is not the router failing). `leg`: admission, placement, prefill or decode; `instance`: that leg's."""
+    level = logging.INFO if outcome == "client_error" else logging.WARNING
+    log.log(level, "request %s %s: leg %s, instance %s, pool %s, after %.2f s: %s", request_id, outcome, leg,
+            instance, pool, elapsed_s, reason)
+
+
 def _shape(state: RouterState, headers: Mapping[str, str], body: dict, session_key: str | None) -> RequestShape:
     s = state.settings
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or s.default_max_tokens
@@ -93,7 +105,7 @@ def place_request(state: RouterState, shape: RequestShape, now: float, scores_pr
 
 
 def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint, raw: bytes,
-             started: float) -> RequestContext:
+             started: float, request_id: str) -> RequestContext:
     s = state.settings
     state.api_keys.tenant(headers.get("authorization"))  # 401 before the body is parsed
     body = parse_body(raw, s.max_body_bytes)
@@ -103,8 +115,6 @@ def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint,
         raise NoHealthyInstance(valid.body["model"])
     shape = _shape(state, headers, valid.body, session_key)
     placement = place_request(state, shape, time.monotonic(), valid.scores_prompt)
-    # Always the router's own id: a client-chosen one could collide with (and abort) another request.
-    request_id = state.next_request_id()
     return RequestContext(request_id=request_id, path=PATHS[endpoint], valid=valid, shape=shape,
                           placement=placement, started=started, is_admitted=True)
 
@@ -127,9 +137,10 @@ def finish(state: RouterState, ctx: RequestContext, acct: StreamAccounting | Non
         state.admission.leave(pool)
     m.child(m.requests, ctx.outcome, pool).inc()
     if ctx.outcome != "ok":
-        prefill = ctx.handoff.prefill if ctx.handoff else "none"
-        log.warning("request %s %s (pool %s, decode %s, prefill %s) after %.2f s%s", ctx.request_id, ctx.outcome,
-                    pool, ctx.placement.decode, prefill, now - ctx.started, f": {ctx.error}" if ctx.error else "")
+        reason = ctx.error or OUTCOME_REASONS.get(ctx.outcome, ctx.outcome)
+        if ctx.notes:
+            reason = f"{reason} (tried: {', '.join(ctx.notes)})"
+        log_failure(ctx.request_id, ctx.outcome, ctx.leg, ctx.instance, pool, now - ctx.started, reason)
     if ctx.prefill_s is not None:
         m.child(m.leg, "prefill", pool).observe(ctx.prefill_s)
     if ctx.kv_transfer_s is not None:
@@ -193,7 +204,6 @@ class _StreamEnd:
             decode.num_inflight -= 1
         self.ctx.upstream_s += (self.acct.ended_at or time.monotonic()) - self.acct.started_relay
         self.ctx.outcome = status
-        self.ctx.leg = "stream"
         if status != "ok":
             self.orch.abort_legs(self.ctx)
         attempts = self.ctx.stream_attempts
@@ -225,6 +235,7 @@ async def _run(state: RouterState, orch: Orchestrator, ctx: RequestContext) -> R
         headers = _route_headers(ctx)
         if is_node_shed(resp.status_code, resp.headers):
             ctx.outcome, headers = "shed", _shed_headers(ctx, resp.headers)
+            ctx.error = f"decode shed it ({resp.status_code})"
         elif resp.status_code != 200:
             ctx.outcome = "client_error" if resp.status_code < 500 else "upstream_error"
             ctx.error = f"decode answered {resp.status_code}{upstream_message(content)}"
@@ -262,23 +273,37 @@ async def serve(state: RouterState, endpoint: Endpoint, headers: Mapping[str, st
 
 async def _serve(state: RouterState, endpoint: Endpoint, headers: Mapping[str, str], raw: bytes,
                  started: float) -> Reply:
+    # Always the router's own id, random (router/state.py): a client-chosen or guessable one could collide with
+    # (and abort) another request.
+    request_id = state.next_request_id()
     try:
-        ctx = _context(state, headers, endpoint, raw, started)
+        ctx = _context(state, headers, endpoint, raw, started, request_id)
     except PoolFull as exc:
         state.metrics.child(state.metrics.requests, "shed", exc.pool).inc()
-        reply = error_reply(429, f"too many requests in flight for pool {exc.pool}; retry later",
-                            type_="rate_limit_error")
-        reply.headers["retry-after"] = str(state.admission.retry_after_s)
+        message = f"too many requests in flight for pool {exc.pool}; retry later"
+        log_failure(request_id, "shed", "admission", "none", exc.pool, time.monotonic() - started, message)
+        reply = error_reply(429, message, type_="rate_limit_error")
+        reply.headers.update({"retry-after": str(state.admission.retry_after_s), "x-request-id": request_id})
         return reply
     except NoHealthyInstance as exc:
         state.metrics.requests.labels("upstream_error", "none").inc()
-        reply = error_reply(503, f"no healthy decode instance serves model {exc.model!r} right now; retry later",
-                            "model", "service_unavailable")
-        reply.headers["retry-after"] = str(state.admission.retry_after_s)
+        message = f"no healthy decode instance serves model {exc.model!r} right now; retry later"
+        log_failure(request_id, "upstream_error", "placement", "none", "none", time.monotonic() - started, message)
+        reply = error_reply(503, message, "model", "service_unavailable")
+        reply.headers.update({"retry-after": str(state.admission.retry_after_s), "x-request-id": request_id})
         return reply
     except APIError as exc:
-        state.metrics.requests.labels("client_error" if exc.status < 500 else "upstream_error", "none").inc()
-        return error_reply(exc.status, exc.message, exc.param, exc.type)
+        outcome = "client_error" if exc.status < 500 else "upstream_error"
+        state.metrics.requests.labels(outcome, "none").inc()
+        log_failure(request_id, outcome, "placement", "none", "none", time.monotonic() - started,
+                    f"{exc.status}: {exc.message}")
+        reply = error_reply(exc.status, exc.message, exc.param, exc.type)
+        reply.headers["x-request-id"] = request_id
+        return reply
+    except Exception:
+        log_failure(request_id, "upstream_error", "placement", "none", "none", time.monotonic() - started,
+                    "unexpected router error (traceback logged)")
+        raise
     orch = Orchestrator(state)
     try:
         return await _run(state, orch, ctx)
@@ -289,6 +314,7 @@ async def _serve(state: RouterState, endpoint: Endpoint, headers: Mapping[str, s
     except UpstreamReply as reply:
         is_shed = is_node_shed(reply.status, reply.headers)
         ctx.outcome = "shed" if is_shed else "client_error"
+        ctx.error = f"{ctx.leg} answered {reply.status}{upstream_message(reply.content)}"
         finish(state, ctx, None, None)
         headers = _shed_headers(ctx, reply.headers) if is_shed else _route_headers(ctx)
         return Reply(reply.status, headers, reply.content, reply.content_type)
@@ -297,8 +323,10 @@ async def _serve(state: RouterState, endpoint: Endpoint, headers: Mapping[str, s
             ctx.outcome = "timeout" if exc.status == 504 else "upstream_error"
         ctx.error = exc.message
         finish(state, ctx, None, None)
-        return error_reply(exc.status, exc.message, exc.param, exc.type)
+        reply = error_reply(exc.status, exc.message, exc.param, exc.type)
+        reply.headers.update(_route_headers(ctx))
+        return reply
     except Exception:
-        ctx.outcome = "upstream_error"
+        ctx.outcome, ctx.error = "upstream_error", "unexpected router error (traceback logged)"
         finish(state, ctx, None, None)
         raise

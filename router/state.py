@@ -10,7 +10,6 @@ and cost nothing per request while every breaker is closed.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -53,8 +52,6 @@ class RouterState:
     cache_view: CacheView = field(default_factory=CacheView)
     """What each node's prefix cache holds per session (router/cache_view.py)."""
     _pool_views: tuple[int, list[PoolView]] = (-1, [])
-    _id_prefix: str = field(default_factory=lambda: f"pdc-{os.urandom(6).hex()}-")
-    _id_counter: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -66,8 +63,9 @@ class RouterState:
             self.registry.upsert(spec)
 
     def next_request_id(self) -> str:
-        """Unique per router process (random prefix) and request (counter); never the client's."""
-        return f"{self._id_prefix}{next(self._id_counter):x}"
+        """A fresh id for one request, 128 random bits: unique across worker processes and replicas, and
+        unguessable from any other id a client saw (a node aborts by id); never the client's."""
+        return f"pdc-{os.urandom(16).hex()}"
 
     def spawn(self, coro) -> None:
         """Run a best-effort side task (aborts) that must outlive a cancelled request."""

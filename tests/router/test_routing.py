@@ -218,7 +218,8 @@ def test_decode_server_error_keeps_its_reason_and_is_logged(caplog):
     assert plain.status_code == 500 and plain.json()["error"]["message"] == "injected"  # JSON: relayed as is
     assert streamed.status_code == 502 and streamed.json()["error"]["message"] == "decode instance d0 answered 500: injected"
     logged = [r.getMessage() for r in caplog.records if r.name == "router"]
-    assert len(logged) == 2 and all("upstream_error (pool" in line and "injected" in line for line in logged), logged
+    assert len(logged) == 2 and all("upstream_error: leg decode, instance d0" in line and "injected" in line
+                                    for line in logged), logged
 
 
 def test_error_event_inside_a_stream_is_an_upstream_error(caplog):
