@@ -66,27 +66,46 @@ class FastModel:
         logits = None if graphs is None else graphs.decode(tokens, pages)
         return self.decoder.decode(pool.buffer, tokens, pages) if logits is None else logits
 
-    def warm_up(self, pool: Any, max_batch: int, prompt_tokens: int = 16) -> list[int]:
+    def warm_up(self, pool: Any, max_batch: int, prompt_tokens: int = 16, long_tokens: int | None = None) -> list[int]:
         """Pay the one-time costs before serving: the segments' compilation (graphs on) and the decode graphs of
         every batch bucket up to `max_batch` at the smallest page-table bucket (`max_batch` 0: the prefill
-        only, for a node that does not decode). One dummy request's rows (allocated here, freed at the end) are
-        prefilled with `prompt_tokens` zeros and decoded at each bucket size, the request in every slot (what
-        those steps write is discarded with the rows). Returns the batch sizes decoded."""
+        only, for a node that does not decode). The prefills compile what a first request would otherwise compile:
+        a short prompt (`prompt_tokens` zeros), a prompt that continues it (start > 0: a prefix-cache hit or the
+        next chunk of a chunked prefill), and a prompt of `long_tokens` (default: the indexer's top-k plus
+        `prompt_tokens`, so the sparse selection runs; on one H100 a first 4,811-token prompt after a 16-token
+        warm-up took 25.6 s to its first token). Each decode bucket runs the request in every slot. Rows are
+        allocated here and freed at the end (what these steps write is discarded with them); a long prompt the
+        pool cannot hold next to its serving requests is left out, and its phase is missing from
+        `warm_up_seconds`. Returns the batch sizes decoded."""
         from engine.cache import RowSequenceCache
         from engine.fast.graphs import BATCH_BUCKETS
 
         sizes = [b for b in BATCH_BUCKETS if b <= max_batch]
-        table = pool.allocate_request(prompt_tokens + 1)
+        long_tokens = self.model.cfg.index_topk + prompt_tokens if long_tokens is None else long_tokens
+        zeros = torch.zeros(2 * prompt_tokens, dtype=torch.int64)
+        table = pool.allocate_request(2 * prompt_tokens + 1)
         self.warm_up_seconds = {}
         try:
             cache = RowSequenceCache(pool, table)
             with torch.no_grad():
-                self._timed("prefill", self.prefill, torch.zeros(prompt_tokens, dtype=torch.int64), cache)
+                self._timed("prefill", self.prefill, zeros[:prompt_tokens], cache)
+                self._timed("prefill_continued", self.prefill, zeros[prompt_tokens:], cache, prompt_tokens)
                 for size in sizes:
                     self._timed(f"decode_b{size}", self.decode, torch.zeros(size, dtype=torch.int64),
                                 [prompt_tokens] * size, [cache] * size)
         finally:
             pool.free(table.row_ids)
+        if long_tokens > 2 * prompt_tokens:
+            try:
+                table = pool.allocate_request(long_tokens + 1)
+            except OutOfRows:
+                return sizes
+            try:
+                with torch.no_grad():
+                    self._timed("prefill_long", self.prefill, torch.zeros(long_tokens, dtype=torch.int64),
+                                RowSequenceCache(pool, table))
+            finally:
+                pool.free(table.row_ids)
         return sizes
 
     def _timed(self, phase: str, fn: Any, *args: Any) -> None:

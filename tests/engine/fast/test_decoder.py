@@ -163,9 +163,15 @@ def test_warm_up_decodes_each_bucket_and_frees_its_rows(device) -> None:  # type
     pool.buffer[table.attn_row_ids] = 7  # a serving request's bytes
     before, free = pool.buffer.clone(), pool.num_free
     fast = FastModel(model, layout, graphs=False)
-    assert fast.warm_up(pool, max_batch=3) == [1, 2]
-    assert sorted(fast.warm_up_seconds) == ["decode_b1", "decode_b2", "prefill"]  # the node logs them per phase
+    # Short prompts of 8 tokens and a long one of 24 (a node's defaults, 16 and the indexer's top-k + 16, are
+    # slow under the interpreter).
+    assert fast.warm_up(pool, max_batch=3, prompt_tokens=8, long_tokens=24) == [1, 2]
+    assert list(fast.warm_up_seconds) == ["prefill", "prefill_continued", "decode_b1", "decode_b2",
+                                          "prefill_long"]  # the node logs them per phase
     assert all(seconds > 0 for seconds in fast.warm_up_seconds.values())
     assert pool.num_free == free and torch.equal(pool.buffer[table.row_ids], before[table.row_ids])
-    assert fast.warm_up(pool, max_batch=0) == [] and pool.num_free == free  # a prefill node: the prefill only
-    assert list(fast.warm_up_seconds) == ["prefill"]
+    # A prefill node (max_batch 0) decodes nothing, and a long prompt the pool cannot hold beside its serving
+    # request is left out, saying so by its absence.
+    too_long = pool.num_free * pool.layout.block_size + 1
+    assert fast.warm_up(pool, max_batch=0, prompt_tokens=8, long_tokens=too_long) == [] and pool.num_free == free
+    assert list(fast.warm_up_seconds) == ["prefill", "prefill_continued"]
