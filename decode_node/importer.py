@@ -129,7 +129,7 @@ async def serve_remote(runtime: NodeRuntime[Importer], prepared: PreparedRequest
     notify_key = b"" if gate.secret is None else lease_key(gate.secret, str(params.lease_id))
     cmd = ImportKV(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
                    sampling=prepared.sampling, first=first, params=params, peer=info, session=prepared.session,
-                   notify_key=notify_key)
+                   notify_key=notify_key, cache_salt=prepared.cache_salt)
 
     async def attempt() -> tuple[object, object]:
         events = runtime.executor.events(cmd)

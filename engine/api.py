@@ -155,6 +155,9 @@ class Submit:
     export: bool = False
     session: str = ""
     """Opaque session key (x-pdcluster-session); the node reports per session what its prefix cache holds."""
+    cache_salt: str = ""
+    """The prefix cache's salt for this request (the node's hex digest of its tenant and `cache_salt`; "" for
+    none): cached blocks are shared only between requests with the same salt (engine/prefix_cache.py)."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,8 @@ class ImportKV:
     notify_key: bytes = b""
     """The lease's notification key (kv_transfer/signing.py `lease_key`): the ranks sign their DONE notifications
     with it, so they need no cluster secret; empty on an insecure node."""
+    cache_salt: str = ""
+    """The prefix cache's salt, as in `Submit`: the blocks this import reuses are those of the same salt."""
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ class Engine:
 
     # ---- requests ----
     def _make_request(self, request_id: str, prompt: list[int] | tuple[int, ...], sampling: SamplingParams,
-                      export: bool = False, session: str = "") -> Request:
+                      export: bool = False, session: str = "", cache_salt: str = "") -> Request:
         prompt = [int(t) for t in prompt]
         cfg = self.model_config
         if not prompt:
@@ -186,11 +186,11 @@ class Engine:
             raise ValueError(f"the model's maximum context length is {cfg.max_context} tokens; the request needs "
                              f"{total} ({len(prompt)} prompt + {total - len(prompt)} completion)")
         return Request(request_id, prompt, sampling, request_seed(sampling, request_id), export=export,
-                       session=session)
+                       session=session, cache_salt=cache_salt)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
-                    sampling: SamplingParams, export: bool = False, session: str = "") -> None:
-        self.scheduler.add(self._make_request(request_id, prompt_token_ids, sampling, export, session))
+                    sampling: SamplingParams, export: bool = False, session: str = "", cache_salt: str = "") -> None:
+        self.scheduler.add(self._make_request(request_id, prompt_token_ids, sampling, export, session, cache_salt))
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is; an exported or importing one's rows are quarantined, not freed."""
@@ -306,9 +306,10 @@ class Engine:
 
     # ---- disaggregation ----
     def prefill_and_keep(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
-                         sampling: SamplingParams, session: str = "") -> PrefillResult:
+                         sampling: SamplingParams, session: str = "", cache_salt: str = "") -> PrefillResult:
         """Prefill now (outside the queue, from the longest cached prefix) and keep the rows until `release`."""
-        req = self._make_request(request_id, prompt_token_ids, sampling, export=True, session=session)
+        req = self._make_request(request_id, prompt_token_ids, sampling, export=True, session=session,
+                                 cache_salt=cache_salt)
         self.reclaim()
         self.scheduler.admit_now(req)
         try:
@@ -349,11 +350,11 @@ class Engine:
         return self.pool.hold(request_id)
 
     def allocate_for_import(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
-                            sampling: SamplingParams, session: str = "") -> BlockTable:
+                            sampling: SamplingParams, session: str = "", cache_salt: str = "") -> BlockTable:
         """Rows for a request whose prompt KV an external writer puts into the pool; decode waits for start.
         The first `num_reused_tokens(request_id)` tokens' attention rows are cached blocks this engine already
         holds: the writer must fill only the rows past them (and every KDA row)."""
-        req = self._make_request(request_id, prompt_token_ids, sampling, session=session)
+        req = self._make_request(request_id, prompt_token_ids, sampling, session=session, cache_salt=cache_salt)
         self.reclaim()
         return self.scheduler.add_imported(req, len(req.prompt_token_ids))
 
@@ -395,7 +396,7 @@ class Engine:
         for a transport's writes, which the decode node's rank role posts."""
         if isinstance(cmd, Submit):
             self.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, export=cmd.export,
-                             session=cmd.session)
+                             session=cmd.session, cache_salt=cmd.cache_salt)
             return []
         if isinstance(cmd, StartDecode):
             first = self._import_firsts.pop(cmd.request_id, None)
@@ -419,7 +420,8 @@ class Engine:
     def import_kv(self, cmd: ImportKV) -> ImportRows:
         """Rows for an import (`allocate_for_import`; OutOfRows allocates nothing), ready for a transport's writes
         once this returns; `cmd.first` waits for its `StartDecode`."""
-        table = self.allocate_for_import(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, session=cmd.session)
+        table = self.allocate_for_import(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, session=cmd.session,
+                                         cache_salt=cmd.cache_salt)
         if self.pool.buffer.is_cuda:  # the KDA rows' zeroing is queued on the GPU: done before a READ may write them
             torch.cuda.synchronize(self.pool.buffer.device)
         self._import_firsts[cmd.request_id] = cmd.first

@@ -4,7 +4,10 @@ A cache block is one attention row of the pool holding the KV of global tokens [
 sequence (B = the layout's block size, a power of two; under DCP each rank's row holds its owned tokens of that
 block). It is keyed by a chained hash: key_k = H(key_{k-1} || fingerprint || tokens of block k), so a key names
 the whole prefix [0, (k+1)*B), and the fingerprint (model, weights seed/file, tokenizer, layout) keeps KV of
-another model or layout from matching. Every rank of a node makes the same decisions (the commands and steps are
+another model or layout from matching. The chain starts at a root: ROOT, or a request's salted root
+(`cache_root(salt)`: the node derives the salt from the tenant the router names and the request's `cache_salt`,
+node/textgen.py), so blocks are keyed by (tenant, content): a request of one tenant never matches, reuses or learns
+of another tenant's prefix, and tails hang off the same root. Every rank of a node makes the same decisions (the commands and steps are
 the same), so block k of a prefix has the same row id on every rank.
 
 KDA is recurrent: attention rows alone cannot resume a prefix. A block may carry a KDA snapshot (`kda_rows`, one
@@ -37,6 +40,13 @@ from dataclasses import dataclass
 ROOT = b"pdcluster-prefix-v1"
 
 
+def cache_root(salt: str = "") -> bytes:
+    """The key chain's root for a cache salt ("": the shared ROOT). Different salts never share a block."""
+    if not salt:
+        return ROOT
+    return hashlib.blake2b(ROOT + b"\0" + salt.encode("utf-8"), digest_size=16).digest()
+
+
 @dataclass
 class CachedBlock:
     key: bytes
@@ -56,7 +66,7 @@ class CachedBlock:
 @dataclass
 class CachedTail:
     parent: bytes
-    """Key of block index-1 (ROOT for index 0): the full blocks the tail extends."""
+    """Key of block index-1 (the root of its requests' chain for index 0): the full blocks the tail extends."""
     index: int
     """The partial block k: the tail holds tokens [k*B, end) of its sequence."""
     tokens: tuple[int, ...]
@@ -149,8 +159,9 @@ class PrefixCache:
             self._tail_rows -= len(tail.rows)
         return tail
 
-    def keys(self, tokens: Sequence[int], num_blocks: int) -> list[bytes]:
-        return chain_keys(tokens, self.block_tokens, num_blocks, self.fingerprint)
+    def keys(self, tokens: Sequence[int], num_blocks: int, root: bytes = ROOT) -> list[bytes]:
+        """Keys of the first num_blocks blocks of `tokens`, chained from `root` (`cache_root` of the salt)."""
+        return chain_keys(tokens, self.block_tokens, num_blocks, self.fingerprint, root)
 
     # ---- lookup ----
     def lookup(self, keys: Sequence[bytes]) -> list[CachedBlock]:
@@ -172,15 +183,16 @@ class PrefixCache:
             held.pop()
         return held
 
-    def find_tail(self, tokens: Sequence[int], held: Sequence[CachedBlock]) -> CachedTail | None:
+    def find_tail(self, tokens: Sequence[int], held: Sequence[CachedBlock], root: bytes = ROOT) -> CachedTail | None:
         """The tail ending furthest into `tokens` (and before its last token) whose blocks are the first ones of
-        `held` (the held prefix of `tokens`' block keys) and whose tokens continue `tokens` there."""
+        `held` (the held prefix of `tokens`' block keys, chained from `root`) and whose tokens continue `tokens`
+        there."""
         if not self.enabled:
             return None
         best = None
         for tail in self.tails.values():
             k = tail.index
-            if k > len(held) or (held[k - 1].key if k else ROOT) != tail.parent or tail.end >= len(tokens):
+            if k > len(held) or (held[k - 1].key if k else root) != tail.parent or tail.end >= len(tokens):
                 continue
             if (best is None or tail.end > best.end) and tuple(tokens[k * self.block_tokens:tail.end]) == tail.tokens:
                 best = tail
@@ -295,13 +307,14 @@ class PrefixCache:
 
     def held_tokens(self, keys: Sequence[bytes], snapshot: bool = False, tails: Sequence[CachedTail] = ()) -> int:
         """Leading tokens of the prefix `keys` names that are held (with `snapshot`: resumable, at the end of the
-        furthest of `tails` still held that extends the held blocks)."""
+        furthest of `tails` still held that extends the held blocks; `tails` belong to the same requests as `keys`,
+        so a tail of block 0 hangs off their root)."""
         if not snapshot:
             return len(self.lookup(keys)) * self.block_tokens
         best = len(self.resumable(keys)) * self.block_tokens
         for tail in tails:
             if id(tail) in self.tails and tail.end > best:
                 held = self.lookup(keys[:tail.index])
-                if len(held) == tail.index and (held[-1].key if held else ROOT) == tail.parent:
+                if len(held) == tail.index and (held[-1].key == tail.parent if held else tail.index == 0):
                     best = tail.end
         return best

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from engine.api import SamplingParams
 from engine.cache import BlockTable, OutOfRows, RowPool
-from engine.prefix_cache import ROOT, CachedBlock, CachedTail, PrefixCache, chain_keys
+from engine.prefix_cache import CachedBlock, CachedTail, PrefixCache, cache_root, chain_keys
 
 MIN_CHUNK = 16
 """Fewest prompt tokens a step prefills while a prompt waits (so a full decode batch cannot starve it)."""
@@ -58,6 +58,9 @@ class Request:
     export: bool = False
     session: str = ""
     """Opaque session key (the router's); the node reports what it holds per session."""
+    cache_salt: str = ""
+    """The prefix cache's salt (the node's digest of tenant and `cache_salt`; "" shares the unsalted chain): only
+    requests with the same salt share cached blocks and tails."""
     state: RequestState = RequestState.WAITING
     generation: int = 0
     """Set when the request is exported (unique within the scheduler); releases must name it."""
@@ -83,6 +86,11 @@ class Request:
     it becomes the prompt tail, from which a later prompt that extends this prompt but not this answer resumes."""
     prompt_logits: list = field(default_factory=list)
     """Chunk logits of a request that asked for prompt log-probs."""
+
+    @property
+    def cache_root(self) -> bytes:
+        """The root its block keys chain from (engine/prefix_cache.py `cache_root`)."""
+        return cache_root(self.cache_salt)
 
     @property
     def num_tokens(self) -> int:
@@ -173,10 +181,11 @@ class Scheduler:
         keys: list[bytes] = []
         tail: CachedTail | None = None
         if self._caching() and self.resume and req.sampling.prompt_logprobs is None:
-            keys = self.cache.keys(req.prompt_token_ids, (len(req.prompt_token_ids) - 1) // self.block_tokens)
+            root = req.cache_root
+            keys = self.cache.keys(req.prompt_token_ids, (len(req.prompt_token_ids) - 1) // self.block_tokens, root)
             held = self.cache.lookup(keys)
             reuse = self.cache.resumable(keys)
-            tail = self.cache.find_tail(req.prompt_token_ids, held)
+            tail = self.cache.find_tail(req.prompt_token_ids, held, root)
             if tail is not None and tail.end > len(reuse) * self.block_tokens:
                 reuse = held[:tail.index]
                 self.cache.take_tail(tail)  # not evicted by this very admission
@@ -223,7 +232,8 @@ class Scheduler:
         keys: list[bytes] = []
         reuse: list[CachedBlock] = []
         if self._caching():
-            keys = self.cache.keys(req.prompt_token_ids, len(req.prompt_token_ids) // self.block_tokens)
+            keys = self.cache.keys(req.prompt_token_ids, len(req.prompt_token_ids) // self.block_tokens,
+                                   req.cache_root)
             reuse = self.cache.lookup(keys)
         total = max(req.capacity, num_tokens)
         if not self._admit(req, reuse, keys, total):
@@ -282,7 +292,7 @@ class Scheduler:
             return
         bt, cache = self.block_tokens, self.cache
         for k in range(len(req.block_keys), upto // bt):
-            parent = req.block_keys[-1] if req.block_keys else ROOT
+            parent = req.block_keys[-1] if req.block_keys else req.cache_root
             key = chain_keys(req.token_at(k * bt, (k + 1) * bt), bt, 1, cache.fingerprint, parent)[0]
             req.block_keys.append(key)
             kda = None
@@ -346,13 +356,13 @@ class Scheduler:
             k = n // bt
             row = self.pool.allocate(1)[0]
             self.pool.copy_rows([row], [req.table.attn_row_ids[k]])  # positions < n stay as written
-            prompt_tail = CachedTail(parent=req.block_keys[k - 1] if k else ROOT, index=k,
+            prompt_tail = CachedTail(parent=req.block_keys[k - 1] if k else req.cache_root, index=k,
                                      tokens=tuple(req.prompt_token_ids[k * bt:n]), end=n, attn_row=row, kda_rows=state)
             req.prompt_state = None
         tails: list[CachedTail] = []
         k = written // bt
         if written % bt and k < len(req.table.attn_row_ids) and len(req.block_keys) == k:
-            tail = CachedTail(parent=req.block_keys[-1] if k else ROOT, index=k,
+            tail = CachedTail(parent=req.block_keys[-1] if k else req.cache_root, index=k,
                               tokens=tuple(req.token_at(k * bt, written)), end=written,
                               attn_row=req.table.attn_row_ids[k], kda_rows=tuple(req.table.kda_row_ids))
             req.given_rows = set(tail.rows)

@@ -28,7 +28,7 @@ from kv_transfer.cluster_auth import ControlGuard
 from node.runtime import NodeRuntime
 from node.serving import Drain, GuardMiddleware, MetricsServer
 from node.settings import NodeSettings
-from node.textgen import SESSION_HEADER, Kind, PreparedRequest, parse_session, prepare
+from node.textgen import SESSION_HEADER, TENANT_HEADER, Kind, PreparedRequest, parse_session, parse_tenant, prepare
 from serving import sse
 from serving.errors import APIError, error_body
 from serving.protocol import (
@@ -88,6 +88,20 @@ async def _release_after(chunks: AsyncIterator[Any], runtime: NodeRuntime, reque
         runtime.done(request_id)
 
 
+MAX_REQUEST_ID_CHARS = 256
+
+
+def parse_request_id(value: str | None) -> str | None:
+    """The `X-Request-Id` header: absent or empty -> None (the node makes one), else 1..256 visible ASCII
+    characters (it becomes the response's id and the abort key), anything else a 400 naming it."""
+    if not value:
+        return None
+    if len(value) > MAX_REQUEST_ID_CHARS or not all("!" <= ch <= "~" for ch in value):
+        raise APIError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} visible ASCII characters",
+                       "X-Request-Id")
+    return value
+
+
 def _models(runtime: NodeRuntime) -> ModelList:
     return ModelList(data=[ModelCard(id=runtime.model, root=runtime.model, max_model_len=runtime.limits.max_context,
                                      weights_fingerprint=runtime.weights_fingerprint)])
@@ -112,12 +126,14 @@ def node_router(handle: Handler, settings: NodeSettings, guard: ControlGuard) ->
             return _shed(runtime, "the node is shutting down; retry on another instance")
         if len(runtime.request_ids) >= max_in_flight:
             return _shed(runtime, f"the node holds {max_in_flight} requests (running + queued); retry later")
+        external_id = parse_request_id(request.headers.get("x-request-id"))
         runtime.metrics.requests.labels(outcome="admitted").inc()
-        request_id = runtime.new_request_id(request.headers.get("x-request-id"))
+        request_id = runtime.new_request_id(external_id)
         streaming_out = False
         try:
             session = parse_session(request.headers.get(SESSION_HEADER))
-            prepared = prepare(body, kind, request_id, runtime.model, runtime.tokenizer, runtime.limits)
+            tenant = parse_tenant(request.headers.get(TENANT_HEADER))
+            prepared = prepare(body, kind, request_id, runtime.model, runtime.tokenizer, runtime.limits, tenant)
             if session:
                 prepared = dataclasses.replace(prepared, session=session)
             try:
@@ -214,7 +230,7 @@ def _with_metrics_port(lifespan: Any, settings: NodeSettings) -> Any:
                 def render() -> bytes:
                     runtime = getattr(app.state, "runtime", None)
                     return runtime.render_metrics() if runtime is not None else b""
-                server = MetricsServer(settings.host, settings.metrics_port, render)
+                server = MetricsServer(settings.host, settings.metrics_port, render, settings.http_head_timeout_s)
                 await asyncio.to_thread(server.start)
             try:
                 yield

@@ -59,7 +59,7 @@ async def serve_local(runtime: NodeRuntime, prepared: PreparedRequest, request: 
     """Prefill and decode on this node."""
     started = time.monotonic()
     cmd = Submit(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-                 sampling=prepared.sampling, session=prepared.session)
+                 sampling=prepared.sampling, session=prepared.session, cache_salt=prepared.cache_salt)
     out = respond(runtime, prepared, request, runtime.executor.events(cmd), started)
     return out if prepared.stream else await out
 

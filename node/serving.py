@@ -2,7 +2,8 @@
 and the separate metrics port.
 
 - `GuardMiddleware` (pure ASGI) reads a request body completely before the app sees it, refusing one larger than
-  `max_body_bytes` (413) or slower than `body_read_timeout_s` (408), as OpenAI error JSON; a response chunk the
+  `max_body_bytes` (413), slower than `body_read_timeout_s` (408), or JSON nested too deep or holding a lone
+  surrogate or NUL on any route (400 naming the field: serving/json_guard.py), as OpenAI error JSON; a response chunk the
   client does not take within `stream_write_timeout_s` ends the response as a client disconnect would (the
   request is aborted and its rows freed), so a stalled SSE reader cannot hold a stream forever.
 - `Drain`: on SIGTERM the node stops admitting (new requests get 503 + Retry-After, /health 503 so readiness
@@ -11,6 +12,12 @@ and the separate metrics port.
   SIGINT during the drain exits at once).
 - `MetricsServer`: GET /metrics (only) on `metrics_port`, a second uvicorn server on its own thread, so a
   NetworkPolicy can open metrics to monitoring without opening the API.
+- `head_timeout_protocol(seconds)`: uvicorn's h11 protocol with a request-head deadline: a connection must
+  deliver a whole request head (line and headers) within `http_head_timeout_s` of opening, or of the first byte
+  of its next head, else it is closed (with 408 when part of a head arrived); a client trickling a header a byte
+  at a time (slowloris) holds a connection no longer than that. uvicorn alone only times out idle keep-alive
+  connections, and any byte restarts that. A head h11 refuses (a NUL or CR in a header value, a bad request
+  line) is answered 400 as OpenAI error JSON, not uvicorn's plain text.
 - `serve(app, settings)`: all of the above with the settings' uvicorn limits (h11, so the header bound applies).
 """
 
@@ -25,10 +32,13 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from node.settings import NodeSettings
-from serving.errors import error_body
+from serving.errors import APIError, error_body
+from serving.json_guard import check_body
 
 log = logging.getLogger("pdcluster.node")
 
@@ -59,10 +69,11 @@ class Drain:
         return self.active and (num_in_flight == 0 or self.remaining_s() <= 0)
 
 
-async def _json(send: Any, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+async def _json(send: Any, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = (),
+                param: str | None = None) -> None:
     import json
 
-    body = json.dumps(error_body(status, message)).encode()
+    body = json.dumps(error_body(status, message, param)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close"), *headers]})
@@ -108,6 +119,10 @@ class GuardMiddleware:
         body = await self._read_body(receive, send)
         if body is None:
             return
+        try:
+            check_body(b"".join(message.get("body", b"") for message in body))
+        except APIError as exc:
+            return await _json(send, exc.status, exc.message, param=exc.param)
         gone = asyncio.Event()
         pending: list[asyncio.Future] = []
 
@@ -145,6 +160,72 @@ class GuardMiddleware:
                 future.cancel()
 
 
+def _head_timeout_answer(seconds: float) -> bytes:
+    import json
+
+    body = json.dumps(error_body(408, f"the request head did not arrive within {seconds:g} s")).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+
+
+def head_timeout_protocol(seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol whose connections must send each request head within `seconds` (module docstring)."""
+
+    class HeadTimeoutProtocol(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            if not self.transport.is_closing():
+                self._head_timer = self.loop.call_later(seconds, self._head_timed_out)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+                return
+            if self.conn.trailing_data[0]:  # part of a head arrived: the client waits for an answer
+                self.transport.write(_head_timeout_answer(seconds))
+            self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_timer is None and self.conn.their_state is h11.IDLE:  # a next head on a kept-alive
+                self._arm()  # connection starts (while idle, uvicorn's keep-alive timeout applies)
+            super().data_received(data)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # a whole head arrived: the body has its own deadline
+                self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            """A request h11 cannot parse (bad line or header, a NUL or CR in a value): OpenAI error JSON, closed."""
+            import json
+
+            self._disarm()
+            body = json.dumps(error_body(400, f"malformed HTTP request: {msg}")).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
+    return HeadTimeoutProtocol
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server; the first SIGTERM drains (`Drain`) instead of exiting at once."""
 
@@ -168,7 +249,7 @@ class DrainingServer(uvicorn.Server):
 class MetricsServer:
     """GET /metrics on its own port, served from a daemon thread (see the module docstring)."""
 
-    def __init__(self, host: str, port: int, render: Callable[[], bytes]) -> None:
+    def __init__(self, host: str, port: int, render: Callable[[], bytes], head_timeout_s: float = 10.0) -> None:
         from fastapi import FastAPI
         from fastapi.responses import Response
 
@@ -181,8 +262,9 @@ class MetricsServer:
         def metrics() -> Response:
             return Response(render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-        config = uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="off", http="h11",
-                                limit_concurrency=16, timeout_keep_alive=15)  # the API server owns logging
+        config = uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="off",
+                                http=head_timeout_protocol(head_timeout_s), limit_concurrency=16,
+                                timeout_keep_alive=15)  # the API server owns logging
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="pdcluster-metrics", daemon=True)
 
@@ -204,7 +286,8 @@ class MetricsServer:
 def uvicorn_config(app: Any, settings: NodeSettings, log_level: str = "warning") -> uvicorn.Config:
     """The node's uvicorn limits (docstrings of the settings fields)."""
     return uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=log_level, http="h11",
+        app, host=settings.host, port=settings.port, log_level=log_level,
+        http=head_timeout_protocol(settings.http_head_timeout_s),
         limit_concurrency=settings.http_limit_concurrency, timeout_keep_alive=settings.http_keep_alive_s,
         h11_max_incomplete_event_size=settings.http_max_header_bytes,
         timeout_graceful_shutdown=5,

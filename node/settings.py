@@ -142,6 +142,9 @@ class NodeSettings(BaseSettings):
     """uvicorn's limit on open connections + tasks (a plain 503 beyond it: the last guard behind the queues)."""
     http_keep_alive_s: float = Field(default=15.0, gt=0)
     """An idle keep-alive connection is closed after this long."""
+    http_head_timeout_s: float = Field(default=10.0, gt=0)
+    """A connection must deliver each request head (line + headers) within this long of opening, or of the first
+    byte of its next head (408 and closed otherwise: a slowloris client holds a connection no longer)."""
     http_max_header_bytes: int = Field(default=65536, ge=1024)
     """Largest request head (line + headers) the HTTP parser buffers (h11's max incomplete event size)."""
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -72,19 +73,44 @@ class PreparedRequest:
     """The request's parsed `kv_transfer_params` (None when absent)."""
     session: str = ""
     """The router's opaque session key (`x-pdcluster-session`), "" when the request belongs to none."""
+    cache_salt: str = ""
+    """The prefix cache's salt (`cache_salt` below): "" when neither a tenant nor the body's `cache_salt` names one."""
 
 
 SESSION_HEADER = "x-pdcluster-session"
+TENANT_HEADER = "x-pdcluster-tenant"
+"""The router's digest of the client's API key (router/identity.py `cache_scope`; never the key itself)."""
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 
-def parse_session(value: str | None) -> str:
-    """The `x-pdcluster-session` header: absent -> "", 1..64 hex characters -> itself, anything else a 400."""
+def _parse_hex_header(name: str, value: str | None) -> str:
+    """Absent -> "", 1..64 hex characters -> itself, anything else a 400 naming the header."""
     if value is None:
         return ""
     if not 0 < len(value) <= 64 or not set(value) <= _HEX:
-        raise APIError(400, f"{SESSION_HEADER} must be 1 to 64 hex characters", SESSION_HEADER)
+        raise APIError(400, f"{name} must be 1 to 64 hex characters", name)
     return value
+
+
+def parse_session(value: str | None) -> str:
+    """The `x-pdcluster-session` header (the router's opaque session key)."""
+    return _parse_hex_header(SESSION_HEADER, value)
+
+
+def parse_tenant(value: str | None) -> str:
+    """The `x-pdcluster-tenant` header (the router's digest of the tenant; absent: no tenant)."""
+    return _parse_hex_header(TENANT_HEADER, value).lower()
+
+
+def cache_salt(tenant: str, salt: str | None) -> str:
+    """The prefix cache's salt of a request: a digest of its tenant (the router's `x-pdcluster-tenant`) and the
+    body's `cache_salt`, "" when it has neither (every such request shares the unsalted cache). Blocks are keyed by
+    (salt, content), so a tenant never reuses, nor learns through `cached_tokens`, a prefix another sent, and a
+    client's `cache_salt` narrows its sharing further, as in vLLM."""
+    if not tenant and not salt:
+        return ""
+    data = tenant.encode("ascii") + b"\0" + (salt or "").encode("utf-8")
+    return hashlib.blake2b(data, digest_size=16, person=b"pdc-cache-salt").hexdigest()
 
 
 def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
@@ -168,8 +194,9 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_id: str, model: str,
-            tokenizer: Tokenizer, limits: Limits) -> PreparedRequest:
-    """Validate and convert one request; raises APIError(400) on bad input."""
+            tokenizer: Tokenizer, limits: Limits, tenant: str = "") -> PreparedRequest:
+    """Validate and convert one request (`tenant`: the router's tenant digest, "" for none); raises APIError(400)
+    on bad input."""
     if req.model is not None and req.model != model:
         raise APIError(404, f"The model `{req.model}` does not exist; this node serves `{model}`", "model",
                        "NotFoundError")
@@ -192,40 +219,58 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_
     return PreparedRequest(request_id=request_id, kind=kind, model=model, prompt_token_ids=tuple(ids),
                            sampling=_sampling(req, max_tokens, tokenizer.stop_token_ids), stop_strings=tuple(req.stop_strings), stream=req.stream,
                            include_usage=req.include_usage, echo=echo, prompt_logprobs=req.prompt_logprobs is not None,
-                           kv_params=kv_params)
+                           kv_params=kv_params, cache_salt=cache_salt(tenant, req.cache_salt))
 
 
 class TextAssembler:
     """Token ids in, text deltas out; holds back incomplete UTF-8 (the tokenizer's incremental decoder, with
-    `context_ids`, the prompt, as left context) and possible stop-string prefixes."""
+    `context_ids`, the prompt, as left context) and possible stop-string prefixes.
+
+    Work per token is bounded: the decoder's window is (engine/model/tokenizer_stream.py), and each stop string is
+    looked for only where it could end in the new text, over the text still held back (less than the longest stop
+    string) plus that new text; the text emitted is kept as pieces, joined once (`text`). The request's stop strings
+    are capped in number and length (serving/protocol.py `MAX_STOP_STRINGS`, `MAX_STOP_CHARS`)."""
 
     def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = (), context_ids: Sequence[int] = ()) -> None:
         self.decoder = tokenizer.decoder(context_ids)
         self.stop_strings = [s for s in stop_strings if s]
-        self.emitted = 0
-        self.text = ""
+        self._hold = max((len(s) - 1 for s in self.stop_strings), default=0)
+        self._emitted: list[str] = []
+        self._held = ""
+        """Decoded text not emitted yet: at most `_hold` characters between tokens."""
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """All text so far (emitted and held back)."""
+        return "".join(self._emitted) + self._held
 
     def add(self, token_id: int) -> str:
         """The text that became final with this token ('' when held back). Sets `stopped` on a stop string."""
-        self.text += self.decoder.add(token_id)
-        for stop in self.stop_strings:
-            at = self.text.find(stop, max(0, self.emitted - len(stop)))
+        new = self.decoder.add(token_id)
+        if not new:
+            return ""
+        held = self._held + new
+        for stop in self.stop_strings:  # a match ending in `new` (one ending earlier was found earlier)
+            at = held.find(stop, max(0, len(self._held) - len(stop) + 1))
             if at >= 0:
                 self.stopped = True
-                self.text = self.text[:at]
-                return self._take(len(self.text))
-        hold = max((len(s) - 1 for s in self.stop_strings), default=0)
-        return self._take(max(self.emitted, len(self.text) - hold))
+                self._held = ""
+                return self._emit(held[:at])
+        cut = max(0, len(held) - self._hold)
+        self._held = held[cut:]
+        return self._emit(held[:cut])
 
     def flush(self) -> str:
+        held = self._held
         if not self.stopped:
-            self.text += self.decoder.flush()
-        return self._take(len(self.text))
+            held += self.decoder.flush()
+        self._held = ""
+        return self._emit(held)
 
-    def _take(self, end: int) -> str:
-        delta = self.text[self.emitted:end]
-        self.emitted = max(self.emitted, end)
+    def _emit(self, delta: str) -> str:
+        if delta:
+            self._emitted.append(delta)
         return delta
 
 

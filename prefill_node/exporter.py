@@ -197,7 +197,8 @@ def check_export_request(prepared: PreparedRequest) -> str | None:
 
 async def _run_export(runtime: NodeRuntime[Exporter], prepared: PreparedRequest) -> ExportedRows:
     cmd = Submit(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-                 sampling=prepared.sampling, export=True, session=prepared.session)
+                 sampling=prepared.sampling, export=True, session=prepared.session,
+                 cache_salt=prepared.cache_salt)
     async for event in runtime.executor.events(cmd):
         if isinstance(event, EngineFailure):
             raise APIError(event.status, event.error)

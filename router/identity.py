@@ -12,6 +12,11 @@ else 400 naming the field. The router never stores or forwards the raw id: `sess
 (tenant, id) with BLAKE2b to a fixed 32-hex-character key, so two tenants using the same id get different
 keys (nobody can steer another key's session) and every table keyed by sessions has fixed-size keys.
 Nodes see only that key (`x-pdcluster-session`, docs/SESSIONS.md).
+
+Prefix-cache scope: with keys, every leg carries `x-pdcluster-tenant`, `cache_scope(tenant)` (a BLAKE2b digest of
+the tenant id, itself a digest of the key), from which a node salts its prefix cache, so one tenant's cached prefix
+is never reused by, nor reported in `cached_tokens` to, another (node/textgen.py `cache_salt`). Without keys every
+client is one tenant and the header is not sent. Routing by cache is per session key, which is tenant-scoped too.
 """
 
 from __future__ import annotations
@@ -79,6 +84,14 @@ class APIKeys:
         if found is None:
             raise _unauthorized("incorrect API key provided")
         return found.hex()[:16]
+
+
+def cache_scope(tenant: str) -> str:
+    """The prefix-cache scope the legs name (`x-pdcluster-tenant`): "" for the anonymous tenant, else 32 hex
+    characters (neither the key nor the tenant id leaves the router)."""
+    if tenant == ANONYMOUS:
+        return ""
+    return hashlib.blake2b(tenant.encode(), digest_size=16, person=b"pdc-cache-scope").hexdigest()
 
 
 def _unauthorized(message: str) -> APIError:

@@ -63,6 +63,8 @@ class RequestShape:
     prompt_tokens: int
     max_tokens: int
     expected_growth_tokens: int
+    cache_scope: str = ""
+    """The tenant's prefix-cache scope (router/identity.py `cache_scope`; "" without API keys)."""
 
 
 # Not frozen: built per request, and a frozen dataclass's __init__ (object.__setattr__ per field) costs about

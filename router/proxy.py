@@ -125,9 +125,12 @@ class Orchestrator:
         self.settings = state.settings
 
     def _headers(self, ctx: RequestContext) -> dict[str, str]:
+        headers = {"X-Request-Id": ctx.request_id}
         if ctx.shape.session_id:  # the hashed, tenant-scoped key (router/identity.py), never the client's id
-            return {"X-Request-Id": ctx.request_id, "x-pdcluster-session": ctx.shape.session_id}
-        return {"X-Request-Id": ctx.request_id}
+            headers["x-pdcluster-session"] = ctx.shape.session_id
+        if ctx.shape.cache_scope:  # the tenant's prefix-cache scope (a digest, never the key)
+            headers["x-pdcluster-tenant"] = ctx.shape.cache_scope
+        return headers
 
     def abort(self, state: InstanceState | None, request_id: str) -> None:
         """Fire-and-forget abort on one node (survives the cancellation of the request)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import orjson
 
 from router.admission import PoolFull, is_node_shed
+from router.identity import cache_scope
 from router.placement import NoPlacement, Placement, RequestShape, SessionRecord, place
 from router.session_routing import after_turn, expected_growth, identify, prompt_estimate, rewrite_usage, \
     with_cached_tokens
@@ -71,12 +72,13 @@ def log_failure(request_id: str, outcome: str, leg: str, instance: str, pool: st
             instance, pool, elapsed_s, reason)
 
 
-def _shape(state: RouterState, headers: Mapping[str, str], body: dict, session_key: str | None) -> RequestShape:
+def _shape(state: RouterState, headers: Mapping[str, str], body: dict, session_key: str | None,
+           scope: str = "") -> RequestShape:
     s = state.settings
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or s.default_max_tokens
     return RequestShape(session_id=session_key, prompt_tokens=prompt_estimate(state, body),
                         max_tokens=int(max_tokens),
-                        expected_growth_tokens=expected_growth(headers, s.session_growth_tokens))
+                        expected_growth_tokens=expected_growth(headers, s.session_growth_tokens), cache_scope=scope)
 
 
 def place_request(state: RouterState, shape: RequestShape, now: float, scores_prompt: bool = False) -> Placement:
@@ -107,13 +109,13 @@ def place_request(state: RouterState, shape: RequestShape, now: float, scores_pr
 def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint, raw: bytes,
              started: float, request_id: str) -> RequestContext:
     s = state.settings
-    state.api_keys.tenant(headers.get("authorization"))  # 401 before the body is parsed
+    scope = cache_scope(state.api_keys.tenant(headers.get("authorization")))  # 401 before the body is parsed
     body = parse_body(raw, s.max_body_bytes)
     session_key = identify(state, headers, body)  # 400 for an oversized session id, whatever else is wrong
     valid = validate(body, endpoint, state.registry.known_model_ids(), s.max_tokens_limit)
     if valid.body["model"] not in state.registry.served_model_ids():
         raise NoHealthyInstance(valid.body["model"])
-    shape = _shape(state, headers, valid.body, session_key)
+    shape = _shape(state, headers, valid.body, session_key, scope)
     placement = place_request(state, shape, time.monotonic(), valid.scores_prompt)
     return RequestContext(request_id=request_id, path=PATHS[endpoint], valid=valid, shape=shape,
                           placement=placement, started=started, is_admitted=True)

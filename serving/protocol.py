@@ -11,7 +11,8 @@ nodes and to vLLM the same way:
   fields the reference chat template does not render (`name`, `tool_calls`, ...) are refused.
 - `kv_transfer_params` rides in the request body (router -> node) and in the response body
   (prefill -> router, and on the final streamed chunk) exactly as vLLM's NixlConnector uses it.
-- usage carries `prompt_tokens_details.cached_tokens`.
+- usage carries `prompt_tokens_details.cached_tokens`: tokens reused from the prefix cache of the request's own
+  tenant and `cache_salt` (vLLM's extension, 1..256 characters), never another's (node/textgen.py `cache_salt`).
 Invariant: every field a client may send is validated here, so handlers receive typed values only.
 """
 
@@ -35,6 +36,9 @@ class StreamOptions(BaseModel):
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_CACHE_SALT_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 INERT_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
@@ -48,7 +52,7 @@ INERT_VALUES: dict[str, tuple[Any, ...]] = {
     "prompt_embeds": (None,), "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}), "documents": (None,), "reasoning_effort": (None,),
     "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
-    "return_tokens_as_token_ids": (None, False), "priority": (None, 0), "cache_salt": (None,),
+    "return_tokens_as_token_ids": (None, False), "priority": (None, 0),
     "vllm_xargs": (None,), "mm_processor_kwargs": (None,), "store": (None, False), "metadata": (None, {}),
     "service_tier": (None, "auto", "default"), "top_logprobs": (None,), "max_completion_tokens": (None,),
     "echo": (None, False), "request_id": (None,),
@@ -96,6 +100,8 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     """vLLM's extension. The penalties' ranges are engine.api.SamplingParams' (a node answers 400 naming one)."""
     kv_transfer_params: KVParamsField = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    """vLLM's extension: requests share cached prefix blocks only with requests of the same salt (and tenant)."""
 
     @field_validator("n")
     @classmethod
@@ -107,9 +113,17 @@ class _SamplingFields(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
+        """At most MAX_STOP_STRINGS strings of at most MAX_STOP_CHARS characters: a node looks for each one at
+        every token (node/textgen.py `TextAssembler`), so their count and length bound that work."""
         if value is None:
             return None
-        return [value] if isinstance(value, str) else value
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}")
+        return stops
 
     def refused_parameter(self) -> str | None:
         """The first parameter this server does not implement whose value asks for something (None: none)."""

@@ -30,7 +30,7 @@ class CacheNode:
     queried_tokens: int = 0
     hits_tokens: int = 0
     requests: list[dict] = field(default_factory=list)
-    """Per request: path, body, the x-pdcluster-session header, cached tokens answered."""
+    """Per request: path, body, the x-pdcluster-session and x-pdcluster-tenant headers, cached tokens answered."""
 
     def metrics_text(self) -> str:
         return ('# TYPE vllm:cache_config_info gauge\n'
@@ -75,7 +75,8 @@ class CacheNode:
             session = request.headers.get("x-pdcluster-session")
             prompt = estimate_prompt_tokens_bytes(body)
             cached = node._lookup(session, prompt)
-            node.requests.append({"path": request.url.path, "body": body, "session": session, "cached": cached})
+            node.requests.append({"path": request.url.path, "body": body, "session": session, "cached": cached,
+                                  "tenant": request.headers.get("x-pdcluster-tenant")})
             params = body.get("kv_transfer_params") or {}
             if params.get("do_remote_decode"):
                 if session and node.cache_on:

@@ -290,6 +290,32 @@ async def test_nodes_see_only_the_hashed_tenant_scoped_key():
 
 
 @sync
+async def test_both_legs_carry_the_tenants_cache_scope_never_its_key():
+    """Each API key's requests carry one prefix-cache scope on both legs (the node salts its cache with it, so
+    another tenant never hits, nor sees in cached_tokens, a prefix it did not send); without keys none is sent."""
+    fakes = nodes()
+    prompt = [{"role": "user", "content": "p" * 300}]
+    async with router_harness(fakes, api_keys="key-a,key-b", **SETTINGS) as (client, _):
+        scopes = []
+        for api_key in ("key-a", "key-b", "key-a"):
+            resp = await client.post("/v1/chat/completions", json=chat_body(prompt),
+                                     headers={"Authorization": f"Bearer {api_key}"})
+            assert resp.status_code == 200 and resp.headers["x-pdcluster-prefill"] != "none"
+            legs = [r["tenant"] for n in fakes for r in n.requests]
+            assert len(legs) == 2 and legs[0] == legs[1], "the P and the D leg name the same scope"
+            scopes.append(legs[0])
+            for node in fakes:
+                node.requests.clear()
+        assert scopes[0] == scopes[2] != scopes[1]
+        assert all(len(s) == 32 and int(s, 16) >= 0 for s in scopes)
+        assert not {"key-a", "key-b"} & set(scopes)
+    fakes = nodes()
+    async with router_harness(fakes, **SETTINGS) as (client, _):
+        assert (await client.post("/v1/chat/completions", json=chat_body(prompt))).status_code == 200
+        assert [r["tenant"] for n in fakes for r in n.requests] == [None, None]
+
+
+@sync
 async def test_user_field_is_a_session_too():
     fakes = nodes()
     async with router_harness(fakes, **SETTINGS) as (client, _):
