@@ -12,7 +12,9 @@ freeing them (engine.cache.RowPool.quarantine) and pins the shared cache blocks 
 request's rows stay quarantined for good.
 `Scheduler.schedule()` picks, per engine step, every running request (up to max_batch) to decode and one prefill
 chunk: the request being prefilled (first in, first out; the head of the queue is admitted when the pool, counting
-evictable cache blocks, has rows for its prompt + max_tokens) computes its next `max_step_tokens - decodes`
+evictable cache blocks, has rows for its prompt + max_tokens; a head that does not fit lets at most
+MAX_HEAD_BYPASS later requests that do go first, so one huge max_tokens does not hold up the queue, nor is it
+starved) computes its next `max_step_tokens - decodes`
 tokens (at least MIN_CHUNK; all of them when the budget is None). A chunk also ends at the prompt's last block
 boundary, where the KDA state is snapshotted for the prefix cache.
 Prefix cache (engine/prefix_cache.py): admission reuses the longest resumable cached prefix (its attention rows
@@ -38,6 +40,10 @@ from engine.prefix_cache import CachedBlock, CachedTail, PrefixCache, cache_root
 
 MIN_CHUNK = 16
 """Fewest prompt tokens a step prefills while a prompt waits (so a full decode batch cannot starve it)."""
+MAX_HEAD_BYPASS = 16
+"""Later requests a waiting head that does not fit may let go ahead of it before the queue waits for it again."""
+BYPASS_SCAN = 4
+"""Waiting requests behind the head a step tries when the head does not fit."""
 
 
 class RequestState(enum.Enum):
@@ -86,6 +92,8 @@ class Request:
     it becomes the prompt tail, from which a later prompt that extends this prompt but not this answer resumes."""
     prompt_logits: list = field(default_factory=list)
     """Chunk logits of a request that asked for prompt log-probs."""
+    num_bypassed: int = 0
+    """Later requests admitted ahead of this one while it headed the queue and did not fit."""
 
     @property
     def cache_root(self) -> bytes:
@@ -264,11 +272,30 @@ class Scheduler:
             return 0
         return (len(req.prompt_token_ids) - 1) // self.block_tokens * self.block_tokens
 
+    def _admit_next(self) -> Request | None:
+        """The waiting request admitted now, if any: the head when it fits; else, while the head has let fewer
+        than MAX_HEAD_BYPASS requests go ahead, the first of the next BYPASS_SCAN that fits. So a request whose
+        prompt + max_tokens the pool cannot hold yet does not stop smaller ones behind it, and cannot itself be
+        starved: past the bound the queue waits for it (running requests end and free their rows)."""
+        head = self.waiting[0]
+        if self._admit_local(head):
+            return self.waiting.popleft()
+        if head.num_bypassed >= MAX_HEAD_BYPASS:
+            return None
+        for i in range(1, min(len(self.waiting), 1 + BYPASS_SCAN)):
+            req = self.waiting[i]
+            if self._admit_local(req):
+                del self.waiting[i]
+                head.num_bypassed += 1
+                return req
+        return None
+
     def schedule(self) -> SchedulerOutput:
         decode = tuple(self.running[: self.max_batch])
-        if self.prefilling is None and self.waiting and self._admit_local(self.waiting[0]):
-            self.prefilling = self.waiting.popleft()
-            self.prefilling.state = RequestState.PREFILLING
+        if self.prefilling is None and self.waiting:
+            self.prefilling = self._admit_next()
+            if self.prefilling is not None:
+                self.prefilling.state = RequestState.PREFILLING
         req = self.prefilling
         if req is None:
             return SchedulerOutput(None, decode)
