@@ -47,5 +47,5 @@ def test_another_tenant_reuses_nothing_of_a_prefix_and_the_same_tenant_hits(node
     a2 = _turn(p_url, d_url, prompt2, {"x-pdcluster-tenant": TENANT_A, "x-pdcluster-session": "a5"}, "salt-a2")
     assert _cached(a2[0]) == 1024 and _cached(a2[1]) == 1024, "tenant A still hits its own prefix"
     assert a2[1]["choices"][0]["token_ids"] == _oracle(prompt2)
-    view = httpx.get(f"{d_url}/v1/cache").json()
+    view = httpx.get(f"{d_url}/v1/cache", auth=nodes["auth"]).json()
     assert view["sessions"]["a5"] >= 1024
