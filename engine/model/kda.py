@@ -31,6 +31,7 @@ from torch.nn import functional as F
 from engine.model.config import ModelConfig
 from engine.model.kda_cuda import kda_recurrence
 from engine.model.numerics import RowLinear, rms_norm
+from engine.model.shards import WHOLE, ShardSpec
 
 SUB_CHUNK = 8
 CHUNK_GROUP = 16
@@ -49,36 +50,51 @@ class KDAProjection:
 
 
 class KDA(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """One KDA layer. Built with a `ShardSpec` of W ranks it holds heads [head_lo, head_lo + num_heads) of w_qkv,
+    the conv taps, w_g and w_fb, and d_model/W output rows of wo (engine/model/shards.py); w_fa, w_b, A_log and
+    dt_bias stay whole (`project` slices the local heads out of their results). `num_heads` counts local heads."""
+
+    def __init__(self, cfg: ModelConfig, shard: ShardSpec = WHOLE) -> None:
         super().__init__()
         self.cfg = cfg
-        h, d = cfg.kda_num_heads, cfg.kda_head_dim
+        self.head_lo, head_hi = shard.split(cfg.kda_num_heads, "KDA heads")
+        out_lo, out_hi = shard.split(cfg.d_model, "output rows (d_model)")
+        h, d = head_hi - self.head_lo, cfg.kda_head_dim
         self.num_heads, self.head_dim = h, d
         self.w_qkv = RowLinear(cfg.d_model, 3 * h * d)
         self.w_g = RowLinear(cfg.d_model, h * d)
         self.w_fa = RowLinear(cfg.d_model, d)
         self.w_fb = RowLinear(d, h * d)
-        self.w_b = RowLinear(cfg.d_model, h)
+        self.w_b = RowLinear(cfg.d_model, cfg.kda_num_heads)
         self.conv_weight = nn.Parameter(torch.empty(3 * h * d, cfg.kda_conv_size), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(h), requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.zeros(h * d), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(cfg.kda_num_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.zeros(cfg.kda_num_heads * d), requires_grad=False)
         self.o_norm = nn.Parameter(torch.ones(d), requires_grad=False)
-        self.wo = RowLinear(h * d, cfg.d_model)
+        self.wo = RowLinear(cfg.kda_num_heads * d, out_hi - out_lo)
+
+    @property
+    def is_whole(self) -> bool:
+        return self.num_heads == self.cfg.kda_num_heads
 
     def project(self, x: torch.Tensor) -> KDAProjection:
         num_rows = x.shape[0]
         h, d = self.num_heads, self.head_dim
         raw = self.w_fb(self.w_fa(x))
         rate = torch.exp(self.A_log).repeat_interleave(d)
+        dt_bias = self.dt_bias
+        beta = torch.sigmoid(self.w_b(x))
+        if not self.is_whole:  # whole-tensor kernels, then this rank's heads
+            lo, hi = self.head_lo, self.head_lo + h
+            rate, dt_bias, beta = rate[lo * d:hi * d], dt_bias[lo * d:hi * d], beta[:, lo:hi].contiguous()
         if self.cfg.kda_gate == "softplus":
-            g = -rate * F.softplus(raw + self.dt_bias)
+            g = -rate * F.softplus(raw + dt_bias)
         else:
-            g = self.cfg.kda_gate_lower_bound * torch.sigmoid(rate * (raw + self.dt_bias))
+            g = self.cfg.kda_gate_lower_bound * torch.sigmoid(rate * (raw + dt_bias))
         return KDAProjection(
             qkv=self.w_qkv(x),
             gate_out=self.w_g(x),
             g=g.view(num_rows, h, d),
-            beta=torch.sigmoid(self.w_b(x)),
+            beta=beta,
         )
 
     def split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,10 +104,14 @@ class KDA(nn.Module):
         q = l2_normalize(q) * d**-0.5
         return q, l2_normalize(k), v
 
-    def output(self, o: torch.Tensor, gate_out: torch.Tensor) -> torch.Tensor:
-        """o [R, H, d] -> [R, d_model]."""
+    def head_output(self, o: torch.Tensor, gate_out: torch.Tensor) -> torch.Tensor:
+        """o [R, H, d] (the local heads) -> [R, H * d]: per-head RMSNorm, then the sigmoid output gate."""
         normed = rms_norm(o, self.o_norm, self.cfg.rms_eps).reshape(o.shape[0], -1)
-        return self.wo(normed * torch.sigmoid(gate_out))
+        return normed * torch.sigmoid(gate_out)
+
+    def output(self, o: torch.Tensor, gate_out: torch.Tensor) -> torch.Tensor:
+        """o [R, H, d] -> [R, d_model] (a whole layer)."""
+        return self.wo(self.head_output(o, gate_out))
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:

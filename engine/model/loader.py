@@ -33,6 +33,7 @@ import torch
 
 from engine.model.checkpoint import CheckpointError, read_header, weight_files
 from engine.model.model import KimiModel
+from engine.model.shards import TensorSplit
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def scan(directory: str | Path) -> dict[str, TensorEntry]:
 def check_plan(model: KimiModel, pieces: list[Piece], entries: dict[str, TensorEntry],
                skipped: set[str]) -> None:
     """Refuse before reading: a parameter no piece fills, a tensor no piece reads, a missing source, a shape."""
-    params = dict(model.named_parameters())
+    params = _full_params(model)
     filled = {p.param for p in pieces}
     unfilled = sorted(set(params) - filled)
     if unfilled:
@@ -109,6 +110,16 @@ def check_plan(model: KimiModel, pieces: list[Piece], entries: dict[str, TensorE
         if _squeeze(entry.shape) != _squeeze(tuple(target.shape)):
             raise CheckpointError(f"tensor {entry.name} has shape {list(entry.shape)}, the engine's "
                                   f"{piece.param} needs {list(target.shape)}")
+
+
+def _full_params(model: KimiModel) -> dict[str, torch.Tensor]:
+    """Every parameter as the whole model has it: the rank's own where it holds all of it, else an empty tensor of
+    the full shape on the meta device (what the plan is checked against)."""
+    out = {}
+    for name, p in model.named_parameters():
+        split = model.splits[name]
+        out[name] = torch.empty(split.full_shape, device="meta") if split.is_sharded else p
+    return out
 
 
 def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -193,7 +204,16 @@ class _Reader:
             return self._dequantize(name, raw)
         return raw
 
-    def _dequantize(self, name: str, raw: torch.Tensor) -> torch.Tensor:
+    def view_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of the tensor's dim 0 as stored (FP8: only those rows dequantized, with their scales)."""
+        e = self.entries[name]
+        if e.dtype != torch.float8_e4m3fn:
+            return self.view(name)[lo:hi]
+        count = (e.end - e.start)
+        raw = torch.frombuffer(self._map(e.path), dtype=e.dtype, count=count, offset=e.start).view(e.shape)
+        return self._dequantize(name, raw, lo, hi)
+
+    def _dequantize(self, name: str, raw: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         scale_name = name[: -len("weight")] + "weight_scale_inv" if name.endswith("weight") else None
         if scale_name is None or scale_name not in self.entries:
             raise CheckpointError(f"tensor {name} is float8_e4m3fn without a weight_scale_inv")
@@ -206,9 +226,12 @@ class _Reader:
         if tuple(scale.shape) != want:
             raise CheckpointError(f"tensor {scale_name} has shape {list(scale.shape)}, blocks of {b0}x{b1} over "
                                   f"{name} {list(raw.shape)} need {list(want)}")
-        full = scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+        hi = rows if hi is None else hi
+        first = lo // b0  # only the scale rows of rows [lo, hi)
+        full = scale[first:-(-hi // b0)].repeat_interleave(b0, 0)[lo - first * b0:hi - first * b0]
+        full = full.repeat_interleave(b1, 1)[:, :cols]
         self.release(scale_name)
-        return raw.float() * full
+        return raw[lo:hi].float() * full
 
     def mapped(self, name: str, shape: torch.Size) -> torch.Tensor | None:
         """The tensor as a private, populated mapping of its own bytes (None when its offset is not aligned to
@@ -270,7 +293,8 @@ def fp8_block_size(quantization: dict | None) -> tuple[int, int] | None:
 def load_pieces(model: KimiModel, pieces: list[Piece], entries: dict[str, TensorEntry], skipped: set[str],
                 block_size: tuple[int, int] | None, zero_copy: bool = True) -> None:
     """Check the plan, then fill every parameter, tensor by tensor in file order (module docstring; `zero_copy`
-    False copies every tensor)."""
+    False copies every tensor). A rank's shard (`model.splits`) reads only its rows of each sharded tensor
+    (`_load_rows`): the tensors of other ranks' experts are not read at all."""
     check_plan(model, pieces, entries, skipped)
     if skipped:
         log.info("checkpoint: skipping %d tensors of multi-token-prediction layers", len(skipped))
@@ -280,6 +304,9 @@ def load_pieces(model: KimiModel, pieces: list[Piece], entries: dict[str, Tensor
     try:
         with torch.no_grad():
             for piece in order:
+                if model.splits[piece.param].is_sharded:
+                    _load_rows(reader, piece, params[piece.param], model.splits[piece.param])
+                    continue
                 target = params[piece.param] if piece.index is None else params[piece.param][piece.index]
                 if zero_copy and _can_share(piece, target, entries):
                     shared = reader.mapped(piece.sources[0], target.shape)
@@ -299,3 +326,40 @@ def load_pieces(model: KimiModel, pieces: list[Piece], entries: dict[str, Tensor
                     reader.release(s)
     finally:
         reader.close()
+
+
+def _piece_rows(piece: Piece, full_rows: int) -> tuple[int, int, bool]:
+    """The full parameter's dim-0 rows [lo, hi) a piece fills, and whether its source is one row of it (an
+    integer index: one expert) rather than rows matching the source's dim 0."""
+    if piece.index is None:
+        return 0, full_rows, False
+    first = piece.index[0]
+    if isinstance(first, int):
+        return first, first + 1, True
+    lo, hi, step = first.indices(full_rows)
+    assert step == 1 and len(piece.index) == 1, f"{piece.param}: pieces of a sharded tensor slice dim 0 only"
+    return lo, hi, False
+
+
+def _load_rows(reader: _Reader, piece: Piece, param: torch.Tensor, split: TensorSplit) -> None:
+    """Fill this rank's rows of a sharded parameter from one piece: for every run of the rank's rows that the
+    piece covers, only those rows of the source are read (a combined piece: rows of its first source, which its
+    `combine` maps row by row, as `names._fold` does)."""
+    lo, hi, is_one_row = _piece_rows(piece, split.full_shape[0])
+    at = 0
+    for run_lo, run_hi in split.rows:
+        a, b = max(lo, run_lo), min(hi, run_hi)
+        if a < b:
+            dst = param[at + a - run_lo: at + b - run_lo]
+            if is_one_row:
+                value = reader.view(piece.sources[0]).reshape(dst.shape)
+            else:
+                first = reader.view_rows(piece.sources[0], a - lo, b - lo)
+                rest = [reader.view(s) for s in piece.sources[1:]]
+                value = piece.combine(first, *rest) if piece.combine is not None else first
+                value = value.reshape(dst.shape)
+            dst.copy_(value)
+            del value
+        at += run_hi - run_lo
+    for s in piece.sources:
+        reader.release(s)

@@ -29,6 +29,7 @@ from torch import nn
 from engine.model.config import ModelConfig
 from engine.model.indexer import Indexer, IndexQueries, index_scores, model_rotary, select_topk
 from engine.model.numerics import RMSNorm, RowLinear, apply_rope, cache_decode, cache_encode, yarn_mscale
+from engine.model.shards import WHOLE, ShardSpec
 
 QUERY_BLOCK = 256
 
@@ -55,10 +56,18 @@ class MLAProjection:
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """One MLA + DSA layer. Built with a `ShardSpec` of W ranks it holds heads [head_lo, head_lo + num_local_heads)
+    of wq_b, wkv_b and wg and d_model/W output rows of wo (engine/model/shards.py): `project` then gives the local
+    heads' queries and gate, `head_output` the local heads' gated values, and `wo` maps every head's values to
+    this rank's output features; the parallel paths move the data in between."""
+
+    def __init__(self, cfg: ModelConfig, shard: ShardSpec = WHOLE) -> None:
         super().__init__()
         self.cfg = cfg
-        h, nope, rope, v = cfg.num_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim
+        self.head_lo, head_hi = shard.split(cfg.num_heads, "MLA heads")
+        self.num_local_heads = head_hi - self.head_lo
+        out_lo, out_hi = shard.split(cfg.d_model, "output rows (d_model)")
+        h, nope, rope, v = self.num_local_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim
         self.wq_a = RowLinear(cfg.d_model, cfg.q_lora_rank) if cfg.q_lora_rank else None
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_eps) if cfg.q_lora_rank else None
         self.wq_b = RowLinear(cfg.q_lora_rank or cfg.d_model, h * (nope + rope))
@@ -66,7 +75,7 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.rms_eps)
         self.wkv_b = nn.Parameter(torch.empty(h * (nope + v), cfg.kv_lora_rank), requires_grad=False)
         self.wg = RowLinear(cfg.d_model, h * v) if cfg.mla_output_gate else None
-        self.wo = RowLinear(h * v, cfg.d_model)
+        self.wo = RowLinear(cfg.num_heads * v, out_hi - out_lo)
         self.indexer = Indexer(cfg) if cfg.dsa_indexer else None
         self.rotary = model_rotary(cfg)
         self.softmax_scale = (nope + rope) ** -0.5
@@ -79,24 +88,38 @@ class MLA(nn.Module):
         return cache_decode(raw, self.cfg.latent_dtype, self.latent_scale)
 
     def w_uk(self) -> torch.Tensor:
-        """[H, qk_nope, kv_lora]"""
+        """[H, qk_nope, kv_lora] (the local heads)"""
         cfg = self.cfg
-        return self.wkv_b.view(cfg.num_heads, cfg.qk_nope_dim + cfg.v_head_dim, -1)[:, : cfg.qk_nope_dim]
+        return self.wkv_b.view(self.num_local_heads, cfg.qk_nope_dim + cfg.v_head_dim, -1)[:, : cfg.qk_nope_dim]
 
     def w_uv(self) -> torch.Tensor:
-        """[H, v_head_dim, kv_lora]"""
+        """[H, v_head_dim, kv_lora] (the local heads)"""
         cfg = self.cfg
-        return self.wkv_b.view(cfg.num_heads, cfg.qk_nope_dim + cfg.v_head_dim, -1)[:, cfg.qk_nope_dim :]
+        return self.wkv_b.view(self.num_local_heads, cfg.qk_nope_dim + cfg.v_head_dim, -1)[:, cfg.qk_nope_dim :]
 
-    def queries(self, x: torch.Tensor, positions: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [R, d], positions [R] -> (qr [R, q_lora] (x itself when q_lora_rank is 0), q_nope [R, H, nope],
-        q_rope [R, H, rope] rotated)."""
+    def query_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, d] -> qr [R, q_lora] = RMSNorm(W_DQ x) (x itself when q_lora_rank is 0)."""
+        return self.q_norm(self.wq_a(x)) if self.wq_a is not None else x
+
+    def head_queries(self, qr: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """qr [R, q_lora], positions [R] (padded, `row_positions`) -> absorbed queries [R, H, kv_lora + rope] of
+        the local heads: [W_UK_h^T q^C_h | rotated q^R_h]."""
         cfg = self.cfg
-        qr = self.q_norm(self.wq_a(x)) if self.wq_a is not None else x
-        q = self.wq_b(qr).view(x.shape[0], cfg.num_heads, cfg.qk_nope_dim + cfg.qk_rope_dim)
+        q = self.wq_b(qr).view(qr.shape[0], self.num_local_heads, cfg.qk_nope_dim + cfg.qk_rope_dim)
         q_rope = apply_rope(q[..., cfg.qk_nope_dim :], positions, cfg.mla_rope, self.rotary)
-        return qr, q[..., : cfg.qk_nope_dim], q_rope
+        q_lat = torch.matmul(q[..., : cfg.qk_nope_dim].transpose(0, 1), self.w_uk()).transpose(0, 1)
+        return torch.cat([q_lat, q_rope], dim=-1).contiguous()
+
+    def row_positions(self, num_rows: int, positions: torch.Tensor | None) -> torch.Tensor | None:
+        """The positions of `num_rows` padded rows (padding at position 0), or None when nothing rotates."""
+        cfg = self.cfg
+        if cfg.mla_rope == "none" and cfg.index_rope == "none":
+            return None
+        if positions is None:
+            raise ValueError("a rotary MLA needs the rows' positions")
+        pos = torch.zeros(num_rows, dtype=torch.int64)
+        pos[: positions.shape[0]] = positions
+        return pos
 
     def latent(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """x [R, d], positions [R] -> unquantised latent rows [R, kv_lora + rope] = [RMSNorm(c) | rotated k^R]."""
@@ -107,40 +130,54 @@ class MLA(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> MLAProjection:
         """x [R, d] (padded rows) at `positions` (the first len(positions) rows' absolute positions; the padding
-        rows get position 0; unused without rotary embeddings) -> every projection of the layer."""
-        cfg = self.cfg
-        pos = None
-        if cfg.mla_rope != "none" or cfg.index_rope != "none":
-            if positions is None:
-                raise ValueError("a rotary MLA needs the rows' positions")
-            pos = torch.zeros(x.shape[0], dtype=torch.int64)
-            pos[: positions.shape[0]] = positions
-        qr, q_nope, q_rope = self.queries(x, pos)
-        q_lat = torch.matmul(q_nope.transpose(0, 1), self.w_uk()).transpose(0, 1)  # [R, H, kv_lora]
-        if self.indexer is not None:
-            key_bytes, key_scale = self.indexer.keys(x, pos)
-            index_queries = self.indexer.queries(qr, x, pos)
-        else:  # dense MLA: the index pages hold zeros and no query scores them
-            key_bytes = torch.zeros(x.shape[0], cfg.index_key_value_bytes, dtype=torch.uint8)
-            key_scale = torch.zeros(x.shape[0])
-            index_queries = IndexQueries(q=torch.zeros(x.shape[0], cfg.index_num_heads, cfg.index_head_dim),
-                                         weights=torch.zeros(x.shape[0], cfg.index_num_heads))
+        rows get position 0; unused without rotary embeddings) -> every projection of the layer (the queries and
+        gate of the local heads)."""
+        pos = self.row_positions(x.shape[0], positions)
+        qr = self.query_latent(x)
+        latent_bytes, key_bytes, key_scale = self.cache_rows(x, pos)
         return MLAProjection(
-            q_absorbed=torch.cat([q_lat, q_rope], dim=-1).contiguous(),
-            latent_bytes=cache_encode(self.latent(x, pos), cfg.latent_dtype, self.latent_scale),
-            index_queries=index_queries,
+            q_absorbed=self.head_queries(qr, pos),
+            latent_bytes=latent_bytes,
+            index_queries=self.index_queries(qr, x, pos),
             index_key_bytes=key_bytes,
             index_key_scale=key_scale,
-            gate=self.wg(x) if self.wg is not None else None,
+            gate=self.gate(x),
         )
 
-    def output(self, o_latent: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        """o_latent [R, H, kv_lora] -> [R, d]: W_UV per head, sigmoid gate, W_O."""
+    def cache_rows(self, x: torch.Tensor, pos: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [R, d], padded positions -> what the cache keeps per token: (latent bytes, index-key bytes, key scale)."""
+        cfg = self.cfg
+        latent_bytes = cache_encode(self.latent(x, pos), cfg.latent_dtype, self.latent_scale)
+        if self.indexer is None:  # dense MLA: the index pages hold zeros and no query scores them
+            return (latent_bytes, torch.zeros(x.shape[0], cfg.index_key_value_bytes, dtype=torch.uint8),
+                    torch.zeros(x.shape[0]))
+        key_bytes, key_scale = self.indexer.keys(x, pos)
+        return latent_bytes, key_bytes, key_scale
+
+    def index_queries(self, qr: torch.Tensor, x: torch.Tensor, pos: torch.Tensor | None) -> IndexQueries:
+        """The indexer's queries of rows x (zeros for a dense MLA, which scores nothing)."""
+        cfg = self.cfg
+        if self.indexer is None:
+            return IndexQueries(q=torch.zeros(x.shape[0], cfg.index_num_heads, cfg.index_head_dim),
+                                weights=torch.zeros(x.shape[0], cfg.index_num_heads))
+        return self.indexer.queries(qr, x, pos)
+
+    def gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The output gate's pre-activations of the local heads [R, H * v] (None without mla_output_gate)."""
+        return self.wg(x) if self.wg is not None else None
+
+    def head_output(self, o_latent: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o_latent [R, H, kv_lora] (the local heads) -> [R, H * v]: W_UV per head, then the sigmoid gate."""
         o = torch.matmul(o_latent.transpose(0, 1), self.w_uv().transpose(1, 2)).transpose(0, 1)
         o = o.reshape(o.shape[0], -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return self.wo(o)
+        return o
+
+    def output(self, o_latent: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o_latent [R, H, kv_lora] -> [R, d]: W_UV per head, sigmoid gate, W_O (a whole layer)."""
+        return self.wo(self.head_output(o_latent, gate))
 
 
 def attention_topk(cfg: ModelConfig, num_keys: int) -> int:

@@ -31,7 +31,7 @@ from engine.model.kda import (
     kda_sequential,
     kda_recurrent_step,
 )
-from engine.model.mla import MLA, AttentionContext, attention_topk, decode_attention, sparse_attention
+from engine.model.mla import MLA, AttentionContext, MLAProjection, attention_topk, decode_attention, sparse_attention
 from engine.model.moe import DenseMLP, MoE
 from engine.model.numerics import (
     RMSNorm,
@@ -40,6 +40,7 @@ from engine.model.numerics import (
     pad_rows,
     pad_to,
 )
+from engine.model.shards import WHOLE, ShardSpec, TensorSplit, tensor_split
 from engine.model.state import (
     CachedAttention,
     KDAState,
@@ -58,14 +59,14 @@ Mixer = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, shard: ShardSpec = WHOLE) -> None:
         super().__init__()
         self.is_mla = (layer_id + 1) in cfg.mla_layers
         self.mixer_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
-        self.mixer: MLA | KDA = MLA(cfg) if self.is_mla else KDA(cfg)
+        self.mixer: MLA | KDA = MLA(cfg, shard) if self.is_mla else KDA(cfg, shard)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
         self.ffn: MoE | DenseMLP = (
-            DenseMLP(cfg.d_model, cfg.dense_intermediate) if layer_id < cfg.first_dense_layers else MoE(cfg)
+            DenseMLP(cfg.d_model, cfg.dense_intermediate) if layer_id < cfg.first_dense_layers else MoE(cfg, shard)
         )
 
 
@@ -83,21 +84,44 @@ def _slice_queries(q: IndexQueries, lo: int, hi: int) -> IndexQueries:
 
 
 class KimiModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The model, whole (`shard` WHOLE: `prefill` and `decode` run it on one device) or one rank's shard of it
+    (engine/model/shards.py: sharded parameters hold only the rank's rows; only the parallel paths of
+    engine/parallel run it). `splits` names every parameter's split and full shape."""
+
+    def __init__(self, cfg: ModelConfig, shard: ShardSpec = WHOLE) -> None:
         super().__init__()
         self.cfg = cfg.validate()
+        self.shard = shard
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model), requires_grad=False)
-        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Layer(cfg, i, shard) for i in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
         self.lm_head = RowLinear(cfg.d_model, cfg.vocab_size)
         self.mla_index = {i: cfg.mla_layers.index(i + 1) for i in range(cfg.num_layers) if (i + 1) in cfg.mla_layers}
         self.kda_index = {i: cfg.kda_layers.index(i + 1) for i in range(cfg.num_layers) if (i + 1) in cfg.kda_layers}
+        self.splits: dict[str, TensorSplit] = self._splits()
+
+    def _splits(self) -> dict[str, TensorSplit]:
+        if self.shard.is_whole:
+            full = {name: tuple(p.shape) for name, p in self.named_parameters()}
+        else:  # the whole model's shapes, from its parameters on the meta device (no memory)
+            with torch.device("meta"):
+                full = {name: tuple(p.shape) for name, p in KimiModel(self.cfg).named_parameters()}
+        splits = {name: tensor_split(self.cfg, self.shard, name, shape) for name, shape in full.items()}
+        for name, p in self.named_parameters():
+            assert splits[name].local_shape == tuple(p.shape), (name, splits[name], tuple(p.shape))
+        return splits
+
+    def _whole_only(self) -> None:
+        if not self.shard.is_whole:
+            raise RuntimeError(f"rank {self.shard.rank}'s shard of {self.shard.world_size} runs through "
+                               "engine/parallel (TPModel / DCPModel), not the single-device forward")
 
     # ---- prefill: T tokens of one request ----
     def prefill(
         self, token_ids: torch.Tensor, cache: SequenceCache, start: int = 0, all_logits: bool = False
     ) -> torch.Tensor:
         """token_ids [T] at positions start..start+T-1 -> logits [T, V] (all_logits) or [1, V] (last token)."""
+        self._whole_only()
         num_tokens = token_ids.shape[0]
         with device_scope(self.device):
             x = pad_rows(self.embed[token_ids.to(self.device)])
@@ -170,6 +194,7 @@ class KimiModel(nn.Module):
     # ---- decode: one token for each of B requests ----
     def decode(self, token_ids: torch.Tensor, positions: list[int], caches: list[SequenceCache]) -> torch.Tensor:
         """token_ids [B] at the given positions -> logits [B, V]."""
+        self._whole_only()
         batch = token_ids.shape[0]
         with device_scope(self.device):
             x = pad_rows(self.embed[token_ids.to(self.device)])
@@ -184,11 +209,17 @@ class KimiModel(nn.Module):
         self, mla: MLA, h: torch.Tensor, positions: list[int], caches: list[SequenceCache], mla_index: int
     ) -> torch.Tensor:
         """One MLA + DSA layer for B requests at their positions: write the new rows, score, select, attend."""
-        batch = len(caches)
         proj = mla.project(h, torch.tensor(positions))
+        return mla.output(self.decode_attend(mla, proj, h.shape[0], positions, caches, mla_index), proj.gate)
+
+    def decode_attend(self, mla: MLA, proj: MLAProjection, num_rows: int, positions: list[int],
+                      caches: list[SequenceCache], mla_index: int) -> torch.Tensor:
+        """Write B requests' new cache rows and attend with every head of `proj.q_absorbed` -> o^lat
+        [num_rows (padded), H, kv_lora]."""
+        batch = len(caches)
         write_attention_many(caches, mla_index, positions, proj.latent_bytes[:batch], proj.index_key_bytes[:batch],
                              proj.index_key_scale[:batch])
-        o_lat = h.new_zeros(h.shape[0], self.cfg.num_heads, self.cfg.kv_lora_rank)
+        o_lat = proj.q_absorbed.new_zeros(num_rows, proj.q_absorbed.shape[1], self.cfg.kv_lora_rank)
         for lo in range(0, batch, DECODE_ATTENTION_GROUP):  # bounds the padded context tensors
             hi = min(lo + DECODE_ATTENTION_GROUP, batch)
             lengths = [p + 1 for p in positions[lo:hi]]
@@ -205,7 +236,7 @@ class KimiModel(nn.Module):
                 mla.softmax_scale,
                 self.cfg.kv_lora_rank,
             )
-        return mla.output(o_lat, proj.gate)
+        return o_lat
 
     def _kda_decode(self, kda: KDA, h: torch.Tensor, caches: list[SequenceCache], kda_index: int) -> torch.Tensor:
         batch = len(caches)

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from engine.model.config import ModelConfig
 from engine.model.numerics import ROW_BLOCK, RMSNorm, RowLinear, pad_rows
+from engine.model.shards import WHOLE, ShardSpec
 
 
 class DenseMLP(nn.Module):
@@ -36,12 +37,18 @@ class DenseMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The MoE block. Built with a `ShardSpec` of W ranks it holds routed experts [expert_lo, expert_lo + E/W) only
+    (w1, w3, w2; engine/model/shards.py) and `forward` refuses to run: the expert-parallel wrapper
+    (engine/parallel/tp.py) routes each pair to its owner."""
+
+    def __init__(self, cfg: ModelConfig, shard: ShardSpec = WHOLE) -> None:
         super().__init__()
         self.cfg = cfg
-        e, lat, inter = cfg.num_experts, cfg.moe_latent_dim, cfg.moe_intermediate
-        self.router = RowLinear(cfg.d_model, e)
-        self.correction_bias = nn.Parameter(torch.zeros(e), requires_grad=False)
+        self.expert_lo, expert_hi = shard.split(cfg.num_experts, "routed experts")
+        self.is_whole = shard.is_whole
+        e, lat, inter = expert_hi - self.expert_lo, cfg.moe_latent_dim, cfg.moe_intermediate
+        self.router = RowLinear(cfg.d_model, cfg.num_experts)
+        self.correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
         self.w_down_latent = RowLinear(cfg.d_model, lat) if lat else None
         self.latent_norm = RMSNorm(lat, cfg.rms_eps) if lat else None
         self.w_up_latent = RowLinear(lat, cfg.d_model) if lat else None
@@ -80,11 +87,14 @@ class MoE(nn.Module):
     def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
         """One routed expert on z [n, latent] (n a multiple of 64)."""
         assert z.shape[0] % ROW_BLOCK == 0
-        hidden = F.silu(z @ self.w1[e].t()) * (z @ self.w3[e].t())
-        return hidden @ self.w2[e].t()
+        j = e - self.expert_lo
+        hidden = F.silu(z @ self.w1[j].t()) * (z @ self.w3[j].t())
+        return hidden @ self.w2[j].t()
 
     def forward(self, x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
         """x [R, d] (padded rows); only the first num_rows rows are routed (the rest yield the shared part only)."""
+        if not self.is_whole:
+            raise RuntimeError("a MoE holding only its rank's experts runs through the expert-parallel wrapper")
         num_rows = x.shape[0] if num_rows is None else num_rows
         ids, weights = self.route(x)
         ids, weights = ids[:num_rows], weights[:num_rows]

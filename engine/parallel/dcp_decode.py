@@ -34,7 +34,7 @@ from engine.model.mla import MLA, attention_topk, sparse_mla_gathered
 from engine.model.model import KimiModel
 from engine.model.numerics import device_scope, pad_rows
 from engine.model.state import KDAState
-from engine.parallel.comm import all_gather_stack, all_gather_varlen
+from engine.parallel.comm import all_gather_varlen
 from engine.parallel.dcp_attention import (
     PartialAttention,
     dcp_combine,
@@ -43,7 +43,7 @@ from engine.parallel.dcp_attention import (
 from engine.parallel.dcp_layout import DCPLayout
 from engine.parallel.dcp_merge import MergeResult, compact_merge, generic_merge
 from engine.parallel.groups import ParallelContext
-from engine.parallel.kda_shard import head_range, qkv_channels
+from engine.parallel.sharded import check_shard, mla_output, output_rows, project_all_heads
 
 MODES = ("dcp", "tp")
 ATTENTION = ("exact", "lse")
@@ -79,6 +79,7 @@ def parallel_decode(ctx: ParallelContext, model: KimiModel, token_ids: torch.Ten
         raise ValueError(f"decode mode must be one of {MODES}, got {mode!r}")
     if attention not in ATTENTION:
         raise ValueError(f"DCP attention must be one of {ATTENTION}, got {attention!r}")
+    check_shard(ctx, model)
     layout = layout or DCPLayout(ctx.world_size)
     stats = DecodeStats()
     batch = token_ids.shape[0]
@@ -108,12 +109,12 @@ class _Step:
 
     def mla(self, mla: MLA, h: torch.Tensor, idx: int) -> torch.Tensor:
         start = time.perf_counter()
+        proj = project_all_heads(self.ctx, mla, h, torch.tensor(self.positions))
         if self.mode == "tp":  # every rank holds the whole cache: attend exactly as one rank does
-            out = self.model.mla_decode(mla, h, self.positions, self.caches, idx)
+            o_lat = self.model.decode_attend(mla, proj, h.shape[0], self.positions, self.caches, idx)
             self.stats.attention_s += time.perf_counter() - start
-            return out
+            return mla_output(self.ctx, mla, o_lat, proj.gate)
         cfg = self.model.cfg
-        proj = mla.project(h, torch.tensor(self.positions))
         batch = len(self.positions)
         for b, (pos, cache) in enumerate(zip(self.positions, self.caches)):
             cache.write_attention(idx, pos, proj.latent_bytes[b:b + 1], proj.index_key_bytes[b:b + 1],
@@ -127,7 +128,7 @@ class _Step:
         self.stats.attention_s += time.perf_counter() - start
         out = h.new_zeros(h.shape[0], cfg.num_heads, cfg.kv_lora_rank)
         out[:batch] = o_lat
-        return mla.output(out, proj.gate)
+        return mla_output(self.ctx, mla, out, proj.gate)
 
     def _select(self, proj, owned: list) -> MergeResult:  # type: ignore[no-untyped-def]
         """Score this rank's owned index keys; the exact global top-k merge says which of them are selected."""
@@ -186,22 +187,19 @@ class _Step:
 
 
 def _kda(ctx: ParallelContext, model: KimiModel, kda, h: torch.Tensor, caches: list, idx: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    cfg = model.cfg
+    """One KDA layer on the rank's heads (its shard's projections, state and conv taps), then `output_rows`."""
     batch = len(caches)
     proj = kda.project(h)
-    lo, hi = head_range(cfg, ctx.world_size, ctx.rank)
-    per, d = hi - lo, cfg.kda_head_dim
-    channels = qkv_channels(cfg, lo, hi)
+    per, d = kda.num_heads, kda.head_dim
     states = [c.read_kda(idx) for c in caches]
-    conv_out, conv_state = causal_conv_step(proj.qkv[:batch, channels], torch.stack([s.conv for s in states]),
-                                            kda.conv_weight[channels])
+    conv_out, conv_state = causal_conv_step(proj.qkv[:batch], torch.stack([s.conv for s in states]),
+                                            kda.conv_weight)
     q, k, v = conv_out.view(-1, 3, per, d).unbind(1)
     q = l2_normalize(q) * d**-0.5
-    o, recurrent = kda_recurrent_step(q, l2_normalize(k), v, proj.g[:batch, lo:hi], proj.beta[:batch, lo:hi],
+    o, recurrent = kda_recurrent_step(q, l2_normalize(k), v, proj.g[:batch], proj.beta[:batch],
                                       torch.stack([s.recurrent for s in states]))
     for b, cache in enumerate(caches):
         cache.write_kda(idx, KDAState(recurrent[b], conv_state[b]))
-    o_all = all_gather_stack(ctx, o).permute(1, 0, 2, 3).reshape(batch, cfg.kda_num_heads, d)
-    out = h.new_zeros(h.shape[0], cfg.kda_num_heads, d)
-    out[:batch] = o_all
-    return kda.output(out, proj.gate_out)
+    out = h.new_zeros(h.shape[0], per, d)
+    out[:batch] = o
+    return output_rows(ctx, kda.wo, kda.head_output(out, proj.gate_out))

@@ -53,14 +53,15 @@ def rank_cache(cfg: ModelConfig, capacity: int, world_size: int, rank: int) -> L
     return cache
 
 
-def kda_core_heads(kda: KDA, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: KDAState,
-                   channels: torch.Tensor) -> tuple[torch.Tensor, KDAState]:
-    """Conv + KDA (token by token, as `KimiModel.prefill`) for one request's T tokens on a head slice.
+def kda_core_heads(kda: KDA, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: KDAState
+                   ) -> tuple[torch.Tensor, KDAState]:
+    """Conv + KDA (token by token, as `KimiModel.prefill`) for one request's T tokens on the heads of `kda` (a
+    rank's shard: its heads' conv taps).
 
-    qkv [T, 3*h*d] (the slice's channels), g [T, h, d], beta [T, h], state: the slice's state.
+    qkv [T, 3*h*d] (the heads' channels), g [T, h, d], beta [T, h], state: the heads' state.
     """
     num_heads, d = g.shape[1], g.shape[2]
-    conv_out, conv_state = causal_conv(qkv, state.conv, kda.conv_weight[channels])
+    conv_out, conv_state = causal_conv(qkv, state.conv, kda.conv_weight)
     q, k, v = conv_out.view(-1, 3, num_heads, d).unbind(1)
     q = l2_normalize(q) * d**-0.5
     o, recurrent = kda_sequential(q, l2_normalize(k), v, g, beta, state.recurrent)

@@ -34,7 +34,8 @@ from engine.model.numerics import device_scope, pad_rows, pad_to
 from engine.model.state import SequenceCache
 from engine.parallel.comm import all_gather_varlen, all_to_all_list
 from engine.parallel.groups import ParallelContext
-from engine.parallel.kda_shard import head_range, kda_core_heads, qkv_channels
+from engine.parallel.kda_shard import kda_core_heads
+from engine.parallel.sharded import all_heads, check_shard
 from engine.parallel.shard_plan import ShardPlan, all_plans, scatter_to_global
 
 MODES = ("token", "head")
@@ -104,6 +105,29 @@ class _Step:
                                          if i != self.ctx.rank)
         return all_to_all_list(self.ctx, chunks)
 
+    def all_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows -> every new token's row [N, ...], request by request in position order."""
+        return torch.cat(self.gather_rows(rows), dim=0)
+
+    def rows_of(self, rank: int) -> torch.Tensor:
+        """Where rank `rank`'s rows sit in the `all_rows` order."""
+        starts = torch.tensor([0] + self.batch.lengths).cumsum(0)
+        return torch.cat([starts[b] + offs for b, offs in enumerate(self.plans[rank].offsets)])
+
+    def gather_heads(self, local: torch.Tensor) -> torch.Tensor:
+        """[N, h, ...] of this rank's heads for every new token -> [N, W*h, ...] (all-gather over heads)."""
+        self.stats.exchange_bytes += local.numel() * local.element_size() * (self.ctx.world_size - 1)
+        return all_heads(self.ctx, local)
+
+    def project_out(self, wo: torch.nn.Module, values: torch.Tensor) -> torch.Tensor:
+        """Gated values of this rank's heads for every new token [N, h*v] -> this rank's rows of the output
+        projection [rows, d_model]: every head's values gathered, this rank's d_model/W output features for every
+        token (its rows of wo), and one all-to-all hands each rank its tokens' features (engine/parallel/sharded)."""
+        every_head = pad_rows(self.gather_heads(values))
+        mine = wo(every_head)[: values.shape[0]]                                # [N, d_model / W]
+        parts = self.exchange([mine[self.rows_of(r)] for r in range(self.ctx.world_size)])
+        return torch.cat(parts, dim=1)
+
 
 def parallel_prefill(ctx: ParallelContext, model: KimiModel, batch: PrefillBatch, caches: list[SequenceCache],
                      mode: str = "token", record_selections: bool = False, all_logits: bool = False
@@ -114,6 +138,7 @@ def parallel_prefill(ctx: ParallelContext, model: KimiModel, batch: PrefillBatch
         raise ValueError(f"prefill mode must be one of {MODES}, got {mode!r}")
     if not batch.token_ids or min(batch.lengths) < 1:
         raise ValueError("every request of a prefill step needs at least one new token")
+    check_shard(ctx, model)
     with device_scope(ctx.device):
         return _parallel_prefill(ctx, model, batch, caches, mode, record_selections, all_logits)
 
@@ -162,10 +187,11 @@ def _last_logits(step: _Step, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _write_new_rows(step: _Step, mla: MLA, proj, num_rows: int, mla_index: int) -> None:  # type: ignore[no-untyped-def]
-    latent = step.gather_rows(proj.latent_bytes[:num_rows])
-    keys = step.gather_rows(proj.index_key_bytes[:num_rows])
-    scales = step.gather_rows(proj.index_key_scale[:num_rows])
+def _write_new_rows(step: _Step, latent_bytes: torch.Tensor, key_bytes: torch.Tensor, key_scale: torch.Tensor,
+                    num_rows: int, mla_index: int) -> None:
+    latent = step.gather_rows(latent_bytes[:num_rows])
+    keys = step.gather_rows(key_bytes[:num_rows])
+    scales = step.gather_rows(key_scale[:num_rows])
     for b, cache in enumerate(step.caches):
         cache.write_attention(mla_index, step.batch.starts[b], latent[b], keys[b], scales[b])
 
@@ -196,64 +222,82 @@ def _own_positions(step: _Step) -> torch.Tensor:
 
 
 def _mla_layer(step: _Step, mla: MLA, h: torch.Tensor, num_rows: int, mla_index: int) -> torch.Tensor:
-    cfg = step.model.cfg
-    proj = mla.project(h, _own_positions(step))
-    _write_new_rows(step, mla, proj, num_rows, mla_index)
+    """One MLA + DSA layer. The cache rows and the indexer's queries come from the rank's own rows (replicated
+    weights); every new token's hidden row is all-gathered, so the rank computes its heads' queries and gate for
+    every token; the attention runs per mode; `project_out` maps the heads' values to the rank's rows."""
+    pos = mla.row_positions(h.shape[0], _own_positions(step))
+    qr = mla.query_latent(h)
+    latent_bytes, key_bytes, key_scale = mla.cache_rows(h, pos)
+    _write_new_rows(step, latent_bytes, key_bytes, key_scale, num_rows, mla_index)
     if step.record:
         step.stats.selections.append([])
         step.stats.selection_positions.append([])
-    o_lat = h.new_zeros(num_rows, cfg.num_heads, cfg.kv_lora_rank)
+    h_all = pad_rows(step.all_rows(h[:num_rows]))
+    num_all = sum(step.batch.lengths)
+    pos_all = mla.row_positions(h_all.shape[0], _all_positions(step))
+    qr_all = mla.query_latent(h_all)
+    q_local = mla.head_queries(qr_all, pos_all)[:num_all]                    # [N, H/W, C]: this rank's heads
     if step.mode == "token":
-        for b, (offs, rows) in enumerate(zip(step.me.offsets, step.me.row_slices())):
-            if offs.numel():
-                iq = IndexQueries(q=proj.index_queries.q[rows], weights=proj.index_queries.weights[rows])
-                o_lat[rows] = _attend(step, mla, mla_index, b, proj.q_absorbed[rows], iq, step.batch.starts[b] + offs)
+        o_local = _token_sharded_attention(step, mla, q_local, mla.index_queries(qr, h, pos), num_rows, mla_index)
     else:
-        o_lat = _head_sharded_attention(step, mla, proj, num_rows, mla_index)
-    return mla.output(pad_to(o_lat, h.shape[0]), proj.gate)
+        o_local = _head_sharded_attention(step, mla, q_local, mla.index_queries(qr_all, h_all, pos_all), mla_index)
+    values = mla.head_output(pad_to(o_local, h_all.shape[0]), mla.gate(h_all))[:num_all]
+    return pad_to(step.project_out(mla.wo, values), h.shape[0])
 
 
-def _head_sharded_attention(step: _Step, mla: MLA, proj, num_rows: int, mla_index: int  # type: ignore[no-untyped-def]
-                            ) -> torch.Tensor:
+def _all_positions(step: _Step) -> torch.Tensor:
+    """Absolute positions of every new token, in the `all_rows` order."""
+    return torch.cat([s + torch.arange(n) for s, n in zip(step.batch.starts, step.batch.lengths)])
+
+
+def _token_sharded_attention(step: _Step, mla: MLA, q_local: torch.Tensor, iq: IndexQueries, num_rows: int,
+                             mla_index: int) -> torch.Tensor:
+    """All-to-all #1: (every token, this rank's heads) -> (this rank's tokens, every head); the indexer and sparse
+    MLA for the rank's own queries; all-to-all #2 back to (every token, this rank's heads)."""
     cfg, ctx = step.model.cfg, step.ctx
-    if cfg.num_heads % ctx.world_size:
-        raise ValueError(f"{cfg.num_heads} MLA heads do not split over {ctx.world_size} ranks")
-    per = cfg.num_heads // ctx.world_size
-    q_own = proj.q_absorbed[:num_rows]
-    recv = step.exchange([q_own[:, r * per:(r + 1) * per].contiguous() for r in range(ctx.world_size)])
-    q_all = scatter_to_global(recv, step.plans, step.batch.lengths)           # per request [T, H/W, C]
-    iq_q = step.gather_rows(proj.index_queries.q[:num_rows])
-    iq_w = step.gather_rows(proj.index_queries.weights[:num_rows])
-    outs = []
+    world, per = ctx.world_size, mla.num_local_heads
+    q_own = torch.cat(step.exchange([q_local[step.rows_of(r)] for r in range(world)]), dim=1)   # [rows, H, C]
+    o_lat = q_own.new_zeros(num_rows, cfg.num_heads, cfg.kv_lora_rank)
+    for b, (offs, rows) in enumerate(zip(step.me.offsets, step.me.row_slices())):
+        if offs.numel():
+            own_iq = IndexQueries(q=iq.q[rows], weights=iq.weights[rows])
+            o_lat[rows] = _attend(step, mla, mla_index, b, q_own[rows], own_iq, step.batch.starts[b] + offs)
+    back = step.exchange([o_lat[:, r * per:(r + 1) * per].contiguous() for r in range(world)])
+    out = o_lat.new_zeros(sum(step.batch.lengths), per, cfg.kv_lora_rank)
+    for r, part in enumerate(back):
+        out[step.rows_of(r)] = part
+    return out
+
+
+def _head_sharded_attention(step: _Step, mla: MLA, q_local: torch.Tensor, iq: IndexQueries, mla_index: int
+                            ) -> torch.Tensor:
+    """The indexer and sparse MLA of this rank's heads for every token (no query exchange: the rank computed
+    them); equal to one rank's within fp32 (the score GEMM runs on H/W heads)."""
+    outs, at = [], 0
     for b, length in enumerate(step.batch.lengths):
+        rows = slice(at, at + length)
         positions = step.batch.starts[b] + torch.arange(length)
-        outs.append(_attend(step, mla, mla_index, b, q_all[b], IndexQueries(q=iq_q[b], weights=iq_w[b]), positions)
-                    if length else q_all[b].new_zeros(0, per, cfg.kv_lora_rank))
-    back = [torch.cat([o[pl.offsets[b]] for b, o in enumerate(outs)]) for pl in step.plans]
-    return torch.cat(step.exchange(back), dim=1)                              # [rows, H, kv_lora]
+        outs.append(_attend(step, mla, mla_index, b, q_local[rows],
+                            IndexQueries(q=iq.q[rows], weights=iq.weights[rows]), positions))
+        at += length
+    return torch.cat(outs, dim=0)
 
 
 def _kda_layer(step: _Step, kda, h: torch.Tensor, num_rows: int, kda_index: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    cfg, ctx = step.model.cfg, step.ctx
-    proj = kda.project(h)
-    d = cfg.kda_head_dim
-    sends = []
-    for r in range(ctx.world_size):
-        lo, hi = head_range(cfg, ctx.world_size, r)
-        sends.append(torch.cat([proj.qkv[:num_rows, qkv_channels(cfg, lo, hi)],
-                                proj.g[:num_rows, lo:hi].reshape(num_rows, (hi - lo) * d), proj.beta[:num_rows, lo:hi]],
-                               dim=1))
-    lo, hi = head_range(cfg, ctx.world_size, ctx.rank)
-    per = hi - lo
-    channels = qkv_channels(cfg, lo, hi)
-    per_request = scatter_to_global(step.exchange(sends), step.plans, step.batch.lengths)
-    outs = []
-    for b, rows in enumerate(per_request):
-        qkv, g, beta = rows.split([3 * per * d, per * d, per], dim=1)
+    """One KDA layer: every new token's hidden row is all-gathered, the rank projects its heads for every token,
+    runs conv + KDA per request on them in position order, and `project_out` maps the heads' outputs to the rank's
+    rows."""
+    h_all = pad_rows(step.all_rows(h[:num_rows]))
+    proj = kda.project(h_all)
+    per, d = kda.num_heads, kda.head_dim
+    outs, at = [], 0
+    for b, length in enumerate(step.batch.lengths):
+        rows = slice(at, at + length)
         state = step.caches[b].read_kda(kda_index)
-        o, state = kda_core_heads(kda, qkv, g.reshape(-1, per, d), beta, state, channels)
+        o, state = kda_core_heads(kda, proj.qkv[rows], proj.g[rows], proj.beta[rows], state)
         step.caches[b].write_kda(kda_index, state)
         outs.append(o)
-    back = [torch.cat([o[pl.offsets[b]] for b, o in enumerate(outs)]) for pl in step.plans]
-    o_own = torch.cat(step.exchange(back), dim=1)                             # [rows, H, d]
-    return kda.output(pad_to(o_own, h.shape[0]), proj.gate_out)
+        at += length
+    o_all = pad_to(torch.cat(outs, dim=0), h_all.shape[0])                   # [N, H/W, d]
+    values = kda.head_output(o_all, proj.gate_out)[:at]
+    return pad_to(step.project_out(kda.wo, values), h.shape[0])

@@ -1,18 +1,14 @@
-"""Tensor/expert parallelism applied to a built single-device model (gpt-fast style: the model never knows).
+"""Expert parallelism of the MoE layers over a rank group (gpt-fast style: the model never knows).
 
-`apply_tp(model, ctx)` shards what is worth sharding in memory and keeps every result bit-identical to the
-single-rank model, by moving data and never partial sums:
-- MoE: expert parallelism. Rank r keeps experts [r*E/W, (r+1)*E/W) only (`ExpertParallelMoE` replaces each
-  `MoE` in place; the other experts' weights are dropped). Each rank routes its own rows, sends each row's
-  latent z to the ranks owning its chosen experts (all_to_all), every owner runs its experts on the rows it
-  received (padded to the row block, so each row's result does not depend on its neighbours), and the
-  per-slot expert outputs travel back (all_to_all). Every (row, slot) output comes from exactly one rank, so
-  the combine selects rather than sums, and then adds the slots in ascending expert id as `MoE.forward` does.
-- KDA heads: the recurrent/conv state and the KDA core are head-sharded by the parallel prefill/decode
-  (engine.parallel.kda_shard); the KDA projection weights stay whole, because every linear runs with
-  its full weight on a rank's token rows (no cross-rank split-K sums).
-- MLA/indexer projections stay whole for the same reason (the MLA latent is replicated under TP anyway).
-World size 1 leaves the model untouched.
+`apply_tp(model, ctx)` makes every MoE expert-parallel, bit-identical to the single-rank model, by moving data
+and never partial sums. Rank r holds experts [r*E/W, (r+1)*E/W) only: a rank's shard of the model
+(engine/model/shards.py) was built with just those; a whole replica (the fast kernels' model) keeps copies of
+them. Each rank routes its own rows, sends each row's latent z to the ranks owning its chosen experts
+(all_to_all), every owner runs its experts on the rows it received (padded to the row block, so each row's
+result does not depend on its neighbours), and the per-slot expert outputs travel back (all_to_all). Every
+(row, slot) output comes from exactly one rank, so the combine selects rather than sums, and then adds the slots
+in ascending expert id as `MoE.forward` does. The head-sharded MLA and KDA weights are run by the parallel
+prefill and decode (engine/parallel/prefill.py, sharded.py). World size 1 leaves the model untouched.
 """
 
 from __future__ import annotations
@@ -39,12 +35,17 @@ class ExpertParallelMoE(nn.Module):
         self.cfg, self.ctx = cfg, ctx
         self.per_rank = cfg.num_experts // ctx.world_size
         self.first = ctx.rank * self.per_rank
-        own = slice(self.first, self.first + self.per_rank)
         self.router, self.correction_bias = moe.router, moe.correction_bias
         self.w_down_latent, self.latent_norm, self.w_up_latent = moe.w_down_latent, moe.latent_norm, moe.w_up_latent
-        self.w1 = nn.Parameter(moe.w1[own].clone(), requires_grad=False)
-        self.w3 = nn.Parameter(moe.w3[own].clone(), requires_grad=False)
-        self.w2 = nn.Parameter(moe.w2[own].clone(), requires_grad=False)
+        if moe.is_whole:  # a whole MoE (a replica the fast kernels also run): keep copies of this rank's experts
+            own = slice(self.first, self.first + self.per_rank)
+            self.w1 = nn.Parameter(moe.w1[own].clone(), requires_grad=False)
+            self.w3 = nn.Parameter(moe.w3[own].clone(), requires_grad=False)
+            self.w2 = nn.Parameter(moe.w2[own].clone(), requires_grad=False)
+        elif moe.expert_lo != self.first or moe.w1.shape[0] != self.per_rank:
+            raise ValueError(f"rank {ctx.rank} of {ctx.world_size} holds experts from {moe.expert_lo}, not its own")
+        else:  # the rank's shard: its experts are all it holds
+            self.w1, self.w3, self.w2 = moe.w1, moe.w3, moe.w2
         self.shared = moe.shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +92,7 @@ class ExpertParallelMoE(nn.Module):
 
 
 def apply_tp(model: KimiModel, ctx: ParallelContext) -> KimiModel:
-    """Shard the built model for `ctx` in place (see module docstring) and return it."""
+    """Run the model's MoE layers expert-parallel over `ctx` (in place; see module docstring) and return it."""
     if ctx.is_single:
         return model
     for layer in model.layers:

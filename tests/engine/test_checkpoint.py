@@ -150,11 +150,11 @@ def test_tp2_and_dcp2_match_transformers(rank_pool) -> None:  # noqa: ANN001
         cfg = exact_config(kind)
         ids = prompt(cfg)
         want_logits, want = oracle(kind, ids)
-        prefill = rank_pool.run(_ranks.prefill_case, cfg, [ids], [0], "token", PROMPT_TOKENS, True, True)
+        prefill = rank_pool.run(_ranks.prefill_case, cfg, [ids], [0], "token", PROMPT_TOKENS, True)
         for rank, res in enumerate(prefill):
             assert_close(res["logits"], want_logits)
         for mode in ("tp", "dcp"):
-            decoded = rank_pool.run(_ranks.decode_case, cfg, [ids], GREEDY_TOKENS - 1, mode, 1, "compact", True)
+            decoded = rank_pool.run(_ranks.decode_case, cfg, [ids], GREEDY_TOKENS - 1, mode, 1, "compact")
             for res in decoded:
                 assert res["tokens"][0] == want, f"{kind} {mode}: greedy tokens differ"
 

@@ -35,18 +35,23 @@ def attention_case(ctx: ParallelContext, q: torch.Tensor, keys: torch.Tensor, va
     return merged.out, merged.lse
 
 
-def prefill_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], prefix_lens: list[int], mode: str,
-                 capacity: int, expert_parallel: bool = False, all_logits: bool = False) -> dict:
-    """Build the seeded model, prefill each prompt's prefix (if any) then the rest in one batch."""
+def rank_model(ctx: ParallelContext, cfg):  # noqa: ANN001, ANN201
+    """This rank's shard of the seeded model (engine/model/shards.py), its MoE expert-parallel."""
+    from engine.model.shards import ShardSpec
     from engine.model.weights import build_model
+    from engine.parallel.tp import apply_tp
+
+    return apply_tp(build_model(cfg, shard=ShardSpec(ctx.world_size, ctx.rank)), ctx)
+
+
+def prefill_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], prefix_lens: list[int], mode: str,
+                 capacity: int, all_logits: bool = False) -> dict:
+    """Build this rank's shard of the seeded model, prefill each prompt's prefix (if any) then the rest in one
+    batch."""
     from engine.parallel.kda_shard import rank_cache
     from engine.parallel.prefill import PrefillBatch, parallel_prefill
 
-    from engine.parallel.tp import apply_tp
-
-    model = build_model(cfg)
-    if expert_parallel:
-        apply_tp(model, ctx)
+    model = rank_model(ctx, cfg)
     caches = [rank_cache(cfg, capacity, ctx.world_size, ctx.rank) for _ in prompts]
     with_prefix = [b for b, n in enumerate(prefix_lens) if n]
     if with_prefix:
@@ -58,15 +63,14 @@ def prefill_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], prefix_
 
 
 def decode_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], steps: int, mode: str, interleave: int,
-                merge: str, expert_parallel: bool = False, attention: str = "exact") -> dict:
-    """Prefill each prompt on one rank's full cache, shard it (DCP or TP), decode `steps` greedy tokens."""
+                merge: str, attention: str = "exact") -> dict:
+    """Prefill each prompt with the whole model into one full cache, shard the cache (DCP or TP), decode `steps`
+    greedy tokens with this rank's shard of the model."""
     from engine.model.state import LocalSequenceCache
     from engine.model.weights import build_model
     from engine.parallel.dcp_cache import DCPRankCache
     from engine.parallel.dcp_decode import parallel_decode
     from engine.parallel.kda_shard import shard_state
-
-    from engine.parallel.tp import apply_tp
 
     model = build_model(cfg)
     capacity = max(p.numel() for p in prompts) + steps + 1
@@ -80,8 +84,7 @@ def decode_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], steps: i
         else:
             full.kda = [shard_state(cfg, s, ctx.world_size, ctx.rank) for s in full.kda]
             caches.append(full)
-    if expert_parallel:
-        apply_tp(model, ctx)
+    model = rank_model(ctx, cfg)
     positions = [p.numel() for p in prompts]
     merge_bytes, fallbacks = 0, 0
     for _ in range(steps):

@@ -50,7 +50,7 @@ def test_two_rank_decode_matches_oracle(pool2, oracle, mode: str, interleave: in
     """Exact attention (TP; DCP by default) gives the single-rank logits bit for bit after 64 steps; DCP's LSE
     merge of partial outputs agrees within fp32 rounding."""
     want_tokens, want_logits = oracle
-    results = pool2.run(_ranks.decode_case, CFG, prompts(), STEPS, mode, interleave, "compact", mode == "tp",
+    results = pool2.run(_ranks.decode_case, CFG, prompts(), STEPS, mode, interleave, "compact",
                         attention)
     for res in results:
         assert res["tokens"] == want_tokens, f"{mode} greedy tokens differ from the single-rank oracle"

@@ -75,8 +75,8 @@ def test_token_sharded_two_ranks_bitwise_equal_to_single_rank(pool2, oracle, cas
     new, prefix = CASES[case]
     ps = prompts([a + b for a, b in zip(new, prefix)])
     want_logits, want_caches = oracle(tuple(new), tuple(prefix), 0)
-    # uneven-batch also shards the MoE experts (tp.apply_tp): still bitwise.
-    results = pool2.run(_ranks.prefill_case, CFG, ps, list(prefix), "token", 1024, case == "uneven-batch")
+    # every rank holds its shard of the weights (heads, experts, output rows): still bitwise.
+    results = pool2.run(_ranks.prefill_case, CFG, ps, list(prefix), "token", 1024)
     for res in results:
         assert torch.equal(res["logits"], want_logits), "logits differ from the single-rank prefill"
     assert_same_cache([r["caches"] for r in results], want_caches, new, prefix)
@@ -147,7 +147,7 @@ def test_all_logits_two_ranks_bitwise_equal_to_single_rank(pool2, mode: str) -> 
         if n:
             model.prefill(p[:n], cache, 0)
         want.append(model.prefill(p[n:], cache, n, all_logits=True))
-    results = pool2.run(_ranks.prefill_case, CFG, ps, list(prefix), mode, 1024, False, True)
+    results = pool2.run(_ranks.prefill_case, CFG, ps, list(prefix), mode, 1024, True)
     for res in results:
         assert res["logits"].shape == (sum(new), CFG.vocab_size)
         if mode == "token":
