@@ -3,7 +3,8 @@
 commands itself (engine/api.py `RankEngine`: `Engine.apply`, `import_kv`, `step_events`, `rank_stats`).
 
 What it decides: where the rank computes (`config.device` "cuda" is the GPU the rank's context bound: rank r on the
-node's local GPU r; weights, the row pool and every intermediate there), which SPMD wrapper runs the model
+node's local GPU r; weights, the row pool and every intermediate there), what the rank holds of the weights (its shard of a TP or DCP
+group, engine/model/shards.py; a whole replica for the fast TP/DCP kernels), which SPMD wrapper runs the model
 (engine/parallel/spmd.py: `TimedModel` on one rank, `TPModel` over a TP group, `DCPModel` on a DCP pool with its
 `DCPRowCache` views), then the engine's kernel set (engine/kernels.py, resolved by the Engine: an explicit "fast" it
 cannot run raises here naming why) and its warm-up before the rank reports in. The config is used whole (no field
@@ -51,6 +52,7 @@ def build_rank_engine(config: EngineConfig, ctx: Any, clock: Callable[[], float]
     node never decodes)."""
     from engine.engine import Engine
     from engine.model.config import resolve_model
+    from engine.model.shards import WHOLE, ShardSpec
     from engine.model.weights import build_model
     from engine.parallel.spmd import DCPModel, TimedModel, TPModel
 
@@ -58,8 +60,11 @@ def build_rank_engine(config: EngineConfig, ctx: Any, clock: Callable[[], float]
         raise ValueError(f"a DCP pool runs one rank per DCP rank: dcp_size {config.dcp_size}, {ctx.world_size} ranks")
     device = rank_device(config.device, ctx)
     config = dataclasses.replace(config, device=str(device))
+    # a rank of a TP/DCP group holds only its shard of the weights (engine/model/shards.py); the fast TP/DCP steps
+    # run a whole replica, so kernels="fast" builds it whole (TPModel keeps the shard beside it)
+    shard = ShardSpec(ctx.world_size, ctx.rank) if config.kernels != "fast" else WHOLE
     built = build_model(resolve_model(config.model, config.exact_index_scores), config.seed, config.weights,
-                        device=device)
+                        device=device, shard=shard)
     make_cache = None
     if config.dcp_size > 1:
         model: Any = DCPModel(built, ctx, token_shard_min_tokens)

@@ -52,19 +52,29 @@ class TimedModel:
 
 
 class TPModel(TimedModel):
-    """A full model replica whose prefill and decode run SPMD over the rank group (engine/parallel):
-    prefill token-sharded (steps of at least `token_threshold` tokens) or head-sharded, decode with KDA
-    heads split and the attention heads split (TP). Logits are identical on every rank, so every rank's
-    scheduler samples the same tokens. The pool's KDA rows hold this rank's heads (layout tp_size = W).
+    """The rank's shard of the model (engine/model/shards.py: its heads, experts and output rows), whose prefill
+    and decode run SPMD over the rank group (engine/parallel): prefill token-sharded (steps of at least
+    `token_threshold` tokens) or head-sharded, decode with the KDA and attention heads split (TP), MoE expert
+    parallel. Logits are identical on every rank, so every rank's scheduler samples the same tokens. The pool's
+    KDA rows hold this rank's heads (layout tp_size = W).
     With `fast_kernels(layout)` (an engine with kernels="fast") decode runs `fast_tp.TPFastDecoder` and prefill
-    `fast_prefill.TPFastPrefiller` (same modes, fast kernels) instead."""
+    `fast_prefill.TPFastPrefiller` (same modes, fast kernels) instead; those run a whole replica, so such a rank
+    is given the whole model and keeps its shard beside it for the reference paths (`shard_of`)."""
 
     parallelism = "tp"
 
     def __init__(self, model: Any, ctx: Any, token_threshold: int) -> None:
+        from engine.model.shards import ShardSpec
+        from engine.model.weights import shard_of
+        from engine.parallel.tp import apply_tp
+
         super().__init__(model)
         self.ctx, self.token_threshold = ctx, token_threshold
         self.cfg = model.cfg
+        spec = ShardSpec(ctx.world_size, ctx.rank)
+        self.sharded = apply_tp(model if model.shard == spec else shard_of(model, spec), ctx)
+        """The rank's shard (the model itself, or a copy of its rows when `model` is whole): what the reference
+        SPMD prefill and decode run."""
         self.alltoall_bytes = 0
         self.fast_decoder: Any = None
         """The fast TP decode step (`fast_kernels`), or None: the reference TP decode."""
@@ -93,7 +103,7 @@ class TPModel(TimedModel):
             result = self.fast_prefiller.prefill(cache.pool.buffer, token_ids, cache.table.attn_row_ids,
                                                  cache.table.kda_row_ids, start, mode, all_logits)
         else:
-            result = parallel_prefill(self.ctx, self.model, batch, [cache], mode, all_logits=all_logits)
+            result = parallel_prefill(self.ctx, self.sharded, batch, [cache], mode, all_logits=all_logits)
         self.timings.append(("prefill", f"{mode}_sharded", time.perf_counter() - started))
         self.alltoall_bytes += result.stats.exchange_bytes
         return result.logits
@@ -105,7 +115,12 @@ class TPModel(TimedModel):
             return decode_on_pool(self.fast_decoder, self.fast_decoder.layout, token_ids, positions, caches)
         from engine.parallel.dcp_decode import parallel_decode
 
-        return parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="tp").logits
+        return parallel_decode(self.ctx, self.sharded, token_ids, positions, caches, mode="tp").logits
+
+    def _need_whole(self) -> None:
+        if not self.model.shard.is_whole:
+            raise ValueError("the fast TP/DCP kernels run a whole replica: build the rank's model whole "
+                             "(engine/rank_engine.py does for kernels='fast')")
 
     def fast_kernels(self, layout: Any) -> "TimedModel":
         """The fast decode over the TP group (engine/parallel/fast_tp.py: KDA heads and experts split over the
@@ -114,6 +129,7 @@ class TPModel(TimedModel):
         from engine.parallel.fast_prefill import TPFastPrefiller
         from engine.parallel.fast_tp import TPFastDecoder
 
+        self._need_whole()
         self.fast_decoder = TPFastDecoder(self.model, layout, self.ctx)
         self.fast_prefiller = TPFastPrefiller(self.fast_decoder)
         return self
@@ -187,7 +203,7 @@ class DCPModel(TPModel):
             return logits
         from engine.parallel.dcp_decode import parallel_decode
 
-        result = parallel_decode(self.ctx, self.model, token_ids, positions, caches, mode="dcp",
+        result = parallel_decode(self.ctx, self.sharded, token_ids, positions, caches, mode="dcp",
                                  layout=caches[0].layout, merge=self.merge, attention=self.attention)
         self.merge_bytes += result.stats.merge_bytes
         self.merge_fallbacks += result.stats.merge_fallback_rows
@@ -201,6 +217,7 @@ class DCPModel(TPModel):
         from engine.kernels import cell, device_kind
         from engine.parallel.fast_dcp import DCPFastDecoder
 
+        self._need_whole()
         self.fast_decoder = DCPFastDecoder(self.model, layout, self.ctx)
         if self.ctx.rank == 0:
             device = device_kind(self.model.device)

@@ -12,9 +12,14 @@ def prefill_rows(ctx: ParallelContext, model, layout, prompts: list[torch.Tensor
     """A row pool of `layout` with each prompt prefilled by the reference (SPMD over `ctx`: the token-sharded
     prefill a TP node runs, which gives the single-rank bits), `spare` more tokens of rows each."""
     from engine.cache import RowPool, RowSequenceCache
+    from engine.model.shards import ShardSpec
+    from engine.model.weights import shard_of
     from engine.parallel.prefill import PrefillBatch, parallel_prefill
+    from engine.parallel.tp import apply_tp
 
     pool = RowPool(layout, model.cfg, 4 * len(prompts) + 4)
+    if not ctx.is_single:  # the reference SPMD prefill runs the rank's shard
+        shard = apply_tp(shard_of(model, ShardSpec(ctx.world_size, ctx.rank)), ctx)
     tables = []
     with torch.no_grad():
         for p in prompts:
@@ -23,7 +28,7 @@ def prefill_rows(ctx: ParallelContext, model, layout, prompts: list[torch.Tensor
             if ctx.is_single:
                 model.prefill(p, cache)
             else:
-                parallel_prefill(ctx, model, PrefillBatch((p,), (0,)), [cache], "token")
+                parallel_prefill(ctx, shard, PrefillBatch((p,), (0,)), [cache], "token")
             tables.append(table)
     return pool, tables
 
