@@ -1,7 +1,8 @@
-"""`pdcluster plan`: KV capacity of one instance (kv_transfer/cli.py, unchanged), or with `--workload` a cluster
-plan searched by simulation (sim/planner.py).
+"""`pdcluster plan`: KV capacity of one instance (kv_transfer/cli.py, unchanged), with `--shards` what one rank holds
+of the weights (cluster/shards.py), or with `--workload` a cluster plan searched by simulation (sim/planner.py).
 
     pdcluster plan --model kimi-k3.1-pro --gpu gb300 --gpus 8 --parallel tp8 ...       # capacity, as before
+    pdcluster plan --shards --model kimi-k3.1-pro --parallel tp8 [--rank R] [--json]   # one rank's weight shard
     pdcluster plan --workload sim/workloads/agentx-gb300.yaml --slo ttft_p99=2s,tpot_p50=30ms --gpus 64 \\
         --gpu gb300 [--profile gb300-k31-pro] [--values-out plan.yaml] [--json PATH]
 """
@@ -37,6 +38,10 @@ DEFAULT_PROFILES = {"gb300": "gb300-k31-pro"}
 
 
 def main(argv: list[str]) -> int:
+    if "--shards" in argv:
+        from cluster.shards import main as shards_main
+
+        return shards_main(argv)
     if "--workload" not in argv and not any(a.startswith("--workload=") for a in argv):
         from kv_transfer.cli import main as capacity_main
 
