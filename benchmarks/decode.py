@@ -61,14 +61,16 @@ def rank_run(ctx, preset: str, context: int, batch: int, steps: int, interleave:
 
     from engine.model.config import preset_or_file
     from engine.model.numerics import device_scope, fp8_quantize_rowwise, fp8_quantize_static
+    from engine.model.shards import ShardSpec
     from engine.model.weights import build_model
     from engine.parallel.dcp_cache import DCPRankCache
     from engine.parallel.dcp_decode import parallel_decode
     from engine.parallel.dcp_layout import DCPLayout
     from engine.parallel.kda_shard import rank_cache
+    from engine.parallel.tp import apply_tp
 
     cfg = preset_or_file(preset)
-    model = build_model(cfg, device=ctx.device)
+    model = apply_tp(build_model(cfg, device=ctx.device, shard=ShardSpec(ctx.world_size, ctx.rank)), ctx)
     layout = DCPLayout(ctx.world_size, interleave)
     capacity = context + steps + 1
     gen = torch.Generator().manual_seed(seed)

@@ -2,7 +2,8 @@
 
 Real rank processes (gloo on CPU, one torch thread each, pinned round-robin; or `--backend nccl --device cuda`,
 one GPU per rank, model, weights, caches and every intermediate on that GPU) run
-`engine.parallel.prefill.parallel_prefill` on the kimi-k3.1-mini model for one prompt of each length, in
+`engine.parallel.prefill.parallel_prefill` on each rank's shard of the kimi-k3.1-mini model (engine/model/shards.py:
+its heads, experts and output rows) for one prompt of each length, in
 both modes, alternating in one run so machine noise hits both. Reported per (W, prompt): the attention
 module (indexer + sparse MLA incl. cache dequantisation; slowest rank) and the whole prefill step (slowest
 rank, = TTFT without HTTP), with the head/token ratios. The append case prefills --prefix tokens first
@@ -62,13 +63,15 @@ def rank_run(ctx, preset: str, new_tokens: int, prefix: int, seed: int, modes: l
 
     from engine.model.config import preset_or_file
     from engine.model.numerics import device_scope
+    from engine.model.shards import ShardSpec
     from engine.model.weights import build_model
     from engine.parallel.kda_shard import rank_cache
     from engine.parallel.prefill import PrefillBatch, parallel_prefill
+    from engine.parallel.tp import apply_tp
 
     torch.manual_seed(seed)
     cfg = preset_or_file(preset)
-    model = build_model(cfg, device=ctx.device)
+    model = apply_tp(build_model(cfg, device=ctx.device, shard=ShardSpec(ctx.world_size, ctx.rank)), ctx)
     tokens = torch.randint(0, 256, (prefix + new_tokens,), generator=torch.Generator().manual_seed(seed))
     with device_scope(ctx.device):  # CPU: no-op
         base = rank_cache(cfg, prefix + new_tokens, ctx.world_size, ctx.rank)

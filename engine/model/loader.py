@@ -113,12 +113,12 @@ def check_plan(model: KimiModel, pieces: list[Piece], entries: dict[str, TensorE
 
 
 def _full_params(model: KimiModel) -> dict[str, torch.Tensor]:
-    """Every parameter as the whole model has it: the rank's own where it holds all of it, else an empty tensor of
-    the full shape on the meta device (what the plan is checked against)."""
+    """Every parameter as the whole model has it: the rank's own where it holds all of it, else a stride-0 view of
+    one zero with the full shape (no memory; what the plan's shapes are checked against)."""
     out = {}
     for name, p in model.named_parameters():
         split = model.splits[name]
-        out[name] = torch.empty(split.full_shape, device="meta") if split.is_sharded else p
+        out[name] = torch.zeros(1).expand(*split.full_shape) if split.is_sharded else p
     return out
 
 

@@ -101,12 +101,7 @@ class KimiModel(nn.Module):
         self.splits: dict[str, TensorSplit] = self._splits()
 
     def _splits(self) -> dict[str, TensorSplit]:
-        if self.shard.is_whole:
-            full = {name: tuple(p.shape) for name, p in self.named_parameters()}
-        else:  # the whole model's shapes, from its parameters on the meta device (no memory)
-            with torch.device("meta"):
-                full = {name: tuple(p.shape) for name, p in KimiModel(self.cfg).named_parameters()}
-        splits = {name: tensor_split(self.cfg, self.shard, name, shape) for name, shape in full.items()}
+        splits = {name: tensor_split(self.cfg, self.shard, name, tuple(p.shape)) for name, p in self.named_parameters()}
         for name, p in self.named_parameters():
             assert splits[name].local_shape == tuple(p.shape), (name, splits[name], tuple(p.shape))
         return splits

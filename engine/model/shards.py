@@ -83,33 +83,45 @@ _KDA_HEAD = {"w_qkv.weight": 3, "conv_weight": 3, "w_g.weight": 1, "w_fb.weight"
 _LAYER = re.compile(r"^layers\.(\d+)\.(mixer|ffn)\.(.+)$")
 
 
-def tensor_split(cfg: ModelConfig, spec: ShardSpec, name: str, full_shape: tuple[int, ...]) -> TensorSplit:
-    """The split of parameter `name` (engine names, as `KimiModel.named_parameters`) of full shape `full_shape`."""
-    whole = TensorSplit("replicated", full_shape, ((0, full_shape[0]),) if full_shape else ())
+def split_kind(cfg: ModelConfig, name: str) -> str:
+    """The kind of split of parameter `name` (engine names, as `KimiModel.named_parameters`) on W > 1 ranks."""
     match = _LAYER.match(name)
-    if spec.is_whole or match is None:
-        return whole
+    if match is None:
+        return "replicated"
     layer, part, leaf = int(match.group(1)), match.group(2), match.group(3)
     is_mla = (layer + 1) in cfg.mla_layers
     if part == "ffn":
-        if leaf in ("w1", "w3", "w2"):
-            lo, hi = spec.split(cfg.num_experts, "routed experts")
-            return TensorSplit("expert", full_shape, ((lo, hi),))
-        return whole
+        return "expert" if leaf in ("w1", "w3", "w2") else "replicated"
     if leaf == "wo.weight":
-        lo, hi = spec.split(cfg.d_model, "output rows (d_model)")
-        return TensorSplit("output_rows", full_shape, ((lo, hi),))
+        return "output_rows"
     if is_mla and leaf in _MLA_HEAD:
+        return "attention_head"
+    if not is_mla and leaf in _KDA_HEAD:
+        return "kda_head"
+    return "replicated"
+
+
+def tensor_split(cfg: ModelConfig, spec: ShardSpec, name: str, local_shape: tuple[int, ...]) -> TensorSplit:
+    """The split of parameter `name` whose shape on this rank is `local_shape` (every split is even, so the whole
+    tensor has W times its dim-0 rows)."""
+    kind = "replicated" if spec.is_whole else split_kind(cfg, name)
+    if kind == "replicated":
+        return TensorSplit(kind, local_shape, ((0, local_shape[0]),) if local_shape else ())
+    full_shape = (local_shape[0] * spec.world_size,) + local_shape[1:]
+    if kind == "expert":
+        rows = (spec.split(cfg.num_experts, "routed experts"),)
+    elif kind == "output_rows":
+        rows = (spec.split(cfg.d_model, "output rows (d_model)"),)
+    elif kind == "attention_head":
         lo, hi = spec.split(cfg.num_heads, "MLA heads")
         per = full_shape[0] // cfg.num_heads
-        return TensorSplit("attention_head", full_shape, ((lo * per, hi * per),))
-    if not is_mla and leaf in _KDA_HEAD:
+        rows = ((lo * per, hi * per),)
+    else:
         lo, hi = spec.split(cfg.kda_num_heads, "KDA heads")
-        runs, d = _KDA_HEAD[leaf], cfg.kda_head_dim
-        width = cfg.kda_num_heads * d
-        return TensorSplit("kda_head", full_shape, tuple((j * width + lo * d, j * width + hi * d)
-                                                         for j in range(runs)))
-    return whole
+        d, width = cfg.kda_head_dim, cfg.kda_num_heads * cfg.kda_head_dim
+        runs = _KDA_HEAD[name.rsplit(".mixer.", 1)[1]]
+        rows = tuple((j * width + lo * d, j * width + hi * d) for j in range(runs))
+    return TensorSplit(kind, full_shape, rows)
 
 
 @dataclass(frozen=True)
