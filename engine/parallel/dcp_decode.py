@@ -1,11 +1,13 @@
-"""W-rank decode step over the model's pieces: DCP (cache split by token) or TP (whole cache on every rank).
+"""W-rank decode step over a rank's shard of the model: DCP (cache split by token) or TP (whole cache on every rank).
 
 SPMD: every rank calls `parallel_decode(ctx, model, token_ids, positions, caches, mode)` with the same batch of
-B requests (one new token each). Token-wise work (norms, projections, MoE, logits) runs on all B rows on every
-rank with the full weights (B is small in decode; the rows are identical everywhere, so every rank ends the
-step with identical logits and needs no broadcast). KDA heads are split in both modes: each rank steps its
-own heads' state (per-head work, bitwise as on one rank), and one all-gather of o restores all heads before
-the output projection.
+B requests (one new token each); `model` is this rank's shard (engine/model/shards.py, MoE expert-parallel).
+Token-wise work on replicated weights (norms, latent and indexer projections, router, logits) runs on all B rows
+on every rank (the rows are identical everywhere, so every rank ends the step with identical logits and needs no
+broadcast). Per-head work runs on the rank's heads (engine/parallel/sharded.py): its heads' queries are
+all-gathered into every head's; W_UV, the gate and KDA (its heads' state, per-head work, bitwise as on one rank)
+run on its heads; the gated values are all-gathered, the rank computes its rows of the output projection, and
+one all-gather of the output features restores [B, d_model].
 
 MLA + DSA attention:
 - dcp: each rank holds only its owned tokens (`DCPRankCache`). Every rank has the broadcast query (computed
@@ -17,7 +19,7 @@ MLA + DSA attention:
   tokens and the LSE merge combines the partial outputs in rank order (moves [H, d_c] per rank instead of
   the selected latents; equal within fp32 rounding).
 - tp: every rank holds the whole cache (replicated latent) and runs the single-rank indexer and sparse MLA
-  for all heads (`KimiModel.mla_decode`): splitting heads changes the score GEMM's shape and its last bits.
+  for all heads (`KimiModel.decode_attend`): splitting heads changes the score GEMM's shape and its last bits.
 World size 1 in either mode is the plain single-rank decode on the same code path.
 """
 

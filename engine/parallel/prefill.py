@@ -1,21 +1,25 @@
-"""W-rank prefill of a batch of requests: token-sharded (all-to-all) or head-sharded MLA+DSA attention.
+"""W-rank prefill of a batch of requests over each rank's weight shard: token-sharded or head-sharded MLA+DSA.
 
-SPMD: every rank calls `parallel_prefill(ctx, model, batch, caches, mode)` with the same batch; the model is a
-full replica (engine.model, untouched), each rank's caches hold the whole attention rows (replicated, as under
-TP) and its own KDA heads (`kda_shard.rank_cache`). Data moves, partial sums never do: only all_gather and
-all_to_all move data, every linear runs with its full weight on whole rows of a rank's token share, and the
-attention and KDA cores run unchanged code on a query subset or head subset, so each value is computed by
-the same ops on the same inputs as in the single-rank `KimiModel.prefill`.
+SPMD: every rank calls `parallel_prefill(ctx, model, batch, caches, mode)` with the same batch; `model` is this
+rank's shard (engine/model/shards.py: its MLA and KDA heads, routed experts and output rows; the MoE
+expert-parallel), each rank's caches hold the whole attention rows (replicated, as under TP) and its own KDA heads
+(`kda_shard.rank_cache`). Data moves, partial sums never do: only all_gather and all_to_all move data, every linear
+runs over full-length dot products (a sharded weight's own output rows), and the attention and KDA cores run
+unchanged code on a query subset or head subset, so each value is computed by the same ops on the same inputs as
+in the single-rank `KimiModel.prefill` (docs/SHARDING.md has the steps and the bytes moved).
 
-Per layer, both modes: token-local work (norms, projections, MoE) on the rank's rows; the new latent and
-index-key rows are all-gathered into every rank's cache; KDA: all-to-all #1 (own tokens, all heads) ->
-(all tokens, own heads), conv + KDA per request on the rank's heads, all-to-all #2 back.
-- token mode: rows are the zigzag split (pieces r and 2W-1-r of each request); each rank runs the indexer
-  and sparse MLA for its own queries only, all heads, against the replicated cache. The queries are born
-  token-sharded (full-weight projections on the rank's rows), so the attention needs no query exchange.
-- head mode (baseline, what plain TP does): rows are contiguous; all-to-all (own tokens, all heads) ->
-  (all tokens, own H/W heads) for the absorbed queries, all-gather of the indexer queries; every rank runs
-  the full indexer for every query and sparse MLA for its heads; all-to-all of o^lat back.
+Per layer, both modes: token-local work on replicated weights (norms, latent and indexer projections, MoE
+routing) on the rank's rows; the new latent and index-key rows are all-gathered into every rank's cache; every
+new token's hidden row is all-gathered, so the rank projects its heads (MLA queries and gate, KDA q/k/v, gates)
+for every token; the heads' gated outputs are all-gathered and the rank computes its output rows for every token,
+then one all-to-all hands each rank its tokens' features (`_Step.project_out`). KDA runs conv + KDA per request in
+position order on the rank's heads.
+- token mode (the seed's): rows are the zigzag split (pieces r and 2W-1-r of each request); all-to-all #1 turns
+  (every token, own heads) queries into (own tokens, every head); the indexer and sparse MLA run for the rank's
+  own queries with every head against the replicated cache; all-to-all #2 returns the outputs to (every token,
+  own heads). Bitwise equal to one rank.
+- head mode (baseline, what plain TP does): rows are contiguous; every rank runs the full indexer for every query
+  and sparse MLA for its heads (equal to one rank within fp32: the score GEMM runs on H/W heads).
 `choose_mode` picks per step: token mode when the step has at least `token_threshold` new tokens.
 World size 1 runs the same code with no collectives (= KimiModel.prefill).
 """
