@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass, field
 
 from loadgen.lengths import Dist, parse_dist
+from loadgen.mt import StreamRandom
 from loadgen.schedule import Fork, Message, RequestSpec, Session, Step
 from loadgen.text import seeded_words, words
 
@@ -95,7 +96,7 @@ class AgentXWorkload:
 
     def session(self, index: int) -> Session:
         cfg = self.config
-        rng = random.Random(f"{cfg.seed}:session:{index}")
+        rng = StreamRandom(f"{cfg.seed}:session:{index}")
         sid = f"agentx-{cfg.seed}-{index}"
         msgs = [self._system, self._message(rng, "user", cfg.task_len)]
         steps: list[Step] = []

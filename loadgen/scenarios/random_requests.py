@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
 from loadgen.lengths import Dist, parse_dist
+from loadgen.mt import StreamRandom
 from loadgen.schedule import Message, RequestSpec, Session
 from loadgen.text import words
 
@@ -32,7 +32,7 @@ class RandomWorkload:
         return {k: str(v) for k, v in vars(self.config).items()}
 
     def session(self, index: int) -> Session:
-        rng = random.Random(f"{self.config.seed}:random:{index}")
+        rng = StreamRandom(f"{self.config.seed}:random:{index}")
         num_in = self.config.input_len.sample_int(rng)
         num_out = self.config.output_len.sample_int(rng)
         rid = f"random-{self.config.seed}-{index}"
