@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable, Protocol, Union
 
 
@@ -33,8 +34,9 @@ class RequestSpec:
     arrival_s: float | None = None
     cancel_after_tokens: int | None = None
 
-    @property
+    @cached_property
     def num_input_tokens(self) -> int:
+        """Tokens of all messages (computed once: a session's later turns carry many messages)."""
         return sum(m.num_tokens for m in self.messages)
 
     def prompt(self) -> str:

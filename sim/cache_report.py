@@ -64,6 +64,19 @@ class ObservedPrefixCache(PrefixCache):
         super().drop_snapshot(block)
 
 
+def common_prefix(a: list[bytes], b: list[bytes]) -> int:
+    """How many leading keys two chains of block keys share. A chained key names its whole prefix
+    (engine/prefix_cache.py `chain_keys`), so equal keys at k mean equal keys before k: a binary search finds it."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class SessionReports:
     """Per session: (held tokens, resumable tokens), recomputed when something it depends on changed."""
 
@@ -75,27 +88,31 @@ class SessionReports:
         self._dirty: set[str] = set()
 
     def remember(self, session: str, old: tuple[list[bytes], list] | None, keys: list[bytes], tails: list) -> None:
+        """The session's record is now (keys, tails): index what it did not have (a turn's keys extend the last
+        turn's, so only the keys past their common prefix change)."""
+        kept = 0
         if old is not None:
-            self._unindex(session, old)
-        for key in keys:
+            kept = common_prefix(old[0], keys)
+            self._unindex(session, old[0][kept:], old[1])
+        for key in keys[kept:]:
             self._by_key.setdefault(key, set()).add(session)
         for tail in tails:
             self._by_tail.setdefault(id(tail), set()).add(session)
         self._dirty.add(session)
 
     def forget(self, session: str, old: tuple[list[bytes], list]) -> None:
-        self._unindex(session, old)
+        self._unindex(session, *old)
         self.figures.pop(session, None)
         self._dirty.discard(session)
 
-    def _unindex(self, session: str, old: tuple[list[bytes], list]) -> None:
-        for key in old[0]:
+    def _unindex(self, session: str, keys: list[bytes], tails: list) -> None:
+        for key in keys:
             found = self._by_key.get(key)
             if found is not None:
                 found.discard(session)
                 if not found:
                     del self._by_key[key]
-        for tail in old[1]:
+        for tail in tails:
             found = self._by_tail.get(id(tail))
             if found is not None:
                 found.discard(session)

@@ -38,6 +38,16 @@ MAX_SESSIONS = 1024
 """Sessions a node remembers for its cache report (engine/engine.py keeps as many)."""
 
 
+class SimRequest(Request):
+    """The engine's `Request`, compared by identity. The scheduler looks requests up in its lists (`req in
+    running`, `running.remove(req)`), where the dataclass equality compares every field of every member; request
+    ids are unique among a scheduler's requests, so two distinct requests are never equal and identity answers
+    the same."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
 @dataclass
 class Flight:
     """What the cluster wants to hear about one request on one instance."""
@@ -143,7 +153,7 @@ class SimInstance:
             self.loop.at(self.loop.now, self._begin)
 
     def _request(self, rid: str, prompt: TokenRuns, max_tokens: int, export: bool, session: str) -> Request:
-        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0, export=export,
+        req = SimRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0, export=export,
                       session=session)
         req.output_token_ids = TokenRuns()
         return req
@@ -389,10 +399,16 @@ class SimInstance:
         cache = self.cache
         self.reports.refresh(self.sessions)
         figures = self.reports.figures
-        recent = [(s, figures[s]) for s in reversed(self.sessions)]
+        held: dict[str, int] = {}
+        resumable: dict[str, int] = {}
+        for session in reversed(self.sessions):  # most recent first, as the engine lists them
+            tokens, resume = figures[session]
+            if tokens > 0:
+                held[session] = tokens
+            if resume > 0:
+                resumable[session] = resume
         return CacheReport(
-            block_tokens=self.layout.block_size, fingerprint="sim",
-            sessions={s: f[0] for s, f in recent if f[0] > 0}, resumable={s: f[1] for s, f in recent if f[1] > 0},
+            block_tokens=self.layout.block_size, fingerprint="sim", sessions=held, resumable=resumable,
             blocks_cached=cache.num_blocks, rows_free=self.pool.num_free, hits_tokens=cache.counters.hit_tokens,
             queried_tokens=cache.counters.queried_tokens, evicted_blocks=cache.counters.evicted_blocks,
             tails=cache.enabled and self.scheduler.resume)

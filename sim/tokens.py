@@ -28,9 +28,11 @@ _RUN = struct.Struct("<QII")
 
 
 class TokenRuns(Sequence[int]):
-    """An immutable token sequence stored as canonical runs (see the module docstring)."""
+    """An immutable token sequence stored as canonical runs (see the module docstring). Slices and `key_bytes`
+    are remembered per sequence: the prefill and the decode instance key the same prompt's blocks, and a block
+    published later is sliced again (a sequence is immutable, so a remembered slice stays right)."""
 
-    __slots__ = ("runs", "_ends")
+    __slots__ = ("_ends_list", "_key", "_length", "_slices", "runs")
 
     def __init__(self, runs: Sequence[tuple[int, int, int]] = ()) -> None:
         merged: list[tuple[int, int, int]] = []
@@ -42,23 +44,46 @@ class TokenRuns(Sequence[int]):
                 merged.append((uid, prev[1], prev[2] + length))
             else:
                 merged.append((uid, offset, length))
-        self.runs = tuple(merged)
-        self._ends = list(itertools.accumulate(r[2] for r in self.runs))
+        self._init(tuple(merged))
+
+    def _init(self, runs: tuple[tuple[int, int, int], ...]) -> None:
+        self.runs = runs
+        self._length = sum(r[2] for r in runs) if len(runs) > 1 else (runs[0][2] if runs else 0)
+        self._ends_list: list[int] | None = None
+        self._slices: dict[tuple[int, int], TokenRuns] | None = None
+        self._key: bytes | None = None
 
     @classmethod
     def _canonical(cls, runs: tuple[tuple[int, int, int], ...]) -> TokenRuns:
         """From runs already canonical (a slice or a join of canonical sequences): no merging pass."""
         obj = cls.__new__(cls)
-        obj.runs = runs
-        obj._ends = list(itertools.accumulate(r[2] for r in runs))
+        obj._init(runs)
         return obj
 
+    @property
+    def _ends(self) -> list[int]:
+        """End position of every run (computed when first indexed or sliced)."""
+        if self._ends_list is None:
+            self._ends_list = list(itertools.accumulate(r[2] for r in self.runs))
+        return self._ends_list
+
     def __len__(self) -> int:
-        return self._ends[-1] if self._ends else 0
+        return self._length
 
     def _slice(self, lo: int, hi: int) -> TokenRuns:
         if hi <= lo:
-            return TokenRuns()
+            return _EMPTY
+        if lo == 0 and hi >= self._length:
+            return self
+        memo = self._slices
+        if memo is None:
+            memo = self._slices = {}
+        found = memo.get((lo, hi))
+        if found is None:
+            found = memo[(lo, hi)] = self._cut(lo, hi)
+        return found
+
+    def _cut(self, lo: int, hi: int) -> TokenRuns:
         ends, runs = self._ends, self.runs
         first = bisect.bisect_right(ends, lo)
         last = bisect.bisect_left(ends, hi)  # the run holding token hi - 1
@@ -72,8 +97,8 @@ class TokenRuns(Sequence[int]):
         tail = (uid, offset, hi - ends[last - 1])
         return TokenRuns._canonical((head, *runs[first + 1:last], tail))
 
-    def __getitem__(self, index):  # noqa: ANN001 - int or slice, as a Sequence
-        n = len(self)
+    def __getitem__(self, index: int | slice) -> int | TokenRuns:  # type: ignore[override]
+        n = self._length
         if isinstance(index, slice):
             lo, hi, step = index.indices(n)
             if step != 1:
@@ -83,9 +108,10 @@ class TokenRuns(Sequence[int]):
             index += n
         if not 0 <= index < n:
             raise IndexError("token index out of range")
-        k = bisect.bisect_right(self._ends, index)
+        ends = self._ends
+        k = bisect.bisect_right(ends, index)
         uid, offset, _ = self.runs[k]
-        return uid << 32 | (offset + index - (self._ends[k - 1] if k else 0))
+        return uid << 32 | (offset + index - (ends[k - 1] if k else 0))
 
     def __iter__(self) -> Iterator[int]:
         return itertools.chain.from_iterable(range(u << 32 | o, (u << 32 | o) + n) for u, o, n in self.runs)
@@ -111,7 +137,9 @@ class TokenRuns(Sequence[int]):
         return hash(self.runs)
 
     def key_bytes(self) -> bytes:
-        return b"".join(_RUN.pack(*run) for run in self.runs)
+        if self._key is None:
+            self._key = b"".join(_RUN.pack(*run) for run in self.runs)
+        return self._key
 
     def extended(self, uid: int, count: int) -> TokenRuns:
         """This sequence followed by `count` more tokens of text `uid` (continuing its last run of `uid`)."""
@@ -123,11 +151,17 @@ class TokenRuns(Sequence[int]):
         return TokenRuns._canonical(self.runs + ((uid, 0, count),))
 
 
+_EMPTY = TokenRuns()
+
+
 class Interner:
-    """Text -> uid, by content (role, hash, length): equal texts get one uid, so equal prompts share blocks."""
+    """Text -> uid, by content (role, hash, length): equal texts get one uid, so equal prompts share blocks.
+    It also keeps each message's runs under a template (a turn re-sends every earlier message of its session)."""
 
     def __init__(self) -> None:
         self._uids: dict[object, int] = {}
+        self.message_runs: dict[Template, dict[tuple, tuple[tuple[int, int, int], ...]]] = {}
+        """Per template: (role, hash of content, tokens) -> the message's runs (header, content, end; none empty)."""
 
     def uid(self, key: object) -> int:
         found = self._uids.get(key)
@@ -164,13 +198,25 @@ class Template:
             return 1 + len(role.encode()) + 1  # ROLE id, "role\n"
         return max(0, self.tokens_per_message - 1)
 
+    def _message_runs(self, msg: Message, interner: Interner) -> tuple[tuple[int, int, int], ...]:
+        runs = ((interner.uid(("hdr", msg.role)), 0, self._header_len(msg.role)),
+                (interner.uid((msg.role, hash(msg.content), msg.num_tokens)), 0, self._content_len(msg)),
+                (interner.uid("end"), 0, 1 if self.kind == "bytes" or self.tokens_per_message else 0))
+        return tuple(run for run in runs if run[2] > 0)
+
     def prompt(self, messages: Sequence[Message], interner: Interner) -> TokenRuns:
-        """The templated prompt of `messages`, generation prompt included."""
-        runs = [(interner.uid("bos"), 0, 1)]
-        end = interner.uid("end")
+        """The templated prompt of `messages`, generation prompt included. Every run starts at offset 0 and none
+        is empty, so no two neighbours continue one text: the runs are canonical as they stand."""
+        memo = interner.message_runs.setdefault(self, {})
+        runs: list[tuple[int, int, int]] = [(interner.uid("bos"), 0, 1)]
+        interner.uid("end")  # numbered before any message's texts, as ever
         for msg in messages:
-            runs.append((interner.uid(("hdr", msg.role)), 0, self._header_len(msg.role)))
-            runs.append((interner.uid((msg.role, hash(msg.content), msg.num_tokens)), 0, self._content_len(msg)))
-            runs.append((end, 0, 1 if self.kind == "bytes" or self.tokens_per_message else 0))
-        runs.append((interner.uid(("hdr", "assistant")), 0, self._header_len("assistant")))
-        return TokenRuns(runs)
+            key = (msg.role, hash(msg.content), msg.num_tokens)
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = self._message_runs(msg, interner)
+            runs += found
+        header = self._header_len("assistant")
+        if header:
+            runs.append((interner.uid(("hdr", "assistant")), 0, header))
+        return TokenRuns._canonical(tuple(runs))
