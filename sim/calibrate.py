@@ -155,7 +155,40 @@ def _random_point(real, point: Point, out_dir: Path) -> dict:  # noqa: ANN001 - 
     if not level.num_ok:
         raise RuntimeError(f"calibration point {point.name}: no request succeeded ({level.errors_by_kind})")
     return {"ttft_s": level.ttft_ms.p50 / 1000, "tpot_s": (level.tpot_ms.p50 or 0) / 1000,
-            "prompt_tokens": level.input_tokens // level.num_ok, "num_ok": level.num_ok}
+            "prompt_tokens": level.input_tokens // level.num_ok, "num_ok": level.num_ok,
+            **chunk_counts(level.records)}
+
+
+def chunk_counts(records: list) -> dict[str, int]:
+    """Over the successful streams: chunks after each one's first, and tokens after each one's first (the
+    stream model's evidence: every token but the last releases text with probability text_token_p)."""
+    ok = [r for r in records if r.is_ok and r.completion_tokens]
+    return {"later_chunks": sum(max(0, len(r.chunk_s) - 1) for r in ok),
+            "later_tokens": sum(r.completion_tokens - 1 for r in ok)}
+
+
+def text_token_p(measured: dict[str, dict]) -> float:
+    """The share of tokens (all but each stream's last) that released text, pooled over the points."""
+    chunks = sum(v.get("later_chunks", 0) for v in measured.values())
+    tokens = sum(v.get("later_tokens", 0) for v in measured.values())
+    if chunks <= 0 or tokens <= 0:
+        raise ValueError("the measured points carry no chunk counts (later_chunks, later_tokens): measure again "
+                         "(a measured.json from before they were kept cannot fit the stream model)")
+    return min(1.0, chunks / tokens)
+
+
+def first_chunk_share(num_tokens: int, p: float, first_with_second: bool = True) -> float:
+    """The expected client TPOT of a steady stream of `num_tokens` tokens over its step time: the span from the
+    first chunk to the last, over num_tokens - 1 steps. The first chunk is the first token that releases text
+    (each with probability p; the last always flushes); an imported request's first token leaves with its second
+    (`first_with_second`), so the span never starts before the second token."""
+    if num_tokens <= 1:
+        return 1.0
+    n1, stay, total = num_tokens - 1, 1.0, 0.0
+    for k in range(n1):  # the first chunk is token k
+        total += stay * p * (n1 - max(k, 1 if first_with_second else 0))
+        stay *= 1.0 - p
+    return total / n1
 
 
 def _append_point(real, point: Point, out_dir: Path) -> dict:  # noqa: ANN001 - sim.measure.RealCluster
@@ -174,36 +207,57 @@ def _append_point(real, point: Point, out_dir: Path) -> dict:  # noqa: ANN001 - 
         raise RuntimeError(f"calibration point {point.name}: no second turn reused the first's cache (did the "
                            "session change pools?)")
     ttfts = sorted(r.ttft_s for r in second)
-    return {"ttft_s": ttfts[len(ttfts) // 2], "tpot_s": 0.0, "num_ok": len(second),
+    return {"ttft_s": ttfts[len(ttfts) // 2], "tpot_s": 0.0, "num_ok": len(second), **chunk_counts(second),
             "prompt_tokens": round(sum(r.prompt_tokens or 0 for r in second) / len(second)),
             "cached_tokens": round(sum(r.cached_tokens or 0 for r in second) / len(second))}
 
 
+ROUTER_S = 0.0005
+"""The router's own work per request (benchmarks/RESULTS.md 2026-12-03, evening)."""
+
+
 def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, command: str) -> dict:
-    """The profile JSON (a dict) fitted to `measured` (see the module docstring for the model)."""
+    """The profile JSON (a dict) fitted to `measured` (see the module docstring for the model).
+
+    What the client measures is chunks (sim/stream.py): every TPOT point is divided by the expected share of its
+    steps that its first-to-last chunk span covers (`first_chunk_share`, with the stream model's text_token_p,
+    itself measured from the points' chunk counts) before the step costs are fitted; a disaggregated TTFT ends
+    with the decode node's first step (the prefill node's token leaves with the second one), a colocated one
+    with the prefill step plus, when the first token releases no text, a decode step."""
     prefill, tp_pool, dcp_pool = _pools(config)
     p_eng = node_settings_class("prefill").model_validate(prefill.settings).engine
+    text_p = text_token_p(measured)
+
     def ctx(point: str, batch: int) -> float:
         v = measured[point]
         out = next(p.output for p in POINTS if p.name == point)
         return batch * (v["prompt_tokens"] + out / 2)
 
-    tp_rows = [[1, 1, ctx("tpot_tp_b1_short", 1)], [1, 4, ctx("tpot_tp_b4_short", 4)],
-               [1, 1, ctx("tpot_tp_b1_long", 1)]]
-    tp_y = [measured[k]["tpot_s"] for k in ("tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long")]
+    def share(point: str) -> float:
+        return first_chunk_share(next(p.output for p in POINTS if p.name == point), text_p)
+
+    tp_names = ("tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long")
+    tp_rows = [[1, 1, ctx(tp_names[0], 1)], [1, 4, ctx(tp_names[1], 4)], [1, 1, ctx(tp_names[2], 1)]]
+    tp_y = [measured[k]["tpot_s"] / share(k) for k in tp_names]
     d_base, d_seq, d_ctx = nonneg_lstsq(np.array(tp_rows, dtype=float), np.array(tp_y))
+
+    def d_step(prompt_tokens: float) -> float:
+        """The TP=1 decode node's step for one request right after its prompt."""
+        return d_base + d_seq + d_ctx * (prompt_tokens + 1)
+
     # prefill: a step's fixed cost is the decode pool's base (a constant per request cannot be told apart from
     # it when prompts take one step); the fit weighs every point by 1/TTFT (relative error)
     p_base = d_base
     ttft = [(k, v) for k, v in measured.items() if k.startswith("ttft_")]
     rows = [[1.0, *chunk_features(v["prompt_tokens"], p_eng.max_step_tokens, v.get("cached_tokens", 0))]
             for _, v in ttft]
-    y = np.array([v["ttft_s"] - p_base * row[1] for (_, v), row in zip(ttft, rows)])
+    y = np.array([v["ttft_s"] - p_base * row[1] - d_step(v["prompt_tokens"]) for (_, v), row in zip(ttft, rows)])
     weights = np.array([1.0 / v["ttft_s"] for _, v in ttft])
     feats = np.array([[row[0], row[2], row[3], row[4]] for row in rows])
     c0, p_tok, p_attn, p_ctx = nonneg_lstsq(feats * weights[:, None], y * weights)
     dcp_ctx = d_ctx / 2
-    dcp_y = [measured[k]["tpot_s"] - dcp_ctx * ctx(k, b) for k, b in (("tpot_dcp_b1", 1), ("tpot_dcp_b2", 2))]
+    dcp_names = (("tpot_dcp_b1", 1), ("tpot_dcp_b2", 2))
+    dcp_y = [measured[k]["tpot_s"] / share(k) - dcp_ctx * ctx(k, b) for k, b in dcp_names]
     dcp_base, dcp_seq = nonneg_lstsq(np.array([[1.0, 1.0], [1.0, 2.0]]), np.array(dcp_y))
     p_world = max(prefill.tp, prefill.dcp)
     d_eng = node_settings_class("decode").model_validate(tp_pool.settings).engine
@@ -212,10 +266,15 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                  for _, v in colo]
     colo_fit = None
     if len(colo) >= 4:
-        y = np.array([v["ttft_s"] - d_base * row[1] for (_, v), row in zip(colo, colo_rows)])
+        y = np.array([v["ttft_s"] - d_base * row[1] - (1.0 - text_p) * d_step(v["prompt_tokens"])
+                      for (_, v), row in zip(colo, colo_rows)])
         w = np.array([1.0 / v["ttft_s"] for _, v in colo])
         feats = np.array([[row[0], row[2], row[3], row[4]] for row in colo_rows])
         colo_fit = nonneg_lstsq(feats * w[:, None], y * w)
+    # the decode leg (router -> D, until the node starts on it) is the colocated path's constant; the prefill
+    # leg is what the disaggregated path's constant has beyond it (the READ's setup stays in it)
+    decode_leg = max(0.0, float(colo_fit[0]) - ROUTER_S) if colo_fit is not None else 0.0
+    prefill_leg = max(0.0, float(c0) - ROUTER_S - decode_leg)
 
     def step(pool, base: float, seq: float, ctx_s: float) -> dict:
         if colo_fit is not None and pool is tp_pool:
@@ -232,33 +291,41 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     fit = []
     for (k, v), row in zip(ttft, rows):
         fit.append({"name": k, "measured": v["ttft_s"], "used_for_fit": True, "source": "TTFT p50, s",
-                    "modelled": float(np.dot([c0, p_base, p_tok, p_attn, p_ctx], row))})
-    for (k, row), y in zip(zip(("tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long"), tp_rows), tp_y):
-        fit.append({"name": k, "measured": y, "used_for_fit": True, "source": "TPOT p50, s",
-                    "modelled": float(d_base + d_seq * row[1] + d_ctx * row[2])})
+                    "modelled": float(np.dot([c0, p_base, p_tok, p_attn, p_ctx], row) + d_step(v["prompt_tokens"]))})
+    for k, row in zip(tp_names, tp_rows):
+        fit.append({"name": k, "measured": measured[k]["tpot_s"], "used_for_fit": True,
+                    "source": "TPOT p50 (first to last chunk), s",
+                    "modelled": float((d_base + d_seq * row[1] + d_ctx * row[2]) * share(k))})
     for (k, v), row in zip(colo, colo_rows):
         if colo_fit is not None:
             fit.append({"name": k, "measured": v["ttft_s"], "used_for_fit": True, "source": "TTFT p50, s (colocated)",
-                        "modelled": float(colo_fit[0] + d_base * row[1] + np.dot(colo_fit[1:], row[2:]))})
-    for k, b in (("tpot_dcp_b1", 1), ("tpot_dcp_b2", 2)):
-        fit.append({"name": k, "measured": measured[k]["tpot_s"], "used_for_fit": True, "source": "TPOT p50, s",
-                    "modelled": float(dcp_base + dcp_seq * b + dcp_ctx * ctx(k, b))})
+                        "modelled": float(colo_fit[0] + d_base * row[1] + np.dot(colo_fit[1:], row[2:])
+                                          + (1.0 - text_p) * d_step(v["prompt_tokens"]))})
+    for k, b in dcp_names:
+        fit.append({"name": k, "measured": measured[k]["tpot_s"], "used_for_fit": True,
+                    "source": "TPOT p50 (first to last chunk), s",
+                    "modelled": float((dcp_base + dcp_seq * b + dcp_ctx * ctx(k, b)) * share(k))})
     return {
         "name": name, "model": config.model, "device": "cpu (this machine, reference engine)",
         "template": {"kind": "bytes", "tokens_per_message": 4}, "steps": steps,
         "transfer": {"setup_s": 0.002, "per_descriptor_s": 5e-6, "bytes_per_s": 5.3e9},
         "host_cores": host_cores(),
-        "http": {"router_s": 0.0005, "prefill_leg_s": float(c0), "decode_leg_s": 0.0},
-        "sources": [f"measured by `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: loadgen random "
-                    "points against the cluster of the config (sim/calibrate.py POINTS)",
+        "http": {"router_s": ROUTER_S, "prefill_leg_s": prefill_leg, "decode_leg_s": decode_leg},
+        "stream": {"text_token_p": text_p},
+        "sources": [f"fitted by `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} to loadgen "
+                    "random points measured against the cluster of the config (sim/calibrate.py POINTS; with "
+                    "--measured, an earlier run's measured.json)",
                     "transfer: benchmarks/RESULTS.md 2026-11-29 KV transfer over NIXL, CPU loopback (packed 5.3 GB/s, "
                     "a descriptor a few microseconds on CMA)",
-                    "router_s: benchmarks/RESULTS.md 2026-12-03 (evening), the router's own work per request"],
+                    "router_s: benchmarks/RESULTS.md 2026-12-03 (evening), the router's own work per request",
+                    "stream.text_token_p: the points' streams, chunks after the first over tokens after the first"],
         "fit": fit,
         "notes": ("the TP=1 decode node's prefill costs are fitted to the colo_* points (the router sending no P "
                   "leg) when measured; the DCP pool's are the P pool's (both two-rank SPMD prefills, not measured); "
-                  "DCP decode_ctx_s is half the TP=1 pool's (assumed); http.prefill_leg_s holds every constant of "
-                  "a disaggregated request's path (router, legs, READ setup) as fitted."),
+                  "DCP decode_ctx_s is half the TP=1 pool's (assumed); http.decode_leg_s is the colocated path's "
+                  "fitted constant less the router's work, http.prefill_leg_s what the disaggregated path's has "
+                  "beyond both (the READ's setup included); TPOT points are divided by the share of steps a "
+                  "chunk-level TPOT spans (sim/calibrate.py first_chunk_share) before fitting."),
     }
 
 

@@ -36,6 +36,7 @@ from serving.errors import APIError
 from sim.events import EventLoop
 from sim.instance import Flight, HostCores, InstanceSpec, SimInstance
 from sim.profile import Profile
+from sim.stream import chunk_times
 from sim.tokens import Interner, TokenRuns
 
 
@@ -69,6 +70,10 @@ def _num_rows(config: ClusterConfig, pool, profile: Profile, layout, explicit: d
 class SimCluster:
     def __init__(self, config: ClusterConfig, profile: Profile, loop: EventLoop | None = None,
                  record_chunks: bool = True) -> None:
+        if not record_chunks and profile.stream.text_token_p < 1.0:
+            raise ValueError(f"profile {profile.name!r} sends a chunk for some tokens only (stream.text_token_p "
+                             f"{profile.stream.text_token_p}): its TTFT needs every token's time, so it cannot run "
+                             "without chunk times (--no-chunk-times)")
         self.config = config
         self.profile = profile
         self.loop = loop or EventLoop()
@@ -267,7 +272,7 @@ class _Flow:
         ctx = SimpleNamespace(placement=p, shape=self.shape, handoff=self.handoff, prefill_cached_tokens=cached)
         after_turn(state, ctx, usage, now)
         c.num_inflight -= 1
-        times = self.times
+        times = chunk_times(self.times, c.profile.stream.text_token_p, self.rid)
         ttft, e2e = times[0] - self.start, times[-1] - self.start
         tpot = (e2e - ttft) / (completion - 1) if completion > 1 else None
         itl = [b - a for a, b in zip(times, times[1:])] if c.instances[p.decode].record_chunks else []

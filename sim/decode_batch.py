@@ -11,7 +11,9 @@ so a request brought up to date gets one chunk time per step it decoded (or, wit
 
 `join` puts a request in the batch (it started running within max_batch, or moved up into it when one ahead of it
 finished); `advance(times)` runs len(times) steps and returns the due events in step order (boundary before
-finish on one step, as the engine publishes before it appends).
+finish on one step, as the engine publishes before it appends). A request joined with `deferred` has a token
+already counted whose event leaves with its first step's (an imported request's first token: the node's round
+applies `StartDecode`, then steps, then sends the round's events together).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class DecodeBatch:
         """Sum over members of (tokens counted - start step): the batch's context at step S is offset + n * S."""
         self._events: list[tuple[int, int, int, str, int]] = []
         self._seq = itertools.count()
+        self.deferred: set[str] = set()
+        """Members whose last counted token is sent with their first step's token."""
 
     def __len__(self) -> int:
         return len(self.members)
@@ -62,8 +66,10 @@ class DecodeBatch:
         heapq.heappush(self._events, (start + boundary - req.num_tokens + 1, next(self._seq), BOUNDARY,
                                       req.request_id, boundary))
 
-    def join(self, req: Request) -> None:
+    def join(self, req: Request, deferred: bool = False) -> None:
         start = self.steps
+        if deferred:
+            self.deferred.add(req.request_id)
         self.members[req.request_id] = (req, start)
         self.offset += req.num_tokens - start
         left = req.sampling.max_tokens - len(req.output_token_ids)
@@ -73,16 +79,21 @@ class DecodeBatch:
     def leave(self, rid: str) -> None:
         req, start = self.members.pop(rid)
         self.offset -= req.num_tokens - start
+        self.deferred.discard(rid)
 
-    def catch_up(self, rid: str) -> tuple[Request, int, list[float]]:
-        """Bring a member's outputs up to the current step: (request, tokens added, their chunk times)."""
+    def catch_up(self, rid: str) -> tuple[Request, int, list[float], int]:
+        """Bring a member's outputs up to the current step: (request, tokens added, the times its tokens were
+        sent, how many tokens were sent: those added and a deferred one)."""
         req, start = self.members[rid]
         count = self.steps - start
         self.members[rid] = (req, self.steps)
         if count <= 0:
-            return req, 0, []
+            return req, 0, [], 0
         times = self.step_times[start:self.steps] if self.record_chunks else [self.step_times[-1]]
-        return req, count, times
+        if rid in self.deferred:
+            self.deferred.discard(rid)
+            return req, count, (times[:1] + times) if self.record_chunks else times, count + 1
+        return req, count, times, count
 
     def advance(self, times: list[float]) -> list[tuple[int, str, int]]:
         """Run len(times) decode steps ending at `times`; the events now due: (kind, request id, boundary)."""

@@ -199,7 +199,7 @@ class SimInstance:
             req.num_computed = n
             self.scheduler.publish(req, n, snapshot=n % self.layout.block_size == 0)
             self.scheduler.keep_prompt_state(req)
-            self._first_token(req)
+            self._first_token(req, deferred=True)
         self._command(run)
 
     def release(self, rid: str, generation: int) -> None:
@@ -270,22 +270,27 @@ class SimInstance:
         if count > 0:
             req.output_token_ids = req.output_token_ids.extended(self.flights[req.request_id].out_uid, count)
 
-    def _first_token(self, req: Request) -> None:
-        """`start_running` and the first token (prefilled here, or the prefill node's after an import)."""
+    def _first_token(self, req: Request, deferred: bool = False) -> None:
+        """`start_running` and the first token (prefilled here, or the prefill node's after an import). A prefilled
+        token is sent now, at the end of its step; an imported one (`deferred`) leaves with the round's events,
+        after the step that follows `StartDecode`, which decodes the request's second token."""
         self.scheduler.start_running(req)
         flight = self.flights[req.request_id]
         self._extend(req, 1)
-        flight.on_tokens([self.loop.now], 1)
-        if len(req.output_token_ids) >= req.sampling.max_tokens:
+        is_done = len(req.output_token_ids) >= req.sampling.max_tokens
+        joins = not is_done and len(self.scheduler.running) <= self.scheduler.max_batch
+        if not (deferred and joins):
+            flight.on_tokens([self.loop.now], 1)
+        if is_done:
             self._finish(req, flight)
-        elif len(self.scheduler.running) <= self.scheduler.max_batch:
-            self.batch.join(req)
+        elif joins:
+            self.batch.join(req, deferred)
 
     def _catch_up(self, rid: str) -> Request:
-        req, count, times = self.batch.catch_up(rid)
+        req, count, times, num_sent = self.batch.catch_up(rid)
         if count:
             self._extend(req, count)
-            self.flights[rid].on_tokens(times, count)
+            self.flights[rid].on_tokens(times, num_sent)
         return req
 
     def _handle(self, due: list[tuple[int, str, int]]) -> None:

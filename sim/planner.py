@@ -210,7 +210,8 @@ class Planner:
         profile = profile_for(self.profile, shape.latent, model)
         workload, _ = build_workload(self.workload.args)
         opts = SimOptions([self.workload.concurrency], self.workload.duration_s, None, seed=self.workload.seed,
-                          gpus=shape.gpus, slo=SLO(), drain_s=120.0, record_chunks=any(
+                          gpus=shape.gpus, slo=SLO(), drain_s=120.0,
+                          record_chunks=profile.stream.text_token_p < 1.0 or any(
                               o.metric == "itl" for o in self.objectives))
         level = simulate(config, profile, workload, self.workload.scenario, opts).summary.levels[0]
         return self._score(shape, level)

@@ -11,6 +11,8 @@ Only time is modelled from a profile; every decision comes from the product code
 - `transfer`: a P->D READ of R rows (descriptors) and N bytes takes `setup_s + per_descriptor_s*R + N / bytes_per_s`.
 - `http`: the prefill leg's round trip besides its engine time (`prefill_leg_s`), the decode leg's dispatch until
   the node starts on it (`decode_leg_s`), and what the router adds to a request (`router_s`), all per request.
+- `stream`: how a node's stream splits into SSE chunks: a chunk goes out when a token completes text (see
+  `StreamModel`); a client's TTFT is its first chunk's time and its TPOT spans its first to its last chunk.
 - `template`: how a prompt becomes tokens (sim/tokens.py `Template`).
 - `host_cores`: on one CPU host, the cores every instance's ranks share (first-order contention; see the field).
 - `sources`: where every number came from; `fit`: for fitted profiles, which measured points were used for
@@ -75,6 +77,17 @@ class HttpCost(_Strict):
     decode_leg_s: float = Field(0.0, ge=0)
 
 
+class StreamModel(_Strict):
+    """SSE chunks as a node sends them (node/textgen.py `generate_pieces`): a chunk is sent when the incremental
+    detokeniser releases text, i.e. when a token leaves the text ending in a whole character; held tokens go out
+    with the next chunk, and the last token always flushes. Each token but the last releases text with
+    probability `text_token_p`, independently (drawn per request from a seeded generator): 1.0 for tokenizers
+    whose every token is text; about 0.14 for the CPU presets' random-weight byte-level model (most of its sampled
+    ids are bytes >= 0x80 or specials, which release nothing)."""
+
+    text_token_p: float = Field(1.0, gt=0, le=1)
+
+
 class FitPoint(_Strict):
     name: str
     measured: float
@@ -100,6 +113,7 @@ class Profile(_Strict):
     steps: list[StepCost]
     transfer: TransferCost
     http: HttpCost = Field(default_factory=HttpCost)
+    stream: StreamModel = Field(default_factory=StreamModel)
     host_cores: int | None = Field(None, ge=1)
     """CPU profiles: every instance's ranks share this many cores (a step stretches by the ranks busy at its start,
     its own included, over host_cores, when that is above 1). None: instances do not share compute (GPUs)."""
