@@ -115,9 +115,9 @@ async def serve_remote(runtime: NodeRuntime[Importer], prepared: PreparedRequest
     address = await peers.resolve(params)  # 403 for an engine that is not a peer of this node
     reader, claimed = gate.engine_id, False
     try:
-        await peers.claim(address, str(params.lease_id), reader)  # the prefill node: first claim wins
+        grant = await peers.claim(address, str(params.lease_id), reader)  # the prefill node: first claim wins
         claimed = True
-        info = await _admit(runtime, prepared, params, address)
+        info = (await _admit(runtime, prepared, params, address)).for_lease(grant)  # the lease's rows, no others
     except APIError as exc:
         if claimed:  # ours to end: nothing was read
             await peers.release(address, params.lease_id, reader)

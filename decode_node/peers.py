@@ -21,7 +21,7 @@ import httpx
 
 from kv_transfer.cluster_auth import ClusterAuth
 from kv_transfer.params import KVTransferParams
-from kv_transfer.side_channel import InstanceMetadata, fetch_metadata
+from kv_transfer.side_channel import InstanceMetadata, LeaseGrant, fetch_metadata
 from kv_transfer.signing import ClusterSecret
 from serving.errors import APIError
 
@@ -92,10 +92,11 @@ class PeerDirectory:
             info = await self._fetch(address)
         return info
 
-    async def claim(self, address: Address, lease_id: str, reader: str) -> None:
-        """Redeem the lease at its prefill node before reading (the first claim wins, kv_transfer/lease.py);
-        APIError 403 / 409 when P refuses it (issued for another reader, already redeemed, ended), 502 when P
-        cannot be asked. `lease_id` was validated as a lease id before it reaches this URL."""
+    async def claim(self, address: Address, lease_id: str, reader: str) -> LeaseGrant:
+        """Redeem the lease at its prefill node before reading (the first claim wins, kv_transfer/lease.py): the
+        grant names, per rank, the metadata of the lease's rows. APIError 403 / 409 when P refuses it (issued for
+        another reader, already redeemed, ended), 502 when P cannot be asked. `lease_id` was validated as a lease
+        id before it reaches this URL."""
         url = f"http://{address[0]}:{address[1]}/kv/leases/{lease_id}/claim"
         try:
             resp = await self._client.post(url, json={"reader": reader})
@@ -103,7 +104,10 @@ class PeerDirectory:
             raise APIError(502, f"cannot reach the prefill node's side channel to claim the hand-off: "
                                 f"{type(exc).__name__}") from None
         if resp.status_code == 200:
-            return
+            try:
+                return LeaseGrant.model_validate(resp.json())
+            except ValueError:
+                raise APIError(502, "the prefill node's lease grant is malformed") from None
         try:
             reason = resp.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):

@@ -78,7 +78,7 @@ class RankImporter:
         self._imports[cmd.request_id] = _Import(cmd.request_id, reads, started)
         return []
 
-    def step(self) -> list[Event]:
+    def step(self, engine_events: list[Event]) -> list[Event]:
         """One non-blocking poll of every import in flight; the outcomes of those that ended."""
         events: list[Event] = []
         for imp in list(self._imports.values()):

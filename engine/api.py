@@ -291,7 +291,21 @@ class TransportNotice:
     is_final: bool = False
 
 
-Event = TokenEvent | PromptLogprobs | ExportedRows | ImportOutcome | EngineFailure | TransportNotice
+@dataclass(frozen=True)
+class RowsExposed:
+    """A prefill rank registered one export's rows with its transport, and only those (per-lease exposure):
+    `metadata` is what a reader needs to address them (the transport's partial metadata of those regions), handed
+    to the decode node that claims the lease; `error` says why the rank could not expose them."""
+
+    request_id: str
+    generation: int
+    rank: int
+    metadata: bytes = b""
+    error: str | None = None
+    is_final: bool = False
+
+
+Event = TokenEvent | PromptLogprobs | ExportedRows | ImportOutcome | EngineFailure | TransportNotice | RowsExposed
 
 
 @dataclass(frozen=True)

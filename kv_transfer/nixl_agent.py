@@ -1,13 +1,21 @@
-"""NIXL (UCX backend) implementation of kv_transfer.transport.KVTransport: one rank's agent with its row pool
-registered once, READs posted with one descriptor per merged row range, polled, reposted or released.
+"""NIXL (UCX backend) implementation of kv_transfer.transport.KVTransport: one rank's agent over its row pool,
+READs posted with one descriptor per merged row range, polled, reposted or released.
 
-Prefill side, per rank: `NixlTransport(f"{engine_id}-p{rank}", pool, row_bytes, settings)` registers the pool
-(a numpy uint8 array or a torch uint8 tensor; CPU pools as DRAM, CUDA pools as VRAM); its `endpoint(rank)` is
-served on the side channel (kv_transfer.side_channel); `notifications()` yields the readers' DONE messages that
-end the node's leases (kv_transfer.lease).
+Prefill side, per rank: `NixlTransport(f"{engine_id}-p{rank}", pool, row_bytes, settings, per_lease=True)` (a
+numpy uint8 array or a torch uint8 tensor; CPU pools as DRAM, CUDA pools as VRAM) registers nothing up front:
+`expose(rows)` registers one export's rows (adjacent rows as one region) and returns the partial metadata of just
+those regions, which only the decode node that claims the lease receives; `unexpose` deregisters them when the
+lease ends. Its `endpoint(rank)`, served on the side channel (kv_transfer.side_channel), then carries the agent's
+connection info and no memory, so holding it addresses no row. NIXL refuses, on the reader's side, a READ outside
+the regions it loaded; whether the transport refuses it too depends on the transport (RDMA: the rows' keys die
+with their registration; TCP and shared memory: see docs/NODE_SURFACE.md). `per_lease=False` registers the whole
+pool once (the transfer benchmarks and tests of the READ path). `notifications()` yields the readers' DONE
+messages that end the node's leases (kv_transfer.lease).
 Decode side, per request and D rank: kv_transfer.importer plans the reads and kv_transfer.reads posts them (one
-READ per source P rank carrying a DONE notification for the lease) and polls them without blocking; a read still
-running after `repost_after_s` is cancelled and posted once more on a fresh endpoint (`repost`).
+READ per source P rank carrying a DONE notification for the lease) and polls them without blocking; a READ loads
+its lease's sections (`RankEndpoint.sections`) into the peer's entry first (at most MAX_SECTIONS per peer: past
+that, the entry is dropped and reloaded when no READ from that peer runs); a read still running after
+`repost_after_s` is cancelled and posted once more on a fresh endpoint (`repost`).
 UCX configuration: kv_transfer.ucx_env.
 """
 
@@ -22,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kv_transfer.remap import ReadOp
-from kv_transfer.transport import RankEndpoint, ReadResult, TransferError, TransferState
+from kv_transfer.transport import Exposure, RankEndpoint, ReadResult, TransferError, TransferState
 from kv_transfer.ucx_env import (
     KVTransferSettings,
     detect_tcp_fallback,
@@ -37,6 +45,8 @@ log = logging.getLogger(__name__)
 
 SPIN_S = 0.002
 POLL_SLEEP_S = 0.0005
+MAX_SECTIONS = 256
+"""Lease sections a reader keeps loaded per peer before it drops the peer's entry (when idle) and starts afresh."""
 
 def _buffer_addr(pool: Any) -> tuple[int, int, str, int]:
     """(address, bytes, mem type, device id) of a numpy array or torch tensor pool."""
@@ -75,7 +85,7 @@ class NixlTransport:
     """One rank's NIXL agent with its pool registered once (see the module docstring)."""
 
     def __init__(self, agent_name: str, pool: Any, row_bytes: int, settings: KVTransferSettings | None = None,
-                 peer_is_local: bool = True) -> None:
+                 peer_is_local: bool = True, per_lease: bool = False) -> None:
         self.settings = settings or KVTransferSettings()
         self.base_addr, self.pool_bytes, self.mem_type, self.device_id = _buffer_addr(pool)
         self.ucx_tls = resolve_ucx_tls(self.settings.ucx_tls, self.mem_type)
@@ -99,8 +109,14 @@ class NixlTransport:
             raise ValueError(f"row_bytes must be positive, got {row_bytes}")
         self.row_bytes = row_bytes
         self.num_rows = self.pool_bytes // row_bytes
-        self._reg = self._agent.register_memory([(self.base_addr, self.pool_bytes, self.device_id, "")], self.mem_type)
+        self._api = api
+        self.per_lease = per_lease
+        """Register only what `expose` names (a prefill rank), not the whole pool."""
+        self._reg = None if per_lease else self._agent.register_memory(
+            [(self.base_addr, self.pool_bytes, self.device_id, "")], self.mem_type)
         self._peers: dict[str, str] = {}
+        self._sections: dict[str, set[bytes]] = {}
+        """Peer agent name -> the lease sections loaded into its entry."""
         self._inflight: dict[str, set[int]] = {}
         """Peer agent name -> ids of this transport's READs from it still running (repost keeps their endpoint)."""
         self.reads_failed = 0
@@ -122,16 +138,63 @@ class NixlTransport:
     def tcp_fallback(self) -> bool:
         return self.fallback_reason is not None
 
+    def _empty_regs(self) -> Any:
+        bind = self._api.nixlBind
+        return bind.nixlRegDList(bind.VRAM_SEG if self.mem_type == "VRAM" else bind.DRAM_SEG)
+
     def endpoint(self, rank: int) -> RankEndpoint:
-        return RankEndpoint(rank, self.agent_name, self._agent.get_agent_metadata(), self.base_addr,
-                            self.pool_bytes, self.row_bytes, self.num_rows, self.mem_type, self.device_id)
+        """This agent as readers address it: with per-lease exposure its connection info only (no memory)."""
+        metadata = self._agent.get_partial_agent_metadata(self._empty_regs(), True, ["UCX"]) if self.per_lease \
+            else self._agent.get_agent_metadata()
+        return RankEndpoint(rank, self.agent_name, metadata, self.base_addr, self.pool_bytes, self.row_bytes,
+                            self.num_rows, self.mem_type, self.device_id)
+
+    def expose(self, rows: Sequence[int]) -> Exposure:
+        """Register `rows` (adjacent rows as one region) and return the metadata that addresses them alone."""
+        if not rows or any(not 0 <= r < self.num_rows for r in rows):
+            raise TransferError(f"rows {sorted(rows)[:8]} are not rows of this pool (0..{self.num_rows - 1})")
+        regions: list[list[int]] = []
+        for row in sorted(set(rows)):
+            if regions and regions[-1][0] + regions[-1][1] == row * self.row_bytes:
+                regions[-1][1] += self.row_bytes
+            else:
+                regions.append([row * self.row_bytes, self.row_bytes])
+        handle = self._agent.register_memory(
+            [(self.base_addr + off, length, self.device_id, "") for off, length in regions], self.mem_type)
+        try:
+            metadata = self._agent.get_partial_agent_metadata(handle, False, ["UCX"])
+        except BaseException:
+            self._agent.deregister_memory(handle)
+            raise
+        return Exposure(handle, metadata, len(regions))
+
+    def unexpose(self, exposure: Exposure) -> None:
+        self._agent.deregister_memory(exposure.handle)
 
     def add_peer(self, peer: RankEndpoint) -> str:
-        """Load a remote agent's metadata once; its name."""
+        """Load a remote agent's metadata once, then the lease sections `peer` carries (once each); its name."""
+        loaded = self._sections.get(peer.agent_name, set())
+        if peer.sections and peer.sections not in loaded and len(loaded) >= MAX_SECTIONS \
+                and not self._inflight.get(peer.agent_name):
+            self._drop_peer(peer.agent_name)  # idle: start its entry afresh instead of growing it
         if peer.agent_name not in self._peers:
             name = self._agent.add_remote_agent(peer.agent_metadata)
             self._peers[peer.agent_name] = name.decode() if isinstance(name, bytes) else name
+            self._sections[peer.agent_name] = set()
+        if peer.sections and peer.sections not in self._sections[peer.agent_name]:
+            self._agent.add_remote_agent(peer.sections)
+            self._sections[peer.agent_name].add(peer.sections)
         return self._peers[peer.agent_name]
+
+    def _drop_peer(self, agent_name: str) -> None:
+        """Forget a remote agent's entry (its metadata and sections are loaded anew on next use)."""
+        name = self._peers.pop(agent_name, None)
+        self._sections.pop(agent_name, None)
+        if name is not None:
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - reloading the metadata is what matters
+                log.warning("could not drop the endpoint to %s", agent_name)
 
     def _descs(self, peer: RankEndpoint, ops: Sequence[ReadOp]) -> tuple[np.ndarray, np.ndarray]:
         local = np.empty((len(ops), 3), dtype=np.uint64)
@@ -157,7 +220,10 @@ class NixlTransport:
         t0 = time.perf_counter()
         ldl = self._agent.get_xfer_descs(local, self.mem_type)
         rdl = self._agent.get_xfer_descs(remote, peer.mem_type)
-        xfer = self._agent.initialize_xfer("READ", ldl, rdl, name, notif)
+        try:
+            xfer = self._agent.initialize_xfer("READ", ldl, rdl, name, notif)
+        except Exception as exc:  # noqa: BLE001 - NIXL's refusal (e.g. rows its loaded metadata does not cover)
+            raise TransferError(f"NIXL refused the READ from {peer.agent_name}: {type(exc).__name__}: {exc}") from exc
         state = self._agent.transfer(xfer)
         post_s = time.perf_counter() - t0
         h = _Handle(xfer, peer, tuple(ops), notif, t0, post_s)
@@ -204,15 +270,11 @@ class NixlTransport:
         remote agent's transfers when it is removed), so the read is posted again on the same endpoint."""
         self._inflight.get(handle.peer.agent_name, set()).discard(id(handle))
         others = self._inflight.get(handle.peer.agent_name)
-        name = None if others else self._peers.pop(handle.peer.agent_name, None)
         if others:
             log.warning("%d other read(s) from %s running: posting again on the same endpoint", len(others),
                         handle.peer.agent_name)
-        if name is not None:
-            try:
-                self._agent.remove_remote_agent(name)
-            except Exception:  # noqa: BLE001 - reloading the metadata below is what matters
-                log.warning("could not drop the endpoint to %s", handle.peer.agent_name)
+        else:
+            self._drop_peer(handle.peer.agent_name)
         self.reads_reposted += 1
         return self.post_read(handle.peer, handle.ops, handle.notif)
 
@@ -248,15 +310,18 @@ class NixlTransport:
             except Exception:  # noqa: BLE001 - peer may be gone already
                 pass
         self._peers.clear()
-        self._agent.deregister_memory(self._reg)
+        self._sections.clear()
+        if self._reg is not None:
+            self._agent.deregister_memory(self._reg)
 
 
 
 def rank_agent(config: Any, engine: Any, side: str, rank: int) -> NixlTransport | None:
     """A node rank's agent over its engine's row pool (`engine.pool.buffer`, engine/api.py `RankEngine`), named
-    `<engine id>-<side><rank>` (side "p" or "d"); None when the node runs without a transport (`config.transport`
-    false: tests of the rank protocol alone). `config` is the rank's node.rank.WorkerConfig (its engine_id,
-    transport and kv settings)."""
+    `<engine id>-<side><rank>` (side "p": per-lease exposure, or "d": the pool registered as the READs' target);
+    None when the node runs without a transport (`config.transport` false: tests of the rank protocol alone).
+    `config` is the rank's node.rank.WorkerConfig (its engine_id, transport and kv settings)."""
     if not config.transport:
         return None
-    return NixlTransport(f"{config.engine_id}-{side}{rank}", engine.pool.buffer, engine.layout.row_bytes, config.kv)
+    return NixlTransport(f"{config.engine_id}-{side}{rank}", engine.pool.buffer, engine.layout.row_bytes, config.kv,
+                         per_lease=side == "p")

@@ -2,9 +2,11 @@
 
 Prefill node: `app.include_router(side_channel_router(get_metadata, leases))` mounts
   GET  /kv/metadata                    -> InstanceMetadata (engine id, layout facts, one entry per rank with
-                                          its NIXL agent metadata, pool address and size)
-  POST /kv/leases/{lease_id}/claim     -> LeaseStatus (body `LeaseClaim`: the reader's engine id) | 404 ended,
-                                          403 issued for another reader, 409 already redeemed (kv_transfer/lease.py)
+                                          its NIXL agent metadata, pool address and size; a prefill node's
+                                          agents expose rows per lease, so this metadata addresses no row)
+  POST /kv/leases/{lease_id}/claim     -> LeaseGrant (body `LeaseClaim`: the reader's engine id): per rank, the
+                                          metadata that addresses the lease's rows alone | 404 ended, 403 issued
+                                          for another reader, 409 already redeemed (kv_transfer/lease.py)
   POST /kv/leases/{lease_id}/abort     -> LeaseStatus (body `LeaseClaim`: the reader that claimed it) | 404 OpenAI
                                           error JSON if it already ended, 403 claimed by another reader
 `get_metadata` is a callable so the node can build it lazily once its ranks registered their pools; `leases` is
@@ -42,6 +44,9 @@ class RankMetadata(BaseModel):
     num_rows: int
     mem_type: str = "DRAM"
     device_id: int = 0
+    sections_b64: str = ""
+    """One lease's sections (kv_transfer/transport.py `RankEndpoint.sections`): set by the decode node from the
+    lease's grant, never served by GET /kv/metadata."""
 
     @classmethod
     def from_endpoint(cls, ep: RankEndpoint) -> "RankMetadata":
@@ -51,7 +56,8 @@ class RankMetadata(BaseModel):
 
     def to_endpoint(self) -> RankEndpoint:
         return RankEndpoint(self.rank, self.agent_name, base64.b64decode(self.agent_metadata_b64), self.base_addr,
-                            self.pool_bytes, self.row_bytes, self.num_rows, self.mem_type, self.device_id)
+                            self.pool_bytes, self.row_bytes, self.num_rows, self.mem_type, self.device_id,
+                            base64.b64decode(self.sections_b64))
 
 
 class InstanceMetadata(BaseModel):
@@ -72,10 +78,29 @@ class InstanceMetadata(BaseModel):
     def endpoints(self) -> dict[int, RankEndpoint]:
         return {r.rank: r.to_endpoint() for r in self.ranks}
 
+    def for_lease(self, grant: "LeaseGrant") -> "InstanceMetadata":
+        """This instance as one lease's reader addresses it: each rank with the lease's sections."""
+        sections = {s.rank: s.sections_b64 for s in grant.ranks}
+        ranks = [r.model_copy(update={"sections_b64": sections.get(r.rank, "")}) for r in self.ranks]
+        return self.model_copy(update={"ranks": ranks})
+
 
 class LeaseStatus(BaseModel):
     lease_id: str
     alive: bool
+
+
+class RankSections(BaseModel):
+    rank: int
+    sections_b64: str
+
+
+class LeaseGrant(BaseModel):
+    """A claim that won: per rank, the metadata that addresses the lease's rows (none: the ranks expose the whole
+    pool, or run without a transport)."""
+
+    lease_id: str
+    ranks: list[RankSections] = []
 
 
 class LeaseClaim(BaseModel):
@@ -88,8 +113,9 @@ class LeaseControl(Protocol):
     def abort(self, lease_id: str, reader: str) -> bool:
         """False when the lease already ended; ClaimRefused when `reader` did not claim it."""
 
-    def claim(self, lease_id: str, reader: str) -> None:
-        """Raises ClaimRefused (kv_transfer/lease.py) unless `reader` redeems the lease now."""
+    def claim(self, lease_id: str, reader: str) -> dict[int, bytes]:
+        """Per rank, the lease's sections; raises ClaimRefused (kv_transfer/lease.py) unless `reader` redeems the
+        lease now."""
 
 
 def side_channel_router(get_metadata: Callable[[], InstanceMetadata], guard: ControlGuard,
@@ -101,15 +127,16 @@ def side_channel_router(get_metadata: Callable[[], InstanceMetadata], guard: Con
     def metadata() -> InstanceMetadata:
         return get_metadata()
 
-    @router.post("/leases/{lease_id}/claim", response_model=LeaseStatus)
-    def claim(lease_id: str, body: LeaseClaim) -> LeaseStatus:
+    @router.post("/leases/{lease_id}/claim", response_model=LeaseGrant)
+    def claim(lease_id: str, body: LeaseClaim) -> LeaseGrant:
         if leases is None:
             raise APIError(404, "this node exports no leases")
         try:
-            leases.claim(lease_id, body.reader)
+            sections = leases.claim(lease_id, body.reader)
         except ClaimRefused as exc:
             raise APIError(exc.status, str(exc), param="lease_id") from None
-        return LeaseStatus(lease_id=lease_id, alive=True)
+        return LeaseGrant(lease_id=lease_id, ranks=[RankSections(rank=r, sections_b64=base64.b64encode(md).decode())
+                                                    for r, md in sorted(sections.items())])
 
     @router.post("/leases/{lease_id}/abort", response_model=LeaseStatus)
     def abort(lease_id: str, body: LeaseClaim) -> LeaseStatus:

@@ -2,8 +2,10 @@
 
 node/ knows only this Protocol; the concrete transport is chosen by the node packages' rank roles
 (prefill_node/rank_exporter.py, decode_node/rank_importer.py), which build it and hand it on.
-One transport object per GPU rank (per pool). Prefill side: `endpoint()` describes the registered pool
-for the side channel; `notifications()` yields what readers sent (lease DONE / ABORT messages).
+One transport object per GPU rank (per pool). Prefill side: `endpoint()` describes the agent for the side
+channel; with per-lease exposure the pool is not registered as a whole: `expose(rows)` registers one export's rows
+and `unexpose` drops them at the lease's end, and only the decode node that claims the lease gets their metadata
+(`RankEndpoint.sections`); `notifications()` yields what readers sent (lease DONE messages).
 Decode side: `add_peer(endpoint)` once per remote rank, then per request `post_read(peer, ops, notif)` (ONE
 read carrying one descriptor per op; ops come from kv_transfer.remap and are already merged), `poll` until
 DONE or ERR (the notification to the peer is delivered while the reader polls), `result`, `release`; a READ
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from kv_transfer.remap import ReadOp
 from kv_transfer.ucx_env import KVTransferSettings
@@ -43,6 +45,20 @@ class RankEndpoint:
     num_rows: int
     mem_type: str = "DRAM"
     device_id: int = 0
+    sections: bytes = b""
+    """The partial metadata of the rows one lease exposes (a prefill rank in per-lease exposure: `agent_metadata`
+    then carries its connection only, and a reader can address nothing but what `sections` names); empty: the
+    agent metadata covers the whole pool."""
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """Rows a prefill rank registered for one export: the transport's registration handle and the metadata a
+    reader needs to address exactly those rows."""
+
+    handle: Any
+    metadata: bytes
+    num_regions: int
 
 
 @dataclass(frozen=True)
@@ -84,6 +100,12 @@ class KVTransport(Protocol):
         """The pool's bytes can only move over TCP (reported in the node metrics)."""
 
     def endpoint(self, rank: int) -> RankEndpoint: ...
+
+    def expose(self, rows: Sequence[int]) -> Exposure:
+        """Register `rows` of the pool (per-lease exposure) and describe them for a reader."""
+
+    def unexpose(self, exposure: Exposure) -> None:
+        """Deregister an exposure: no reader can address those rows through it any more."""
 
     def add_peer(self, peer: RankEndpoint) -> str: ...
 

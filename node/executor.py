@@ -7,7 +7,8 @@ Design (SPMD lockstep):
   (submit, abort, export, import, release), sends the same `StepPlan` to every rank and waits for every
   rank's `StepReply`. All ranks apply the same commands in the same order and then run one engine step, so
   their deterministic schedulers make identical decisions (same batch, same row ids) and their collectives
-  line up. Token events are taken from rank 0; import outcomes and transport notifications from all ranks.
+  line up. Token events are taken from rank 0; import outcomes, transport notifications and exposed rows from all
+  ranks (notifications and exposures go to the `on_notice` handlers before the round's events are delivered).
 - Time: each plan carries the driver's clock (`StepPlan.now`); ranks measure quarantines in it, never in their
   own clocks, so they free the same rows in the same round.
 - Imports: a rank answers one `ImportOutcome` per `ImportKV`, possibly rounds later than another rank (its
@@ -45,6 +46,7 @@ from engine.api import (
     ImportKV,
     ImportOutcome,
     RankStats,
+    RowsExposed,
     TransportNotice,
 )
 from engine.ports import free_port
@@ -231,7 +233,8 @@ class Executor:
     # ------------------------------------------------------------------ async interface
 
     def on_notice(self, handler: Any) -> None:
-        """Call `handler(TransportNotice)` (from the driver thread) for every transport notice of any rank."""
+        """Call `handler(event)` (from the driver thread) for every `TransportNotice` and `RowsExposed` of any rank,
+        before the round's other events are delivered."""
         self._notice_handlers.append(handler)
 
     def submit(self, cmd: Command) -> None:
@@ -340,14 +343,16 @@ class Executor:
             self.state.timings.extend(replies[0].stats.timings)
             if replies[0].stats.cache is not None:
                 self.state.cache = replies[0].stats.cache
+        for reply in replies:  # first: a rank's exposure of an export is known before the export is delivered
+            for event in reply.events:
+                if isinstance(event, (TransportNotice, RowsExposed)):
+                    for handler in self._notice_handlers:
+                        handler(event)
         for reply in replies:
             for event in reply.events:
                 if isinstance(event, ImportOutcome):
                     self._import_part(event)
-                elif isinstance(event, TransportNotice):
-                    for handler in self._notice_handlers:
-                        handler(event)
-                elif reply.rank == 0:
+                elif not isinstance(event, (TransportNotice, RowsExposed)) and reply.rank == 0:
                     self._deliver(event)
 
     def _import_part(self, part: ImportOutcome) -> None:

@@ -80,8 +80,9 @@ class RankRole(Protocol):
     def abort(self, request_id: str) -> list[Event]:
         """An `Abort` reached the rank: end this role's part of the request (before the engine aborts it)."""
 
-    def step(self) -> list[Event]:
-        """Called after every engine step: what the transport brought in (notifications, finished READs)."""
+    def step(self, engine_events: list[Event]) -> list[Event]:
+        """Called after every engine step with its events: what the role adds (rows exposed for the step's exports,
+        what the transport brought in: notifications, finished READs)."""
 
     def close(self) -> None:
         """Release every transfer in flight and the transport."""

@@ -6,7 +6,8 @@ factory `config.backend` names ("reference": engine/rank_engine.py `build_rank_e
 worker hands each command on unchanged, in the same order on every rank, and calls the role around it. The role
 owns the rank's transport and its side of the hand-off (prefill_node/rank_exporter.py,
 decode_node/rank_importer.py); the worker knows neither. Per command: the role may claim it (`ImportKV`), an
-`Abort` reaches the role before the engine, and every round's events are the engine step's then the role's.
+`Abort` reaches the role before the engine, and every round's events are the engine step's then the role's (the
+role sees the engine's first: a prefill rank exposes the rows of each export to its transport).
 A rank without a role answers an `ImportKV` with an error outcome (each `ImportKV` gets exactly one outcome).
 Time: the engine measures quarantines in `RoundClock`, the driver's round time (the same on every rank).
 """
@@ -78,7 +79,7 @@ class RankWorker:
     def step(self) -> list[Event]:
         events = self.engine.step_events()
         if self.role is not None:
-            events += self.role.step()
+            events += self.role.step(events)
         return events
 
     def stats(self) -> RankStats:

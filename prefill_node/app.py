@@ -101,5 +101,5 @@ class _LeaseControl:
     def abort(self, lease_id: str, reader: str) -> bool:
         return self._running().handoff.abort_lease(lease_id, reader)
 
-    def claim(self, lease_id: str, reader: str) -> None:
-        self._running().handoff.leases.claim(lease_id, reader)
+    def claim(self, lease_id: str, reader: str) -> dict[int, bytes]:
+        return self._running().handoff.claim(lease_id, reader)

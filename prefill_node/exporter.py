@@ -17,8 +17,12 @@ reader aborted), else into quarantine for the read timeout (a READ posted before
 An abort that lands before the grant (between the engine's export step and `grant`) is remembered: the ranks
 end the export on their own `Abort`, and `grant` refuses it (APIError 499), so no lease and no params ever
 point at rows an abort already gave back. Lease outcomes feed the node metrics.
-Notifications: each rank's `RankExporter` (prefill_node/rank_exporter.py) drains its transport after every step;
-the executor hands the `TransportNotice`s to `on_notice`, which the exporter subscribes when it is built.
+Exposure: each rank's `RankExporter` (prefill_node/rank_exporter.py) registers an export's rows, and only those,
+with its transport and reports the metadata that addresses them (`RowsExposed`), before the export reaches
+`grant`; `claim(lease_id, reader)` hands that metadata, per rank, to the one decode node whose claim wins
+(kv_transfer/lease.py), and the lease's end deregisters the rows on every rank (its `Release`).
+Notifications: each rank's `RankExporter` drains its transport after every step; the executor hands the
+`TransportNotice`s (and `RowsExposed`) to `on_notice`, which the exporter subscribes when it is built.
 Thread-safe: notifications arrive on the executor's driver thread, the rest on the event loop.
 """
 
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.api import EngineFailure, ExportedRows, Release, Submit, TransportNotice
+from engine.api import EngineFailure, ExportedRows, Release, RowsExposed, Submit, TransportNotice
 from kv_transfer.lease import OUTCOMES, ExportKey, Lease, LeaseManager
 from kv_transfer.params import KVTransferParams
 from kv_transfer.signing import ENGINE_ID_PATTERN, ClusterSecret, prompt_digest, sign
@@ -73,6 +77,8 @@ class Exporter:
         self._lease_of: dict[str, str] = {}
         self._exporting: dict[str, bool] = {}
         """Exports in flight (`begin` .. `forget`) -> aborted before their grant."""
+        self._exposed: dict[ExportKey, dict[int, bytes]] = {}
+        """Export -> per rank, the metadata that addresses its rows (RowsExposed), until its lease ends."""
         self._lock = threading.Lock()
         self._counted = {outcome: 0 for outcome in OUTCOMES}
         executor.on_notice(self.on_notice)
@@ -82,6 +88,7 @@ class Exporter:
         with self._lock:
             if self._lease_of.get(key.request_id) == lease.lease_id:
                 del self._lease_of[key.request_id]
+            self._exposed.pop(key, None)
         if self.executor.healthy:
             self.executor.submit(Release(request_id=key.request_id, generation=key.generation,
                                          reads_done=lease.reads_done))
@@ -127,8 +134,14 @@ class Exporter:
         )
         return params if self.secret is None else sign(params, self.secret)
 
-    def on_notice(self, notice: TransportNotice) -> None:
-        """A reader's DONE message (called on the driver thread)."""
+    def on_notice(self, notice: TransportNotice | RowsExposed) -> None:
+        """A reader's DONE message, or a rank's exposure of an export (called on the driver thread)."""
+        if isinstance(notice, RowsExposed):
+            if notice.error is None:
+                with self._lock:
+                    self._exposed.setdefault(ExportKey(notice.request_id, notice.generation), {})[notice.rank] = \
+                        notice.metadata
+            return
         try:
             self.leases.apply_message(notice.message)
         except ValueError:
@@ -147,6 +160,13 @@ class Exporter:
         self._sync_metrics()
         return ended
 
+    def claim(self, lease_id: str, reader: str) -> dict[int, bytes]:
+        """Let `reader` redeem the lease (the first claim wins: kv_transfer/lease.py `claim`, ClaimRefused
+        otherwise); per rank, the metadata that addresses the lease's rows and nothing else."""
+        lease = self.leases.claim(lease_id, reader)
+        with self._lock:
+            return dict(self._exposed.get(lease.export, {}))
+
     def abort_lease(self, lease_id: str, reader: str) -> bool:
         """The reader that claimed the lease will not read, and none of its READs can still run (the side channel's
         abort route); ClaimRefused when another reader claimed it."""
@@ -161,9 +181,13 @@ class Exporter:
             self._exporting[request_id] = False
 
     def forget(self, request_id: str) -> None:
-        """The export path of `request_id` is over (granted or failed)."""
+        """The export path of `request_id` is over (granted or failed; an ungranted export's exposure is dropped:
+        its ranks deregister the rows on their Abort)."""
         with self._lock:
             self._exporting.pop(request_id, None)
+            if request_id not in self._lease_of:
+                for key in [k for k in self._exposed if k.request_id == request_id]:
+                    del self._exposed[key]
 
     def sweep(self) -> list[str]:
         """Expire leases past their deadline."""

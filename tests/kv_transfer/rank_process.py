@@ -7,7 +7,8 @@ Commands: fill (random bytes from a seed), zero, import (the full decode path of
 side channel over HTTP, checks, plan, READs with DONE notifications), raw_read (benchmark reads),
 read_plan (reads.read_request over given ops: DONE notifications, reposting a stalled read),
 digest, pool, notifs, send_notif (any message to a peer's agent, as an attacker with its metadata can),
-tcp_fallback, stop. `settings` are KVTransferSettings fields for the rank's agent (the
+expose / unexpose (a rank started with `per_lease`: one lease's rows registered, their metadata), tcp_fallback,
+stop. `settings` are KVTransferSettings fields for the rank's agent (the
 `kv` section of a node's settings).
 """
 
@@ -26,7 +27,8 @@ def pool_pattern(seed: int, nbytes: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
 
 
-def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, settings: dict) -> None:
+def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, settings: dict,
+           per_lease: bool = False) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cpu % os.cpu_count()})
@@ -40,7 +42,8 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, sett
     from kv_transfer.ucx_env import KVTransferSettings
 
     pool = np.zeros(pool_bytes, dtype=np.uint8)
-    t = NixlTransport(name, pool, 1, KVTransferSettings(ucx_tls=ucx_tls, **settings))
+    t = NixlTransport(name, pool, 1, KVTransferSettings(ucx_tls=ucx_tls, **settings), per_lease=per_lease)
+    exposures: dict[int, object] = {}
     conn.send(("ok", name))
     inbox: list[tuple[str, bytes]] = []
     while True:
@@ -104,6 +107,13 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, sett
                     inbox.extend(t.notifications())
                     time.sleep(0.002)
                 out, inbox = inbox, []
+            elif cmd == "expose":  # per-lease exposure: register `rows`, answer (id, the metadata addressing them)
+                exposure = t.expose(kw["rows"])
+                exposures[id(exposure)] = exposure
+                out = (id(exposure), exposure.metadata)
+            elif cmd == "unexpose":
+                t.unexpose(exposures.pop(kw["exposure"]))
+                out = None
             elif cmd == "send_notif":  # any agent that loaded a peer's metadata can notify it
                 t.send_notif(t.add_peer(kw["endpoint"]), kw["message"])
                 out = None
@@ -120,10 +130,11 @@ class RankProcess:
     """Parent-side handle of one rank process."""
 
     def __init__(self, ctx, name: str, pool_bytes: int, ucx_tls: str = "auto", cpu: int | None = None,
-                 settings: dict | None = None) -> None:
+                 settings: dict | None = None, per_lease: bool = False) -> None:
         self.conn, child = ctx.Pipe()
         self.name = name
-        self.proc = ctx.Process(target=_serve, args=(child, name, pool_bytes, ucx_tls, cpu, settings or {}), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, name, pool_bytes, ucx_tls, cpu, settings or {}, per_lease),
+                                daemon=True)
         self.proc.start()
 
     def ready(self, timeout: float = 60) -> None:

@@ -46,7 +46,7 @@ class RecordingAgent:
 def _transport() -> tuple[NixlTransport, RecordingAgent]:
     t = object.__new__(NixlTransport)  # no NIXL agent: only the endpoint bookkeeping is under test
     agent = RecordingAgent()
-    t._agent, t._peers, t._inflight = agent, {}, {}
+    t._agent, t._peers, t._inflight, t._sections = agent, {}, {}, {}
     t.reads_failed = t.reads_reposted = 0
     t.row_bytes, t.pool_bytes, t.base_addr, t.device_id, t.mem_type = ROW, 64 * ROW, 1 << 20, 0, "DRAM"
     return t, agent
