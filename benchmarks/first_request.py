@@ -7,8 +7,9 @@ the same shape with other tokens, each timed to its first token:
 - `continued`: a long prompt's session continued (its first tokens hit the prefix cache: a prefill from start > 0).
 
 On a CUDA device the first request of a shape the warm-up did not run compiles (torch.compile, Triton); on one
-H100 a first 4,811-token prompt after a warm-up of 16 tokens took 25.6 s to its first token in a cluster. The headline is the
-largest ratio of a first request's time to the second's (goal: at most 1.5: the warm-up paid the compilation).
+H100 a first 4,811-token prompt after a warm-up of 16 tokens took 25.6 s to its first token in a cluster. The
+headline is the largest ratio of a first request's time to the second's (goal: at most 1.5: the warm-up paid the
+one-time costs).
 On the CPU (no graphs, no warm-up) it runs as a dry run of the same flow.
 
     python benchmarks/first_request.py --device cuda --long 4811 --json runs/first.json
