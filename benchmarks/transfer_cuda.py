@@ -1,5 +1,8 @@
 """`benchmarks/transfer.py --device cuda`: the same three descriptor shapes (packed rows, per-layer pages, one
 descriptor) moved VRAM -> VRAM between two processes on GPU 0 by NIXL READs, next to what the GPU itself does.
+With `--gpus 2` the writer's pool lives on GPU 1 and the reader's on GPU 0 (P and D on two GPUs of one host,
+UCX cuda_ipc over NVLink), and the rate the READs are held against is a torch peer-to-peer copy from GPU 1 to
+GPU 0 in one process (1 GiB, CUDA events), measured in the same run.
 
 Each side is one spawned process with its pool a torch uint8 CUDA tensor on GPU 0 registered with NIXL as VRAM
 (kv_transfer.nixl_agent.NixlTransport, the nodes' agent). Per scenario and method: one READ checked byte for byte
@@ -31,10 +34,11 @@ def _digest(pool: Any, ranges: list[tuple[int, int]]) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _copy_gbps(torch: Any) -> float:
-    """Bytes moved once per second by a device-to-device copy of COPY_BYTES (median of 10 after 3 warm-ups)."""
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
+def _copy_gbps(torch: Any, src_device: str = "cuda", dst_device: str = "cuda") -> float:
+    """Bytes moved once per second by a device-to-device copy of COPY_BYTES (median of 10 after 3 warm-ups);
+    `src_device` != `dst_device`: a peer-to-peer copy between two GPUs, timed on the destination's stream."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=src_device)
+    dst = torch.empty(COPY_BYTES, dtype=torch.uint8, device=dst_device)
     times = []
     for i in range(13):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -83,6 +87,10 @@ def _handle(cmd: str, kw: dict, state: dict) -> Any:
         return _digest(pool, kw["ranges"])
     if cmd == "copy_gbps":
         return _copy_gbps(torch)
+    if cmd == "p2p_gbps":  # from GPU `src` to this process's GPU
+        if not torch.cuda.can_device_access_peer(state["gpu"], kw["src"]):
+            raise RuntimeError(f"GPU {state['gpu']} cannot access GPU {kw['src']} as a peer")
+        return _copy_gbps(torch, f"cuda:{kw['src']}", f"cuda:{state['gpu']}")
     if cmd == "share":  # torch's CUDA IPC handle of this pool (the reader maps it)
         from torch.multiprocessing.reductions import reduce_tensor
 
@@ -102,7 +110,7 @@ def _handle(cmd: str, kw: dict, state: dict) -> Any:
     raise ValueError(f"unknown command {cmd}")
 
 
-def _serve(conn: Any, name: str, pool_bytes: int, settings: dict, env: dict) -> None:
+def _serve(conn: Any, name: str, pool_bytes: int, settings: dict, env: dict, gpu: int = 0) -> None:
     os.environ.update(env)
     try:
         import torch
@@ -110,11 +118,11 @@ def _serve(conn: Any, name: str, pool_bytes: int, settings: dict, env: dict) -> 
         from kv_transfer.nixl_agent import NixlTransport
         from kv_transfer.ucx_env import KVTransferSettings
 
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(gpu)
         pool = torch.zeros(pool_bytes, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
         transport = NixlTransport(name, pool, pool_bytes, KVTransferSettings(**settings))
-        state = {"pool": pool, "transport": transport}
+        state = {"pool": pool, "transport": transport, "gpu": gpu}
         conn.send(("ok", {"ucx_tls": transport.ucx_tls, "mem_type": transport.mem_type}))
     except Exception:  # noqa: BLE001 - the parent reports it
         conn.send(("err", traceback.format_exc()))
@@ -133,9 +141,9 @@ def _serve(conn: Any, name: str, pool_bytes: int, settings: dict, env: dict) -> 
 
 
 class _Side:
-    def __init__(self, ctx: Any, name: str, pool_bytes: int, settings: dict, env: dict) -> None:
+    def __init__(self, ctx: Any, name: str, pool_bytes: int, settings: dict, env: dict, gpu: int = 0) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, name, pool_bytes, settings, env), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, name, pool_bytes, settings, env, gpu), daemon=True)
         self.proc.start()
         self.info = self._answer(300)
 
@@ -160,17 +168,21 @@ class _Side:
                 self.proc.kill()
 
 
-def run(scs: list[dict], rounds: int, settings: dict, env: dict, split: int = 1) -> dict:
-    """Every scenario's three methods as NIXL VRAM READs, the IPC ceiling and the GPU copy rate."""
+def run(scs: list[dict], rounds: int, settings: dict, env: dict, split: int = 1, gpus: int = 1) -> dict:
+    """Every scenario's three methods as NIXL VRAM READs, the IPC ceiling and the copy rate they are held against:
+    one GPU's own copy (`gpus` 1: both pools on GPU 0), or the peer copy from GPU 1 to GPU 0 (`gpus` 2: the
+    writer's pool on GPU 1, the reader's on GPU 0)."""
+    if gpus not in (1, 2):
+        raise ValueError(f"gpus must be 1 or 2, not {gpus}")
     ctx = multiprocessing.get_context("spawn")
     pool = max(s["pool"] for s in scs)
-    p = _Side(ctx, "bench-P-cuda", pool, settings, env)
-    d = _Side(ctx, "bench-D-cuda", pool, settings, env)
+    p = _Side(ctx, "bench-P-cuda", pool, settings, env, gpu=gpus - 1)
+    d = _Side(ctx, "bench-D-cuda", pool, settings, env, gpu=0)
     rows = []
     try:
         ep = p.call("fill", seed=1)
         d.call("zero")
-        copy = p.call("copy_gbps")
+        copy = p.call("copy_gbps") if gpus == 1 else d.call("p2p_gbps", src=1)
         shared = p.call("share")
         for sc in scs:
             times: dict[str, list[float]] = {m: [] for m in sc["methods"]}
@@ -198,12 +210,13 @@ def run(scs: list[dict], rounds: int, settings: dict, env: dict, split: int = 1)
     finally:
         d.stop()
         p.stop()
-    return {"copy_GBps": copy, "copy_rw_GBps": 2 * copy, "split": split, "ucx_tls": p.info["ucx_tls"],
+    return {"gpus": gpus, "copy_GBps": copy, "copy_rw_GBps": 2 * copy, "split": split, "ucx_tls": p.info["ucx_tls"],
             "mem_type": p.info["mem_type"], "settings": settings, "env": env, "scenarios": rows}
 
 
 def print_table(result: dict) -> None:
-    print(f"GPU copy (1 GiB, one process): {result['copy_GBps']:.0f} GB/s moved ({result['copy_rw_GBps']:.0f} GB/s "
+    what = "peer copy GPU 1 -> GPU 0" if result.get("gpus") == 2 else "GPU copy"
+    print(f"{what} (1 GiB, one process): {result['copy_GBps']:.0f} GB/s moved ({result['copy_rw_GBps']:.0f} GB/s "
           f"read + write); pools {result['mem_type']}, UCX_TLS={result['ucx_tls']}, settings {result['settings']}, "
           f"env {result['env']}, each READ as {result['split']} transfer request(s)")
     head = (f"{'scenario':38s} {'MB':>7s} | {'packed GB/s (descs)':>20s} | {'per-layer GB/s (descs)':>23s} | "
