@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,11 @@ def build_rank_engine(config: EngineConfig, ctx: Any, clock: Callable[[], float]
     shard = ShardSpec(ctx.world_size, ctx.rank) if config.kernels != "fast" else WHOLE
     built = build_model(resolve_model(config.model, config.exact_index_scores), config.seed, config.weights,
                         device=device, shard=shard)
+    if ctx.rank == 0 and ctx.world_size > 1:
+        held = sum(p.numel() * p.element_size() for p in built.parameters())
+        whole = sum(math.prod(built.splits[n].full_shape) * p.element_size() for n, p in built.named_parameters())
+        log.info("rank 0 of %d holds %.1f MB of the model's %.1f MB of weights (%s; pdcluster plan --shards)",
+                 ctx.world_size, held / 1e6, whole / 1e6, "its shard" if not shard.is_whole else "a whole replica")
     make_cache = None
     if config.dcp_size > 1:
         model: Any = DCPModel(built, ctx, token_shard_min_tokens)

@@ -44,6 +44,12 @@ def rank_model(ctx: ParallelContext, cfg):  # noqa: ANN001, ANN201
     return apply_tp(build_model(cfg, shard=ShardSpec(ctx.world_size, ctx.rank)), ctx)
 
 
+def shard_tensors(ctx: ParallelContext, cfg) -> dict:  # noqa: ANN001
+    """This rank's parameters as its node builds them (the expert-parallel wrapper keeps the same tensors)."""
+    model = rank_model(ctx, cfg)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
 def prefill_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], prefix_lens: list[int], mode: str,
                  capacity: int, all_logits: bool = False) -> dict:
     """Build this rank's shard of the seeded model, prefill each prompt's prefix (if any) then the rest in one

@@ -69,6 +69,21 @@ def exchange_formula(world_size: int, rank: int, mode: str) -> int:
 
 
 @pytest.mark.process
+def test_each_rank_holds_its_slice_of_the_whole_model(pool) -> None:
+    from engine.model.shards import ShardSpec
+
+    whole = dict(build_model(CFG).named_parameters())
+    for rank, tensors in enumerate(pool.run(_ranks.shard_tensors, CFG)):
+        splits = build_model(CFG, shard=ShardSpec(pool.world_size, rank)).splits
+        held = 0
+        for name, value in tensors.items():
+            want = torch.cat([whole[name][lo:hi] for lo, hi in splits[name].rows])
+            assert torch.equal(value, want), f"rank {rank}: {name} is not its rows of the whole tensor"
+            held += value.numel()
+        assert held < sum(p.numel() for p in whole.values()), "a rank holds the whole model"
+
+
+@pytest.mark.process
 @pytest.mark.parametrize("mode", ["token", "head"])
 def test_sharded_prefill_matches_whole_model(pool, oracle, mode: str) -> None:
     want, _, _ = oracle
