@@ -64,6 +64,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     """vLLM's: the logit of every token in the prompt or generated so far is divided by it when positive,
     multiplied when not; > 0 (1: off)."""
+    num_resumed: int = 0
+    """The prompt's last `num_resumed` tokens are this request's own earlier outputs (a stream resumed on another
+    instance after its first one failed): the sampler's output step counts from them and the penalties and stop
+    strings see them as output, so the resumed request draws exactly the tokens the lost one would have.
+    `max_tokens` counts the new tokens only."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
@@ -85,6 +90,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2 <= value <= 2:
                 raise SamplingParamsError(name, f"{name} must be in [-2, 2], got {value}")
+        if self.num_resumed < 0:
+            raise SamplingParamsError("num_resumed", f"num_resumed must be >= 0, got {self.num_resumed}")
         if not self.repetition_penalty > 0:
             raise SamplingParamsError("repetition_penalty", f"repetition_penalty must be > 0, got "
                                                             f"{self.repetition_penalty}")

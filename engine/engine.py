@@ -92,6 +92,15 @@ def weights_fingerprint(config: EngineConfig, layout_fingerprint: str, model_con
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
+def _split_resumed(req: Request) -> tuple[list[int], list[int]]:
+    """(prompt, outputs) as the sampler sees them: a resumed request's last `num_resumed` prompt tokens are
+    outputs of the stream it continues."""
+    k = req.sampling.num_resumed
+    if not k:
+        return req.prompt_token_ids, req.output_token_ids
+    return req.prompt_token_ids[:-k], req.prompt_token_ids[-k:] + req.output_token_ids
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model: KimiModel | None = None,
                  make_cache: Callable[[RowPool, BlockTable], Any] | None = None,
@@ -178,6 +187,9 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range 0..{cfg.vocab_size - 1}: {bad[:5]}")
+        if sampling.num_resumed >= len(prompt):
+            raise ValueError(f"num_resumed ({sampling.num_resumed}) must leave at least one prompt token of the "
+                             f"{len(prompt)}")
         if sampling.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer; the checkpoint {cfg.checkpoint} ships none (use "
                              "stop_token_ids)")
@@ -240,9 +252,10 @@ class Engine:
 
     @staticmethod
     def _sample(req: Request, logits: torch.Tensor) -> SampledToken:
-        """The request's next token from its logits [V], given the tokens it has so far."""
-        return sample(logits, req.sampling, req.seed, len(req.output_token_ids), req.prompt_token_ids,
-                      req.output_token_ids)
+        """The request's next token from its logits [V], given the tokens it has so far (a resumed request's
+        earlier outputs, the prompt's last `num_resumed` tokens, count as outputs: step and penalties)."""
+        prompt, outputs = _split_resumed(req)
+        return sample(logits, req.sampling, req.seed, len(outputs), prompt, outputs)
 
     def _first_token(self, req: Request, tok: SampledToken, out: StepOutputs) -> None:
         if req.export:
@@ -297,7 +310,7 @@ class Engine:
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             return "stop"
         if params.stop:
-            text = self.tokenizer.decode(req.output_token_ids)
+            text = self.tokenizer.decode(_split_resumed(req)[1])
             if any(s and s in text for s in params.stop):
                 return "stop"
         if len(req.output_token_ids) >= params.max_tokens:

@@ -41,7 +41,10 @@ def response_id(prepared: PreparedRequest) -> str:
 
 
 def usage_of(prepared: PreparedRequest, result: GenerationResult) -> UsageInfo:
-    return UsageInfo.of(len(prepared.prompt_token_ids), len(result.tokens), result.num_cached_tokens)
+    """A resumed request counts the tokens its earlier stream sent as completion tokens, as that stream would."""
+    num_resumed = prepared.num_resumed
+    return UsageInfo.of(len(prepared.prompt_token_ids) - num_resumed, num_resumed + len(result.tokens),
+                        result.num_cached_tokens)
 
 
 def _logprobs(prepared: PreparedRequest, tokenizer: Detokenizer, events: Sequence[TokenEvent],
@@ -83,13 +86,15 @@ def final_response(prepared: PreparedRequest, result: GenerationResult, tokenize
 
 
 def _chunk(prepared: PreparedRequest, rid: str, text: str | None, finish: str | None,
-           role: bool = False, logprobs: Any = None, prompt_logprobs: Any = None) -> BaseModel:
+           role: bool = False, logprobs: Any = None, prompt_logprobs: Any = None,
+           token_ids: list[int] | None = None) -> BaseModel:
     if prepared.kind == "chat":
         delta = DeltaMessage(role="assistant" if role else None, content=text)
-        choice = ChatStreamChoice(delta=delta, logprobs=logprobs, finish_reason=finish, prompt_logprobs=prompt_logprobs)
+        choice = ChatStreamChoice(delta=delta, logprobs=logprobs, finish_reason=finish, prompt_logprobs=prompt_logprobs,
+                                  token_ids=token_ids)
         return ChatCompletionStreamResponse(id=rid, model=prepared.model, choices=[choice])
     choice = CompletionStreamChoice(text=text or "", logprobs=logprobs, finish_reason=finish,
-                                    prompt_logprobs=prompt_logprobs)
+                                    prompt_logprobs=prompt_logprobs, token_ids=token_ids)
     return CompletionStreamResponse(id=rid, model=prepared.model, choices=[choice])
 
 
@@ -107,11 +112,12 @@ def _prompt_chunk(prepared: PreparedRequest, rid: str, piece: Piece, tokenizer: 
 async def stream_chunks(prepared: PreparedRequest, pieces: AsyncIterator[Piece], result: GenerationResult,
                         tokenizer: Detokenizer) -> AsyncIterator[BaseModel]:
     """Chunks for one streamed request (without `[DONE]`); each carries the log-probs of the tokens it covers.
-    The prompt's chunk (echo, prompt log-probs) comes first; offsets of later tokens continue after it."""
+    The prompt's chunk (echo, prompt log-probs) comes first; offsets of later tokens continue after it. A resumed
+    request continues its earlier stream: no role chunk, offsets after the resumed tokens."""
     rid = response_id(prepared)
-    if prepared.kind == "chat":
+    if prepared.kind == "chat" and not prepared.num_resumed:
         yield _chunk(prepared, rid, "", None, role=True)
-    streamed_ids: list[int] = []
+    streamed_ids: list[int] = list(prepared.resumed_ids)
     async for piece in pieces:
         if piece.is_prompt:
             chunk = _prompt_chunk(prepared, rid, piece, tokenizer)
@@ -122,8 +128,10 @@ async def stream_chunks(prepared: PreparedRequest, pieces: AsyncIterator[Piece],
             continue
         if piece.text or piece.finish_reason:
             logprobs = _logprobs(prepared, tokenizer, piece.tokens, streamed_ids)
-            streamed_ids += [int(e.token_id) for e in piece.tokens if e.token_id is not None]
-            yield _chunk(prepared, rid, piece.text, piece.finish_reason, logprobs=logprobs)
+            ids = [int(e.token_id) for e in piece.tokens if e.token_id is not None]
+            streamed_ids += ids
+            yield _chunk(prepared, rid, piece.text, piece.finish_reason, logprobs=logprobs,
+                         token_ids=ids if prepared.return_token_ids else None)
     if prepared.include_usage:
         usage = usage_of(prepared, result)
         if prepared.kind == "chat":

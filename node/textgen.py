@@ -75,6 +75,22 @@ class PreparedRequest:
     """The router's opaque session key (`x-pdcluster-session`), "" when the request belongs to none."""
     cache_salt: str = ""
     """The prefix cache's salt (`cache_salt` below): "" when neither a tenant nor the body's `cache_salt` names one."""
+    return_token_ids: bool = False
+    """Stream chunks carry the token ids they cover."""
+
+    @property
+    def num_resumed(self) -> int:
+        """Tokens at the end of `prompt_token_ids` that an earlier stream of this request already sent."""
+        return self.sampling.num_resumed
+
+    @property
+    def client_prompt_ids(self) -> tuple[int, ...]:
+        """The prompt as the client sent it (without the resumed tokens)."""
+        return self.prompt_token_ids[:len(self.prompt_token_ids) - self.num_resumed]
+
+    @property
+    def resumed_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids[len(self.prompt_token_ids) - self.num_resumed:]
 
 
 SESSION_HEADER = "x-pdcluster-session"
@@ -171,8 +187,25 @@ SAMPLING_FIELDS = frozenset(spec.name for spec in dataclasses.fields(SamplingPar
 (`TextAssembler`), so the engine's stays empty."""
 
 
+def _resumed_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer, max_tokens: int) -> list[int]:
+    """`resume_token_ids`, checked: in the vocabulary, fewer than `max_tokens`, and not with prompt scoring."""
+    resumed = list(req.resume_token_ids or ())
+    if not resumed:
+        return []
+    if req.prompt_logprobs is not None or (isinstance(req, CompletionRequest) and req.echo):
+        raise APIError(400, "resume_token_ids cannot be combined with echo or prompt_logprobs", "resume_token_ids")
+    bad = [tok for tok in resumed if not 0 <= tok < tokenizer.vocab_size]
+    if bad:
+        raise APIError(400, f"resume_token_ids: token id {bad[0]} is outside the vocabulary [0, "
+                            f"{tokenizer.vocab_size})", "resume_token_ids")
+    if len(resumed) >= max_tokens:
+        raise APIError(400, f"resume_token_ids has {len(resumed)} tokens: max_tokens ({max_tokens}) leaves none to "
+                            "generate", "resume_token_ids")
+    return resumed
+
+
 def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-              eos_ids: tuple[int, ...] = ()) -> SamplingParams:
+              eos_ids: tuple[int, ...] = (), num_resumed: int = 0) -> SamplingParams:
     """The request's SamplingParams: the fields below are translated (defaults, vLLM's spellings, OpenAI's two
     log-prob shapes, the model's other EOS ids `eos_ids` joining `stop_token_ids` unless `ignore_eos`); every other
     field both the request and SamplingParams declare passes as sent when set, so a new sampling parameter needs no
@@ -181,7 +214,8 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
     if not req.ignore_eos:
         stop_ids += [token_id for token_id in eos_ids if token_id not in stop_ids]
     translated = {
-        "max_tokens": max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
+        "max_tokens": max_tokens - num_resumed, "num_resumed": num_resumed,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_k": max(0, req.top_k or 0), "stop_token_ids": tuple(stop_ids),
         "logprobs": _logprobs(req), "prompt_logprobs": _prompt_logprobs(req),
     }
@@ -216,10 +250,13 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_
         raise APIError(400, f"This model's maximum context length is {limits.max_context} tokens. However, you "
                             f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {param}, {max_tokens} "
                             f"in the completion).", "max_tokens")
-    return PreparedRequest(request_id=request_id, kind=kind, model=model, prompt_token_ids=tuple(ids),
-                           sampling=_sampling(req, max_tokens, tokenizer.stop_token_ids), stop_strings=tuple(req.stop_strings), stream=req.stream,
+    resumed = _resumed_ids(req, tokenizer, max_tokens)
+    sampling = _sampling(req, max_tokens, tokenizer.stop_token_ids, len(resumed))
+    return PreparedRequest(request_id=request_id, kind=kind, model=model, prompt_token_ids=tuple(ids + resumed),
+                           sampling=sampling, stop_strings=tuple(req.stop_strings), stream=req.stream,
                            include_usage=req.include_usage, echo=echo, prompt_logprobs=req.prompt_logprobs is not None,
-                           kv_params=kv_params, cache_salt=cache_salt(tenant, req.cache_salt))
+                           kv_params=kv_params, cache_salt=cache_salt(tenant, req.cache_salt),
+                           return_token_ids=req.return_token_ids)
 
 
 class TextAssembler:
@@ -307,7 +344,11 @@ async def generate_pieces(events: AsyncIterator[Any], prepared: PreparedRequest,
                           result: GenerationResult, started: float | None = None) -> AsyncIterator[Piece]:
     """Turn a request's token events into text pieces; raises APIError when the engine fails it."""
     started = time.monotonic() if started is None else started
-    assembler = TextAssembler(tokenizer, prepared.stop_strings, prepared.prompt_token_ids)
+    assembler = TextAssembler(tokenizer, prepared.stop_strings, prepared.client_prompt_ids)
+    for token_id in prepared.resumed_ids:  # the lost stream's state: what it held back is sent from here on
+        assembler.add(token_id)
+    if assembler.stopped:
+        raise APIError(400, "resume_token_ids already end the stream on a stop string", "resume_token_ids")
     stamps: list[float] = []
     pending: list[TokenEvent] = []
     try:

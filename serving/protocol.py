@@ -102,6 +102,13 @@ class _SamplingFields(BaseModel):
     kv_transfer_params: KVParamsField = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     """vLLM's extension: requests share cached prefix blocks only with requests of the same salt (and tenant)."""
+    return_token_ids: bool = False
+    """vLLM's extension: stream chunks carry the `token_ids` they cover (non-streamed completion choices always do)."""
+    resume_token_ids: list[int] | None = None
+    """pdcluster's extension (what the router sends when a stream moves to another instance): the tokens this
+    request's earlier stream already sent, appended to the prompt; generation continues from the next one exactly
+    as the uninterrupted stream would (the same seed is needed for sampling). `max_tokens` still counts the whole
+    completion; usage counts these tokens as completion tokens; the stream sends only what follows them."""
 
     @field_validator("n")
     @classmethod
@@ -283,6 +290,8 @@ class CompletionStreamChoice(BaseModel):
     prompt_logprobs: list[PromptLogprobEntry] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda ids: ids is None)
+    """The token ids this chunk covers, only when the request asked (`return_token_ids`)."""
 
 
 class CompletionStreamResponse(BaseModel):
@@ -344,6 +353,8 @@ class ChatStreamChoice(BaseModel):
     prompt_logprobs: list[PromptLogprobEntry] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda ids: ids is None)
+    """The token ids this chunk covers, only when the request asked (`return_token_ids`)."""
 
 
 class ChatCompletionStreamResponse(BaseModel):
