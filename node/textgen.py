@@ -187,8 +187,10 @@ SAMPLING_FIELDS = frozenset(spec.name for spec in dataclasses.fields(SamplingPar
 (`TextAssembler`), so the engine's stays empty."""
 
 
-def _resumed_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer, max_tokens: int) -> list[int]:
-    """`resume_token_ids`, checked: in the vocabulary, fewer than `max_tokens`, and not with prompt scoring."""
+def _resumed_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer, max_tokens: int,
+                 is_export: bool) -> list[int]:
+    """`resume_token_ids`, checked: in the vocabulary, fewer than `max_tokens` (unless the request is a prefill
+    leg, whose `max_tokens` is 1: the one token it hands over), and not with prompt scoring."""
     resumed = list(req.resume_token_ids or ())
     if not resumed:
         return []
@@ -198,7 +200,7 @@ def _resumed_ids(req: CompletionRequest | ChatCompletionRequest, tokenizer: Toke
     if bad:
         raise APIError(400, f"resume_token_ids: token id {bad[0]} is outside the vocabulary [0, "
                             f"{tokenizer.vocab_size})", "resume_token_ids")
-    if len(resumed) >= max_tokens:
+    if len(resumed) >= max_tokens and not is_export:
         raise APIError(400, f"resume_token_ids has {len(resumed)} tokens: max_tokens ({max_tokens}) leaves none to "
                             "generate", "resume_token_ids")
     return resumed
@@ -250,8 +252,10 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, kind: Kind, request_
         raise APIError(400, f"This model's maximum context length is {limits.max_context} tokens. However, you "
                             f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {param}, {max_tokens} "
                             f"in the completion).", "max_tokens")
-    resumed = _resumed_ids(req, tokenizer, max_tokens)
-    sampling = _sampling(req, max_tokens, tokenizer.stop_token_ids, len(resumed))
+    is_export = kv_params is not None and kv_params.do_remote_decode
+    resumed = _resumed_ids(req, tokenizer, max_tokens, is_export)
+    sampling = _sampling(req, max_tokens + (len(resumed) if is_export else 0), tokenizer.stop_token_ids,
+                         len(resumed))
     return PreparedRequest(request_id=request_id, kind=kind, model=model, prompt_token_ids=tuple(ids + resumed),
                            sampling=sampling, stop_strings=tuple(req.stop_strings), stream=req.stream,
                            include_usage=req.include_usage, echo=echo, prompt_logprobs=req.prompt_logprobs is not None,

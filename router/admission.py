@@ -61,6 +61,12 @@ class Admission:
     def leave(self, pool: str) -> None:
         self.inflight[pool] -= 1
 
+    def move(self, old: str, new: str) -> None:
+        """An admitted request moved to another pool (router/moves.py): its slot goes with it, past the cap
+        (it was admitted once; shedding it mid-answer would lose what the client already has)."""
+        self.inflight[old] -= 1
+        self.inflight[new] = self.inflight.get(new, 0) + 1
+
     def publish(self, pools: list[str] = ()) -> None:
         """Set the in-flight and limit gauges of `pools` and of every pool seen so far."""
         for pool in {*pools, *self.inflight}:

@@ -15,6 +15,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router.local_metrics import LocalCounter as Counter
 from router.local_metrics import LocalHistogram as Histogram
+from router.migration import REASONS as MIGRATION_REASONS
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -54,6 +55,12 @@ class RouterMetrics:
         self.requests = Counter("pdcluster_requests", "Requests by outcome.", ["outcome", "pool"], registry=reg)
         self.leg_timeouts = Counter("pdcluster_leg_timeouts", "Per-leg timeouts.", ["leg"], registry=reg)
         self.retries = Counter("pdcluster_retries", "Retried legs.", ["leg"], registry=reg)
+        self.migrations = Counter("pdcluster_migrations", "Requests moved to another decode instance after their "
+                                  "decode instance failed, by reason (router/migration.py).", ["reason"],
+                                  registry=reg)
+        self.resume_latency = Histogram("pdcluster_resume_latency_seconds",
+                                        "Client-seen pause of a moved stream: its last token before the failure to "
+                                        "its first after.", [], buckets=LEG_BUCKETS, registry=reg)
         # --- sessions and prefix cache (router/session_routing.py): from the usage each client saw ---
         self.prompt_tokens = Counter("pdcluster_prompt_tokens", "Prompt tokens of ok requests (usage).", ["pool"],
                                      registry=reg)
@@ -97,6 +104,8 @@ class RouterMetrics:
         for leg in TIMED_LEGS:
             self.leg_timeouts.labels(leg)
             self.retries.labels(leg)
+        for reason in MIGRATION_REASONS:
+            self.migrations.labels(reason)
         for pool in pools:
             for outcome in OUTCOMES:
                 self.requests.labels(outcome, pool)

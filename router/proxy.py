@@ -29,6 +29,7 @@ from router.aborts import aborter_for
 from router.admission import is_node_shed
 from router.breaker import Attempt
 from router.kvparams import KVHandoff, decode_body, handoff_from_answer, prefill_body
+from router.migration import Migration
 from router.placement import Placement, RequestShape, load_score
 from router.registry import InstanceState, host_of
 from router.session_routing import cached_tokens_of
@@ -69,6 +70,13 @@ class RequestContext:
     """The instance of the leg in `leg` (the last one tried)."""
     stream_attempts: DecodeAttempts | None = None
     """A streamed D leg's breaker attempts, ended with the relay (service._StreamEnd)."""
+    migration: Migration | None = None
+    """Set when the request can resume on another decode instance (router/migration.py)."""
+
+    @property
+    def leg_request_id(self) -> str:
+        """The X-Request-Id the legs carry (the request's own until it moved)."""
+        return self.request_id if self.migration is None else self.migration.leg_request_id
 
 
 @dataclass
@@ -115,6 +123,15 @@ class UpstreamReply(Exception):
         self.headers = {k: v for k, v in (headers or {}).items() if k.lower() == "retry-after"}
 
 
+class DecodeFailed(APIError):
+    """The decode leg failed on the node's side (`reason`: router/migration.py REASONS): the request may resume
+    elsewhere."""
+
+    def __init__(self, status: int, message: str, reason: str) -> None:
+        super().__init__(status, message)
+        self.reason = reason
+
+
 class DecodeUnreachable(Exception):
     """No connection to the decode instance could be opened (the request never reached it)."""
 
@@ -125,7 +142,7 @@ class Orchestrator:
         self.settings = state.settings
 
     def _headers(self, ctx: RequestContext) -> dict[str, str]:
-        headers = {"X-Request-Id": ctx.request_id}
+        headers = {"X-Request-Id": ctx.leg_request_id}
         if ctx.shape.session_id:  # the hashed, tenant-scoped key (router/identity.py), never the client's id
             headers["x-pdcluster-session"] = ctx.shape.session_id
         if ctx.shape.cache_scope:  # the tenant's prefix-cache scope (a digest, never the key)
@@ -141,9 +158,9 @@ class Orchestrator:
 
     def abort_legs(self, ctx: RequestContext) -> None:
         reg = self.state.registry
-        self.abort(reg.get(ctx.placement.decode), ctx.request_id)
+        self.abort(reg.get(ctx.placement.decode), ctx.leg_request_id)
         if ctx.handoff is not None:
-            self.abort(reg.get(ctx.handoff.prefill), ctx.request_id)
+            self.abort(reg.get(ctx.handoff.prefill), ctx.leg_request_id)
 
     async def prefill(self, ctx: RequestContext) -> KVHandoff | None:
         """Run the P leg; None means 'D prefills locally' (fallback or nothing to hand off)."""
@@ -191,14 +208,14 @@ class Orchestrator:
             ctx.is_prefill_timeout = True
             ctx.notes.append(f"{name}: timed out")
             attempt.failed(time.monotonic())
-            self.abort(state, ctx.request_id)
+            self.abort(state, ctx.leg_request_id)
             return None
         except UPSTREAM_ERRORS as exc:
             ctx.notes.append(f"{name}: {type(exc).__name__}")
             attempt.failed(time.monotonic())
             return None
         except asyncio.CancelledError:
-            self.abort(state, ctx.request_id)
+            self.abort(state, ctx.leg_request_id)
             raise
         finally:
             state.num_inflight -= 1
@@ -279,11 +296,12 @@ class Orchestrator:
             return await leg(ctx)
         except DecodeUnreachable as exc:
             if not self.move_decode(ctx):
-                raise APIError(502, f"decode instance {ctx.placement.decode} failed: {exc}") from None
+                raise DecodeFailed(502, f"decode instance {ctx.placement.decode} failed: {exc}",
+                                   "unreachable") from None
         try:
             return await leg(ctx)
         except DecodeUnreachable as exc:
-            raise APIError(502, f"decode instance {ctx.placement.decode} failed: {exc}") from None
+            raise DecodeFailed(502, f"decode instance {ctx.placement.decode} failed: {exc}", "unreachable") from None
 
     async def decode_json(self, ctx: RequestContext) -> tuple[UpstreamResponse, bytes]:
         """The D leg of a non-streaming request: (response, body)."""
@@ -310,14 +328,15 @@ class Orchestrator:
             self.record_decode_status(ctx, attempts, None)
             ctx.outcome = "timeout"
             self.abort_legs(ctx)
-            raise APIError(504, f"decode timed out after {self.settings.decode_timeout_s} s") from None
+            raise DecodeFailed(504, f"decode timed out after {self.settings.decode_timeout_s} s", "timeout") from None
         except CONNECT_ERRORS as exc:
             self.record_decode_status(ctx, attempts, None)
             raise DecodeUnreachable(type(exc).__name__) from None
         except UPSTREAM_ERRORS as exc:
             self.record_decode_status(ctx, attempts, None)
             ctx.outcome = "upstream_error"
-            raise APIError(502, f"decode instance {state.spec.name} failed: {type(exc).__name__}") from None
+            raise DecodeFailed(502, f"decode instance {state.spec.name} failed: {type(exc).__name__}",
+                               "stream_broke") from None
         except asyncio.CancelledError:
             self.abort_legs(ctx)
             raise
@@ -380,8 +399,8 @@ class Orchestrator:
                                             resp.headers)
                     if resp.status_code >= 500:
                         ctx.outcome = "upstream_error"
-                        raise APIError(502, f"decode instance {state.spec.name} answered {resp.status_code}"
-                                            f"{upstream_message(content)}")
+                        raise DecodeFailed(502, f"decode instance {state.spec.name} answered {resp.status_code}"
+                                                f"{upstream_message(content)}", "error_status")
                     raise UpstreamReply(resp.status_code, content, resp.headers.get("content-type"))
                 chunks = resp.aiter_raw()
                 first = await anext(chunks)
@@ -390,7 +409,8 @@ class Orchestrator:
             self.record_decode_status(ctx, attempts, None)
             self.state.metrics.leg_timeouts.labels("first_decode").inc()
             ctx.outcome = "timeout"
-            raise APIError(504, f"no first token within {self.settings.first_token_timeout_s} s") from None
+            raise DecodeFailed(504, f"no first token within {self.settings.first_token_timeout_s} s",
+                               "timeout") from None
         except CONNECT_ERRORS as exc:
             state.num_inflight -= 1  # nothing reached the node: no abort, the handoff stays valid for a retry
             self.record_decode_status(ctx, attempts, None)
@@ -399,7 +419,8 @@ class Orchestrator:
             await self._close_failed(resp, state, ctx)
             self.record_decode_status(ctx, attempts, None)
             ctx.outcome = "upstream_error"
-            raise APIError(502, f"decode instance {state.spec.name} failed: {type(exc).__name__}") from None
+            raise DecodeFailed(502, f"decode instance {state.spec.name} failed: {type(exc).__name__}",
+                               "stream_broke") from None
         except asyncio.CancelledError:
             await self._close_failed(resp, state, ctx)
             raise

@@ -17,10 +17,12 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 import orjson
 
+from router.migration import is_final_event, token_ids_in
 from router.upstream import UPSTREAM_ERRORS, UpstreamResponse
 from serving.errors import error_body, scrub_sse_chunk
 
@@ -48,6 +50,14 @@ class StreamAccounting:
     """When D's stream ended (cleanly or not); None while it runs or when the client left first."""
     error: str | None = None
     """The message of an OpenAI error event D sent inside the stream (the stream then failed, [DONE] or not)."""
+    error_status: int | None = None
+    """That error event's `code` (an HTTP status), when it has one."""
+    tracks_ids: bool = False
+    """Collect the streamed token ids (a resumable stream: router/migration.py)."""
+    token_ids: list[int] = field(default_factory=list)
+    """The token ids of the events relayed so far (`tracks_ids`)."""
+    is_finished: bool = False
+    """An event carried a finish reason (`tracks_ids`)."""
 
     def feed(self, chunk: bytes, now: float) -> None:
         if self.buffer:
@@ -60,6 +70,9 @@ class StreamAccounting:
         num = 0
         for event in chunk[:end].split(b"\n\n"):
             num += 1 if _is_plain_token_event(event) else self._event(event)
+            if self.tracks_ids:
+                self.token_ids += token_ids_in(event)
+                self.is_finished = self.is_finished or is_final_event(event)
         if num:
             self.token_times.append(now)
             self.token_counts.append(num)
@@ -86,6 +99,8 @@ class StreamAccounting:
     def _payload(self, payload: dict) -> bool:
         if isinstance(payload.get("error"), dict):
             self.error = str(payload["error"].get("message") or "error event without a message")
+            code = payload["error"].get("code")
+            self.error_status = code if isinstance(code, int) else None
         if isinstance(payload.get("usage"), dict):
             self.usage = payload["usage"]
         for choice in payload.get("choices") or ():
@@ -173,47 +188,102 @@ def error_event(status: int, message: str) -> bytes:
     return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\ndata: [DONE]\n\n"
 
 
+class Resumer(Protocol):
+    """What a resumable stream's relay calls (router/service.py `StreamResume`, router/migration.py)."""
+
+    message: str
+    """Why the last `reopen` gave up (the client's error event)."""
+
+    async def reopen(self, reason: str) -> tuple[UpstreamResponse, AsyncIterator[bytes], bytes] | None:
+        """The request on another decode instance, continuing after the relayed tokens: (response, chunks,
+        first chunk), or None when it cannot move again."""
+
+    def client_bytes(self, chunk: bytes) -> bytes:
+        """A relayed chunk as the client sees it."""
+
+
+def _before_error(chunk: bytes) -> bytes:
+    """The events of `chunk` before a node's error event (`data: {"error"`)."""
+    at = chunk.find(b'data: {"error"')
+    return chunk[:at] if at > 0 else b""
+
+
 async def relay(resp: UpstreamResponse, chunks: AsyncIterator[bytes], first: bytes, acct: StreamAccounting,
-                idle_timeout_s: float, on_end) -> AsyncIterator[bytes]:
+                idle_timeout_s: float, on_end, resume: Resumer | None = None) -> AsyncIterator[bytes]:
     """Yield D's bytes unchanged but for the messages of error events, scrubbed of internal names
     (serving/errors.py `scrub_sse_chunk`); `on_end(status)` runs once at the end, shielded from cancellation.
 
     status: "ok", "timeout" (idle gap exceeded), "upstream_error" (the stream broke, ended without [DONE], or
-    carried D's error event) or "cancelled" (client gone).
+    carried D's error event) or "cancelled" (client gone). With `resume`, a failure before the stream's finish
+    reason (broken, cut, idle, a 5xx error event, which is then not relayed) continues on the stream
+    `resume.reopen` opens; the client sees one stream (`resume.client_bytes`) or, when it cannot move, one
+    error event and `[DONE]`.
     """
     status = "cancelled"
     watchdog = None
+    pending: bytes | None = first
+    to_client = resume.client_bytes if resume is not None else _same
     try:
-        acct.feed(first, time.monotonic())
-        yield scrub_sse_chunk(first)
         watchdog = IdleWatchdog(idle_timeout_s)
         while True:
-            watchdog.wait()
-            try:
-                chunk = await anext(chunks)
-            except StopAsyncIteration:
+            failure: tuple[str, str, int, str] | None = None
+            if pending is not None:
+                chunk, pending = pending, None
+            else:
+                watchdog.wait()
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    acct.ended_at = time.monotonic()
+                    if acct.is_done and acct.error is None:
+                        status = "ok"
+                        break
+                    failure = ("stream_broke", "upstream_error", 0, "decode stream ended before [DONE]")
+                except asyncio.CancelledError:
+                    if not watchdog.fired:
+                        raise
+                    asyncio.current_task().uncancel()
+                    watchdog.fired = False
+                    acct.ended_at = time.monotonic()
+                    failure = ("timeout", "timeout", 504, f"decode stream idle for more than {idle_timeout_s} s")
+                except UPSTREAM_ERRORS as exc:
+                    acct.ended_at = time.monotonic()
+                    failure = ("stream_broke", "upstream_error", 502, f"decode stream broke: {type(exc).__name__}")
+            if failure is None:
+                watchdog.waiting = False
+                had_error = acct.error is not None
+                acct.feed(chunk, time.monotonic())
+                if resume is None or had_error or acct.error is None or (acct.error_status or 500) < 500 \
+                        or acct.is_finished:
+                    yield to_client(scrub_sse_chunk(chunk))
+                    continue
+                head = _before_error(chunk)  # a node's 5xx error event: resume instead of relaying it
+                if head:
+                    yield to_client(scrub_sse_chunk(head))
                 acct.ended_at = time.monotonic()
-                status = "ok" if acct.is_done and acct.error is None else "upstream_error"
-                break
-            except asyncio.CancelledError:
-                if not watchdog.fired:
-                    raise
-                asyncio.current_task().uncancel()
-                acct.ended_at = time.monotonic()
-                status = "timeout"
-                yield error_event(504, f"decode stream idle for more than {idle_timeout_s} s")
-                break
-            except UPSTREAM_ERRORS as exc:
-                acct.ended_at = time.monotonic()
-                status = "upstream_error"
-                yield error_event(502, f"decode stream broke: {type(exc).__name__}")
-                break
-            watchdog.waiting = False
-            acct.feed(chunk, time.monotonic())
-            yield scrub_sse_chunk(chunk)
+                failure = ("error_event", "upstream_error", 502, f"decode failed: {acct.error}")
+            reason, status, code, message = failure
+            if resume is not None and not acct.is_finished:
+                watchdog.waiting = False  # moving is not idle time
+                await resp.aclose()
+                opened = await resume.reopen(reason)
+                if opened is not None:
+                    resp, chunks, pending = opened
+                    status = "cancelled"
+                    acct.error = acct.error_status = acct.ended_at = None
+                    acct.is_done = False
+                    continue
+                code, message = code or 502, resume.message
+            if code:
+                yield error_event(code, message)
+            break
     finally:
         if watchdog is not None:
             watchdog.stop()
         with anyio.CancelScope(shield=True):
             await resp.aclose()
             on_end(status)
+
+
+def _same(chunk: bytes) -> bytes:
+    return chunk

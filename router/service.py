@@ -22,7 +22,9 @@ from router.identity import cache_scope
 from router.placement import NoPlacement, Placement, RequestShape, SessionRecord, place
 from router.session_routing import after_turn, expected_growth, identify, prompt_estimate, rewrite_usage, \
     with_cached_tokens
-from router.proxy import Orchestrator, RequestContext, UpstreamReply, upstream_message
+from router.migration import start as start_migration
+from router.moves import Mover, StreamResume
+from router.proxy import DecodeFailed, Orchestrator, RequestContext, UpstreamReply, upstream_message
 from router.relay import StreamAccounting, relay
 from router.state import RouterState
 from router.validation import Endpoint, parse_body, validate
@@ -117,8 +119,12 @@ def _context(state: RouterState, headers: Mapping[str, str], endpoint: Endpoint,
         raise NoHealthyInstance(valid.body["model"])
     shape = _shape(state, headers, valid.body, session_key, scope)
     placement = place_request(state, shape, time.monotonic(), valid.scores_prompt)
+    decode = state.registry.get(placement.decode)
+    engine = state.registry.view(decode).geometry.engine if decode is not None else None
+    migration = start_migration(request_id, valid.body, engine, s.migration_limit, s.migration_timeout_s,
+                                valid.is_stream)
     return RequestContext(request_id=request_id, path=PATHS[endpoint], valid=valid, shape=shape,
-                          placement=placement, started=started, is_admitted=True)
+                          placement=placement, started=started, is_admitted=True, migration=migration)
 
 
 def _route_headers(ctx: RequestContext) -> dict[str, str]:
@@ -230,11 +236,25 @@ class _StreamEnd:
 
 
 async def _run(state: RouterState, orch: Orchestrator, ctx: RequestContext) -> Reply:
+    """The request's legs; a decode failure moves a resumable request to another instance (router/moves.py)."""
+    mover = Mover(state, orch, ctx) if ctx.migration is not None else None
+    while True:
+        try:
+            return await _attempt(state, orch, ctx, mover)
+        except DecodeFailed as exc:
+            if mover is None:
+                raise
+            mover.move(exc.reason)  # nothing reached the client yet: the whole request runs again
+
+
+async def _attempt(state: RouterState, orch: Orchestrator, ctx: RequestContext, mover: Mover | None) -> Reply:
     if ctx.placement.disaggregate:
         ctx.handoff = await orch.prefill(ctx)
     if not ctx.valid.is_stream:
         resp, content = await orch.decode_json(ctx)
         headers = _route_headers(ctx)
+        if mover is not None and resp.status_code >= 500 and not is_node_shed(resp.status_code, resp.headers):
+            raise DecodeFailed(502, f"decode answered {resp.status_code}{upstream_message(content)}", "error_status")
         if is_node_shed(resp.status_code, resp.headers):
             ctx.outcome, headers = "shed", _shed_headers(ctx, resp.headers)
             ctx.error = f"decode shed it ({resp.status_code})"
@@ -246,9 +266,10 @@ async def _run(state: RouterState, orch: Orchestrator, ctx: RequestContext) -> R
         return Reply(resp.status_code, headers, content, resp.headers.get("content-type", JSON),
                      on_sent=lambda: finish(state, ctx, None, _usage(ctx, resp.status_code, content)))
     resp, chunks, first = await orch.open_stream(ctx)
-    acct = StreamAccounting(ctx.started, started_relay=time.monotonic())
+    acct = StreamAccounting(ctx.started, started_relay=time.monotonic(), tracks_ids=mover is not None)
     end = _StreamEnd(state, orch, ctx, acct, resp)
-    stream = relay(resp, chunks, first, acct, state.settings.stream_idle_timeout_s, end)
+    resume = StreamResume(mover, acct) if mover is not None else None
+    stream = relay(resp, chunks, first, acct, state.settings.stream_idle_timeout_s, end, resume)
     if ctx.handoff is not None and ctx.prefill_cached_tokens is not None:
         stream = with_cached_tokens(stream, ctx.prefill_cached_tokens)
     return Reply(200, _route_headers(ctx), content_type="text/event-stream", stream=stream,

@@ -49,6 +49,11 @@ class Settings(BaseSettings):
     """When every P attempt failed or timed out: let D prefill locally, or answer 502/504."""
     prefill_max_attempts: int = 2
     """P leg tries, each on another compatible prefill instance."""
+    migration_limit: int = Field(default=3, ge=0)
+    """Times a request may move to another decode instance after its decode instance failed, continuing the
+    same answer (router/migration.py; our engine's pools only); 0: never, the failure ends the request."""
+    migration_timeout_s: float = Field(default=120.0, gt=0)
+    """A request stops moving this long after its first decode failure (the client then gets one error)."""
 
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0

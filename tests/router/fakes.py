@@ -40,6 +40,8 @@ class FakeNode:
     """Bytes of padding in every streamed token's text (a big stream to fill a client's buffers)."""
     stream_error_after: int | None = None
     """Streams end with an OpenAI error event and [DONE] after this many tokens (a node failing mid-stream)."""
+    cut_after: int | None = None
+    """Streams end without [DONE] after this many tokens (a node whose stream was cut)."""
     drop_handoff: bool = False
     healthy: bool = True
     models_body: object = None
@@ -144,21 +146,30 @@ class FakeNode:
         return True
 
     async def stream(self, rid: str | None, chat: bool, body: dict):
+        """Token i is "t{i} " (id 100 + i); a body with `resume_token_ids` starts after them (as our nodes do),
+        with `return_token_ids` each chunk carries its id (compact JSON, as our nodes write it)."""
+        start = len(body.get("resume_token_ids") or ())
         try:
-            for i in range(self.num_tokens):
-                if i and self.token_delay_s:
+            for i in range(start, self.num_tokens):
+                if i > start and self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
                 if self.stream_error_after is not None and i == self.stream_error_after:
                     error = {"message": "rank 1 died", "type": "server_error", "param": None, "code": 500}
                     yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n"
                     return
+                if self.cut_after is not None and i == self.cut_after:
+                    return
                 text = f"t{i} " + "x" * self.token_pad
                 choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
                 self.produced_at.append(time.monotonic())
-                yield f"data: {json.dumps({'id': 'd', 'choices': [choice]})}\n\n"
+                if body.get("return_token_ids"):
+                    choice["token_ids"] = [100 + i]
+                    yield f"data: {json.dumps({'id': f'cmpl-{rid}', 'choices': [choice]}, separators=(',', ':'))}\n\n"
+                else:
+                    yield f"data: {json.dumps({'id': 'd', 'choices': [choice]})}\n\n"
             if (body.get("stream_options") or {}).get("include_usage"):
                 usage = {"prompt_tokens": 5, "completion_tokens": self.num_tokens}
-                yield f"data: {json.dumps({'id': 'd', 'choices': [], 'usage': usage})}\n\n"
+                yield f"data: {json.dumps({'id': f'cmpl-{rid}', 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
             self.finished.append(rid)
         except asyncio.CancelledError:

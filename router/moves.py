@@ -1,0 +1,109 @@
+"""Moving a request whose decode instance failed (router/migration.py says what and why): place it again and, for
+a stream, open its continuation for the relay.
+
+`Mover.move(reason)` counts the failure, aborts the lost legs, and places the request again (the usual placement
+over our engine's decode instances that serve the same weights, the failed ones blocked, no session stickiness:
+the prompt grows by the tokens already sent, which may move it to a larger pool); the request then carries
+`resume_token_ids` and its next leg id. It raises APIError (the client's one error) when the request may not move
+again or no instance can take it. `StreamResume` is the relay's `Resumer`: move, run the P leg when the new
+placement has one, open the stream; a new instance that fails before its first chunk is moved from as well.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from router.placement import NoPlacement, Placement, place
+from router.proxy import DecodeFailed, Orchestrator, RequestContext, UpstreamReply
+from router.relay import StreamAccounting
+from router.state import RouterState
+from serving.errors import APIError
+
+
+def resume_placement(state: RouterState, ctx: RequestContext, num_sent: int, now: float) -> Placement:
+    """Where the request continues: NoPlacement when no compatible decode instance is usable."""
+    assert ctx.migration is not None
+    reg = state.registry
+    lost = reg.get(ctx.placement.decode)
+    weights = reg.view(lost).geometry.weights if lost is not None else None
+    instances = [v for v in reg.snapshot() if v.role != "decode"
+                 or (v.geometry.engine == "reference" and (weights is None or v.geometry.weights == weights))]
+    shape = replace(ctx.shape, prompt_tokens=ctx.shape.prompt_tokens + num_sent)
+    blocked = state.blocked_instances(now) | frozenset(ctx.migration.failed)
+    session = ctx.shape.session_id
+    return place(shape, None, state.pool_views(instances), instances, state.usable_pairs(now), state.warm_pairs,
+                 state.settings.disagg_min_uncached_tokens, blocked=blocked,
+                 held=state.cache_view.held(session), resumable=state.cache_view.resumable(session))
+
+
+class Mover:
+    def __init__(self, state: RouterState, orch: Orchestrator, ctx: RequestContext) -> None:
+        assert ctx.migration is not None
+        self.state, self.orch, self.ctx = state, orch, ctx
+        self.migration = ctx.migration
+
+    def move(self, reason: str, sent_token_ids: list[int] = ()) -> None:
+        """Leave the failed decode instance for another one (raises APIError when it cannot)."""
+        ctx, mig, now = self.ctx, self.migration, time.monotonic()
+        mig.note_failure(ctx.placement.decode, reason, now)
+        self.state.metrics.migrations.labels(reason).inc()
+        self.orch.abort_legs(ctx)
+        if not mig.can_move(now):
+            raise APIError(502, mig.exhausted_message(now))
+        try:
+            placement = resume_placement(self.state, ctx, len(sent_token_ids), now)
+        except NoPlacement as exc:
+            raise APIError(503, f"the decode instance failed ({reason}) and no other can resume the request: "
+                                f"{exc}") from None
+        if ctx.is_admitted:
+            self.state.admission.move(ctx.placement.pool, placement.pool)
+        mig.num_moves += 1
+        reason_text = f"moved from {ctx.placement.decode} ({reason}) to {placement.decode}"
+        ctx.placement = replace(placement, reason=f"{placement.reason}; {reason_text}")
+        ctx.handoff = None
+        ctx.prefill_cached_tokens = None
+        ctx.outcome, ctx.error = "ok", None
+        if sent_token_ids:
+            ctx.valid.body["resume_token_ids"] = list(sent_token_ids)
+
+
+class StreamResume:
+    """The relay's `Resumer` for one stream (router/relay.py)."""
+
+    def __init__(self, mover: Mover, acct: StreamAccounting) -> None:
+        self.mover, self.acct = mover, acct
+        self.message = ""
+
+    def client_bytes(self, chunk: bytes) -> bytes:
+        return self.mover.migration.client_bytes(chunk)
+
+    async def reopen(self, reason: str):
+        mover, ctx = self.mover, self.mover.ctx
+        state = mover.state
+        lost = state.registry.get(ctx.placement.decode)
+        if lost is not None:
+            lost.num_inflight -= 1  # the relayed stream's count (open_stream took it)
+        paused_since = self.acct.token_times[-1] if self.acct.token_times else None
+        while True:
+            try:
+                mover.move(reason, self.acct.token_ids)
+                if ctx.placement.disaggregate:
+                    ctx.handoff = await mover.orch.prefill(ctx)
+                opened = await mover.orch.open_stream(ctx)
+            except DecodeFailed as exc:
+                reason = exc.reason
+                continue
+            except (APIError, UpstreamReply) as exc:
+                self.message = exc.message if isinstance(exc, APIError) else str(exc)
+                self._restore_inflight()
+                return None
+            if paused_since is not None:
+                state.metrics.resume_latency.labels().observe(time.monotonic() - paused_since)
+            return opened
+
+    def _restore_inflight(self) -> None:
+        """The relay's end decrements the current decode's count once: take it again when no stream opened."""
+        decode = self.mover.state.registry.get(self.mover.ctx.placement.decode)
+        if decode is not None:
+            decode.num_inflight += 1

@@ -1,0 +1,120 @@
+"""Request migration, router side (fake nodes that honour `resume_token_ids` as our nodes do, tests/router/fakes.py;
+the bit-exact continuation itself is tests/engine/test_resume.py, tests/node/test_resume_text.py and the e2e
+fault tests): a decode instance that fails mid-stream (error event, cut stream) or before answering (5xx) hands
+the request to another one with the tokens already sent; the client sees one stream with one id, every token
+once, the usage of the last leg; the seed is fixed at the first placement; `migration_limit` bounds the moves and
+ends the stream with one error event; vLLM pools are not resumed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from router.config import PoolSpec
+from tests.router.fakes import FakeNode
+from tests.router.harness import completion, router_harness
+
+REFERENCE = {"engine": "reference"}
+
+
+def _events(text: str) -> list:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+async def _stream(client, body: dict) -> tuple[list[dict], list[str]]:
+    resp = await client.post("/v1/completions", json={**body, "stream": True})
+    assert resp.status_code == 200, resp.text
+    events = _events(resp.text)
+    return [json.loads(e) for e in events if e != "[DONE]"], events
+
+
+def _decodes(*nodes: FakeNode) -> dict[str, dict]:
+    return {node.name: REFERENCE for node in nodes}
+
+
+@pytest.mark.parametrize("failure", ["error_event", "cut"])
+def test_a_stream_continues_on_another_decode_instance(failure: str) -> None:
+    asyncio.run(_test_a_stream_continues_on_another_decode_instance(failure))
+
+
+async def _test_a_stream_continues_on_another_decode_instance(failure: str) -> None:
+    lost = FakeNode("d1", "decode", num_tokens=6, engine_label="reference",
+                    **({"stream_error_after": 2} if failure == "error_event" else {"cut_after": 2}))
+    other = FakeNode("d2", "decode", num_tokens=6, engine_label="reference")
+    other_pool = [PoolSpec(name="default", kind="tp")]
+    async with router_harness([lost, other], other_pool, specs=_decodes(lost, other)) as (client, app):
+        # d1 is the least loaded by name; the stream starts there
+        chunks, events = await _stream(client, completion(max_tokens=6, temperature=0.7,
+                                                          stream_options={"include_usage": True}))
+        metrics = (await client.get("/metrics")).text
+    assert events[-1] == "[DONE]" and not any("error" in c for c in chunks)
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == "t0 t1 t2 t3 t4 t5 "  # every token once
+    assert all("token_ids" not in c["choices"][0] for c in chunks if c["choices"])  # the client did not ask
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}  # one id
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+    assert other.bodies[0]["resume_token_ids"] == [100, 101]
+    seed = lost.bodies[0]["seed"]
+    assert isinstance(seed, int) and other.bodies[0]["seed"] == seed  # fixed at the first placement
+    assert other.request_ids[0] == f"{lost.request_ids[0]}-m1"  # a new leg id; the lost leg is aborted
+    assert lost.request_ids[0] in lost.aborted
+    reason = "error_event" if failure == "error_event" else "stream_broke"
+    assert f'pdcluster_migrations_total{{reason="{reason}"}} 1.0' in metrics
+    assert "pdcluster_resume_latency_seconds_count 1.0" in metrics
+
+
+def test_a_client_asking_for_token_ids_gets_them_and_its_seed_is_kept() -> None:
+    asyncio.run(_test_a_client_asking_for_token_ids_gets_them_and_its_seed_is_kept())
+
+
+async def _test_a_client_asking_for_token_ids_gets_them_and_its_seed_is_kept() -> None:
+    lost = FakeNode("d1", "decode", num_tokens=5, engine_label="reference", stream_error_after=3)
+    other = FakeNode("d2", "decode", num_tokens=5, engine_label="reference")
+    async with router_harness([lost, other], specs=_decodes(lost, other)) as (client, _):
+        chunks, _ = await _stream(client, completion(max_tokens=5, seed=42, return_token_ids=True))
+    assert [c["choices"][0]["token_ids"] for c in chunks if c["choices"]] == [[100], [101], [102], [103], [104]]
+    assert lost.bodies[0]["seed"] == other.bodies[0]["seed"] == 42
+
+
+def test_the_migration_limit_ends_the_stream_with_one_error() -> None:
+    asyncio.run(_test_the_migration_limit_ends_the_stream_with_one_error())
+
+
+async def _test_the_migration_limit_ends_the_stream_with_one_error() -> None:
+    nodes = [FakeNode(f"d{i}", "decode", num_tokens=6, engine_label="reference", stream_error_after=i + 1)
+             for i in range(4)]
+    async with router_harness(nodes, specs=_decodes(*nodes), migration_limit=2) as (client, _):
+        chunks, events = await _stream(client, completion(max_tokens=6))
+    errors = [c for c in chunks if "error" in c]
+    assert len(errors) == 1 and "moved 2 time(s)" in errors[0]["error"]["message"] and events[-1] == "[DONE]"
+    text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+    assert text == "t0 t1 t2 "  # d0 sent t0, d1 t1 and t2 (resumed after t0); then the limit
+    assert sum(1 for n in nodes if n.bodies) == 3
+
+
+def test_a_5xx_before_the_first_byte_moves_a_non_streamed_request() -> None:
+    asyncio.run(_test_a_5xx_before_the_first_byte_moves_a_non_streamed_request())
+
+
+async def _test_a_5xx_before_the_first_byte_moves_a_non_streamed_request() -> None:
+    lost = FakeNode("d1", "decode", engine_label="reference", fail_status=500)
+    other = FakeNode("d2", "decode", engine_label="reference")
+    async with router_harness([lost, other], specs=_decodes(lost, other)) as (client, _):
+        resp = await client.post("/v1/completions", json=completion(temperature=1.0))
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "t0 t1 t2 t3 "
+    assert "resume_token_ids" not in other.bodies[0] and other.bodies[0]["seed"] == lost.bodies[0]["seed"]
+
+
+def test_vllm_pools_do_not_resume() -> None:
+    asyncio.run(_test_vllm_pools_do_not_resume())
+
+
+async def _test_vllm_pools_do_not_resume() -> None:
+    lost = FakeNode("d1", "decode", num_tokens=6, stream_error_after=2)
+    other = FakeNode("d2", "decode", num_tokens=6)
+    async with router_harness([lost, other]) as (client, _):
+        chunks, _ = await _stream(client, completion(max_tokens=6))
+    assert [c for c in chunks if "error" in c] and not other.bodies
+    assert "seed" not in lost.bodies[0] and "return_token_ids" not in lost.bodies[0]
