@@ -46,6 +46,9 @@ from node.runtime import NodeRuntime
 from node.textgen import PreparedRequest
 from serving.errors import APIError
 
+KV_TRANSFER_HEADER = "X-KV-Transfer-Seconds"
+"""Seconds the KV READs of an imported request took (the router observes them as its `kv_transfer` leg)."""
+
 
 @dataclass
 class Importer:
@@ -159,4 +162,6 @@ async def serve_remote(runtime: NodeRuntime[Importer], prepared: PreparedRequest
     runtime.executor.submit(StartDecode(request_id=prepared.request_id))
     # usage.cached_tokens: the prompt tokens this node already held and did not read (the engine's events carry them)
     out = respond(runtime, prepared, request, events, started)
-    return out if prepared.stream else await out
+    response = out if prepared.stream else await out
+    response.headers[KV_TRANSFER_HEADER] = f"{outcome.seconds:.6f}"  # the router's `kv_transfer` leg
+    return response

@@ -3,8 +3,9 @@
 - Prefill killed mid-run: in-flight requests fail over (the decode node prefills locally) or fail cleanly
   within the router's configured leg timeouts; the router marks the instance unhealthy, then healthy again
   after a restart, and new requests take the prefill leg again.
-- One DCP rank killed mid-stream: the stream ends with a clean error (no hang), the router marks the decode
-  instance unhealthy; after a restart the long-session pool serves oracle tokens again.
+- One DCP rank killed mid-stream: the stream moves to the other decode instance (the `tp` one) and ends with the
+  uninterrupted oracle's tokens (router/migration.py), the router marks the killed instance unhealthy; after a
+  restart the long-session pool serves oracle tokens again.
 These tests run last in the e2e session (conftest orders them) and leave every node running.
 """
 
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.e2e
 SETTINGS = E2E_CONFIG["router"]["settings"]
 REQUEST_BOUND_S = SETTINGS["prefill_timeout_s"] + SETTINGS["first_token_timeout_s"] + 30
 HEALTH_BOUND_S = 30
+RESUMED_TOKENS = 24
 
 
 def _long_prompt(index: int, num_bytes: int) -> str:
@@ -91,18 +93,26 @@ def test_kill_decode_rank_mid_stream_then_restart(cluster):
         cluster.wait_until(lambda node=node: cluster.router_sees_healthy(node.name) is True, HEALTH_BOUND_S,
                            f"the router to see {node.name} healthy")
     prompt = _long_prompt(9, TP_POOL_CAPACITY + 200)  # projected context beyond `tp`: placed on LONG_POOL
+    expected = cluster.oracle(prompt, RESUMED_TOKENS)
     client = cluster.client(timeout_s=REQUEST_BOUND_S)
     started = time.monotonic()
-    chunks = 0
-    with pytest.raises(openai.APIError):
-        stream = client.completions.create(model=cluster.model, prompt=prompt, max_tokens=2000, temperature=0,
-                                           stream=True, extra_headers={"X-Session-ID": "fault-long"})
-        for chunk in stream:
-            chunks += 1
-            if chunks == 2:
-                cluster.kill_rank(long_node.name)
-        pytest.fail(f"the stream finished normally after a rank died ({chunks} chunks)")
-    assert chunks >= 2 and time.monotonic() - started < REQUEST_BOUND_S
+    token_ids: list[int] = []
+    moved_before = cluster.metrics("router").get("pdcluster_migrations_total") or 0.0
+    stream = client.completions.create(model=cluster.model, prompt=prompt, max_tokens=RESUMED_TOKENS, temperature=0,
+                                       stream=True, extra_headers={"X-Session-ID": "fault-long"},
+                                       extra_body={"return_token_ids": True})
+    assert stream.response.headers["x-pdcluster-decode"] == long_node.name
+    killed = False
+    for chunk in stream:
+        if chunk.choices:
+            token_ids += choice_token_ids(chunk.choices[0]) or []
+        if len(token_ids) >= 2 and not killed:
+            cluster.kill_rank(long_node.name)
+            killed = True
+    assert killed, f"the stream ended after {len(token_ids)} tokens, before the kill"
+    # the rank's death moved the stream to the `tp` instance: it ends as the uninterrupted oracle's
+    assert token_ids == list(expected.token_ids) and time.monotonic() - started < REQUEST_BOUND_S
+    assert cluster.metrics("router").value("pdcluster_migrations_total") == moved_before + 1
     cluster.wait_until(lambda: cluster.router_sees_healthy(long_node.name) is False, HEALTH_BOUND_S,
                        f"the router to mark {long_node.name} unhealthy")
 

@@ -1,0 +1,161 @@
+"""Streams that survive their decode instance (router/migration.py), on real processes: a decode node killed
+(SIGKILL) or one of its rank processes killed mid-stream, greedy and seeded-sampled; the client's stream
+completes with the uninterrupted oracle's tokens and log-probs (one id, no duplicate or missing token, usage
+counted once), and every surviving node returns to its idle row counts.
+
+Own topology (not the shared `cluster`): these tests kill and restart decode nodes, and resuming needs a second
+decode instance of the same pool: one prefill instance (TP=1) and two decode instances (TP=1) behind a router,
+on the reference engine, so every pairing gives the oracle's bits.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+import httpx
+import pytest
+
+from tests.oracle import generate_text
+
+pytestmark = [pytest.mark.e2e, pytest.mark.process, pytest.mark.timeout(1500)]
+
+MODEL = "kimi-k3.1-mini"
+CONFIG = {
+    "model": MODEL,
+    "engine": "reference",
+    "router": {"port": None, "settings": {
+        "health_interval_s": 0.5, "unhealthy_threshold": 2, "healthy_threshold": 1, "disagg_min_uncached_tokens": 1,
+        # two shared cores: generous leg bounds, still finite
+        "prefill_timeout_s": 180.0, "first_token_timeout_s": 180.0, "stream_idle_timeout_s": 120.0,
+        "breaker_recovery_s": 2.0}},
+    "startup_timeout_s": 300,
+    "pools": [{"name": "prefill", "role": "prefill", "tp": 1},
+              {"name": "tp", "role": "decode", "tp": 1, "count": 2}],
+}
+PROMPT = "Streams that survive: the router resumes a request on another decode instance, bit for bit. " * 3
+MAX_TOKENS = 48
+KILL_AFTER_TOKENS = 6
+HEALTH_BOUND_S = 60
+CASES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 1234}}
+
+
+@pytest.fixture(scope="module")
+def resume_cluster(tmp_path_factory: pytest.TempPathFactory):
+    from cluster.config import parse_config
+    from cluster.launcher import Cluster
+    from tests.e2e.harness import ClusterHandle
+
+    config = parse_config(CONFIG, "tests/e2e/test_resume_cluster.py")
+    handle = ClusterHandle(Cluster(config, tmp_path_factory.mktemp("resume-logs"), python=sys.executable).start())
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def _stream(cluster, body: dict, on_tokens) -> tuple[list[dict], dict[str, str]]:
+    """POST a streamed completion; `on_tokens(n, headers)` after each token chunk. Returns (chunks, headers)."""
+    chunks, num_tokens = [], 0
+    with httpx.stream("POST", f"{cluster.router_url}/v1/completions", json=body, timeout=600.0) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            chunks.append(chunk)
+            if chunk.get("choices") and chunk["choices"][0].get("token_ids"):
+                num_tokens += len(chunk["choices"][0]["token_ids"])
+                on_tokens(num_tokens, resp.headers)
+        return chunks, dict(resp.headers)
+
+
+def _killer(cluster, kill) -> tuple[callable, list[str]]:
+    """on_tokens that kills the serving decode instance once KILL_AFTER_TOKENS tokens arrived."""
+    killed: list[str] = []
+
+    def on_tokens(num_tokens: int, headers) -> None:
+        if num_tokens >= KILL_AFTER_TOKENS and not killed:
+            killed.append(headers["x-pdcluster-decode"])
+            kill(killed[0])
+    return on_tokens, killed
+
+
+def _check_against_oracle(chunks: list[dict], case: str) -> None:
+    oracle = generate_text(PROMPT, MAX_TOKENS, model=MODEL, logprobs=0, ignore_eos=True, **CASES[case])
+    assert not [c for c in chunks if "error" in c], chunks
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    token_ids = [t for choice in choices for t in choice.get("token_ids") or ()]
+    assert token_ids == oracle["token_ids"]  # no duplicate, no missing token, the uninterrupted stream's
+    logprobs = [lp for choice in choices if choice.get("logprobs") for lp in choice["logprobs"]["token_logprobs"]]
+    assert logprobs == oracle["logprobs"]
+    assert "".join(choice["text"] for choice in choices) == oracle["text"]
+    offsets = [o for choice in choices if choice.get("logprobs") for o in choice["logprobs"]["text_offset"]]
+    assert offsets == sorted(offsets) and len(offsets) == len(token_ids)
+    assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS  # counted once, over both instances
+
+
+def _body(case: str) -> dict:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True, "logprobs": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True},
+            **CASES[case]}
+
+
+def _wait_healthy(cluster) -> None:
+    for node in cluster.nodes:
+        cluster.wait_until(lambda node=node: cluster.router_sees_healthy(node.name) is True, HEALTH_BOUND_S,
+                           f"the router to see {node.name} healthy")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("fault", ["node_sigkill", "rank_sigkill"])
+def test_a_stream_survives_its_decode_instance(resume_cluster, case: str, fault: str) -> None:
+    cluster = resume_cluster
+    _wait_healthy(cluster)
+    idle = cluster.idle_snapshot()
+    moved_before = cluster.metrics("router").get("pdcluster_migrations_total") or 0.0
+    kill = cluster.kill if fault == "node_sigkill" else cluster.kill_rank
+    on_tokens, killed = _killer(cluster, kill)
+    chunks, headers = _stream(cluster, _body(case), on_tokens)
+    assert killed, "the stream ended before the kill"
+    _check_against_oracle(chunks, case)
+    assert cluster.metrics("router").value("pdcluster_migrations_total") == moved_before + 1
+    survivors = {name: load for name, load in idle.items() if name != killed[0]}
+    cluster.wait_until(lambda: {n: cluster.node_load(n) for n in survivors} == survivors, 120,
+                       f"surviving nodes back to their idle counts {survivors}")
+    cluster.restart(killed[0])
+    _wait_healthy(cluster)
+
+
+def test_a_rows_count_and_oracle_hold_for_concurrent_streams_when_one_instance_dies(resume_cluster) -> None:
+    """Three streams at once (both instances busy), one instance killed: every stream still ends as the
+    oracle's, and no node keeps rows."""
+    cluster = resume_cluster
+    _wait_healthy(cluster)
+    idle = cluster.idle_snapshot()
+    results: dict[int, list[dict]] = {}
+    victim = cluster.nodes_of(role="decode")[0].name
+    seen = threading.Event()
+
+    def run(index: int) -> None:
+        def on_tokens(num_tokens: int, headers) -> None:
+            if headers["x-pdcluster-decode"] == victim and num_tokens >= KILL_AFTER_TOKENS and not seen.is_set():
+                seen.set()
+                cluster.kill(victim)
+        results[index] = _stream(cluster, _body("seeded"), on_tokens)[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(900)
+    assert seen.is_set(), "no stream ran on the victim"
+    for index in range(3):
+        _check_against_oracle(results[index], "seeded")
+    survivors = {name: load for name, load in idle.items() if name != victim}
+    cluster.wait_until(lambda: {n: cluster.node_load(n) for n in survivors} == survivors, 120,
+                       "surviving nodes back to their idle counts")
+    cluster.restart(victim)
+    _wait_healthy(cluster)
