@@ -1,8 +1,9 @@
 """What each node's prefix cache holds per session, as the router knows it (docs/SESSIONS.md).
 
 Two sources, both bounded:
-- polls: `CachePoller` reads every healthy instance's `GET /v1/cache` each `cache_poll_interval_s` (one
-  request per instance per round, a timeout, a body cap); `parse_report` keeps at most `MAX_SESSIONS`
+- polls: `CachePoller` reads every healthy instance's `GET /v1/cache` each `cache_poll_interval_s` (one request
+  per instance per round, a timeout, a body cap; an instance that answered 404, vLLM, is asked again only after
+  `NO_ENDPOINT_SKIP_ROUNDS` rounds or a return from unhealthy); `parse_report` keeps at most `MAX_SESSIONS`
   entries whose keys are hex strings of at most 64 characters (anything else is dropped: a node answer
   never grows a table without bound). A node without the endpoint (vLLM) just has no report.
 - responses: when a turn ends, the decode instance that served it holds its prompt + answer and the prefill
@@ -169,9 +170,19 @@ class CacheView:
         return {name: inst.report for name, inst in self._instances.items()}
 
 
+NO_ENDPOINT_SKIP_ROUNDS = 300
+"""Rounds an instance that answered 404 is not polled (5 minutes at the default interval)."""
+
+
+class NoCacheEndpoint(Exception):
+    """The node answered 404: it has no `/v1/cache` (vLLM)."""
+
+
 async def read_report(client: httpx.AsyncClient, url: str, timeout_s: float) -> CacheReport | None:
     """One `GET {url}/v1/cache`; None when the node has no cache endpoint or answers garbage."""
     async with client.stream("GET", f"{url}/v1/cache", timeout=timeout_s) as resp:
+        if resp.status_code == 404:
+            raise NoCacheEndpoint(url)
         if resp.status_code != 200:
             return None
         chunks, size = [], 0
@@ -193,12 +204,33 @@ class CachePoller:
                  timeout_s: float) -> None:
         self.registry, self.view, self.client = registry, view, client
         self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.without_endpoint: dict[str, int] = {}
+        """Instance -> polling rounds to skip: it answered 404 (asked again after NO_ENDPOINT_SKIP_ROUNDS, or
+        at once when it comes back from unhealthy: a restart may have changed what it serves)."""
+
+    def _should_poll(self, state) -> bool:
+        name = state.spec.name
+        if not state.is_healthy:
+            self.without_endpoint.pop(name, None)
+            return False
+        rounds = self.without_endpoint.get(name)
+        if rounds is None:
+            return True
+        if rounds <= 1:
+            del self.without_endpoint[name]
+            return True
+        self.without_endpoint[name] = rounds - 1
+        return False
 
     async def poll_one(self, state) -> None:
         name = state.spec.name
         sent_at = time.monotonic()
         try:
             report = await read_report(self.client, state.spec.url, self.timeout_s)
+        except NoCacheEndpoint:
+            self.without_endpoint[name] = NO_ENDPOINT_SKIP_ROUNDS
+            self.view.forget(name)
+            return
         except (httpx.HTTPError, OSError, ValueError) as exc:
             log.debug("cache poll of %s failed: %s", name, exc)
             return
@@ -213,7 +245,7 @@ class CachePoller:
         for name in list(self.view.reports()):
             if name not in known:
                 self.view.forget(name)
-        await asyncio.gather(*(self.poll_one(s) for s in states if s.is_healthy))
+        await asyncio.gather(*(self.poll_one(s) for s in states if self._should_poll(s)))
 
     async def run(self) -> None:
         while True:

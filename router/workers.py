@@ -44,6 +44,10 @@ def _serve_one(settings: Settings, log_level: str, sock: socket.socket | None = 
     from router.server import run_server  # noqa: PLC0415
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every health, metrics and cache poll at INFO: the router's INFO log is starts, state changes
+    # and errors (what an operator reads); those requests show at DEBUG.
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     app = create_app(settings)
     # The modules, FastAPI routes and pydantic models loaded by now live as long as the process: frozen, full
     # collections stop walking them (those walks were the 20-30 ms pauses behind p99 latency), and young

@@ -115,13 +115,19 @@ def test_a_stream_survives_its_decode_instance(resume_cluster, case: str, fault:
     cluster = resume_cluster
     _wait_healthy(cluster)
     idle = cluster.idle_snapshot()
-    moved_before = cluster.metrics("router").get("pdcluster_migrations_total") or 0.0
+    before = cluster.metrics("router")
+    moved_before = before.get("pdcluster_migrations_total") or 0.0
+    kv_legs_before = before.get("pdcluster_leg_duration_seconds_count", leg="kv_transfer") or 0.0
     kill = cluster.kill if fault == "node_sigkill" else cluster.kill_rank
     on_tokens, killed = _killer(cluster, kill)
     chunks, headers = _stream(cluster, _body(case), on_tokens)
     assert killed, "the stream ended before the kill"
     _check_against_oracle(chunks, case)
-    assert cluster.metrics("router").value("pdcluster_migrations_total") == moved_before + 1
+    after = cluster.metrics("router")
+    assert after.value("pdcluster_migrations_total") == moved_before + 1
+    assert after.value("pdcluster_resume_latency_seconds_count") >= 1
+    # both legs imported KV from the prefill node: the decode nodes' X-KV-Transfer-Seconds feed the leg
+    assert after.value("pdcluster_leg_duration_seconds_count", leg="kv_transfer") >= kv_legs_before + 1
     survivors = {name: load for name, load in idle.items() if name != killed[0]}
     cluster.wait_until(lambda: {n: cluster.node_load(n) for n in survivors} == survivors, 120,
                        f"surviving nodes back to their idle counts {survivors}")

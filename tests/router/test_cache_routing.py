@@ -336,3 +336,30 @@ async def test_cache_poll_survives_a_node_without_the_endpoint():
             transport=httpx.MockTransport(lambda r: next(answers, httpx.Response(500)))), 1.0, 1.0)
         await poller.poll_all()
         assert view_.reports() == {} and view_.held("aa") == {}
+
+
+@sync
+async def test_a_node_without_the_cache_endpoint_is_not_polled_every_round():
+    """vLLM answers 404 to /v1/cache: the poller stops asking it every round (and asks again after a while, or
+    when it comes back from unhealthy)."""
+    fakes = nodes()
+    async with router_harness(fakes, **SETTINGS) as (client, app):
+        state, asked = app.state.router, []
+
+        def answer(request: httpx.Request) -> httpx.Response:
+            asked.append(request.url.host)
+            return httpx.Response(404)
+        poller = CachePoller(state.registry, CacheView(), httpx.AsyncClient(transport=httpx.MockTransport(answer)),
+                             1.0, 1.0)
+        for state_ in state.registry.states():
+            state_.is_healthy = True
+        healthy = len(state.registry.states())
+        for _ in range(5):
+            await poller.poll_all()
+        assert len(asked) == healthy  # one 404 each, then no more
+        decode = state.registry.get("decode-0")
+        decode.is_healthy = False
+        await poller.poll_all()
+        decode.is_healthy = True
+        await poller.poll_all()
+        assert len(asked) == healthy + 1  # back from unhealthy: asked again
