@@ -59,7 +59,7 @@ class Importer:
     queue: ImportQueue
     geometry: Geometry
     """This node's pairing geometry (world size, DCP size, block size, layout fingerprint)."""
-    policy: Literal["fail", "recompute"] = "fail"
+    policy: Literal["fail", "recompute"] = "recompute"
     """A failed KV read: `fail` answers 502 (rows released on both sides), `recompute` prefills here."""
 
     def holds(self, request_id: str) -> bool:

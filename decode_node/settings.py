@@ -18,8 +18,10 @@ class Settings(NodeSettings):
     """Decode-context-parallel ranks (the cache is split by token across them); exclusive with tp > 1."""
     pool: str = "default"
     """Decode pool name reported to the router."""
-    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
-    """A failed KV read: `fail` answers a clean error (rows released everywhere), `recompute` prefills here."""
+    kv_load_failure_policy: Literal["fail", "recompute"] = "recompute"
+    """A failed KV read (the prefill node died or became unreachable, its lease vanished before the READ):
+    `recompute` prefills here (the client never sees it), `fail` answers a clean error (rows released
+    everywhere; the router then moves the request to another instance, router/migration.py)."""
     prefill_peers: list[str] = Field(default_factory=list)
     """"host:port" of the prefill instances this node reads from (`pdcluster up` sets them; env as JSON). Set, a
     hand-off naming any other engine is refused and the address in the params is never used; empty, the signed

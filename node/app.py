@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -42,6 +43,8 @@ from serving.protocol import (
 )
 
 Handler = Callable[[NodeRuntime, PreparedRequest, Request], Awaitable[Response]]
+
+log = logging.getLogger("pdcluster.node")
 
 
 class NodeBusy(Exception):
@@ -261,4 +264,12 @@ def build_app(title: str, handle: Handler, lifespan: Any, settings: NodeSettings
             return 0
         return len(runtime.request_ids) + runtime.handoff.num_outstanding
     app.state.num_in_flight = num_in_flight
+
+    def hand_off() -> None:
+        """End the requests still running with a 503 naming the drain: a router that resumes moves them."""
+        runtime = getattr(app.state, "runtime", None)
+        if runtime is not None:
+            num = runtime.executor.end_all("the node is draining: continue on another instance", status=503)
+            log.warning("draining: handed off %d running request(s)", num)
+    app.state.hand_off = hand_off
     return app

@@ -55,6 +55,9 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure-handoffs", action="store_true", default=None,
                         help="no cluster secret: answer / accept unsigned hand-offs (tests only)")
     parser.add_argument("--drain-s", type=float, help="on SIGTERM, how long in-flight requests may finish")
+    parser.add_argument("--drain-hand-off-s", type=float,
+                        help="on SIGTERM, end requests still running after this long with a 503 naming the drain "
+                             "(our router moves them to another instance)")
     parser.add_argument("--log-level", default="warning")
     add_kv_flags(parser)
 

@@ -381,11 +381,17 @@ class Executor:
     def _fail_all(self, message: str) -> None:
         self.state.healthy = False
         self.state.error = message
+        self.end_all(message)
+
+    def end_all(self, message: str, status: int = 500) -> int:
+        """End every request in flight with an `EngineFailure` (each one's consumer then aborts it, freeing its
+        rows); the ranks go on. Returns how many were ended."""
         with self._lock:
             pending = list(self._inflight.values())
             ids = list(self._inflight)
         for request_id, inflight in zip(ids, pending):
             inflight.loop.call_soon_threadsafe(inflight.queue.put_nowait,
-                                               EngineFailure(request_id=request_id, error=message))
+                                               EngineFailure(request_id=request_id, error=message, status=status))
+        return len(ids)
 
 

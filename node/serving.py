@@ -227,12 +227,15 @@ def head_timeout_protocol(seconds: float) -> type[H11Protocol]:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server; the first SIGTERM drains (`Drain`) instead of exiting at once."""
+    """uvicorn's server; the first SIGTERM drains (`Drain`) instead of exiting at once; with `hand_off_s` the
+    requests still running that long after it are handed off (`hand_off()`, once: router/migration.py)."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, in_flight: Callable[[], int]) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Drain, in_flight: Callable[[], int],
+                 hand_off_s: float | None = None, hand_off: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.drain = drain
         self.in_flight = in_flight
+        self.hand_off_s, self.hand_off = hand_off_s, hand_off
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and not self.drain.active:
@@ -241,6 +244,10 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
+        if self.hand_off is not None and self.hand_off_s is not None and self.drain.active \
+                and self.drain.drain_s - self.drain.remaining_s() >= self.hand_off_s:
+            hand_off, self.hand_off = self.hand_off, None
+            hand_off()
         if self.drain.is_over(self.in_flight()):
             self.should_exit = True
         return await super().on_tick(counter)
@@ -296,5 +303,6 @@ def uvicorn_config(app: Any, settings: NodeSettings, log_level: str = "warning")
 
 def serve(app: Any, settings: NodeSettings, log_level: str = "warning") -> None:
     """Run the node app until SIGTERM's drain (or SIGINT) ends it."""
-    server = DrainingServer(uvicorn_config(app, settings, log_level), app.state.drain, app.state.num_in_flight)
+    server = DrainingServer(uvicorn_config(app, settings, log_level), app.state.drain, app.state.num_in_flight,
+                            settings.drain_hand_off_s, app.state.hand_off)
     server.run()

@@ -138,6 +138,11 @@ class NodeSettings(BaseSettings):
     drain_s: float = Field(default=55.0, ge=0)
     """On SIGTERM: stop admitting (503 + Retry-After, /health 503) and let in-flight requests finish for at most this
     long, then exit. Default: the pool pods' terminationGracePeriodSeconds (60) minus 5 s."""
+    drain_hand_off_s: float | None = Field(default=None, ge=0)
+    """On SIGTERM, requests still running after this many seconds end with a 503 error naming the drain (an error
+    event in a stream), which our router answers by moving each to another instance where it continues with
+    the same tokens (router/migration.py); the node exits once they are gone. None: they run until done or
+    `drain_s` (for a router that does not move requests)."""
     http_limit_concurrency: int = Field(default=1024, ge=1)
     """uvicorn's limit on open connections + tasks (a plain 503 beyond it: the last guard behind the queues)."""
     http_keep_alive_s: float = Field(default=15.0, gt=0)

@@ -27,7 +27,8 @@ def nodes():
     common = ["--num-rows", "16", "--max-context", "8192"]
     with running_nodes(("prefill", common + ["--tp", "1", "--lease-seconds", "60"],
                         {"PREFILL_BACKEND": TOY, "PREFILL_ENGINE_ID": "p-e2e"}),
-                       ("decode", common + ["--tp", "1"], {"DECODE_BACKEND": TOY})) as (prefill, decode):
+                       ("decode", common + ["--tp", "1", "--kv-load-failure-policy", "fail"],
+                        {"DECODE_BACKEND": TOY})) as (prefill, decode):
         yield prefill.url, decode.url, decode.proc
 
 

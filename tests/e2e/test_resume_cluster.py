@@ -11,8 +11,11 @@ on the reference engine, so every pairing gives the oracle's bits.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -22,21 +25,25 @@ from tests.oracle import generate_text
 pytestmark = [pytest.mark.e2e, pytest.mark.process, pytest.mark.timeout(1500)]
 
 MODEL = "kimi-k3.1-mini"
+ADMIN_TOKEN = "resume-admin-token"
 CONFIG = {
     "model": MODEL,
     "engine": "reference",
-    "router": {"port": None, "settings": {
+    "router": {"port": None, "admin_token": ADMIN_TOKEN, "settings": {
         "health_interval_s": 0.5, "unhealthy_threshold": 2, "healthy_threshold": 1, "disagg_min_uncached_tokens": 1,
         # two shared cores: generous leg bounds, still finite
         "prefill_timeout_s": 180.0, "first_token_timeout_s": 180.0, "stream_idle_timeout_s": 120.0,
         "breaker_recovery_s": 2.0}},
     "startup_timeout_s": 300,
     "pools": [{"name": "prefill", "role": "prefill", "tp": 1},
-              {"name": "tp", "role": "decode", "tp": 1, "count": 2}],
+              # a SIGTERM hands the running streams off at once (the router moves them)
+              {"name": "tp", "role": "decode", "tp": 1, "count": 2, "settings": {"drain_hand_off_s": 0}}],
 }
 PROMPT = "Streams that survive: the router resumes a request on another decode instance, bit for bit. " * 3
 MAX_TOKENS = 48
 KILL_AFTER_TOKENS = 6
+DRAIN_TOKENS = 128
+"""Long enough that the 8 streams still run when the SIGTERM lands."""
 HEALTH_BOUND_S = 60
 CASES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 1234}}
 
@@ -55,8 +62,9 @@ def resume_cluster(tmp_path_factory: pytest.TempPathFactory):
         handle.stop()
 
 
-def _stream(cluster, body: dict, on_tokens) -> tuple[list[dict], dict[str, str]]:
-    """POST a streamed completion; `on_tokens(n, headers)` after each token chunk. Returns (chunks, headers)."""
+def _stream(cluster, body: dict, on_tokens, arrivals: list[float] | None = None) -> tuple[list[dict], dict[str, str]]:
+    """POST a streamed completion; `on_tokens(n, headers)` after each token chunk (whose arrival times go to
+    `arrivals`). Returns (chunks, headers)."""
     chunks, num_tokens = [], 0
     with httpx.stream("POST", f"{cluster.router_url}/v1/completions", json=body, timeout=600.0) as resp:
         assert resp.status_code == 200, resp.read()
@@ -67,6 +75,8 @@ def _stream(cluster, body: dict, on_tokens) -> tuple[list[dict], dict[str, str]]
             chunks.append(chunk)
             if chunk.get("choices") and chunk["choices"][0].get("token_ids"):
                 num_tokens += len(chunk["choices"][0]["token_ids"])
+                if arrivals is not None:
+                    arrivals.append(time.monotonic())
                 on_tokens(num_tokens, resp.headers)
         return chunks, dict(resp.headers)
 
@@ -82,8 +92,9 @@ def _killer(cluster, kill) -> tuple[callable, list[str]]:
     return on_tokens, killed
 
 
-def _check_against_oracle(chunks: list[dict], case: str) -> None:
-    oracle = generate_text(PROMPT, MAX_TOKENS, model=MODEL, logprobs=0, ignore_eos=True, **CASES[case])
+def _check_against_oracle(chunks: list[dict], case: str, max_tokens: int = MAX_TOKENS, **sampling) -> None:
+    oracle = generate_text(PROMPT, max_tokens, model=MODEL, logprobs=0, ignore_eos=True,
+                           **{**CASES[case], **sampling})
     assert not [c for c in chunks if "error" in c], chunks
     choices = [c["choices"][0] for c in chunks if c.get("choices")]
     assert {c["id"] for c in chunks} == {chunks[0]["id"]}
@@ -94,7 +105,7 @@ def _check_against_oracle(chunks: list[dict], case: str) -> None:
     assert "".join(choice["text"] for choice in choices) == oracle["text"]
     offsets = [o for choice in choices if choice.get("logprobs") for o in choice["logprobs"]["text_offset"]]
     assert offsets == sorted(offsets) and len(offsets) == len(token_ids)
-    assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS  # counted once, over both instances
+    assert chunks[-1]["usage"]["completion_tokens"] == max_tokens  # counted once, over both instances
 
 
 def _body(case: str) -> dict:
@@ -163,5 +174,83 @@ def test_a_rows_count_and_oracle_hold_for_concurrent_streams_when_one_instance_d
     survivors = {name: load for name, load in idle.items() if name != victim}
     cluster.wait_until(lambda: {n: cluster.node_load(n) for n in survivors} == survivors, 120,
                        "surviving nodes back to their idle counts")
+    cluster.restart(victim)
+    _wait_healthy(cluster)
+
+
+def _prefill_legs(cluster) -> float:
+    return cluster.metrics("router").get("pdcluster_leg_duration_seconds_count", leg="prefill") or 0.0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_prefill_node_killed_mid_prefill_costs_the_client_nothing(resume_cluster, case: str) -> None:
+    """The only prefill instance dies while it prefills: the decode instance computes the prefill itself
+    (`prefill_fallback: decode_only`) and the stream is the oracle's."""
+    cluster = resume_cluster
+    _wait_healthy(cluster)
+    prefill = cluster.nodes_of(role="prefill")[0].name
+    prompt = ("job: the prefill rank computes the whole prompt before the decode instance reads it. " * 80)[:5000]
+    legs = _prefill_legs(cluster)
+    body = {**_body(case), "prompt": prompt, "max_tokens": 8}
+    legs_at_kill: list[float] = []
+
+    def kill() -> None:  # node gauges move only between steps: "mid-prefill" is 1 s after sending
+        legs_at_kill.append(_prefill_legs(cluster))
+        cluster.kill(prefill)
+    killer = threading.Timer(1.0, kill)
+    killer.start()
+    chunks, _ = _stream(cluster, body, lambda *_: None)
+    killer.join()
+    assert legs_at_kill == [legs], "the prefill leg ended before the kill"
+    assert _prefill_legs(cluster) == legs  # no P leg completed: the decode instance prefilled
+    oracle = generate_text(prompt, 8, model=MODEL, logprobs=0, ignore_eos=True, **CASES[case])
+    assert not [c for c in chunks if "error" in c], chunks
+    token_ids = [t for c in chunks if c.get("choices") for t in c["choices"][0].get("token_ids") or ()]
+    assert token_ids == oracle["token_ids"]
+    cluster.restart(prefill)
+    _wait_healthy(cluster)
+
+
+def _admin(cluster, name: str, action: str) -> None:
+    resp = httpx.post(f"{cluster.router_url}/admin/instances/{name}/{action}", timeout=30,
+                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert resp.status_code == 200, resp.text
+
+
+def test_sigterm_on_a_decode_node_moves_its_8_streams(resume_cluster) -> None:
+    """Drain by SIGTERM (`drain_hand_off_s: 0`): the node hands its 8 running streams off, the router continues
+    each on the other instance; all 8 end as their oracle (seeded, 8 seeds), the node exits 0; the longest pause
+    a client saw is printed."""
+    cluster = resume_cluster
+    _wait_healthy(cluster)
+    victim, other = (node.name for node in cluster.nodes_of(role="decode"))
+    moved_before = cluster.metrics("router").get("pdcluster_migrations_total") or 0.0
+    _admin(cluster, other, "drain")  # every stream starts on the victim
+    results: dict[int, list[dict]] = {}
+    arrivals: dict[int, list[float]] = {i: [] for i in range(8)}
+    placed: dict[int, str] = {}
+
+    def run(index: int) -> None:
+        def on_tokens(num_tokens: int, headers) -> None:
+            placed.setdefault(index, headers["x-pdcluster-decode"])
+        body = {**_body("seeded"), "seed": 100 + index, "max_tokens": DRAIN_TOKENS}
+        results[index] = _stream(cluster, body, on_tokens, arrivals[index])[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    cluster.wait_until(lambda: len(placed) == 8, 600, "all 8 streams to send a token", poll_s=0.05)
+    assert set(placed.values()) == {victim}
+    _admin(cluster, other, "undrain")
+    process = cluster.cluster.children[victim].popen
+    os.kill(process.pid, signal.SIGTERM)
+    for thread in threads:
+        thread.join(900)
+    for index in range(8):
+        _check_against_oracle(results[index], "seeded", DRAIN_TOKENS, seed=100 + index)
+    assert process.wait(120) == 0
+    assert cluster.metrics("router").value("pdcluster_migrations_total") == moved_before + 8
+    pause = max(max(b - a for a, b in zip(times, times[1:])) for times in arrivals.values())
+    print(f"drain of {victim} with 8 streams: longest pause a client saw {pause:.2f} s")
     cluster.restart(victim)
     _wait_healthy(cluster)

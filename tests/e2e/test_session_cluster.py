@@ -48,3 +48,30 @@ def test_session_moves_from_tp_to_long_pool_and_matches_oracle(cluster):
     assert context + MAX_TOKENS + SESSION_GROWTH_TOKENS > TP_POOL_CAPACITY  # the test really outgrows `tp`
     assert pools[0] == "tp" and pools[-1] == LONG_POOL, pools
     assert pools == sorted(pools, key=lambda p: p == LONG_POOL), f"the session moved back: {pools}"
+
+
+def test_a_turn_the_decode_instance_holds_skips_its_prefill_leg_and_matches_oracle(cluster):
+    """Conditional disaggregation on the real cluster: a turn whose whole prompt the session's decode instance
+    reports it can resume (here the same conversation sent again, as a client retry does) skips the P leg
+    (`x-pdcluster-prefill: none`, `pdcluster_prefill_skipped_total`) and still answers the oracle's tokens."""
+    client = cluster.client()
+    messages = [{"role": "system", "content": "You are a coding agent."},
+                {"role": "user", "content": "turn 0: " + " ".join(WORDS) * 3}]
+    expected = cluster.oracle_chat(messages, MAX_TOKENS)
+    headers = {"X-Session-ID": "conditional-disagg-1"}
+    first = client.chat.completions.with_raw_response.create(model=cluster.model, messages=messages,
+                                                             max_tokens=MAX_TOKENS, temperature=0,
+                                                             extra_headers=headers)
+    assert first.headers["x-pdcluster-prefill"] != "none"  # the first turn runs its P leg
+    assert first.parse().choices[0].message.content == expected.text
+    skipped_before = cluster.metrics("router").get("pdcluster_prefill_skipped_total") or 0.0
+
+    def again_without_prefill_leg() -> bool:
+        reply = client.chat.completions.with_raw_response.create(model=cluster.model, messages=messages,
+                                                                 max_tokens=MAX_TOKENS, temperature=0,
+                                                                 extra_headers=headers)
+        assert reply.parse().choices[0].message.content == expected.text  # with or without a P leg
+        return reply.headers["x-pdcluster-prefill"] == "none"
+    # the router learns what the decode instance holds from its next `/v1/cache` poll (every second)
+    cluster.wait_until(again_without_prefill_leg, 30, "a turn without a P leg", poll_s=1.0)
+    assert cluster.metrics("router").value("pdcluster_prefill_skipped_total") >= skipped_before + 1

@@ -46,3 +46,24 @@ def test_sigterm_drains_a_400_token_stream_and_sheds_new_requests():
         reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
         assert reasons[-1] == "length"
         assert node.proc.wait(timeout=120) == 0  # the drain ended with the stream: a clean exit
+
+
+def test_sigterm_with_hand_off_ends_the_stream_with_a_503_event_and_exits_0():
+    """`--drain-hand-off-s 0`: the running stream ends at once with a 503 error event naming the drain (what our
+    router moves to another instance, router/migration.py) and the node exits 0 without waiting for it."""
+    args = ["--model", "kimi-k3.1-mini", "--tp", "1", "--num-rows", "16", "--drain-s", "900",
+            "--drain-hand-off-s", "0"]
+    with running_nodes(("decode", args, None)) as (node,):
+        body = {"model": "kimi-k3.1-mini", "prompt": "Hand the stream off.", "max_tokens": NUM_TOKENS,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{node.url}/v1/completions", json=body, timeout=600) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            node.proc.send_signal(signal.SIGTERM)
+            data = [first[6:]] + [line[6:] for line in lines if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        error = json.loads(data[-2])["error"]
+        assert error["code"] == 503 and "draining" in error["message"]
+        tokens = sum(1 for d in data[:-2] if json.loads(d).get("choices"))
+        assert tokens < NUM_TOKENS
+        assert node.proc.wait(timeout=120) == 0
