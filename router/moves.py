@@ -84,6 +84,8 @@ class StreamResume:
         lost = state.registry.get(ctx.placement.decode)
         if lost is not None:
             lost.num_inflight -= 1  # the relayed stream's count (open_stream took it)
+        if ctx.stream_attempts is not None:  # the lost stream failed its instance (and link) breakers
+            mover.orch.record_decode_status(ctx, ctx.stream_attempts, None)
         paused_since = self.acct.token_times[-1] if self.acct.token_times else None
         while True:
             try:
