@@ -56,6 +56,8 @@ DECODE_ATTENTION_GROUP = 8
 Mixer = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
 """A layer's token mixer as a forward path runs it: (MLA or KDA module, normed rows [N, d], index among its kind)
 -> output rows [N, d]."""
+FFN = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
+"""A layer's feed-forward as a forward path runs it: (the FFN module, normed rows [N, d], real rows) -> [N, d]."""
 
 
 class Layer(nn.Module):
@@ -128,11 +130,13 @@ class KimiModel(nn.Module):
             rows = x[:num_tokens] if all_logits else x[num_tokens - 1 : num_tokens]
             return self.logits(rows)
 
-    def run_layers(self, x: torch.Tensor, num_rows: int, mla_mixer: Mixer, kda_mixer: Mixer) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, num_rows: int, mla_mixer: Mixer, kda_mixer: Mixer,
+                   ffn: FFN | None = None) -> torch.Tensor:
         """The layer stack over hidden rows x [N, d] (padded; the first `num_rows` are real): each layer adds its
         mixer's output (`mla_mixer` or `kda_mixer`, called as (module, normed rows, index among its kind)) and
         then its MoE FFN's. The one layer loop: prefill, decode and the parallel paths (engine/parallel) supply
-        only their mixers, so every path applies norms, residuals and FFNs in the same order."""
+        only their mixers (and `ffn`, how the FFN module is called; default: `module(h, num_rows)`), so every path
+        applies norms, residuals and FFNs in the same order."""
         for layer_id, layer in enumerate(self.layers):
             h = layer.mixer_norm(x)
             if layer.is_mla:
@@ -140,7 +144,8 @@ class KimiModel(nn.Module):
             else:
                 out = kda_mixer(layer.mixer, h, self.kda_index[layer_id])
             x = x + out
-            x = x + layer.ffn(layer.ffn_norm(x), num_rows)
+            h = layer.ffn_norm(x)
+            x = x + (layer.ffn(h, num_rows) if ffn is None else ffn(layer.ffn, h, num_rows))
         return x
 
     @property

@@ -46,6 +46,7 @@ from engine.parallel.dcp_layout import DCPLayout
 from engine.parallel.dcp_merge import MergeResult, compact_merge, generic_merge
 from engine.parallel.groups import ParallelContext
 from engine.parallel.sharded import check_shard, mla_output, output_rows, project_all_heads
+from engine.parallel.tp import replicated_rows_ffn
 
 MODES = ("dcp", "tp")
 ATTENTION = ("exact", "lse")
@@ -88,7 +89,8 @@ def parallel_decode(ctx: ParallelContext, model: KimiModel, token_ids: torch.Ten
     step = _Step(ctx, model, positions, caches, mode, layout, merge, attention, stats)
     with torch.no_grad(), device_scope(ctx.device):
         x = pad_rows(model.embed[token_ids.to(ctx.device)])
-        x = model.run_layers(x, batch, step.mla, lambda kda, h, i: _kda(ctx, model, kda, h, caches, i))
+        x = model.run_layers(x, batch, step.mla, lambda kda, h, i: _kda(ctx, model, kda, h, caches, i),
+                             replicated_rows_ffn)
         return DecodeResult(logits=model.logits(x[:batch]), stats=stats)
 
 

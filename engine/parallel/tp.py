@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from engine.model.model import KimiModel
 from engine.model.moe import MoE
 from engine.model.numerics import ROW_BLOCK, pad_rows
-from engine.parallel.comm import all_to_all_list
+from engine.parallel.comm import all_gather_stack, all_to_all_list
 from engine.parallel.groups import ParallelContext
 
 
@@ -83,12 +83,34 @@ class ExpertParallelMoE(nn.Module):
         for r, rows in enumerate(wanted):
             mine = owner[rows] == r
             slots[rows] = torch.where(mine[..., None], returned[r], slots[rows])
+        return self._finish(x, slots, weights, num_rows)
+
+    def forward_replicated(self, x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+        """`forward` for rows every rank holds alike (a decode step): each rank runs its experts on the (row, slot)
+        pairs it owns, and one all-gather of the per-slot outputs [n, k, lat] lets every rank take each pair's
+        output from its owner; no pair runs twice (the all-to-alls of `forward` would run each once per rank)."""
+        num_rows = x.shape[0] if num_rows is None else num_rows
+        ids, weights = self.route(x)
+        ids, weights = ids[:num_rows], weights[:num_rows]
+        z = MoE.to_experts(self, x)[:num_rows]  # type: ignore[arg-type]
+        every = all_gather_stack(self.ctx, self._run_experts(z, ids))          # [W, n, k, lat]
+        owner = (ids // self.per_rank)[None, :, :, None].expand(1, -1, -1, z.shape[1])
+        return self._finish(x, every.gather(0, owner)[0], weights, num_rows)
+
+    def _finish(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """Mix the slots' outputs [n, k, lat] in slot order (as `MoE.forward`), then the latent up-projection and
+        the shared expert."""
         mixed = slots[:, 0] * weights[:, 0:1]
-        for j in range(1, ids.shape[1]):
+        for j in range(1, slots.shape[1]):
             mixed = mixed + slots[:, j] * weights[:, j : j + 1]
-        full = x.new_zeros(x.shape[0], lat)
+        full = x.new_zeros(x.shape[0], slots.shape[2])
         full[:num_rows] = mixed
         return MoE.from_experts(self, full, x)  # type: ignore[arg-type]
+
+
+def replicated_rows_ffn(ffn: nn.Module, h: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """A layer's FFN on rows every rank holds alike (`KimiModel.run_layers`' `ffn` for the decode paths)."""
+    return ffn.forward_replicated(h, num_rows) if isinstance(ffn, ExpertParallelMoE) else ffn(h, num_rows)
 
 
 def apply_tp(model: KimiModel, ctx: ParallelContext) -> KimiModel:

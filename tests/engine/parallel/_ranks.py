@@ -50,6 +50,28 @@ def shard_tensors(ctx: ParallelContext, cfg) -> dict:  # noqa: ANN001
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def moe_case(ctx: ParallelContext, cfg, num_rows: int) -> dict:  # noqa: ANN001
+    """Layer 1's expert-parallel MoE on the same rows on every rank, through `forward` (all-to-alls) and
+    `forward_replicated`, counting the (row, slot) pairs this rank's experts run in each."""
+    model = rank_model(ctx, cfg)
+    moe = model.layers[1].ffn
+    x = torch.randn(num_rows, cfg.d_model, generator=torch.Generator().manual_seed(11))
+    counted = {"pairs": 0}
+    expert = moe.expert
+
+    def counting(e, z):  # noqa: ANN001, ANN202
+        counted["pairs"] += int((moe._ids == e).sum())
+        return expert(e, z)
+
+    moe.expert = counting
+    out = {}
+    for name in ("forward", "forward_replicated"):
+        moe._ids, _ = moe.route(x)
+        counted["pairs"] = 0
+        out[name] = (getattr(moe, name)(x, num_rows), counted["pairs"])
+    return out
+
+
 def prefill_case(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], prefix_lens: list[int], mode: str,
                  capacity: int, all_logits: bool = False) -> dict:
     """Build this rank's shard of the seeded model, prefill each prompt's prefix (if any) then the rest in one

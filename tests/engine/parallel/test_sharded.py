@@ -84,6 +84,21 @@ def test_each_rank_holds_its_slice_of_the_whole_model(pool) -> None:
 
 
 @pytest.mark.process
+def test_replicated_rows_run_each_expert_pair_once(pool) -> None:
+    """Decode rows are on every rank: `forward_replicated` gives `forward`'s (and the whole MoE's) bits and runs
+    each (row, slot) pair on its owner once, where the all-to-all `forward` runs it once per rank."""
+    whole = build_model(CFG).layers[1].ffn
+    x = torch.randn(32, CFG.d_model, generator=torch.Generator().manual_seed(11))
+    want = whole(x, 32)
+    results = pool.run(_ranks.moe_case, CFG, 32)
+    for res in results:
+        (a2a, a2a_pairs), (replicated, pairs) = res["forward"], res["forward_replicated"]
+        assert torch.equal(a2a, want) and torch.equal(replicated, want)
+        assert a2a_pairs == pool.world_size * pairs
+    assert sum(r["forward_replicated"][1] for r in results) == 32 * CFG.num_experts_per_tok
+
+
+@pytest.mark.process
 @pytest.mark.parametrize("mode", ["token", "head"])
 def test_sharded_prefill_matches_whole_model(pool, oracle, mode: str) -> None:
     want, _, _ = oracle
