@@ -7,7 +7,8 @@ things must happen at an exact step: at a block boundary the engine publishes th
 b, snapshot=True)`, on the step whose input position is b), and at max_tokens it ends the request (`keep_tail`,
 `finish`). Those are events in a heap keyed by step; a run of decode steps ends at the first one. The batch's
 summed context, which the step cost needs, is `offset + members * S`. Per step the instance records its end time,
-so a request brought up to date gets one chunk time per step it decoded (or, without chunk times, only the last).
+so a request brought up to date gets one chunk time per step it decoded (or, without chunk times, only the last;
+the first step of a run is always recorded exactly, for a deferred token sent then).
 
 `join` puts a request in the batch (it started running within max_batch, or moved up into it when one ahead of it
 finished); `advance(times)` runs len(times) steps and returns the due events in step order (boundary before
@@ -90,9 +91,9 @@ class DecodeBatch:
         if count <= 0:
             return req, 0, [], 0
         times = self.step_times[start:self.steps] if self.record_chunks else [self.step_times[-1]]
-        if rid in self.deferred:
+        if rid in self.deferred:  # sent with its first step's token, at that step's end
             self.deferred.discard(rid)
-            return req, count, (times[:1] + times) if self.record_chunks else times, count + 1
+            return req, count, [self.step_times[start], *times], count + 1
         return req, count, times, count
 
     def advance(self, times: list[float]) -> list[tuple[int, str, int]]:

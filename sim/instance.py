@@ -387,8 +387,8 @@ class SimInstance:
         self._account(seg.t0, self.loop.now, seg.num_steps)
         if self.record_chunks:
             times = [seg.t0 + self._elapsed(seg, j) for j in range(1, seg.num_steps + 1)]
-        else:
-            times = [self.loop.now] * seg.num_steps
+        else:  # the first step exactly (a request joins at a segment's start; its deferred token leaves then)
+            times = [seg.t0 + seg.first_s] + [self.loop.now] * (seg.num_steps - 1)
         self._handle(self.batch.advance(times))
         self._begin()
 

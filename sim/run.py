@@ -8,10 +8,7 @@ reads a simulated run like a measured one. `RunInfo.url` is `sim:CONFIG@PROFILE`
 
 from __future__ import annotations
 
-import gc
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,19 +22,6 @@ from loadgen.sweep import SweepOptions, finish, new_summary
 from sim.cluster import SimCluster
 from sim.driver import run_level
 from sim.profile import Profile
-
-
-@contextmanager
-def _few_collections(first_generation: int = 200_000) -> Iterator[None]:
-    """Python's cyclic collector less often while a level runs (restored after). A level allocates millions of
-    short-lived objects (requests, token runs, events); at the default threshold (700 allocations) the collector
-    walks the young ones thousands of times a simulated second. Nothing the simulation decides depends on it."""
-    before = gc.get_threshold()
-    gc.set_threshold(first_generation, before[1], before[2])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
 
 
 @dataclass
@@ -78,8 +62,7 @@ def simulate(config: ClusterConfig, profile: Profile, workload: Workload, scenar
                          schedule_units=opts.schedule_units, plots=opts.plots, command=opts.command or [])
     summary = new_summary(workload, sweep, scenario)
     for conc in opts.concurrency_levels:
-        with _few_collections():
-            level = run_level(cluster, workload, conc, opts.duration_s, opts.drain_s, opts.max_requests)
+        level = run_level(cluster, workload, conc, opts.duration_s, opts.drain_s, opts.max_requests)
         summary.levels.append(summarize_level(conc, level.records, level.duration_s, sweep.slo, opts.gpus,
                                               level.started_s, opts.gpu_split))
     summary.refresh()

@@ -28,21 +28,24 @@ def _level(prof, router: dict, workload: TraceWorkload, record_chunks: bool = Tr
     return simulate(cluster(ONE_STEP, router), prof, workload, workload.name, opts).summary.levels[0]
 
 
-def test_imported_first_token_leaves_with_the_decode_nodes_first_step() -> None:
+@pytest.mark.parametrize("record_chunks", [True, False])
+def test_imported_first_token_leaves_with_the_decode_nodes_first_step(record_chunks: bool) -> None:
     """One disaggregated request alone: TTFT = router + P's prefill step + both legs + the READ + D's first decode
-    step (base + one sequence + its context: prompt and first token), and every later token one step apart."""
+    step (base + one sequence + its context: prompt and first token), every later token one step apart; without
+    chunk times (`--no-chunk-times`) the TTFT and the last token's time are the same."""
     base, tok, seq, ctx = 0.01, 0.001, 0.002, 1e-5
     http = HttpCost(router_s=0.002, prefill_leg_s=0.03, decode_leg_s=0.004)
     prof = profile(base_s=base, token_s=tok, seq_s=seq, ctx_s=ctx, http=http).model_copy(
         update={"transfer": TransferCost(bytes_per_s=1e30)})
-    level = _level(prof, {}, _trace(1, 100, 3))
+    level = _level(prof, {}, _trace(1, 100, 3), record_chunks)
     n = 101  # BOS + 100 words
     d_step = base + seq + ctx * (n + 1)
     expected = 0.002 + (base + tok * n) + 0.03 + 0.004 + d_step
     record = level.records[0]
     assert record.ttft_s == pytest.approx(expected, abs=1e-9)
-    assert record.chunk_s[1] - record.chunk_s[0] == pytest.approx(0.0, abs=1e-12)  # tokens 1 and 2 together
-    assert record.chunk_s[2] - record.chunk_s[1] == pytest.approx(base + seq + ctx * (n + 2), abs=1e-12)
+    assert record.e2e_s == pytest.approx(expected + base + seq + ctx * (n + 2), abs=1e-9)
+    if record_chunks:
+        assert record.chunk_s[1] - record.chunk_s[0] == pytest.approx(0.0, abs=1e-12)  # tokens 1 and 2 together
 
 
 def test_chunks_are_tokens_that_release_text_and_the_last() -> None:
