@@ -10,10 +10,18 @@ connection, and nothing more of it is read:
 - `Upgrade`: ignored, the request is answered over HTTP/1.1 and the connection stays HTTP/1.1 (RFC 9110 7.8;
   never a 101); an upgrade request that carries a body gets 400 (the parser leaves such a body to the new
   protocol);
-- a request whose head or body is not complete within `body_read_timeout_s` of its first byte (counted from
-  its turn when requests before it were still being answered): 408, from the server's sweep (`enforce_timeouts`,
-  which also disconnects a client that read nothing for `write_timeout_s` and closes connections idle for
-  `keep_alive_s`); past `max_connections` a new connection gets 503.
+- a request whose head is not complete within `head_read_timeout_s`, or whose head and body are not within
+  `body_read_timeout_s`, of its first byte (counted from its turn when requests before it were still being
+  answered): 408, from the server's sweep (`enforce_timeouts`, which also disconnects a client that read nothing
+  for `write_timeout_s`, closes a new connection that sent no request within `head_read_timeout_s` and one idle
+  for `keep_alive_s`; bytes that begin no request, such as blank lines, are no activity); past `max_connections`
+  a new connection gets 503;
+- pipelining is bounded: at most `max_pipelined_requests` received requests (and about `max_body_bytes` of their
+  bodies) wait for their turn. At the bound the rest of what was read is held unparsed and the socket is not read
+  until the queue shortens (TCP pushes back on the client). To stop exactly at the bound, a read that could hold
+  more requests than the queue has room for is parsed piece by piece: up to each head's end (`\n\r\n`) and
+  then exactly its `Content-Length`, so no piece completes more than one request.
+A refusal answers a `HEAD` without a body, as every answer to a `HEAD` is.
 `Expect: 100-continue` on an HTTP/1.1 request is answered `100 Continue` in the request's turn: at once on an
 idle connection, else once the answers before it were written. A client that disconnects cancels the
 request being answered (`connection_lost`).
@@ -66,6 +74,15 @@ class Connection(asyncio.Protocol):
         self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.pending: deque[Request] = deque()
+        self.num_pending_bytes = 0
+        """Body bytes of the requests in `pending` (bounded with their count: `_is_queue_full`)."""
+        self.is_reading_paused = False
+        self.held = b""
+        """Bytes read but not parsed while the queue is full (fed once it shortens)."""
+        self.body_remaining = 0
+        """Bytes of the declared Content-Length body not yet received (cuts the pieces of a bounded parse)."""
+        self.num_requests = 0
+        """Requests received whole on this connection."""
         self.task: asyncio.Task | None = None
         """Answers the pending requests; None while the connection is idle."""
         self.is_closed = False
@@ -87,6 +104,8 @@ class Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.url, self.headers, self.body, self.size, self.is_too_large = b"", [], [], 0, False
         self.header_bytes = 0
+        self.method = b""
+        self.is_head_complete = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -133,11 +152,34 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.is_refusing:
             return
-        self.last_active = time.monotonic()
+        if self.held:  # read before the pause took effect: after what is held
+            self.held += data
+            return
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        """Parse `data` without letting more than `max_pipelined_requests` wait; hold the rest (see the docstring)."""
+        while data and not self.is_refusing:
+            if self._is_queue_full():
+                self.held = data
+                if not self.is_reading_paused and not self.is_closed:
+                    self.is_reading_paused = True
+                    self.transport.pause_reading()
+                return
+            if len(self.pending) + data.count(b"\n\r\n") < self.limits.max_pipelined_requests:
+                self._parse(data)  # it cannot complete enough requests to pass the bound: all at once
+                return
+            cut = self.body_remaining if self.body_remaining else data.find(b"\n\r\n") + 3
+            if cut <= 2 or cut > len(data):
+                cut = len(data)
+            self._parse(data[:cut])
+            data = data[cut:]
+
+    def _parse(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:  # the request is queued: what follows it is HTTP/1.1 again
-            self.data_received(data[exc.args[0]:])
+            self._feed(data[exc.args[0]:])
         except httptools.HttpParserCallbackError as exc:  # no local may keep the error: its frames hold this one
             if isinstance(exc.__context__, Refused):
                 self.refuse(exc.__context__.status, exc.__context__.message)
@@ -146,16 +188,31 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self.refuse(400, f"malformed HTTP request: {exc}")
 
+    def _is_queue_full(self) -> bool:
+        return len(self.pending) >= self.limits.max_pipelined_requests \
+            or self.num_pending_bytes >= self.limits.max_body_bytes
+
+    def _make_room(self) -> None:
+        """A request left the queue: parse what was held, then read the socket again while there is room."""
+        if self.held and not self._is_queue_full():
+            data, self.held = self.held, b""
+            self._feed(data)
+        if self.is_reading_paused and not self.held and not self._is_queue_full() and not self.is_closed:
+            self.is_reading_paused = False
+            self.transport.resume_reading()
+
     def refuse(self, status: int, message: str) -> None:
         """Answer `status` once the requests before it are answered, then close; read nothing more."""
         self.is_refusing = True
         self.is_continue_owed = False
         self.receiving_since = None
         self.parser = None  # also drops the parser's last error, whose frames would keep this connection alive
-        self._queue(Request(b"", self.url, [], b"", False, error_reply(status, message), time.monotonic()))
+        self.held = b""
+        self._queue(Request(self.method, self.url, [], b"", False, error_reply(status, message), time.monotonic()))
 
     def _queue(self, request: Request) -> None:
         self.pending.append(request)
+        self.num_pending_bytes += len(request.body)
         if self.task is None:
             self.task = self.loop.create_task(self.run())
 
@@ -165,6 +222,8 @@ class Connection(asyncio.Protocol):
         self.receiving_since = time.monotonic()
 
     def on_url(self, url: bytes) -> None:
+        if not self.url:
+            self.method = self.parser.get_method()  # a refusal of this request answers a HEAD without a body
         self.url += url
         self._count_header_bytes(len(url))
 
@@ -179,10 +238,12 @@ class Connection(asyncio.Protocol):
             raise Refused(431, f"request headers are more than {self.limits.max_header_bytes} bytes")
 
     def on_headers_complete(self) -> None:
+        self.is_head_complete = True
         has_body = is_expecting = False
         for name, value in self.headers:
             if name == b"content-length":
                 has_body = not value.isdigit() or int(value) > 0
+                self.body_remaining = int(value) if value.isdigit() and len(value) < 19 else 0
                 self.is_too_large = value.isdigit() and int(value) > self.limits.max_body_bytes
             elif name == b"transfer-encoding":
                 has_body = True
@@ -203,6 +264,7 @@ class Connection(asyncio.Protocol):
                 self.is_continue_owed = True
 
     def on_body(self, body: bytes) -> None:
+        self.body_remaining = max(0, self.body_remaining - len(body))
         if self.is_too_large:
             return
         self.size += len(body)
@@ -213,6 +275,8 @@ class Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.receiving_since = None
+        self.body_remaining = 0
+        self.num_requests += 1
         refusal = error_reply(413, f"request body is more than the limit of {self.limits.max_body_bytes} bytes") \
             if self.is_too_large else None
         self._queue(Request(self.parser.get_method(), self.url, self.headers, b"".join(self.body),
@@ -222,6 +286,8 @@ class Connection(asyncio.Protocol):
         try:
             while self.pending and not self.is_closed:
                 request = self.pending.popleft()
+                self.num_pending_bytes -= len(request.body)
+                self._make_room()
                 await self.server.dispatch(self, request)
                 self.last_active = time.monotonic()
                 if not request.is_keep_alive:
@@ -246,7 +312,11 @@ class Connection(asyncio.Protocol):
             self.transport.abort()  # close() would wait for the buffer to drain, which never happens
         elif self.task is not None:
             return  # answering: the request being received waits for its turn
+        elif self.receiving_since is not None and not self.is_head_complete \
+                and now - self.receiving_since > limits.head_read_timeout_s:
+            self.refuse(408, f"request head not received within {limits.head_read_timeout_s} s")
         elif self.receiving_since is not None and now - self.receiving_since > limits.body_read_timeout_s:
             self.refuse(408, f"request not received within {limits.body_read_timeout_s} s")
-        elif self.receiving_since is None and now - self.last_active > limits.keep_alive_s:
+        elif self.receiving_since is None and now - self.last_active > \
+                (limits.keep_alive_s if self.num_requests else limits.head_read_timeout_s):
             self.close()

@@ -108,7 +108,7 @@ class RouterServer:
                           path.decode("latin-1")[:200])
             if not conn.is_answering:
                 failed = error_reply(500, "internal router error")
-                conn.write(self.head(failed, False, len(failed.body)) + failed.body)
+                conn.write(self.head(failed, False, len(failed.body)) + (b"" if request.method == b"HEAD" else failed.body))
             conn.close()
 
     def write_whole(self, conn: Connection, request: Request, reply: Reply) -> None:

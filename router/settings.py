@@ -80,6 +80,12 @@ class Settings(BaseSettings):
     """Request line plus headers of one request; beyond it 431 and the connection is closed."""
     body_read_timeout_s: float = Field(default=30.0, gt=0)
     """A request whose headers or body do not arrive completely within this long gets 408 (slow senders)."""
+    head_read_timeout_s: float = Field(default=10.0, gt=0)
+    """A request whose line and headers do not arrive within this long of its first byte gets 408, and a new
+    connection that sends no request within it is closed (slowloris)."""
+    max_pipelined_requests: int = Field(default=16, ge=1)
+    """Received requests that may wait for their turn on one connection; at the bound the router reads nothing
+    more from it until one is answered, and a request past it in the same read gets 429 and ends the connection."""
     write_timeout_s: float = Field(default=60.0, gt=0)
     """A client that reads nothing of its reply (a stalled SSE reader) for this long is disconnected (the
     request ends `cancelled`, both legs are aborted)."""

@@ -1,6 +1,7 @@
 """Light request validation at the router edge; everything else passes through to the node unchanged.
 
-Checked: the body is a JSON object within `max_body_bytes`; `model` names a served model (absent or null: the
+Checked: the body is a JSON object within `max_body_bytes`, nested at most `MAX_JSON_DEPTH` deep, with no NUL in
+any string (lone surrogates are invalid JSON to the parser); `model` names a served model (absent or null: the
 cluster's one model, filled in for the nodes, as vLLM serves its one model; with several, a 400); `messages`
 (chat) or `prompt` (completions) is present and well typed, and a user/system/developer message has content;
 `max_tokens` / `max_completion_tokens` are integers in [1, limit], or 0 for a request that only scores its
@@ -24,6 +25,9 @@ from serving.errors import APIError
 
 Endpoint = Literal["chat", "completions"]
 ROUTER_ONLY_FIELDS = ("kv_transfer_params",)
+MAX_JSON_DEPTH = 254
+"""Deepest nesting of a request body (objects and arrays; the body itself is level 1): the most orjson writes, so
+the most both legs can send on (tests/router/test_protocol_hygiene.py pins it)."""
 NEEDS_CONTENT = ("user", "system", "developer")
 
 
@@ -49,15 +53,40 @@ def scores_prompt(body: dict[str, Any]) -> bool:
 
 
 def parse_body(raw: bytes, max_body_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object: within `max_body_bytes`, valid UTF-8 JSON (a lone surrogate, escaped or not, is
+    not), nested at most `MAX_JSON_DEPTH` deep, and no string (key or value) holding NUL."""
     if len(raw) > max_body_bytes:
         raise APIError(413, f"request body is {len(raw)} bytes, more than the limit of {max_body_bytes}")
     try:
         body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise APIError(400, "request body is not valid JSON") from None
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    # Each check runs only when the bytes could hold what it looks for (a C-speed count or search).
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        try:
+            orjson.dumps(body)  # what both legs do with it: orjson refuses to write past MAX_JSON_DEPTH levels
+        except orjson.JSONEncodeError as exc:
+            if "recursion" in str(exc).lower():
+                raise APIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
+            raise APIError(400, f"request body cannot be passed on: {str(exc)[:200]}") from None
+    if b"\\u0000" in raw:
+        _check_no_nul(body)
     return body
+
+
+def _check_no_nul(body: dict[str, Any]) -> None:
+    """400 for a NUL in any string, key or value (C-string APIs downstream, tokenizers included, cut there)."""
+    stack: list[Any] = [body]
+    while stack:
+        value = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if (isinstance(key, str) and "\x00" in key) or (isinstance(item, str) and "\x00" in item):
+                raise APIError(400, "request body holds a NUL character (\\u0000) in a string")
+            if isinstance(item, (dict, list)):
+                stack.append(item)
 
 
 def _check_messages(messages: Any) -> None:
