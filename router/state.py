@@ -63,9 +63,9 @@ class RouterState:
             self.registry.upsert(spec)
 
     def next_request_id(self) -> str:
-        """A fresh id for one request, 128 random bits: unique across worker processes and replicas, and
-        unguessable from any other id a client saw (a node aborts by id); never the client's."""
-        return f"pdc-{os.urandom(16).hex()}"
+        """A fresh id for one request: the worker's number, then 128 random bits, so unique across worker processes
+        and replicas and unguessable from any other id a client saw (a node aborts by id); never the client's."""
+        return f"pdc-{self.settings.worker_id}-{os.urandom(16).hex()}"
 
     def spawn(self, coro) -> None:
         """Run a best-effort side task (aborts) that must outlive a cancelled request."""
