@@ -29,9 +29,12 @@ from tests.deploy.prom_support import (
 from tests.vllm_fixtures import SERVED_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-LOAD_SECONDS = 30
-VLLM_LOAD_REQUESTS = 6
-VLLM_LOAD_BOUND_S = 600
+LOAD_REQUESTS = 6
+"""Requests per load, by count (not time): two agentx sessions of three turns on the reference cluster (every
+leg, a prefix-cache hit per later turn), six random prompts on the vLLM pair. A load sized by time served as many
+requests as the machine had time for (two on a loaded machine for vLLM) and waited out its duration on a fast one."""
+LOAD_BOUND_S = 600
+"""Only a bound: loadgen stops starting requests at LOAD_REQUESTS."""
 
 
 def targets_from_cluster(cluster) -> list[ScrapeTarget]:
@@ -54,7 +57,7 @@ def targets_from_cluster(cluster) -> list[ScrapeTarget]:
     return targets
 
 
-def _check_cluster(cluster, tmp_path: Path, load_args: list[str], duration_s: float = LOAD_SECONDS) -> None:
+def _check_cluster(cluster, tmp_path: Path, load_args: list[str], duration_s: float = LOAD_BOUND_S) -> None:
     targets = targets_from_cluster(cluster)
     engines = {t.labels.get("engine_kind") for t in targets if t.labels["job"] == "pdcluster-nodes"}
     exclude = set()
@@ -66,7 +69,7 @@ def _check_cluster(cluster, tmp_path: Path, load_args: list[str], duration_s: fl
         load = subprocess.run(
             [sys.executable, "-m", "pdcluster.cli", "loadgen", "--url", cluster.router_url, "--concurrency", "2",
              "--duration", str(duration_s), "--out", str(tmp_path / "loadgen"), "--no-plots", "--progress", "off",
-             "--drain", "150", *load_args],
+             "--drain", "150", "--max-requests", str(LOAD_REQUESTS), *load_args],
             capture_output=True, text=True, timeout=duration_s + 330)
         assert load.returncode == 0, f"loadgen failed:\n{load.stdout[-2000:]}\n{load.stderr[-2000:]}"
         load_end = time.time()
@@ -92,11 +95,8 @@ def _check_cluster(cluster, tmp_path: Path, load_args: list[str], duration_s: fl
 
 
 def test_dashboards_and_rules_on_a_vllm_cluster(vllm_cluster, tmp_path: Path) -> None:
-    # A count of requests, not a time: on a loaded 2-core machine the busy-polling vLLM pair has taken over
-    # 30 s per request, and a 30 s load then finished only the first two. The duration is only a bound.
     _check_cluster(vllm_cluster, tmp_path, ["--scenario", "random", "--input-len", "64", "--output-len", "16",
-                                            "--model", SERVED_MODEL, "--max-requests", str(VLLM_LOAD_REQUESTS)],
-                   duration_s=VLLM_LOAD_BOUND_S)
+                                            "--model", SERVED_MODEL])
 
 
 def test_dashboards_and_rules_on_the_running_cluster(cluster, tmp_path: Path) -> None:
