@@ -183,8 +183,7 @@ class _Flow:
         cluster._seq += 1
 
     def _record(self, outcome: str, **kw) -> RequestRecord:
-        """The client's record of this request (built from typed values here: constructed without validation)."""
-        return RequestRecord.model_construct(
+        return RequestRecord(
             request_id=self.spec.request_id, session_id=self.spec.session_id, concurrency=self.concurrency,
             outcome=outcome, start_s=self.start - self.origin, end_s=self.c.loop.now - self.origin,
             queued_s=self.queued_s, num_input_tokens=self.spec.num_input_tokens, max_tokens=self.spec.max_tokens, **kw)
