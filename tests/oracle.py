@@ -7,9 +7,8 @@
 One single-rank reference engine per (model, device, weights seed) is built on first use and kept for the test
 run (a `pdcluster generate` subprocess paid the torch import and the weight init on every call). The engine runs
 with its prefix cache off, so every request is computed from its first token as the CLI's fresh engine computes
-it, and  and `Engine.generate` runs each request to
-completion alone: the same ops on the same inputs, so the answers are bit for bit those of `pdcluster generate`
-(tests/engine/test_cli.py checks one against it).
+it, and `Engine.generate` runs each request to completion alone: the same ops on the same inputs, so the answers
+are bit for bit those of `pdcluster generate` (tests/engine/test_cli.py checks one against it).
 """
 
 from __future__ import annotations
