@@ -12,7 +12,9 @@ TTFT p99. Headline: the median absolute relative error over TTFT p50, TPOT p50 a
     python benchmarks/sim_validation.py --only default-random-low,default-agentx-on-low --duration 20   # quick look
 
 Each real side starts its own cluster (a free router port) and writes loadgen's summary.json under --work-dir;
-the simulated side writes its own beside it, so `pdcluster loadgen compare REAL SIM` shows every metric.
+the simulated side writes its own beside it, so `pdcluster loadgen compare REAL SIM` shows every metric. The real
+side also keeps the cluster it ran (`real/cluster.json`); `--reuse-real` simulates that cluster, so a later change
+of cluster/default.yaml does not pair a saved real run with a different simulated one.
 """
 
 from __future__ import annotations
@@ -107,12 +109,17 @@ def run_config(cfg: Config, profile, work: Path, duration_s: float, seed: int, r
 
     cluster = _topology(cfg.topology, cfg.cache)
     real_dir = work / cfg.name / "real"
-    done = real_dir / "summary.json"
+    done, used = real_dir / "summary.json", real_dir / "cluster.json"
     if reuse and done.exists() and load_summary(done).run.duration_s == duration_s:
         real = load_summary(done)
+        if used.exists():  # simulate the cluster the real run had, not today's defaults
+            cluster = parse_config(json.loads(used.read_text()), str(used))
+        else:
+            print(f"{cfg.name}: {used} is missing: simulating today's {cfg.topology} topology", file=sys.stderr)
     else:
         real = measure(cluster, cfg.workload(seed), cfg.scenario, list(cfg.levels), duration_s, real_dir, seed=seed,
                        drain_s=300.0)
+        used.write_text(json.dumps(cluster.model_dump(mode="json", by_alias=True, exclude_none=True), indent=1))
     sim = simulate(cluster, profile, cfg.workload(seed), cfg.scenario,
                    SimOptions(list(cfg.levels), duration_s, work / cfg.name / "sim", seed=seed, drain_s=300.0,
                               config_name=cfg.topology)).summary
