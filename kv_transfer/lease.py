@@ -15,8 +15,9 @@ as is one from a reader other than the decode instance the hand-off was issued f
 for a lease that ended (404). So two decode nodes, a restarted one, or two concurrent presentations of one
 hand-off never both import it: the prefill node, which owns the rows, is the one authority.
 Every end calls `on_end(lease, outcome)` once; `lease.reads_done` says no READ can still target the rows (every
-READ notified, or the reader aborted), else the node quarantines them. Notifications for leases that already ended are counted as `late` and
-ignored. Counters: `outcomes` (notified/aborted/expired), `late_notifications`; `outstanding` = live leases
+READ notified, the reader aborted, or nobody claimed the lease: a decode node reads only after its claim won, and a
+claim after the end is refused, so an unclaimed lease's rows are freed at once, not quarantined), else the node
+quarantines them. Notifications for leases that already ended are counted as `late` and ignored. Counters: `outcomes` (notified/aborted/expired), `late_notifications`; `outstanding` = live leases
 (metric `pdcluster_node_leases_outstanding`).
 
 Notification wire format (NIXL notif bytes, UTF-8): `DONE:<lease_id>:<consumer>:<total>:<mac>`, the MAC an
@@ -140,7 +141,8 @@ class LeaseManager:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
                 return False
-            lease.reads_done = reads_done
+            # under the lock that `claim` takes: a claim either came first (then READs may run) or is refused
+            lease.reads_done = reads_done or lease.claimed_by is None
             self.outcomes[outcome] += 1
         self._on_end(lease, outcome)
         return True

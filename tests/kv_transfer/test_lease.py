@@ -56,6 +56,21 @@ def test_abort_ends(env):
     assert not leases.abort(lease.lease_id)
 
 
+def test_an_unclaimed_lease_frees_its_rows_at_once():
+    """Whatever ends a lease nobody claimed (the client left, it expired), no READ can target its rows: a decode
+    node reads only after its claim won, and a claim after the end is refused. So the rows are freed at once;
+    a claimed lease ended by the node (not by its reader) keeps them in quarantine."""
+    clock, done = Clock(), {}
+    leases = LeaseManager(lambda lease, outcome: done.__setitem__(lease.export.request_id, lease.reads_done),
+                          ttl_s=10.0, clock=clock)
+    unclaimed, expiring, claimed = (leases.create(ExportKey(rid, 1)) for rid in ("u", "e", "c"))
+    leases.claim(claimed.lease_id, "decode-a")
+    assert leases.abort(unclaimed.lease_id) and leases.abort(claimed.lease_id)
+    clock.now += 11
+    assert leases.expire() == [expiring.lease_id]
+    assert done == {"u": True, "c": False, "e": True}
+
+
 SECRET = ClusterSecret(b"s" * 32)
 
 
