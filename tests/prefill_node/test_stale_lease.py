@@ -118,9 +118,10 @@ def test_stale_lease_node_quarantine_keeps_aborted_rows_from_the_next_export():
             await _rounds(executor)
             table.begin("B")
             b = await _export(executor, "B", (256, 7, 7))
-            table.grant("B", b, [256, 7, 7])
+            params = table.grant("B", b, [256, 7, 7])
             table.forget("B")
             assert not _rows(a) & _rows(b)
+            table.claim(str(params.lease_id), "decode-x")  # a reader may be reading B's rows from now on
             await asyncio.sleep(0.3)
             assert table.sweep() and table.num_outstanding == 0  # B's lease expired: its rows are quarantined
             await _rounds(executor)
@@ -129,6 +130,32 @@ def test_stale_lease_node_quarantine_keeps_aborted_rows_from_the_next_export():
             c = await _export(executor, "C", (256, 9, 9))
             assert not (_rows(a) | _rows(b)) & _rows(c)  # neither quarantine is over: C gets fresh rows
             table.forget("C")
+
+        asyncio.run(scenario())
+    finally:
+        executor.stop()
+
+
+def test_an_unclaimed_expired_lease_gives_its_rows_back_at_once():
+    """Nobody claimed D's lease before it expired, so no reader got the metadata of its rows and none can claim
+    it now: the rows are free at once (all of them reused by E), not quarantined for the read timeout."""
+    executor = _executor(quarantine_s=600.0)
+    try:
+        table = _table(executor, lease_seconds=0.2)
+
+        async def scenario() -> None:
+            table.begin("D")
+            d = await _export(executor, "D", (256, 3, 3))
+            table.grant("D", d, [256, 3, 3])
+            table.forget("D")
+            await asyncio.sleep(0.3)
+            assert table.sweep() and table.num_outstanding == 0
+            await _rounds(executor)
+            assert _rows_used(executor) == 0
+            table.begin("E")
+            e = await _export(executor, "E", (256, 3, 3))
+            assert _rows(e) & _rows(d), "E got none of D's rows: they were held back"
+            table.forget("E")
 
         asyncio.run(scenario())
     finally:
