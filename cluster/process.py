@@ -2,7 +2,10 @@
 
 Every process starts with `start_new_session=True` (its own session and process group, so a terminal's
 Ctrl-C reaches only the launcher, which then stops children in order) and with a parent-death signal
-(`PR_SET_PDEATHSIG`, Linux), so even a SIGKILLed launcher takes its direct children down.
+(`PR_SET_PDEATHSIG`, Linux), so even a SIGKILLed launcher takes its direct children down. The kernel sends that
+signal when the *thread* that forked the child ends (prctl(2)), not the process: `spawn` therefore forks each child
+from a keeper thread of its own that lives until the child exits, so a node restarted from a short-lived thread (a
+fault schedule, a worker pool) is not stopped when that thread returns.
 
 `stop_tree` sends SIGTERM to the child's process group and to every descendant found under /proc (rank
 processes that started their own group included), waits up to a grace period, then SIGKILLs whatever
@@ -17,7 +20,9 @@ import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,11 +67,38 @@ def spawn(name: str, argv: tuple[str, ...] | list[str], env: dict[str, str], log
     with open(log_path, "ab") as log:
         log.write(f"=== {time.strftime('%H:%M:%S')} start: {' '.join(argv)}\n".encode())
         log.flush()
-        popen = subprocess.Popen(
+        popen = _popen_kept(name, lambda: subprocess.Popen(
             list(argv), env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent,
-        )
+        ))
     return Child(name=name, popen=popen, log_path=log_path)
+
+
+def _popen_kept(name: str, start: Callable[[], subprocess.Popen]) -> subprocess.Popen:
+    """`start()` run on a daemon thread that then waits, without reaping, until the child exits: the child's
+    parent-death signal follows that thread (module docstring), which ends only with the child or the launcher."""
+    started: list[subprocess.Popen | BaseException] = []
+    ready = threading.Event()
+
+    def keep() -> None:
+        try:
+            popen = start()
+        except BaseException as exc:  # handed to the caller below
+            started.append(exc)
+            ready.set()
+            return
+        started.append(popen)
+        ready.set()
+        try:  # WNOWAIT leaves the exit status to Popen (poll/wait in the caller's threads)
+            os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # already reaped by Popen
+            pass
+
+    threading.Thread(target=keep, name=f"pdcluster-keep-{name}", daemon=True).start()
+    ready.wait()
+    if isinstance(started[0], BaseException):
+        raise started[0]
+    return started[0]
 
 
 def _parent_map() -> dict[int, int]:

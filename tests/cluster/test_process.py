@@ -95,3 +95,21 @@ def test_children_die_with_a_killed_launcher(tmp_path, port):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_child_outlives_the_thread_that_spawned_it(tmp_path, port):
+    """PR_SET_PDEATHSIG fires when the *thread* that forked a child ends (prctl(2)): a node restarted from a
+    fault schedule's thread used to get SIGTERM (and drain away) as soon as that thread returned."""
+    import threading
+
+    started = []
+    thread = threading.Thread(target=lambda: started.append(_start(tmp_path, port)))
+    thread.start()
+    thread.join()
+    child, pids = started[0]
+    try:
+        time.sleep(1.0)  # the parent-death signal, if sent, arrives at once; the fake exits on SIGTERM
+        assert child.is_alive(), f"the child died with its spawning thread (code {child.popen.returncode})"
+    finally:
+        stop_tree(child, grace_s=5.0)
+    assert not any(_alive(pid) for pid in pids)

@@ -96,8 +96,7 @@ class Soak:
     deadline: float = 0.0
     faults: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(max_workers=1))
-    """Runs the restart: a node dies with the thread that spawned it (PR_SET_PDEATHSIG, cluster/process.py), so
-    that thread must outlive the load (asyncio's own executor threads end with `asyncio.run`)."""
+    """Runs the restart off the event loop (one at a time)."""
 
     async def in_fault_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.faults, fn, *args)
