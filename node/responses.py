@@ -41,10 +41,11 @@ def response_id(prepared: PreparedRequest) -> str:
 
 
 def usage_of(prepared: PreparedRequest, result: GenerationResult) -> UsageInfo:
-    """A resumed request counts the tokens its earlier stream sent as completion tokens, as that stream would."""
+    """A resumed request counts the tokens its earlier stream sent as completion tokens, as that stream would, and
+    no more cached tokens than its prompt has (a cache may also have held some of the resumed tokens)."""
     num_resumed = prepared.num_resumed
-    return UsageInfo.of(len(prepared.prompt_token_ids) - num_resumed, num_resumed + len(result.tokens),
-                        result.num_cached_tokens)
+    num_prompt = len(prepared.prompt_token_ids) - num_resumed
+    return UsageInfo.of(num_prompt, num_resumed + len(result.tokens), min(result.num_cached_tokens, num_prompt))
 
 
 def _logprobs(prepared: PreparedRequest, tokenizer: Detokenizer, events: Sequence[TokenEvent],

@@ -261,8 +261,8 @@ async def _attempt(state: RouterState, orch: Orchestrator, ctx: RequestContext, 
         elif resp.status_code != 200:
             ctx.outcome = "client_error" if resp.status_code < 500 else "upstream_error"
             ctx.error = f"decode answered {resp.status_code}{upstream_message(content)}"
-        elif ctx.handoff is not None:  # the client sees the P leg's cached_tokens (router/session_routing.py)
-            content = rewrite_usage(content, ctx.prefill_cached_tokens)
+        elif ctx.handoff is not None or mover is not None:  # the P leg's figure, at most the prompt (session_routing)
+            content = rewrite_usage(content, ctx.prefill_cached_tokens if ctx.handoff is not None else None)
         return Reply(resp.status_code, headers, content, resp.headers.get("content-type", JSON),
                      on_sent=lambda: finish(state, ctx, None, _usage(ctx, resp.status_code, content)))
     resp, chunks, first = await orch.open_stream(ctx)
@@ -270,8 +270,8 @@ async def _attempt(state: RouterState, orch: Orchestrator, ctx: RequestContext, 
     end = _StreamEnd(state, orch, ctx, acct, resp)
     resume = StreamResume(mover, acct) if mover is not None else None
     stream = relay(resp, chunks, first, acct, state.settings.stream_idle_timeout_s, end, resume)
-    if ctx.handoff is not None and ctx.prefill_cached_tokens is not None:
-        stream = with_cached_tokens(stream, ctx.prefill_cached_tokens)
+    if ctx.handoff is not None or mover is not None:  # the last placement's figure (router/session_routing.py)
+        stream = with_cached_tokens(stream, lambda: ctx.prefill_cached_tokens if ctx.handoff is not None else None)
     return Reply(200, _route_headers(ctx), content_type="text/event-stream", stream=stream,
                  on_abandon=end.abandon)
 

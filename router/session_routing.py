@@ -10,11 +10,16 @@
   When a P leg ran, that is the prefill node's own figure (the decode node computed no prompt token, it
   reports what it did not read); `rewrite_usage` and `UsageRewriter` (streams) put the prefill figure in the
   decode node's answer. Colocated or with the P leg skipped, the decode node's figure is already the truth.
+  After a move (router/moves.py) the figure is the placement's that finished the answer (its P leg's, or the
+  resuming decode node's), never more than `prompt_tokens`: the client's prompt was computed again there, and
+  what that placement did not compute is what the client got from a cache (the resumed tokens are output, not
+  prompt). A non-streamed answer runs again in full, so its figure and `x-pdcluster-decode` header are the
+  last placement's; a stream's headers are sent with its first chunk and keep naming its first instance.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -72,27 +77,38 @@ def _set_cached(usage: dict, cached: int) -> None:
     details["cached_tokens"] = cached
 
 
+def _truth(usage: dict, cached: int | None) -> int | None:
+    """The cached_tokens the client sees: `cached` (a P leg's figure) or else the node's, at most prompt_tokens;
+    None when the usage's figure is already that."""
+    now = cached_tokens_of(usage)
+    want = now if cached is None else cached
+    prompt = usage.get("prompt_tokens")
+    if want is not None and isinstance(prompt, int) and not isinstance(prompt, bool):
+        want = min(want, prompt)
+    return None if want is None or want == now else want
+
+
 def rewrite_usage(content: bytes, cached: int | None) -> bytes:
-    """A whole JSON answer with its usage's cached_tokens set to `cached` (unchanged when None or equal)."""
-    if cached is None:
-        return content
+    """A whole JSON answer with its usage's cached_tokens set to `cached` (or the node's when None), at most
+    prompt_tokens; the same bytes when nothing changes."""
     try:
         answer = orjson.loads(content)
     except orjson.JSONDecodeError:
         return content
     usage = answer.get("usage") if isinstance(answer, dict) else None
-    if not isinstance(usage, dict) or cached_tokens_of(usage) == cached:
+    if not isinstance(usage, dict) or (want := _truth(usage, cached)) is None:
         return content
-    _set_cached(usage, cached)
+    _set_cached(usage, want)
     return orjson.dumps(answer)
 
 
 class UsageRewriter:
-    """Rewrites the cached_tokens of the usage events of an SSE byte stream. A chunk of whole events without
+    """Rewrites the cached_tokens of the usage events of an SSE byte stream (`cached()`, asked when the usage
+    event passes: the placement that finished the stream may not be its first). A chunk of whole events without
     `"usage"` passes through untouched; otherwise bytes go out up to the last complete event (the rest waits
     for the next chunk), and usage events are rewritten whole."""
 
-    def __init__(self, cached: int) -> None:
+    def __init__(self, cached: Callable[[], int | None]) -> None:
         self.cached = cached
         self.pending = b""
 
@@ -104,9 +120,9 @@ class UsageRewriter:
         except orjson.JSONDecodeError:
             return event
         usage = payload.get("usage") if isinstance(payload, dict) else None
-        if not isinstance(usage, dict) or cached_tokens_of(usage) == self.cached:
+        if not isinstance(usage, dict) or (want := _truth(usage, self.cached())) is None:
             return event
-        _set_cached(usage, self.cached)
+        _set_cached(usage, want)
         return b"data: " + orjson.dumps(payload)
 
     def feed(self, chunk: bytes) -> bytes:
@@ -124,8 +140,9 @@ class UsageRewriter:
         return rest
 
 
-async def with_cached_tokens(stream: AsyncIterator[bytes], cached: int) -> AsyncIterator[bytes]:
-    """`stream` with its usage events' cached_tokens set to `cached` (closing this closes `stream`)."""
+async def with_cached_tokens(stream: AsyncIterator[bytes], cached: Callable[[], int | None]) -> AsyncIterator[bytes]:
+    """`stream` with its usage events' cached_tokens set to `cached()` (see `UsageRewriter`; closing this closes
+    `stream`)."""
     rewriter = UsageRewriter(cached)
     try:
         async for chunk in stream:

@@ -56,6 +56,16 @@ class FakeNode:
     cancelled: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     produced_at: list[float] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    """`prompt_tokens_details.cached_tokens` of the answers' usage, one per answer (the last one repeats); none when
+    empty."""
+
+    def usage(self, completion_tokens: int) -> dict:
+        usage = {"prompt_tokens": 5, "completion_tokens": completion_tokens, "total_tokens": 5 + completion_tokens}
+        if self.cached_tokens:
+            cached = self.cached_tokens.pop(0) if len(self.cached_tokens) > 1 else self.cached_tokens[0]
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     def metrics_text(self) -> str:
         labels = {"block_size": str(self.block_size), "cache_dtype": "auto", "num_gpu_blocks": "100", "engine": "0"}
@@ -118,7 +128,7 @@ class FakeNode:
                     "remote_engine_id": f"engine-{node.name}", "remote_request_id": f"p-{rid}",
                     "remote_host": "localhost", "remote_port": 5600, "tp_size": 1}
                 return JSONResponse({"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-                                     "usage": {"prompt_tokens": 5, "completion_tokens": 1},
+                                     "usage": node.usage(1),
                                      "kv_transfer_params": handoff})
             chat = request.url.path.endswith("chat/completions")
             if body.get("stream"):
@@ -128,8 +138,7 @@ class FakeNode:
                 {"index": 0, "text": text}
             node.finished.append(rid)
             return JSONResponse({"id": "d", "choices": [{**choice, "finish_reason": "length"}],
-                                 "usage": {"prompt_tokens": 5, "completion_tokens": node.num_tokens,
-                                           "total_tokens": 5 + node.num_tokens}})
+                                 "usage": node.usage(node.num_tokens)})
 
         app.post("/v1/completions")(generate)
         app.post("/v1/chat/completions")(generate)
@@ -168,7 +177,7 @@ class FakeNode:
                 else:
                     yield f"data: {json.dumps({'id': 'd', 'choices': [choice]})}\n\n"
             if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": 5, "completion_tokens": self.num_tokens}
+                usage = self.usage(self.num_tokens)
                 yield f"data: {json.dumps({'id': f'cmpl-{rid}', 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
             self.finished.append(rid)

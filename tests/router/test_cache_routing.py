@@ -173,7 +173,7 @@ def test_rewrite_usage_of_a_whole_answer():
 def test_usage_rewriter_handles_events_split_across_chunks():
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":9}}\n\n'
     chunks = [b'data: {"choices":[{"text":"a"}]}\n\n', usage[:17], usage[17:] + b"data: [DONE]\n\n"]
-    rewriter = UsageRewriter(5)
+    rewriter = UsageRewriter(lambda: 5)
     out = b"".join(rewriter.feed(c) for c in chunks) + rewriter.flush()
     events = [e for e in out.split(b"\n\n") if e]
     assert events[0] == chunks[0].strip() and events[-1] == b"data: [DONE]"

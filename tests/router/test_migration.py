@@ -118,3 +118,43 @@ async def _test_vllm_pools_do_not_resume() -> None:
         chunks, _ = await _stream(client, completion(max_tokens=6))
     assert [c for c in chunks if "error" in c] and not other.bodies
     assert "seed" not in lost.bodies[0] and "return_token_ids" not in lost.bodies[0]
+
+
+def test_a_moved_stream_reports_the_cached_tokens_of_the_placement_that_finished_it() -> None:
+    asyncio.run(_test_a_moved_stream_reports_the_cached_tokens_of_the_placement_that_finished_it())
+
+
+async def _test_a_moved_stream_reports_the_cached_tokens_of_the_placement_that_finished_it() -> None:
+    """The first P leg's figure (4) was for a placement that did not finish the answer; the second P leg's (1) is
+    what the client got. A decode node's figure above the prompt (a cache that also held resumed tokens) is
+    capped at prompt_tokens."""
+    prefill = FakeNode("p1", "prefill", engine_label="reference", cached_tokens=[4, 1])
+    lost = FakeNode("d1", "decode", num_tokens=6, engine_label="reference", stream_error_after=2)
+    other = FakeNode("d2", "decode", num_tokens=6, engine_label="reference")
+    specs = {**_decodes(lost, other), "p1": REFERENCE}
+    async with router_harness([prefill, lost, other], specs=specs) as (client, _):
+        chunks, _ = await _stream(client, completion(max_tokens=6, stream_options={"include_usage": True}))
+    assert len(prefill.bodies) == 2 and other.bodies  # both placements ran a P leg
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
+
+    colocated_lost = FakeNode("d1", "decode", num_tokens=6, engine_label="reference", stream_error_after=2)
+    colocated = FakeNode("d2", "decode", num_tokens=6, engine_label="reference", cached_tokens=[7])
+    async with router_harness([colocated_lost, colocated], specs=_decodes(colocated_lost, colocated)) as (client, _):
+        chunks, _ = await _stream(client, completion(max_tokens=6, stream_options={"include_usage": True}))
+    assert chunks[-1]["usage"]["prompt_tokens"] == 5
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 5}
+
+
+def test_a_moved_non_streamed_answer_names_the_instance_that_answered() -> None:
+    asyncio.run(_test_a_moved_non_streamed_answer_names_the_instance_that_answered())
+
+
+async def _test_a_moved_non_streamed_answer_names_the_instance_that_answered() -> None:
+    prefill = FakeNode("p1", "prefill", engine_label="reference", cached_tokens=[4, 1])
+    lost = FakeNode("d1", "decode", engine_label="reference", fail_status=500)
+    other = FakeNode("d2", "decode", engine_label="reference", cached_tokens=[0])
+    specs = {**_decodes(lost, other), "p1": REFERENCE}
+    async with router_harness([prefill, lost, other], specs=specs) as (client, _):
+        resp = await client.post("/v1/completions", json=completion())
+    assert resp.status_code == 200 and resp.headers["x-pdcluster-decode"] == "d2"
+    assert resp.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
