@@ -71,6 +71,7 @@ def create_app(settings: Settings | None = None, *, config: RouterConfig | None 
                                     healthy_threshold=settings.healthy_threshold,
                                     facts_interval_s=settings.facts_interval_s)
             app.state.health_checker = checker
+            checker.on_recovered = state.breakers.recovered
             if shared is not None:
                 checker.on_change = lambda: shared.tell_siblings(b"health")
             await checker.check_all()

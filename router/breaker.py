@@ -114,6 +114,12 @@ class CircuitBreaker:
         if self.tripped is not None:
             self.tripped.discard(self.key)
 
+    def reset(self) -> None:
+        """Back to closed with no failure counted (the trial slot freed: a trial still running ends as a plain
+        attempt)."""
+        self._trial_token = None
+        self._record_success()
+
     def _record_failure(self, now: float) -> None:
         self.num_failures += 1
         if self.opened_at is not None or self.num_failures >= self.failure_threshold:
@@ -139,6 +145,16 @@ class Breakers:
             breaker = self.instances[name] = CircuitBreaker(self.failure_threshold, self.recovery_s, key=name,
                                                             tripped=self.tripped)
         return breaker
+
+    def recovered(self, name: str) -> None:
+        """`name` came back healthy after its health checks had failed (a restarted node): its breaker and the
+        breakers of its links close. The failures that opened them were what health then saw (a node gone), and
+        a half-open breaker lets one request through until that request ends: a stream can take minutes, during
+        which no other request, nor a stream moving off another failed instance, could be placed there."""
+        for key in [name, *(key for key in self.links if name in key)]:
+            breaker = self.instances.get(key) if isinstance(key, str) else self.links.get(key)
+            if breaker is not None:
+                breaker.reset()
 
     def link(self, prefill: str, decode: str) -> CircuitBreaker:
         key = (prefill, decode)

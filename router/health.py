@@ -2,8 +2,8 @@
 
 Each round probes every instance's `GET /health` (timeout `health_timeout_s`): an instance turns
 unhealthy after `unhealthy_threshold` consecutive failures and healthy again after `healthy_threshold`
-consecutive successes. A healthy round also scrapes `/metrics` (load figures, cache facts) and, every
-`facts_interval_s` or while facts are missing, `/v1/models`. Instances that discovery reports not ready
+consecutive successes (then `on_recovered` closes its breakers). A healthy round also scrapes `/metrics`
+(load figures, cache facts) and, every `facts_interval_s` or while facts are missing, `/v1/models`. Instances that discovery reports not ready
 are unhealthy without a probe. The compat matrix is recomputed when facts change.
 
 A probe fails, per instance, on anything: a non-200 `/health`, a timeout, a refused connection, a
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -61,6 +62,9 @@ class HealthChecker:
         self._facts_at: dict[str, float] = {}
         self.on_change = None
         """Awaited after a round that changed health or facts (router/shared.py tells sibling workers)."""
+        self.on_recovered: Callable[[str], None] | None = None
+        """Called with the name of each instance that turned healthy again (its breakers close: router/breaker.py
+        `Breakers.recovered`)."""
 
     async def _refresh_facts(self, state: InstanceState) -> bool:
         """Scrape /metrics (every round) and /v1/models (when due); True if geometry facts changed."""
@@ -101,6 +105,8 @@ class HealthChecker:
             log.warning("health probe of %s failed unexpectedly: %r", state.spec.name, exc)
             ok, error, changed = False, f"{type(exc).__name__}: {exc}", False
         flipped = apply_probe(state, ok, self.unhealthy_threshold, self.healthy_threshold, None if ok else error)
+        if flipped and state.is_healthy and self.on_recovered is not None:
+            self.on_recovered(state.spec.name)
         return flipped or changed
 
     async def check_all(self, notify: bool = True) -> None:

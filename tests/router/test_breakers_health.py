@@ -173,3 +173,30 @@ def test_pair_with_other_weights_is_refused_with_its_reason(engine):
 
     run(main())
     assert p.bodies == [], "a prefill with other weights is never used"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_an_instance_back_from_unhealthy_has_its_breakers_closed(stream):
+    """A node killed mid-load opens its breaker; restarted, it comes back healthy. Half-open, it would take one
+    request at a time until that request ended (a stream: minutes), and a stream moving off another failed
+    instance could not be placed there."""
+    p, d0, d1 = FakeNode("p0", "prefill"), FakeNode("d0", "decode", fail_status=500), FakeNode("d1", "decode")
+
+    async def main():
+        async with router_harness([p, d0, d1], breaker_failure_threshold=2, breaker_recovery_s=0.0) as (client, app):
+            checker, breakers = app.state.health_checker, app.state.router.breakers
+            app.state.router.registry.get("d1").num_inflight = 100  # d0 is preferred while usable
+            for _ in range(2):
+                await client.post("/v1/completions", json=completion(stream=stream))
+            assert breakers.instance("d0").opened_at is not None and breakers.link("p0", "d0").opened_at is not None
+            d0.healthy = False  # the node is gone ...
+            for _ in range(2):
+                await checker.check_all()
+            d0.healthy, d0.fail_status = True, None  # ... and back
+            await checker.check_all()
+            assert breakers.instance("d0").state(0.0) == breakers.link("p0", "d0").state(0.0) == "closed"
+            trial = breakers.instance("d0").attempt(1e9)
+            assert not trial.is_trial and breakers.instance("d0").allows(1e9)  # no single-trial gate
+            trial.neutral()
+
+    run(main())
