@@ -42,7 +42,7 @@ from kv_transfer.side_channel import InstanceMetadata
 from kv_transfer.signing import lease_key
 from node.app import NodeBusy, until_disconnect
 from node.local import respond, serve_local
-from node.runtime import NodeRuntime
+from node.runtime import HandOffAbort, NodeRuntime
 from node.textgen import PreparedRequest
 from serving.errors import APIError
 
@@ -65,8 +65,9 @@ class Importer:
     def holds(self, request_id: str) -> bool:
         return False  # an import's rows belong to its request, which is in flight while they do
 
-    def abort(self, request_id: str, in_flight: Iterable[str] = ()) -> bool:
-        return False  # the ranks' Abort cancels an import's READs (decode_node/rank_importer.py)
+    def abort(self, request_id: str, in_flight: Iterable[str] = ()) -> HandOffAbort:
+        # the ranks' Abort cancels an import's READs (decode_node/rank_importer.py); until then they may write
+        return HandOffAbort(ended=False, reads_done=False)
 
     @property
     def num_outstanding(self) -> int:

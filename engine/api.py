@@ -199,9 +199,13 @@ class StartDecode:
 
 @dataclass(frozen=True)
 class Abort:
-    """Drop a request wherever it is (queued, running, exported or imported) and free its rows."""
+    """Drop a request wherever it is (queued, running, exported or imported) and free its rows. An exported or
+    importing request's rows are quarantined for the read timeout (a READ posted before may still target them)
+    unless `reads_done`: no READ can (a prefill node's export that no reader claimed: its exporter knows), so
+    they are free at once."""
 
     request_id: str
+    reads_done: bool = False
 
 
 @dataclass(frozen=True)

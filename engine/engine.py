@@ -13,7 +13,7 @@ Disaggregation, prefill side:
     (or queue it: add_request(..., export=True); the step that prefills it returns the PrefillResult)
     An export is released by request id AND generation, never by row ids: a stale release frees nothing.
     `abort` of an exported or importing request quarantines its rows for `config.quarantine_s` (a READ posted
-    before may still target them); `hold(request_id)` keeps them out for good (a READ that could not be
+    before may still target them; `abort(..., reads_done=True)` frees them at once when none can); `hold(request_id)` keeps them out for good (a READ that could not be
     cancelled). Quarantine times come from `clock` (a node passes the round's time, shared by its ranks).
 Disaggregation, decode side:
     table = engine.allocate_for_import("r1", prompt_token_ids, sampling)  # rows for prompt + max_tokens;
@@ -204,13 +204,14 @@ class Engine:
                     sampling: SamplingParams, export: bool = False, session: str = "", cache_salt: str = "") -> None:
         self.scheduler.add(self._make_request(request_id, prompt_token_ids, sampling, export, session, cache_salt))
 
-    def abort(self, request_id: str) -> bool:
-        """End a request wherever it is; an exported or importing one's rows are quarantined, not freed."""
+    def abort(self, request_id: str, reads_done: bool = False) -> bool:
+        """End a request wherever it is; an exported or importing one's rows are quarantined, not freed, unless
+        `reads_done` (no READ can target them: an export no reader claimed)."""
         self._import_firsts.pop(request_id, None)
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return False
-        remote = req.state in (RequestState.EXPORTED, RequestState.IMPORTING)
+        remote = not reads_done and req.state in (RequestState.EXPORTED, RequestState.IMPORTING)
         self.scheduler.finish(req, "abort", self._quarantine_until() if remote else None)
         return True
 
@@ -418,7 +419,7 @@ class Engine:
             return list(self.start_decode(cmd.request_id, int(first.token_id or 0), first.logprob,
                                           first.top_logprobs))
         if isinstance(cmd, Abort):
-            ended = self.abort(cmd.request_id)
+            ended = self.abort(cmd.request_id, reads_done=cmd.reads_done)
             return [TokenEvent(request_id=cmd.request_id, token_id=None, finish_reason="abort")] if ended else []
         if isinstance(cmd, Release):
             self.release(cmd.request_id, cmd.generation, reads_done=cmd.reads_done)

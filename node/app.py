@@ -213,10 +213,13 @@ def node_router(handle: Handler, settings: NodeSettings, guard: ControlGuard) ->
         runtime = runtime_of(request)
         aborted = []
         for external in body.request_ids:
-            for internal in runtime.internal_ids(external):
-                runtime.executor.abort(internal)
+            internal_ids = runtime.internal_ids(external)
+            # the hand-off first: from then on nothing can claim the rows, so it knows whether a READ still may
+            outcome = runtime.handoff.abort(external, internal_ids)
+            if outcome.ended:
                 aborted.append(external)
-            if runtime.handoff.abort(external, runtime.internal_ids(external)):
+            for internal in internal_ids:
+                runtime.executor.abort(internal, reads_done=outcome.reads_done)
                 aborted.append(external)
         return {"aborted": sorted(set(aborted))}
 

@@ -243,11 +243,14 @@ class Executor:
             raise ExecutorDead(self.state.error or "executor is not running")
         self._commands.put(cmd)
 
-    async def events(self, cmd: Command) -> AsyncIterator[Event]:
+    async def events(self, cmd: Command, on_leave: Abort | None = None) -> AsyncIterator[Event]:
         """Queue `cmd` (it must carry a request_id) and yield its events until a final one.
 
-        If the consumer stops early (client disconnect), the request is aborted on every rank."""
+        If the consumer stops early (client disconnect), the request is aborted on every rank: by `on_leave`
+        (for `cmd`'s request; default a plain `Abort`)."""
         request_id = cmd.request_id
+        if on_leave is not None and on_leave.request_id != request_id:
+            raise ValueError(f"on_leave aborts {on_leave.request_id!r}, not the command's {request_id!r}")
         loop = asyncio.get_running_loop()
         inflight = _Inflight(asyncio.Queue(), loop)
         with self._lock:
@@ -267,14 +270,15 @@ class Executor:
             with self._lock:
                 self._inflight.pop(request_id, None)
             if not finished and self.healthy:
-                self._commands.put(Abort(request_id=request_id))
+                self._commands.put(on_leave or Abort(request_id=request_id))
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request on every rank; True if it was in flight here."""
+    def abort(self, request_id: str, reads_done: bool = False) -> bool:
+        """Abort a request on every rank (`reads_done`: no READ can target its rows, engine/api.py `Abort`); True
+        if it was in flight here."""
         with self._lock:
             known = request_id in self._inflight
         if self.healthy:
-            self._commands.put(Abort(request_id=request_id))
+            self._commands.put(Abort(request_id=request_id, reads_done=reads_done))
         return known
 
     # ------------------------------------------------------------------ driver thread

@@ -32,15 +32,26 @@ WORKER_FACTORY = "node.worker:build_worker"
 log = logging.getLogger("pdcluster.node")
 
 
+@dataclass(frozen=True)
+class HandOffAbort:
+    """What a hand-off owner's `abort` found."""
+
+    ended: bool
+    """Something the hand-off kept for the request ended (a lease)."""
+    reads_done: bool
+    """No READ can target the request's rows from now on: the ranks' `Abort` frees them at once, not into
+    quarantine (engine/api.py `Abort`)."""
+
+
 class HandOff(Protocol):
     """A node kind's owner of P->D hand-offs as the shared HTTP layer sees it."""
 
     def holds(self, request_id: str) -> bool:
         """True while hand-off state still names `request_id` (a new request must not take that id)."""
 
-    def abort(self, request_id: str, in_flight: Iterable[str] = ()) -> bool:
-        """/abort_requests named `request_id` (`in_flight`: its ids still running here, which the caller aborts on
-        the ranks): end what the hand-off keeps for it. True if something ended."""
+    def abort(self, request_id: str, in_flight: Iterable[str] = ()) -> HandOffAbort:
+        """/abort_requests named `request_id` (`in_flight`: its ids still running here, which the caller then
+        aborts on the ranks): end what the hand-off keeps for it, and say whether a READ may still target them."""
 
     @property
     def num_outstanding(self) -> int:

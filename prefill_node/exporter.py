@@ -16,7 +16,9 @@ naming an export that is no longer live frees nothing), at once when no READ can
 reader aborted), else into quarantine for the read timeout (a READ posted before the end may still target them).
 An abort that lands before the grant (between the engine's export step and `grant`) is remembered: the ranks
 end the export on their own `Abort`, and `grant` refuses it (APIError 499), so no lease and no params ever
-point at rows an abort already gave back. Lease outcomes feed the node metrics.
+point at rows an abort already gave back. Since a reader reads only after its claim won, an export aborted before
+anyone claimed its lease (or before it had one) gives its rows back at once (`abort` answers `reads_done`, which
+the ranks' `Abort` carries); only a claimed one's go into quarantine. Lease outcomes feed the node metrics.
 Exposure: each rank's `RankExporter` (prefill_node/rank_exporter.py) registers an export's rows, and only those,
 with its transport and reports the metadata that addresses them (`RowsExposed`), before the export reaches
 `grant`; `claim(lease_id, reader)` hands that metadata, per rank, to the one decode node whose claim wins
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.api import EngineFailure, ExportedRows, Release, RowsExposed, Submit, TransportNotice
+from engine.api import Abort, EngineFailure, ExportedRows, Release, RowsExposed, Submit, TransportNotice
 from kv_transfer.lease import OUTCOMES, ExportKey, Lease, LeaseManager
 from kv_transfer.params import KVTransferParams
 from kv_transfer.signing import ENGINE_ID_PATTERN, ClusterSecret, prompt_digest, sign
@@ -45,7 +47,7 @@ from node.app import until_disconnect
 from node.executor import Executor
 from node.metrics import NodeMetrics, RequestTiming
 from node.responses import final_response
-from node.runtime import NodeRuntime
+from node.runtime import HandOffAbort, NodeRuntime
 from node.textgen import GenerationResult, PreparedRequest
 from serving.errors import APIError
 
@@ -85,13 +87,13 @@ class Exporter:
 
     def _lease_ended(self, lease: Lease, outcome: str) -> None:
         key = lease.export
-        with self._lock:
+        with self._lock:  # the Release is queued before the lease stops naming the request (`abort` relies on it)
+            if self.executor.healthy:
+                self.executor.submit(Release(request_id=key.request_id, generation=key.generation,
+                                             reads_done=lease.reads_done))
             if self._lease_of.get(key.request_id) == lease.lease_id:
                 del self._lease_of[key.request_id]
             self._exposed.pop(key, None)
-        if self.executor.healthy:
-            self.executor.submit(Release(request_id=key.request_id, generation=key.generation,
-                                         reads_done=lease.reads_done))
 
     def _sync_metrics(self) -> None:
         with self._lock:
@@ -109,15 +111,16 @@ class Exporter:
         """Lease the export and answer its params, bound to the prompt and to `reader` (the decode engine the
         router named, which alone may claim it; None: the first decode node that claims it) and signed with the
         cluster secret; APIError 499 if the request was aborted before this."""
-        with self._lock:
+        with self._lock:  # the check and the lease as one step: an abort comes before both or after both
             aborted = self._exporting.get(request_id, False)
+            if not aborted:
+                lease = self.leases.create(ExportKey(request_id, exported.generation), reader=reader)
+                self._lease_of[request_id] = lease.lease_id
         if aborted:
             if self.executor.healthy:  # the ranks' Abort ends it too; whichever comes second frees nothing
-                self.executor.submit(Release(request_id=request_id, generation=exported.generation))
+                # no lease, so no reader: the rows are free at once
+                self.executor.submit(Release(request_id=request_id, generation=exported.generation, reads_done=True))
             raise APIError(499, f"request {request_id} was aborted before its rows were leased")
-        lease = self.leases.create(ExportKey(request_id, exported.generation), reader=reader)
-        with self._lock:
-            self._lease_of[request_id] = lease.lease_id
         self.metrics.rows_exported.inc(len(exported.attn_row_ids) + len(exported.kda_row_ids))
         self._sync_metrics()
         ident = self.identity
@@ -148,17 +151,26 @@ class Exporter:
             pass  # a malformed or forged message frees nothing; the lease still ends by its reader or expiry
         self._sync_metrics()
 
-    def abort(self, request_id: str, in_flight: Iterable[str] = ()) -> bool:
-        """End `request_id`'s lease; every export among `in_flight` (requests still running here, which the
-        caller aborts on the ranks) is refused a lease from now on. True if a lease ended."""
+    def abort(self, request_id: str, in_flight: Iterable[str] = ()) -> HandOffAbort:
+        """End the leases of `request_id` and of `in_flight` (its ids still running here, which the caller then
+        aborts on the ranks); every export among `in_flight` is refused a lease from now on. `reads_done` unless
+        one of those leases had been claimed: a reader only reads after its claim won, and once the lease ended
+        (or an export is refused its lease) no claim can win, so no READ can target an unclaimed export's rows."""
+        ids = {request_id, *in_flight}
         with self._lock:
-            lease_id = self._lease_of.get(request_id)
+            lease_ids = [self._lease_of[rid] for rid in ids if rid in self._lease_of]
             for rid in in_flight:
                 if rid in self._exporting:
                     self._exporting[rid] = True
-        ended = lease_id is not None and self.leases.abort(lease_id)
+        ended, reads_done = False, True
+        for lease_id in lease_ids:
+            lease = self.leases.get(lease_id)
+            if lease is not None and self.leases.abort(lease_id):
+                ended, reads_done = True, reads_done and lease.reads_done  # final once the lease ended
+            else:  # it ended meanwhile, its Release maybe not queued yet: the ranks' Abort must not free the rows
+                reads_done = False
         self._sync_metrics()
-        return ended
+        return HandOffAbort(ended=ended, reads_done=reads_done)
 
     def claim(self, lease_id: str, reader: str) -> dict[int, bytes]:
         """Let `reader` redeem the lease (the first claim wins: kv_transfer/lease.py `claim`, ClaimRefused
@@ -223,7 +235,8 @@ async def _run_export(runtime: NodeRuntime[Exporter], prepared: PreparedRequest)
     cmd = Submit(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
                  sampling=prepared.sampling, export=True, session=prepared.session,
                  cache_salt=prepared.cache_salt)
-    async for event in runtime.executor.events(cmd):
+    # leaving before the rows came back leaves no lease (only `grant` makes one), so no reader: free them at once
+    async for event in runtime.executor.events(cmd, on_leave=Abort(prepared.request_id, reads_done=True)):
         if isinstance(event, EngineFailure):
             raise APIError(event.status, event.error)
         if isinstance(event, ExportedRows):

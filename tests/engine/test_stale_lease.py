@@ -77,3 +77,17 @@ def test_held_rows_never_return():
     e.reclaim()
     assert e.num_quarantined_rows == len(first.row_ids) + len(second.row_ids)
     assert e.num_free_rows == 32 - e.num_quarantined_rows
+
+
+def test_an_abort_that_no_read_can_follow_frees_the_rows_at_once():
+    """`abort(..., reads_done=True)`: the prefill node's exporter knows no reader claimed the export (none can
+    now), so its rows are free at once, not quarantined; a held request's rows still stay out for good."""
+    clock = Clock()
+    e = _engine(30.0, clock)
+    a = e.prefill_and_keep("A", [256, 1, 2], SamplingParams(max_tokens=1))
+    assert e.abort("A", reads_done=True)
+    assert e.num_free_rows == 32 and e.num_quarantined_rows == 0
+    b = e.prefill_and_keep("B", [256, 7, 7], SamplingParams(max_tokens=1))
+    assert set(b.attn_row_ids + b.kda_row_ids) == set(a.attn_row_ids + a.kda_row_ids)
+    assert e.hold("B") and e.abort("B", reads_done=True)
+    assert e.num_quarantined_rows == len(b.attn_row_ids + b.kda_row_ids)

@@ -8,8 +8,8 @@ bytes derived from its prompt at prefill, and derives every output token from a 
 only if every row byte arrived intact, which is what the P -> D tests check. Rows are allocated lowest id
 first, so every rank of a node makes the same choices (SPMD). Row ownership follows the engine's rules: an
 export is released by request id and generation; aborted exports and imports are quarantined for
-`quarantine_s` in the round's time (rows in quarantine count neither as used nor as free); `HoldRows` keeps a
-request's rows out for good.
+`quarantine_s` in the round's time, unless the `Abort` says `reads_done` (rows in quarantine count neither as used
+nor as free); `HoldRows` keeps a request's rows out for good.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class ToyEngine:
             req.state = "running"
             return self._emit(req, int(req.cmd.first.token_id))
         if isinstance(cmd, Abort):
-            return self._abort(cmd.request_id)
+            return self._abort(cmd)
         if isinstance(cmd, Release):
             self._release(cmd)
             return []
@@ -192,11 +192,12 @@ class ToyEngine:
                 self.free += rows
             req.attn_rows, req.kda_rows = [], []
 
-    def _abort(self, request_id: str) -> list[Event]:
+    def _abort(self, cmd: Abort) -> list[Event]:
+        request_id = cmd.request_id
         req = self.reqs.get(request_id)
         if req is None:
             return []
-        self._drop(request_id, quarantine=req.state in ("exported", "importing"))
+        self._drop(request_id, quarantine=not cmd.reads_done and req.state in ("exported", "importing"))
         return [TokenEvent(request_id=request_id, token_id=None, finish_reason="abort")]
 
     def _release(self, cmd: Release) -> None:

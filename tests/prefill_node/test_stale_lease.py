@@ -1,7 +1,7 @@
 """Issue 13's stale lease at node level: a prefill node's Exporter over a real executor and rank process (test
-backend). The router's abort lands between the engine's export step and the grant: the grant is refused, the
-rows the abort gave back (handed to export B once their quarantine is over) are never freed by anything naming
-A, and within the quarantine B never gets A's rows at all."""
+backend). The router's abort lands between the engine's export step and the grant: the grant is refused and the
+rows come back at once (no lease, so no reader), and once handed to export B they are never freed by anything
+naming A. A claimed lease the node ends keeps its rows from the next export for the read timeout."""
 
 from __future__ import annotations
 
@@ -63,12 +63,13 @@ def _rows_used(executor: Executor) -> int:
 
 
 async def _abort_before_grant(executor: Executor, table: Exporter, request_id: str) -> ExportedRows:
-    """Export `request_id`, then let /abort_requests' path run before the grant (as prefill_node/app.py does:
-    the executor's abort of the in-flight request, then the table's); the grant must be refused."""
+    """Export `request_id`, then let /abort_requests' path run before the grant (as node/app.py does: the
+    table's abort, then the executor's abort of the in-flight request); the grant must be refused."""
     table.begin(request_id)
     exported = await _export(executor, request_id, (256, 1, 2))
-    executor.abort(request_id)
-    table.abort(request_id, in_flight=[request_id])
+    outcome = table.abort(request_id, in_flight=[request_id])
+    assert outcome.reads_done and not outcome.ended  # no lease was granted, and none will be
+    executor.abort(request_id, reads_done=outcome.reads_done)
     with pytest.raises(APIError) as refused:
         table.grant(request_id, exported, [256, 1, 2])
     assert refused.value.status == 499 and table.num_outstanding == 0
@@ -77,14 +78,14 @@ async def _abort_before_grant(executor: Executor, table: Exporter, request_id: s
 
 
 def test_stale_lease_node_abort_before_grant_cannot_free_reused_rows():
-    executor = _executor(quarantine_s=0.3)
+    """Also: A's rows come back at once, not after the (here endless) quarantine: nobody was granted a lease on
+    them, so nobody can read them."""
+    executor = _executor(quarantine_s=600.0)
     try:
         table = _table(executor)
 
         async def scenario() -> None:
             a = await _abort_before_grant(executor, table, "A")
-            await _rounds(executor)
-            await asyncio.sleep(0.6)  # past A's quarantine: its rows are free again
             await _rounds(executor)
             assert _rows_used(executor) == 0
             table.begin("B")
@@ -108,14 +109,22 @@ def test_stale_lease_node_abort_before_grant_cannot_free_reused_rows():
 
 
 def test_stale_lease_node_quarantine_keeps_aborted_rows_from_the_next_export():
-    """Within the read timeout a reader of A's params could still READ A's rows: B must get other rows."""
+    """A's lease was claimed when the node aborted A: within the read timeout its reader could still READ A's
+    rows, so B must get other rows."""
     executor = _executor(quarantine_s=600.0)
     try:
         table = _table(executor, lease_seconds=0.2)
 
         async def scenario() -> None:
-            a = await _abort_before_grant(executor, table, "A")
+            table.begin("A")
+            a = await _export(executor, "A", (256, 1, 2))
+            table.claim(str(table.grant("A", a, [256, 1, 2]).lease_id), "decode-x")
+            outcome = table.abort("A", in_flight=["A"])  # /abort_requests before A's handler finished
+            assert outcome.ended and not outcome.reads_done
+            executor.abort("A", reads_done=outcome.reads_done)
+            table.forget("A")
             await _rounds(executor)
+            assert _rows_used(executor) == 0
             table.begin("B")
             b = await _export(executor, "B", (256, 7, 7))
             params = table.grant("B", b, [256, 7, 7])
