@@ -3,7 +3,11 @@ them answered one at a time, in the order they arrived (keep-alive, pipelining).
 
 What a connection decides while receiving, before any route runs. Each decision is a `Request` whose `refusal`
 is set, answered in its turn like any other; every refusal but a 413 of a body that was read ends the
-connection, and nothing more of it is read:
+connection, and nothing more of it is parsed. From the refusal on the socket is not read (TCP pushes back on a
+client still sending), and after the answer the connection closes lingering: it half-closes (the client reads the
+answer to its end) and drops what the client still sends, at most `LINGER_BYTES` for `LINGER_S`, until the client
+closes - so a client that reads while it sends gets its answer, not a reset, and a refused request's rest (an 8 MB
+header, a huge body) is never read whole:
 - request line + headers past `max_header_bytes`: 431; unparsable: 400; `CONNECT`: 405;
 - a body declared or grown past `max_body_bytes`: 413. With `Expect: 100-continue` the body is never read: the
   413 answers the head and the connection closes (RFC 9110 10.1.1); without, the body is read and dropped;
@@ -44,6 +48,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("router")
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+LINGER_S = 2.0
+"""After a refusal's answer, how long the connection waits for the client to close (dropping what it sends)."""
+LINGER_BYTES = 16 << 20
+"""After a refusal's answer, how many more bytes the connection drops before it closes without waiting: above
+what a client's and the router's socket buffers hold (a few MB each), so what was in flight when the client saw
+its answer is dropped, not answered with a reset."""
 
 
 class Refused(Exception):
@@ -89,7 +99,10 @@ class Connection(asyncio.Protocol):
         self.is_answering = False
         """Bytes of the current request's answer were written (a failure can no longer answer 500)."""
         self.is_refusing = False
-        """A refusal is queued: nothing more is read."""
+        """A refusal is queued: nothing more is parsed (the socket is not read until its answer is written)."""
+        self.linger_bytes_left: int | None = None
+        """Lingering after a refusal's answer: what may still be dropped before closing (None: not lingering)."""
+        self.linger_timer: asyncio.TimerHandle | None = None
         self.is_continue_owed = False
         """The request being received expects `100 Continue` once the answers before it are written."""
         self.is_write_paused = False
@@ -104,8 +117,12 @@ class Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.url, self.headers, self.body, self.size, self.is_too_large = b"", [], [], 0, False
         self.header_bytes = 0
+        self.num_head_bytes_fed = 0
+        """Bytes fed while this request's head was open from the piece before on (httptools keeps a header's
+        value until it ends: this bounds a head that never ends, `_bound_open_head`)."""
         self.method = b""
         self.is_head_complete = False
+        self.is_receiving_head = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -119,6 +136,8 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.is_closed = True
+        if self.linger_timer is not None:
+            self.linger_timer.cancel()
         self.server.connections.discard(self)
         if self.task is not None:
             self.task.cancel()
@@ -128,6 +147,18 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         self.is_closed = True
         self.transport.close()
+
+    def linger(self) -> None:
+        """A refusal was answered: half-close, then drop what the client still sends until it closes, at most
+        `LINGER_BYTES` for `LINGER_S` (see the module docstring)."""
+        if self.is_closed:
+            return
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # after the answer, which is still buffered if the client reads slowly
+        self.linger_bytes_left = LINGER_BYTES
+        self.linger_timer = self.loop.call_later(LINGER_S, self.close)
+        self.is_reading_paused = False
+        self.transport.resume_reading()
 
     def pause_writing(self) -> None:
         self.is_write_paused = True
@@ -150,7 +181,11 @@ class Connection(asyncio.Protocol):
             self.transport.write(data)
 
     def data_received(self, data: bytes) -> None:
-        if self.is_refusing:
+        if self.is_refusing:  # read before the pause took effect, or while lingering: dropped
+            if self.linger_bytes_left is not None:
+                self.linger_bytes_left -= len(data)
+                if self.linger_bytes_left < 0:
+                    self.close()
             return
         if self.held:  # read before the pause took effect: after what is held
             self.held += data
@@ -176,8 +211,11 @@ class Connection(asyncio.Protocol):
             data = data[cut:]
 
     def _parse(self, data: bytes) -> None:
+        was_head_open = self.is_receiving_head
         try:
             self.parser.feed_data(data)
+            if was_head_open and self.is_receiving_head:
+                self._bound_open_head(len(data))
         except httptools.HttpParserUpgrade as exc:  # the request is queued: what follows it is HTTP/1.1 again
             self._feed(data[exc.args[0]:])
         except httptools.HttpParserCallbackError as exc:  # no local may keep the error: its frames hold this one
@@ -188,6 +226,14 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self.refuse(400, f"malformed HTTP request: {exc}")
 
+    def _bound_open_head(self, num: int) -> None:
+        """A piece that was all head (it began open and left it open): 431 once such pieces pass
+        `max_header_bytes`, before httptools has kept a huge header value whole (the exact count, `on_header`, comes
+        only when a header ends). The piece a head began in is not counted, so this bound is loose by one read."""
+        self.num_head_bytes_fed += num
+        if self.num_head_bytes_fed > self.limits.max_header_bytes:
+            self.refuse(431, f"request headers are more than {self.limits.max_header_bytes} bytes")
+
     def _is_queue_full(self) -> bool:
         return len(self.pending) >= self.limits.max_pipelined_requests \
             or self.num_pending_bytes >= self.limits.max_body_bytes
@@ -197,15 +243,21 @@ class Connection(asyncio.Protocol):
         if self.held and not self._is_queue_full():
             data, self.held = self.held, b""
             self._feed(data)
-        if self.is_reading_paused and not self.held and not self._is_queue_full() and not self.is_closed:
+        if self.is_reading_paused and not self.held and not self._is_queue_full() and not self.is_closed \
+                and not self.is_refusing:
             self.is_reading_paused = False
             self.transport.resume_reading()
 
     def refuse(self, status: int, message: str) -> None:
-        """Answer `status` once the requests before it are answered, then close; read nothing more."""
+        """Answer `status` once the requests before it are answered, then close lingering (`linger`); stop
+        reading now."""
         self.is_refusing = True
+        if not self.is_reading_paused and not self.is_closed:
+            self.is_reading_paused = True
+            self.transport.pause_reading()
         self.is_continue_owed = False
         self.receiving_since = None
+        self.is_receiving_head = False
         self.parser = None  # also drops the parser's last error, whose frames would keep this connection alive
         self.held = b""
         self._queue(Request(self.method, self.url, [], b"", False, error_reply(status, message), time.monotonic()))
@@ -219,6 +271,7 @@ class Connection(asyncio.Protocol):
     # parser callbacks
     def on_message_begin(self) -> None:
         self._reset()
+        self.is_receiving_head = True
         self.receiving_since = time.monotonic()
 
     def on_url(self, url: bytes) -> None:
@@ -239,6 +292,7 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.is_head_complete = True
+        self.is_receiving_head = False
         has_body = is_expecting = False
         for name, value in self.headers:
             if name == b"content-length":
@@ -291,7 +345,10 @@ class Connection(asyncio.Protocol):
                 await self.server.dispatch(self, request)
                 self.last_active = time.monotonic()
                 if not request.is_keep_alive:
-                    self.close()
+                    if self.is_refusing and not self.pending:  # this was the refusal
+                        self.linger()
+                    else:
+                        self.close()
                     return
             if self.is_continue_owed and not self.is_closed:  # the request being received: its turn now
                 self.is_continue_owed = False

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from router.app import create_app
+from router.connection import LINGER_S
 from router.config import InstanceSpec, PoolSpec, RouterConfig
 from router.server import SWEEP_S
 from router.settings import Settings
@@ -53,6 +54,30 @@ def test_oversized_headers_get_431():
             answer = read_all(sock)
         assert answer.startswith(b"HTTP/1.1 431 ") and b'"error"' in answer
         assert httpx.post(f"{router}/v1/completions", json=completion(), timeout=30).status_code == 200
+
+
+def test_a_refused_request_is_not_read_to_its_end():
+    """Past `max_header_bytes` the router answers 431 and stops reading: a client that goes on sending a 64 MB
+    header without reading its answer stalls (TCP pushes back) and the connection closes after LINGER_BYTES (16 MiB)
+    more at most, the client's socket buffers (a few MB) aside - the router never takes the 64 MB (it used to go on
+    reading the header until httptools ended it)."""
+    with ExitStack() as stack:
+        router = start(stack, [FakeNode("d0", "decode")], max_header_bytes=4096)
+        request = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nX-Big: " + b"a" * (64 << 20)
+        with connect(router) as sock:
+            sock.settimeout(0.2)
+            sent, stalled_since = 0, None
+            while sent < len(request):
+                try:
+                    sent += sock.send(request[sent:sent + (1 << 16)])
+                    stalled_since = None
+                except TimeoutError:  # nothing taken for 0.2 s: the router is not reading
+                    stalled_since = stalled_since or time.monotonic()
+                    if time.monotonic() - stalled_since > LINGER_S + 5.0:
+                        break
+                except OSError:  # the router closed the connection (a reset: bytes were still arriving)
+                    break
+        assert sent < 32 << 20, f"the router took {sent >> 20} MiB of a refused request"
 
 
 @pytest.mark.parametrize("partial", [
