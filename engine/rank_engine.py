@@ -54,7 +54,7 @@ def build_rank_engine(config: EngineConfig, ctx: Any, clock: Callable[[], float]
     node never decodes)."""
     from engine.engine import Engine
     from engine.model.config import resolve_model
-    from engine.model.shards import WHOLE, ShardSpec
+    from engine.model.shards import ShardSpec
     from engine.model.weights import build_model
     from engine.parallel.spmd import DCPModel, TimedModel, TPModel
 
@@ -62,16 +62,15 @@ def build_rank_engine(config: EngineConfig, ctx: Any, clock: Callable[[], float]
         raise ValueError(f"a DCP pool runs one rank per DCP rank: dcp_size {config.dcp_size}, {ctx.world_size} ranks")
     device = rank_device(config.device, ctx)
     config = dataclasses.replace(config, device=str(device))
-    # a rank of a TP/DCP group holds only its shard of the weights (engine/model/shards.py); the fast TP/DCP steps
-    # run a whole replica, so kernels="fast" builds it whole (TPModel keeps the shard beside it)
-    shard = ShardSpec(ctx.world_size, ctx.rank) if config.kernels != "fast" else WHOLE
+    # a rank of a TP/DCP group holds only its shard of the weights (engine/model/shards.py), whatever its kernels
+    shard = ShardSpec(ctx.world_size, ctx.rank)
     built = build_model(resolve_model(config.model, config.exact_index_scores), config.seed, config.weights,
                         device=device, shard=shard)
     if ctx.rank == 0 and ctx.world_size > 1:
         held = sum(p.numel() * p.element_size() for p in built.parameters())
         whole = sum(math.prod(built.splits[n].full_shape) * p.element_size() for n, p in built.named_parameters())
-        log.info("rank 0 of %d holds %.1f MB of the model's %.1f MB of weights (%s; pdcluster plan --shards)",
-                 ctx.world_size, held / 1e6, whole / 1e6, "its shard" if not shard.is_whole else "a whole replica")
+        log.info("rank 0 of %d holds %.1f MB of the model's %.1f MB of weights (its shard; pdcluster plan --shards)",
+                 ctx.world_size, held / 1e6, whole / 1e6)
     make_cache = None
     if config.dcp_size > 1:
         model: Any = DCPModel(built, ctx, token_shard_min_tokens)

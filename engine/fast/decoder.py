@@ -352,8 +352,8 @@ class FastDecoder:
             if dense:
                 weights = {"norm": layer.ffn_norm.weight, "w_gate_up": self._stack(ffn.w_gate.weight, ffn.w_up.weight),
                            "w_down": w(ffn.w_down.weight)}
-            else:
-                assert isinstance(ffn, MoE)
+            else:  # a MoE, or on a TP/DCP rank its expert-parallel form (the same tensors; engine/parallel/tp.py)
+                assert isinstance(ffn, MoE) or hasattr(ffn, "per_rank"), type(ffn)
                 latent = ffn.w_down_latent is not None
                 projections = [ffn.w_down_latent.weight] if latent else []
                 if ffn.shared is not None:
@@ -385,7 +385,8 @@ class FastDecoder:
 
     def _mla_weights(self, mla: MLA, norm: torch.Tensor) -> dict[str, Any]:
         cfg, w = self.cfg, self._w
-        wkv_b = w(mla.wkv_b).view(cfg.num_heads, cfg.qk_nope_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        heads = mla.num_local_heads  # all of them on one rank; a TP/DCP rank's shard holds its heads' rows
+        wkv_b = w(mla.wkv_b).view(heads, cfg.qk_nope_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         idx = mla.indexer
         on_h = ([mla.wq_a.weight] if mla.wq_a is not None else []) + [mla.wkv_a.weight]
         on_qr = [mla.wq_b.weight]
@@ -403,7 +404,7 @@ class FastDecoder:
                       idx.k_norm.weight if idx is not None else None, idx.k_norm.bias if idx is not None else None,
                       hadamard),
             "front_const": dict(eps=cfg.rms_eps, k_eps=idx.k_norm.eps if idx is not None else 0.0,
-                                latent_scale=mla.latent_scale, heads=cfg.num_heads, nope=cfg.qk_nope_dim,
+                                latent_scale=mla.latent_scale, heads=heads, nope=cfg.qk_nope_dim,
                                 kv_rank=cfg.kv_lora_rank, index_heads=cfg.index_num_heads,
                                 h_split=[p.shape[0] for p in on_h], qr_split=[p.shape[0] for p in on_qr],
                                 mla_rope=cfg.mla_rope, index_rope=cfg.index_rope, rope_factor=rotary.attention_factor,
@@ -463,6 +464,13 @@ class FastDecoder:
 
     def _mla(self, m: dict[str, Any], x: torch.Tensor, buffer: torch.Tensor, pages: PageBatch,
              index: int) -> torch.Tensor:
+        gate, partial, lse = self._mla_splits(m, x, buffer, pages, index)
+        return self._seg["_mla_back_splits"](x, gate, partial, lse, m["latent_scale"], m["w_uv"], m["wo"])
+
+    def _mla_splits(self, m: dict[str, Any], x: torch.Tensor, buffer: torch.Tensor, pages: PageBatch,
+                    index: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """The MLA step up to the sparse attention of this decoder's heads: (gate, the unmerged splits, their
+        log-sum-exp)."""
         cfg = self.cfg
         gate, q_abs, latent, key, key_scale, qi, weights = self._seg["_mla_front"](
             x, *m["front"], positions=pages.positions, **m["front_const"])
@@ -470,18 +478,19 @@ class FastDecoder:
         selected = select(buffer, self.layout, pages, index, qi, weights, attention_topk(cfg, pages.max_len))
         partial, lse = sparse_mla_decode(buffer, self.layout, pages, index, q_abs, selected, m["softmax_scale"],
                                          m["latent_scale"], cfg.kv_lora_rank, merge=False)
-        return self._seg["_mla_back_splits"](x, gate, partial, lse, m["latent_scale"], m["w_uv"], m["wo"])
+        return gate, partial, lse
 
     def _kda(self, m: dict[str, Any], x: torch.Tensor, buffer: torch.Tensor, pages: PageBatch,
              index: int) -> torch.Tensor:
+        gate, o = self._kda_heads(m, x, buffer, pages, index)
+        return self._seg["_kda_back"](x, gate, o, m["o_norm"], m["wo"], self.cfg.rms_eps)
+
+    def _kda_heads(self, m: dict[str, Any], x: torch.Tensor, buffer: torch.Tensor, pages: PageBatch,
+                   index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KDA step of this decoder's heads up to their outputs: (output gate, o [B, heads, d])."""
         gate, g, beta, conv_in = self._seg["_kda_front"](x, *m["front"], **m["front_const"])
         group, layer_in_group = divmod(index, self.layout.kda_layers_per_group)
         rows = pages.kda_row_ids[:, group].contiguous()
         q, k, v = kda_conv_qkv_rows(buffer, self.layout, rows, layer_in_group, conv_in, m["conv_weight"],
                                     self.conv_dtype)
-        o = kda_recurrent_step_rows(buffer, self.layout, rows, layer_in_group, q, k, v, g, beta)
-        return self._seg["_kda_back"](x, gate, self._all_heads(o), m["o_norm"], m["wo"], self.cfg.rms_eps)
-
-    def _all_heads(self, o: torch.Tensor) -> torch.Tensor:
-        """The KDA output of every head from this decoder's heads (all of them on one rank)."""
-        return o
+        return gate, kda_recurrent_step_rows(buffer, self.layout, rows, layer_in_group, q, k, v, g, beta)

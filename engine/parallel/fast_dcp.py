@@ -1,8 +1,11 @@
 """The fast decode step (engine/fast/decoder.py) inside the DCP decode: W ranks, the cache split by token, SPMD.
 
-`DCPFastDecoder(model, layout, ctx)` is the TP fast decoder (engine/parallel/fast_tp.py: token-wise work on the
-replicated rows, KDA heads split with one all-gather of o, MoE expert-parallel) whose MLA step attends over a
-cache split by token as the reference DCP decode splits it (engine/parallel/dcp_decode.py, `attention="lse"`):
+`DCPFastDecoder(model, layout, ctx)` is the TP fast decoder on the rank's shard of the weights
+(engine/parallel/fast_tp.py: token-wise work on the replicated rows, the rank's MLA and KDA heads, its output rows
+of wo, MoE expert-parallel) whose MLA step attends over a cache split by token as the reference DCP decode splits
+it (engine/parallel/dcp_decode.py, `attention="lse"`):
+- the rank computes its heads' absorbed queries and one all-gather gives every rank every head's (a rank scores
+  its own tokens for all heads);
 - the pool is a DCP rank's (layout dcp_size = W): a request's rows hold the rank's owned tokens in order
   (engine/parallel/dcp_layout.py: aligned runs of `interleave` tokens round-robin over the ranks), so the fast
   kernels address them with local token indices, unchanged;
@@ -13,7 +16,8 @@ cache split by token as the reference DCP decode splits it (engine/parallel/dcp_
   it owns;
 - each rank runs the sparse MLA kernel over those keys (absorbed form, splits merged with their log-sum-exp:
   `mla.merge_splits_lse`) and the partial outputs are merged by log-sum-exp in rank order
-  (`dcp_attention.dcp_combine`), so every rank ends the step with the same o^lat and the same logits.
+  (`dcp_attention.dcp_combine`), so every rank ends the step with the same o^lat and the same logits;
+- W_UV and the gate on the rank's heads, then the output rows as in the TP step (`_output_rows`).
 The reference DCP's `attention="exact"` (every selected latent gathered so that the logits equal one rank's bit
 for bit) has no fast form: the fast kernels are not bit-equal to the reference anyway (docs/ARCHITECTURE.md).
 The step synchronises with the host (the top-k merge and the expert ownership), so it is not graph-captured.
@@ -30,10 +34,12 @@ from engine.fast.indexer import index_scores
 from engine.fast.mla import merge_splits_lse, sparse_mla_decode
 from engine.fast.pages import PageBatch, build_page_batch, write_token
 from engine.model.numerics import device_scope
+from engine.model.shards import ShardSpec
 from engine.parallel.dcp_attention import PartialAttention, dcp_combine
 from engine.parallel.dcp_layout import DCPLayout
 from engine.parallel.dcp_merge import compact_merge
 from engine.parallel.fast_tp import TPFastDecoder
+from engine.parallel.sharded import all_heads
 
 
 class DCPFastDecoder(TPFastDecoder):
@@ -44,6 +50,8 @@ class DCPFastDecoder(TPFastDecoder):
                              "ranks")
         super().__init__(model, layout, ctx, dtype, compile)
         self.dcp = DCPLayout(layout.dcp_size, layout.dcp_interleave)
+        self.mla_heads = ShardSpec(ctx.world_size, ctx.rank).split(model.cfg.num_heads, "MLA heads")
+        """This rank's MLA heads [lo, hi): the rows of its W_UV and gate."""
         self.merge_bytes = 0
         self.merge_fallback_rows = 0
 
@@ -58,11 +66,14 @@ class DCPFastDecoder(TPFastDecoder):
         self.merge_bytes += merged.bytes_sent
         self.merge_fallback_rows += merged.num_fallback_rows
         selected = merged.local_ids.to(device=buffer.device, dtype=torch.int32).contiguous()
-        partial, lse = sparse_mla_decode(buffer, self.layout, pages, index, q_abs, selected, m["softmax_scale"],
+        q_every = all_heads(self.ctx, q_abs)  # [B, H, kv_lora + rope]: every head's query, from its rank
+        partial, lse = sparse_mla_decode(buffer, self.layout, pages, index, q_every, selected, m["softmax_scale"],
                                          m["latent_scale"], cfg.kv_lora_rank, merge=False)
         out, lse_nat = merge_splits_lse(partial, lse, m["latent_scale"])
-        o_lat = dcp_combine(self.ctx, PartialAttention(out=out, lse=lse_nat)).out
-        return self._seg["_mla_back"](x, gate, o_lat, m["w_uv"], m["wo"])
+        o_lat = dcp_combine(self.ctx, PartialAttention(out=out, lse=lse_nat)).out  # [B, H, kv_lora]
+        lo = self.mla_heads[0]
+        mine = o_lat[:, lo:lo + m["w_uv"].shape[0]].contiguous()
+        return self._output_rows(x, self._seg["_mla_values"](gate, mine, m["w_uv"]), m["wo"])
 
 
 def dcp_page_batch(decoder: FastDecoder, dcp: DCPLayout, rank: int, positions: list[int],

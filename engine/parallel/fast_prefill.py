@@ -1,28 +1,30 @@
-"""The fast prefill (engine/fast/prefill.py) inside the W-rank SPMD prefill: token-sharded or head-sharded.
+"""The fast prefill (engine/fast/prefill.py) inside the W-rank SPMD prefill: token-sharded or head-sharded, each
+rank on its shard of the weights (engine/model/shards.py).
 
-`TPFastPrefiller(decoder)` runs on every rank of the decoder's group (a `fast_tp.TPFastDecoder`: its weights,
-its compiled segments, its rank's experts) what engine/parallel/prefill.py runs for the reference, with the same
-data movement (all_gather / all_to_all only, never a cross-rank partial sum) and the fast kernels of the
-single-rank `FastPrefiller` in place of the reference ops:
+`TPFastPrefiller(decoder)` runs on every rank of the decoder's group (a `fast_tp.TPFastDecoder`: the bf16 copies of
+the rank's shard - its MLA heads, KDA heads, experts and output rows of wo - and the compiled segments) what
+engine/parallel/prefill.py runs for the reference, with the same data movement (all_gather / all_to_all only,
+never a cross-rank partial sum; docs/SHARDING.md) and the fast kernels of the single-rank `FastPrefiller` in place
+of the reference ops:
 
-- rows: a rank runs the token-local work (norms, projections, MoE routing, the residual stream) on its own
-  tokens of the request: the zigzag split (pieces r and 2W-1-r) in token mode, one contiguous run in head mode
+- rows: a rank runs the token-local work (norms, MoE routing and the shared expert, the residual stream) on its
+  own tokens of the request: the zigzag split (pieces r and 2W-1-r) in token mode, one contiguous run in head mode
   (engine/parallel/shard_plan.py);
-- MLA + DSA: the new tokens' FP8 latents and FP8 index keys + scales are all-gathered (one uint8 gather) and
-  every rank writes all of them into its pool (a TP pool replicates the attention rows). Token mode: each rank
-  runs the causal indexer (`prefill_select`, Triton scores from the FP8 pages + top-k) and the sparse MLA
-  (`sparse_mla_prefill`) for its own queries, all heads, one contiguous piece at a time; the queries are born on
-  their rank, nothing else moves. Head mode (the baseline, what plain TP does): the absorbed queries go
-  all-to-all (own tokens, all heads) -> (all tokens, own heads), the indexer queries are all-gathered (as FP8
-  bytes: they are e4m3 values) with their head weights, every rank runs the whole indexer and the sparse MLA
-  for its H/W heads, and o^lat goes back all-to-all;
-- KDA (both modes): the projections run with the full weights on the rank's tokens (this prefiller keeps a copy
-  of the full-head front weights of each KDA layer beside the decoder's head-cut ones, W > 1 only), all-to-all
-  #1 sends each rank its heads' (q|k|v conv input, g, beta) of every token, the rank runs the conv and the
-  chunked recurrence (fla-core's chunk_kda on CUDA, bf16 path) on its heads from and into its pool's KDA rows
-  (which hold its heads), all-to-all #2 returns o, and the output norm, gate and projection run on the rank's
-  tokens;
-- MoE: expert parallel over the decoder's expert split. Each rank routes its rows, sends each row's latent z and
+- MLA + DSA: the hidden rows of every new token are all-gathered and each rank runs the MLA front on all of them
+  (the replicated projections give every rank the same FP8 latents, index keys and index queries, so every rank
+  writes every new token into its pool - a TP pool replicates the attention rows - with nothing else exchanged;
+  its own head rows give its heads' absorbed queries and gate). Token mode (the seed's prefill): all-to-all #1
+  turns the queries (all tokens, own heads) into (own tokens, all heads), the rank runs the causal indexer
+  (`prefill_select`) and the sparse MLA (`sparse_mla_prefill`) for its own queries, one contiguous piece at a
+  time, and all-to-all #2 returns o^lat to (all tokens, own heads). Head mode: no query exchange; the rank runs
+  the indexer and the sparse MLA for every token with its heads. Then W_UV and the gate on the rank's heads;
+- KDA: the hidden rows of every new token are all-gathered, the rank projects its heads (its w_qkv, w_g, w_fb
+  rows) for every token and runs the conv and the chunked recurrence (fla-core's chunk_kda on CUDA, bf16 path)
+  on them from and into its pool's KDA rows (which hold its heads), then the per-head norm and the gate;
+- output projections (MLA and KDA): the gated values of the rank's heads are all-gathered over heads, the rank
+  computes its d_model/W output features of every token with its rows of wo, and one all-to-all hands each rank
+  its own tokens' features;
+- MoE: expert parallel over the shard's experts. Each rank routes its rows, sends each row's latent z and
   expert ids to the ranks owning any of its chosen experts (all-to-all), every owner runs its experts on the
   (row, slot) pairs it owns as grouped GEMMs (engine/fast/moe.py `expert_pairs`) and returns the per-pair
   outputs (all-to-all), and the rank mixes each row's slots as the single-rank prefill does;
@@ -32,7 +34,12 @@ single-rank `FastPrefiller` in place of the reference ops:
 Every rank ends with the same logits. World size 1 runs the single-rank computation (the collectives are
 no-ops). A step resuming at `start` > 0 reads the earlier keys from the pages and the KDA state from the rows.
 The attention time (indexer + sparse MLA; the device synchronised before and after) and the bytes this rank put
-into collectives are reported as engine/parallel/prefill.py reports them.
+into collectives are reported as engine/parallel/prefill.py reports them. Bytes rank r puts into the exchanges
+of one step of N tokens, n of them its own (h = H/W, h_K = H_K/W, e the activations' bytes: 2 in bf16; the
+hidden rows and outputs fp32):
+    per MLA layer:  4 (W-1) n d  +  e (W-1) N h v  +  4 (N-n) d/W
+                    token mode adds  e (N-n) h (kv_lora + rope)  (all-to-all #1)  +  4 n (H-h) kv_lora  (#2)
+    per KDA layer:  4 (W-1) n d  +  4 (W-1) N h_K d_K  +  4 (N-n) d/W
 """
 
 from __future__ import annotations
@@ -42,16 +49,15 @@ from typing import Any
 
 import torch
 
-from engine.fast.decoder import BF16, FastDecoder
+from engine.fast.decoder import BF16
 from engine.fast.moe import expert_pairs
 from engine.fast.prefill import attend_selected, check_request, kda_prefill_rows, request_subblocks
 from engine.fast.prefill_attention import prefill_select, write_tokens
-from engine.model.numerics import FP8_DTYPE
 from engine.parallel.comm import all_gather_varlen, all_to_all_list
 from engine.parallel.fast_tp import TPFastDecoder
-from engine.parallel.kda_shard import head_range, qkv_channels
 from engine.parallel.prefill import MODES, PrefillResult, PrefillStats
 from engine.parallel.shard_plan import ShardPlan, all_plans, scatter_to_global
+from engine.parallel.sharded import all_heads
 
 
 def contiguous_runs(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -74,13 +80,6 @@ class TPFastPrefiller:
         self.use_fla = None if decoder.dtype == BF16 else False  # as FastPrefiller.use_fla
         self.steps = 0
         """Prefill steps run."""
-        self.full_kda: dict[int, dict[str, Any]] = {}
-        """Per KDA layer: the front weights of every head (the decoder's are cut to this rank's heads)."""
-        for layer_id, layer in enumerate(self.model.layers):
-            if not layer.is_mla:
-                index = self.model.kda_index[layer_id]
-                self.full_kda[index] = (decoder.layers[layer_id].mixer if self.ctx.is_single else
-                                        FastDecoder._kda_weights(decoder, layer.mixer, layer.mixer_norm.weight))
 
     @torch.no_grad()
     def prefill(self, buffer: torch.Tensor, token_ids: torch.Tensor, attn_row_ids: list[int],
@@ -105,7 +104,7 @@ class TPFastPrefiller:
             if layer.kind == "mla":
                 x = step.mla(layer.mixer, x, layer.index)
             else:
-                x = step.kda(layer.mixer, self.full_kda[layer.index], x, layer.index)
+                x = step.kda(layer.mixer, x, layer.index)
             f = layer.ffn
             if layer.dense:
                 x = seg["_ffn_dense"](x, f["norm"], f["w_gate_up"], f["w_down"], cfg.rms_eps)
@@ -153,26 +152,38 @@ class _Step:
         """[T, ...] in position order -> each rank's rows (the chunks of an all-to-all back to the owners)."""
         return [rows[pl.offsets[0].to(rows.device)] for pl in self.plans]
 
+    def output_rows(self, x: torch.Tensor, values: torch.Tensor, wo: torch.Tensor) -> torch.Tensor:
+        """x (own rows) + W_O(every head's values): values [T, h*v] of this rank's heads for every token are
+        all-gathered over heads, this rank's output rows of wo give [T, d/W], and one all-to-all hands every rank
+        its own tokens' features [rows, d]."""
+        self.stats.exchange_bytes += values.numel() * values.element_size() * (self.ctx.world_size - 1)
+        mine = self.dec._seg["_out_rows"](all_heads(self.ctx, values), wo)          # [T, d/W]
+        return x + torch.cat(self.exchange(self.to_owners(mine)), dim=1)
+
     # MLA + DSA
     def mla(self, m: dict[str, Any], x: torch.Tensor, index: int) -> torch.Tensor:
         cfg = self.cfg
-        gate, q_abs, latent, key, key_scale, qi, weights = self.dec._seg["_mla_front"](x, *m["front"],
+        gate, q_abs, latent, key, key_scale, qi, weights = self.dec._seg["_mla_front"](self.gather(x), *m["front"],
                                                                                      **m["front_const"])
-        entries = self.gather(torch.cat([latent, key, key_scale.contiguous().view(torch.uint8).view(-1, 4)], dim=1))
-        c, d = latent.shape[1], key.shape[1]
-        write_tokens(self.buffer, self.layout, self.subblocks, index, self.start, entries[:, :c],
-                     entries[:, c:c + d], entries[:, c + d:].contiguous().view(torch.float32).view(-1))
-        del latent, key, entries
+        write_tokens(self.buffer, self.layout, self.subblocks, index, self.start, latent, key, key_scale)
+        del latent, key
         if self.mode == "token":
+            world, heads = self.ctx.world_size, q_abs.shape[1]
+            q_own = torch.cat(self.exchange(self.to_owners(q_abs)), dim=1)           # [rows, H, C + R]
+            own = self.me.offsets[0].to(x.device)
+            qi, weights = qi[own], weights[own]
             began = self.clock()
-            o_lat = q_abs.new_empty(self.rows, cfg.num_heads, cfg.kv_lora_rank, dtype=torch.float32)
+            o_lat = q_own.new_empty(self.rows, cfg.num_heads, cfg.kv_lora_rank, dtype=torch.float32)
             for row, off, length in contiguous_runs(self.me.offsets[0]):
                 rows = slice(row, row + length)
-                o_lat[rows] = self.attend(m, index, self.start + off, q_abs[rows], qi[rows], weights[rows])
+                o_lat[rows] = self.attend(m, index, self.start + off, q_own[rows], qi[rows], weights[rows])
             self.stats.attention_s += self.clock() - began
+            o_mine = self.to_global(self.exchange([o_lat[:, r * heads:(r + 1) * heads] for r in range(world)]))
         else:
-            o_lat = self.head_sharded(m, index, q_abs, qi, weights)
-        return self.dec._seg["_mla_back"](x, gate, o_lat, m["w_uv"], m["wo"])
+            began = self.clock()
+            o_mine = self.attend(m, index, self.start, q_abs, qi, weights)           # [T, h, kv_lora]
+            self.stats.attention_s += self.clock() - began
+        return self.output_rows(x, self.dec._seg["_mla_values"](gate, o_mine, m["w_uv"]), m["wo"])
 
     def attend(self, m: dict[str, Any], index: int, first: int, q_abs: torch.Tensor, qi: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
@@ -182,39 +193,13 @@ class _Step:
         return attend_selected(self.buffer, self.layout, self.subblocks, index, first, q_abs, selected, m,
                                self.cfg.kv_lora_rank)
 
-    def head_sharded(self, m: dict[str, Any], index: int, q_abs: torch.Tensor, qi: torch.Tensor,
-                     weights: torch.Tensor) -> torch.Tensor:
-        world = self.ctx.world_size
-        per = self.cfg.num_heads // world
-        q_mine = self.to_global(self.exchange([q_abs[:, r * per:(r + 1) * per] for r in range(world)]))
-        # the index queries are e4m3 values: they travel as their FP8 bytes (a quarter of fp32), exactly
-        qi_all = self.gather(qi.to(FP8_DTYPE).view(torch.uint8)).view(FP8_DTYPE).float()
-        w_all = self.gather(weights)
-        began = self.clock()
-        o_mine = self.attend(m, index, self.start, q_mine, qi_all, w_all)            # [T, H/W, kv_lora]
-        self.stats.attention_s += self.clock() - began
-        return torch.cat(self.exchange(self.to_owners(o_mine)), dim=1)              # [rows, H, kv_lora]
-
     # KDA
-    def kda(self, m: dict[str, Any], full: dict[str, Any], x: torch.Tensor, index: int) -> torch.Tensor:
-        cfg, world, d = self.cfg, self.ctx.world_size, self.cfg.kda_head_dim
-        gate, g, beta, conv_in = self.dec._seg["_kda_front"](x, *full["front"], **full["front_const"])
-        sends = []
-        for r in range(world):
-            lo, hi = head_range(cfg, world, r)
-            sends.append(torch.cat([conv_in[:, qkv_channels(cfg, lo, hi).to(x.device)].float(),
-                                    g[:, lo:hi].reshape(self.rows, (hi - lo) * d), beta[:, lo:hi]], dim=1))
-        lo, hi = head_range(cfg, world, self.ctx.rank)
-        heads = hi - lo
-        mine = self.to_global(self.exchange(sends))                                 # [T, own heads' channels]
-        qkv, g_own, beta_own = mine.split([3 * heads * d, heads * d, heads], dim=1)
+    def kda(self, m: dict[str, Any], x: torch.Tensor, index: int) -> torch.Tensor:
+        gate, g, beta, conv_in = self.dec._seg["_kda_front"](self.gather(x), *m["front"], **m["front_const"])
         group, layer_in_group = divmod(index, self.layout.kda_layers_per_group)
         o = kda_prefill_rows(self.buffer, self.layout, self.kda_row_ids[group], layer_in_group, self.p.conv_dtype,
-                             qkv.to(conv_in.dtype).contiguous(), m["conv_weight"],
-                             g_own.reshape(self.num_tokens, heads, d).contiguous(), beta_own.contiguous(),
-                             self.p.use_fla)
-        o_own = torch.cat(self.exchange(self.to_owners(o)), dim=1)                  # [rows, H, d]
-        return self.dec._seg["_kda_back"](x, gate, o_own, m["o_norm"], m["wo"], cfg.rms_eps)
+                             conv_in, m["conv_weight"], g, beta, self.p.use_fla)      # [T, h_K, d]
+        return self.output_rows(x, self.dec._seg["_kda_values"](gate, o, m["o_norm"], self.cfg.rms_eps), m["wo"])
 
     # MoE (expert parallel)
     def moe(self, f: dict[str, Any], x: torch.Tensor) -> torch.Tensor:

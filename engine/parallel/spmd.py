@@ -58,23 +58,22 @@ class TPModel(TimedModel):
     parallel. Logits are identical on every rank, so every rank's scheduler samples the same tokens. The pool's
     KDA rows hold this rank's heads (layout tp_size = W).
     With `fast_kernels(layout)` (an engine with kernels="fast") decode runs `fast_tp.TPFastDecoder` and prefill
-    `fast_prefill.TPFastPrefiller` (same modes, fast kernels) instead; those run a whole replica, so such a rank
-    is given the whole model and keeps its shard beside it for the reference paths (`shard_of`)."""
+    `fast_prefill.TPFastPrefiller` (same modes, fast kernels) instead, on the same shard (their bf16 copies of
+    it)."""
 
     parallelism = "tp"
 
     def __init__(self, model: Any, ctx: Any, token_threshold: int) -> None:
-        from engine.model.shards import ShardSpec
-        from engine.model.weights import shard_of
+        from engine.parallel.sharded import check_shard
         from engine.parallel.tp import apply_tp
 
+        check_shard(ctx, model)
         super().__init__(model)
         self.ctx, self.token_threshold = ctx, token_threshold
         self.cfg = model.cfg
-        spec = ShardSpec(ctx.world_size, ctx.rank)
-        self.sharded = apply_tp(model if model.shard == spec else shard_of(model, spec), ctx)
-        """The rank's shard (the model itself, or a copy of its rows when `model` is whole): what the reference
-        SPMD prefill and decode run."""
+        self.sharded = apply_tp(model, ctx)
+        """The rank's shard with its MoE layers expert-parallel (the model itself, changed in place): what the
+        reference SPMD prefill and decode run, and what the fast steps copy."""
         self.alltoall_bytes = 0
         self.fast_decoder: Any = None
         """The fast TP decode step (`fast_kernels`), or None: the reference TP decode."""
@@ -117,26 +116,21 @@ class TPModel(TimedModel):
 
         return parallel_decode(self.ctx, self.sharded, token_ids, positions, caches, mode="tp").logits
 
-    def _need_whole(self) -> None:
-        if not self.model.shard.is_whole:
-            raise ValueError("the fast TP/DCP kernels run a whole replica: build the rank's model whole "
-                             "(engine/rank_engine.py does for kernels='fast')")
-
     def fast_kernels(self, layout: Any) -> "TimedModel":
         """The fast decode over the TP group (engine/parallel/fast_tp.py: KDA heads and experts split over the
         ranks) and the fast SPMD prefill (engine/parallel/fast_prefill.py: token- or head-sharded as the
-        reference chooses)."""
+        reference chooses), on the rank's shard."""
         from engine.parallel.fast_prefill import TPFastPrefiller
         from engine.parallel.fast_tp import TPFastDecoder
 
-        self._need_whole()
         self.fast_decoder = TPFastDecoder(self.model, layout, self.ctx)
         self.fast_prefiller = TPFastPrefiller(self.fast_decoder)
         return self
 
 
 class DCPModel(TPModel):
-    """A full model replica whose decode splits the cache by token over the rank group (DCP = W): each rank
+    """The rank's shard of the model (as `TPModel`) whose decode splits the cache by token over the rank group
+    (DCP = W): each rank
     keeps its owned tokens (`engine.cache.DCPRowCache`, whose ownership rule comes from the pool layout's
     `dcp_interleave` and is the one the decode step uses),
     scores them, takes part in the exact compact top-k merge and then in the exact attention over the gathered
@@ -217,7 +211,6 @@ class DCPModel(TPModel):
         from engine.kernels import cell, device_kind
         from engine.parallel.fast_dcp import DCPFastDecoder
 
-        self._need_whole()
         self.fast_decoder = DCPFastDecoder(self.model, layout, self.ctx)
         if self.ctx.rank == 0:
             device = device_kind(self.model.device)

@@ -8,18 +8,25 @@ import torch
 from engine.parallel.groups import ParallelContext
 
 
-def prefill_rows(ctx: ParallelContext, model, layout, prompts: list[torch.Tensor], spare: int):  # type: ignore[no-untyped-def]
-    """A row pool of `layout` with each prompt prefilled by the reference (SPMD over `ctx`: the token-sharded
-    prefill a TP node runs, which gives the single-rank bits), `spare` more tokens of rows each."""
-    from engine.cache import RowPool, RowSequenceCache
+def rank_shard(ctx: ParallelContext, cfg):  # type: ignore[no-untyped-def]
+    """This rank's shard of the model (the whole model on one rank), built as a node builds it."""
     from engine.model.shards import ShardSpec
-    from engine.model.weights import shard_of
+    from engine.model.weights import build_model
+
+    return build_model(cfg, shard=ShardSpec(ctx.world_size, ctx.rank))
+
+
+def prefill_rows(ctx: ParallelContext, model, layout, prompts: list[torch.Tensor], spare: int):  # type: ignore[no-untyped-def]
+    """A row pool of `layout` with each prompt prefilled by the reference (SPMD over `ctx` on the rank's shard
+    `model`: the token-sharded prefill a TP node runs, which gives the single-rank bits), `spare` more tokens of
+    rows each. The shard's MoE layers become expert-parallel (in place), as in a node's `TPModel`."""
+    from engine.cache import RowPool, RowSequenceCache
     from engine.parallel.prefill import PrefillBatch, parallel_prefill
     from engine.parallel.tp import apply_tp
 
     pool = RowPool(layout, model.cfg, 4 * len(prompts) + 4)
-    if not ctx.is_single:  # the reference SPMD prefill runs the rank's shard
-        shard = apply_tp(shard_of(model, ShardSpec(ctx.world_size, ctx.rank)), ctx)
+    if not ctx.is_single:
+        shard = apply_tp(model, ctx)
     tables = []
     with torch.no_grad():
         for p in prompts:
@@ -39,10 +46,9 @@ def greedy_decode(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], first:
     from engine.cache import RowSequenceCache
     from engine.fast.model import decode_on_pool
     from engine.layout import plan_layout
-    from engine.model.weights import build_model
     from engine.parallel.fast_tp import TPFastDecoder
 
-    model = build_model(cfg)
+    model = rank_shard(ctx, cfg)
     layout = plan_layout(cfg, tp_size=ctx.world_size)
     pool, tables = prefill_rows(ctx, model, layout, prompts, steps + 1)
     decoder = TPFastDecoder(model, layout, ctx, dtype)
@@ -61,11 +67,10 @@ def engine_generate(ctx: ParallelContext, cfg_name: str, prompt: list[int], max_
     """A TP engine as a node builds it (TPModel over the rank group) with kernels="fast": greedy generation."""
     from engine.engine import Engine, EngineConfig
     from engine.model.config import get_preset
-    from engine.model.weights import build_model
     from engine.parallel.spmd import TPModel
     from engine.sampling import SamplingParams
 
-    model = TPModel(build_model(get_preset(cfg_name)), ctx, 1)
+    model = TPModel(rank_shard(ctx, get_preset(cfg_name)), ctx, 1)
     engine = Engine(EngineConfig(model=cfg_name, num_rows=16, tp_size=ctx.world_size, kernels="fast",
                                  prefix_cache=False), model=model)
     result = engine.generate("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -79,11 +84,10 @@ def dcp_greedy_decode(ctx: ParallelContext, cfg, prompts: list[torch.Tensor], fi
     the fast DCP decode (DCPFastDecoder) on this rank; tokens owned in runs of `interleave`."""
     from engine.cache import DCPRowCache, RowPool
     from engine.layout import plan_layout
-    from engine.model.weights import build_model
     from engine.parallel.fast_dcp import DCPFastDecoder, decode_on_dcp_pool
     from engine.parallel.spmd import DCPModel
 
-    model = build_model(cfg)
+    model = rank_shard(ctx, cfg)
     layout = plan_layout(cfg, tp_size=ctx.world_size, dcp_size=ctx.world_size, dcp_interleave=interleave)
     pool = RowPool(layout, cfg, 4 * len(prompts) + 4)
     wrapper = DCPModel(model, ctx, 1)
@@ -109,11 +113,10 @@ def dcp_engine_generate(ctx: ParallelContext, cfg_name: str, prompt: list[int], 
     kernels="fast": greedy generation."""
     from engine.engine import Engine, EngineConfig
     from engine.model.config import get_preset
-    from engine.model.weights import build_model
     from engine.parallel.spmd import DCPModel
     from engine.sampling import SamplingParams
 
-    model = DCPModel(build_model(get_preset(cfg_name)), ctx, 1)
+    model = DCPModel(rank_shard(ctx, get_preset(cfg_name)), ctx, 1)
     engine = Engine(EngineConfig(model=cfg_name, num_rows=16, tp_size=ctx.world_size, dcp_size=ctx.world_size,
                                  kernels="fast", prefix_cache=False), model=model, make_cache=model.make_cache)
     result = engine.generate("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -128,11 +131,10 @@ def fast_prefill(ctx: ParallelContext, cfg, prompt: torch.Tensor, mode: str, dty
     from engine.cache import RowPool
     from engine.fast.prefill_kda import kda_state_views
     from engine.layout import plan_layout
-    from engine.model.weights import build_model
     from engine.parallel.fast_prefill import TPFastPrefiller
     from engine.parallel.fast_tp import TPFastDecoder
 
-    model = build_model(cfg)
+    model = rank_shard(ctx, cfg)
     layout = plan_layout(cfg, tp_size=ctx.world_size)
     pool = RowPool(layout, cfg, 8)
     table = pool.allocate_request(prompt.numel())
