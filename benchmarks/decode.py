@@ -13,7 +13,8 @@ attention rows held per rank, DCP merge bytes per step per rank.
     python benchmarks/decode.py --backend nccl --device cuda --world-sizes 2 --contexts 32768 131072
 
 `--kernels fast` runs the fast decode steps instead (engine/parallel/fast_tp.py `TPFastDecoder`, fast_dcp.py
-`DCPFastDecoder`, bf16, torch segments compiled on CUDA) over packed row pools as a node holds them (TP: every
+`DCPFastDecoder`, bf16, torch segments compiled on CUDA; each rank on its shard of the weights, as a node's rank)
+over packed row pools as a node holds them (TP: every
 rank the whole rows; DCP: a pool planned with dcp_size = W, each rank its owned tokens), same synthetic rows;
 the two fast steps are not bit-equal (keys split over ranks), so their next tokens are counted, not required
 to agree.
@@ -67,10 +68,9 @@ def rank_run(ctx, preset: str, context: int, batch: int, steps: int, interleave:
     from engine.parallel.dcp_decode import parallel_decode
     from engine.parallel.dcp_layout import DCPLayout
     from engine.parallel.kda_shard import rank_cache
-    from engine.parallel.tp import apply_tp
 
     cfg = preset_or_file(preset)
-    model = apply_tp(build_model(cfg, device=ctx.device, shard=ShardSpec(ctx.world_size, ctx.rank)), ctx)
+    model = build_model(cfg, device=ctx.device, shard=ShardSpec(ctx.world_size, ctx.rank))
     layout = DCPLayout(ctx.world_size, interleave)
     capacity = context + steps + 1
     gen = torch.Generator().manual_seed(seed)
@@ -120,12 +120,13 @@ def rank_run_fast(ctx, preset: str, context: int, batch: int, steps: int, interl
     from engine.layout import plan_layout
     from engine.model.config import preset_or_file
     from engine.model.numerics import fp8_quantize_rowwise, fp8_quantize_static
+    from engine.model.shards import ShardSpec
     from engine.model.weights import build_model
     from engine.parallel.fast_dcp import DCPFastDecoder, decode_on_dcp_pool
     from engine.parallel.fast_tp import TPFastDecoder
 
     cfg = preset_or_file(preset)
-    model = build_model(cfg, device=ctx.device)
+    model = build_model(cfg, device=ctx.device, shard=ShardSpec(ctx.world_size, ctx.rank))
     w = ctx.world_size
     layouts = {"tp": plan_layout(cfg, tp_size=w),
                "dcp": plan_layout(cfg, tp_size=w, dcp_size=w, dcp_interleave=interleave)}

@@ -14,7 +14,8 @@ rank, = TTFT without HTTP), with the head/token ratios. The append case prefills
     python benchmarks/prefill.py --kernels fast --backend nccl --device cuda --world-sizes 1 2 ...
 
 `--kernels fast` runs engine/parallel/fast_prefill.py instead (bf16, the Triton indexer and sparse MLA reading
-the packed rows, fla-core's chunk KDA on CUDA, compiled segments) into each rank's row pool.
+the packed rows, fla-core's chunk KDA on CUDA, compiled segments) on the same shard into each rank's row pool (on
+CPU the kernels run under the Triton interpreter, which this script turns on: slow, keep the lengths small).
 
 Headline: attention-module speed-up of token-sharded over head-sharded at W=2, 16K (goal >= 1.6x).
 `--model` takes a preset name or a ModelConfig JSON file. On CUDA, times are taken after a device synchronise.
@@ -98,6 +99,7 @@ def fast_rank_run(ctx, preset: str, new_tokens: int, prefix: int, seed: int, mod
 
     from engine.layout import plan_layout
     from engine.model.config import preset_or_file
+    from engine.model.shards import ShardSpec
     from engine.model.weights import build_model
     from engine.parallel.fast_prefill import TPFastPrefiller
     from engine.parallel.fast_tp import TPFastDecoder
@@ -106,7 +108,7 @@ def fast_rank_run(ctx, preset: str, new_tokens: int, prefix: int, seed: int, mod
     key = (preset, ctx.world_size)
     if key not in _FAST:
         torch.manual_seed(seed)
-        model = build_model(cfg, device=ctx.device)
+        model = build_model(cfg, device=ctx.device, shard=ShardSpec(ctx.world_size, ctx.rank))
         layout = plan_layout(cfg, tp_size=ctx.world_size)
         decoder = TPFastDecoder(model, layout, ctx, compile=ctx.device.type == "cuda")
         _FAST.clear()

@@ -3,8 +3,9 @@ one place that turns a request ("auto" | "reference" | "fast") into a kernel set
 
 `TABLE` holds one `Cell` per (kernel set, parallelism, phase, device): the class or function that runs that phase
 (`runs`, "module:qualname"), whose kernels those are (`runs_set`: the fast set's DCP prefill is the reference
-one) and whether it runs only under the Triton interpreter (the fast set on CPU, how the CPU tests run the
-kernels). `AUTO_FAST` says where `auto` picks the fast set. Every caller asks here: the engine
+one), what a rank holds of the weights (`weights`: the whole model on one rank, its shard on a TP or DCP rank,
+engine/model/shards.py, with either kernel set) and whether it runs only under the Triton interpreter (the
+fast set on CPU, how the CPU tests run the kernels). `AUTO_FAST` says where `auto` picks the fast set. Every caller asks here: the engine
 (engine/engine.py, whose SPMD wrappers in engine/parallel/spmd.py name their parallelism), a node before its
 ranks start (node/settings.py), the `--kernels` help (node/cli.py, engine/cli.py) and docs/ARCHITECTURE.md, whose
 table is `render_markdown()` (tests/engine/test_kernel_registry.py keeps them equal).
@@ -24,6 +25,7 @@ KernelSet = Literal["reference", "fast"]
 Parallelism = Literal["single", "tp", "dcp"]
 Phase = Literal["prefill", "decode"]
 Device = Literal["cpu", "cuda"]
+Weights = Literal["whole", "shard"]
 
 REQUESTS = ("auto", "reference", "fast")
 KERNEL_SETS: tuple[KernelSet, ...] = ("reference", "fast")
@@ -47,6 +49,9 @@ class Cell:
     """The class or function that runs the phase, "module:qualname" (tests import every one)."""
     runs_set: KernelSet
     """Whose kernels those are: the requested set, except where the fast set keeps a reference phase."""
+    weights: Weights
+    """What a rank running this cell holds: "whole" (the model, one rank) or "shard" (its rows of every sharded
+    tensor, engine/model/shards.py: `build_model(cfg, shard=ShardSpec(W, rank))`, which `TPModel` requires)."""
     note: str = ""
     needs_interpreter: bool = False
     """Runs only under the Triton interpreter (TRITON_INTERPRET=1): the fast kernels on a CPU device."""
@@ -57,8 +62,10 @@ def _cells(kernels: KernelSet, parallelism: Parallelism, phase: Phase, runs: str
     """The cpu and cuda cells of one row; `cuda`: (runs, note) where the CUDA device runs something else."""
     cuda_runs, cuda_note = cuda or (runs, note)
     fast = kernels == "fast"
-    return (Cell(kernels, parallelism, phase, "cpu", runs, runs_set or kernels, note, needs_interpreter=fast),
-            Cell(kernels, parallelism, phase, "cuda", cuda_runs, runs_set or kernels, cuda_note))
+    weights: Weights = "whole" if parallelism == "single" else "shard"
+    return (Cell(kernels, parallelism, phase, "cpu", runs, runs_set or kernels, weights, note,
+                 needs_interpreter=fast),
+            Cell(kernels, parallelism, phase, "cuda", cuda_runs, runs_set or kernels, weights, cuda_note))
 
 
 TABLE: tuple[Cell, ...] = (
@@ -78,9 +85,10 @@ TABLE: tuple[Cell, ...] = (
             cuda=("engine.fast.graphs:DecodeGraphs", "bf16, compiled segments, one CUDA graph per batch and "
                   "page-table bucket (eager `FastDecoder` above them), inside `FastModel`")),
     *_cells("fast", "tp", "prefill", "engine.parallel.fast_prefill:TPFastPrefiller",
-            "the reference SPMD prefill's modes with the fast kernels"),
+            "the reference SPMD prefill's modes with the fast kernels, on the rank's heads, KDA heads, experts and "
+            "output rows"),
     *_cells("fast", "tp", "decode", "engine.parallel.fast_tp:TPFastDecoder",
-            "KDA heads split, MoE expert-parallel; not graph-captured"),
+            "MLA and KDA heads split, output rows of wo, MoE expert-parallel; not graph-captured"),
     *_cells("fast", "dcp", "prefill", "engine.parallel.spmd:DCPModel.prefill",
             "the reference prefill: the fast prefill writes whole rows, a DCP pool splits them by token",
             runs_set="reference"),
@@ -214,7 +222,7 @@ def cli_help() -> str:
 def render_markdown() -> str:
     """The registry as Markdown: what runs each phase (both devices unless a cell says), then what each request
     resolves to."""
-    lines = ["| kernels | parallelism | phase | runs | notes |", "|---|---|---|---|---|"]
+    lines = ["| kernels | parallelism | phase | runs | weights | notes |", "|---|---|---|---|---|---|"]
     for kernels in KERNEL_SETS:
         for parallelism in PARALLELISMS:
             for phase in PHASES:
@@ -222,7 +230,7 @@ def render_markdown() -> str:
                 runs = _code(cpu.runs) if cpu.runs == cuda.runs else f"cpu: {_code(cpu.runs)}; cuda: {_code(cuda.runs)}"
                 kept = f" ({cpu.runs_set} kernels)" if cpu.runs_set != kernels else ""
                 notes = cpu.note if cpu.note == cuda.note else f"cpu: {cpu.note}; cuda: {cuda.note}"
-                lines.append(f"| {kernels} | {parallelism} | {phase} | {runs}{kept} | {notes} |")
+                lines.append(f"| {kernels} | {parallelism} | {phase} | {runs}{kept} | {cpu.weights} | {notes} |")
     lines += ["", "| request | parallelism | cpu | cpu, TRITON_INTERPRET=1 | cuda |", "|---|---|---|---|---|"]
     for requested in REQUESTS:
         for parallelism in PARALLELISMS:

@@ -4,8 +4,7 @@ commands itself (engine/api.py `RankEngine`: `Engine.apply`, `import_kv`, `step_
 
 What it decides: where the rank computes (`config.device` "cuda" is the GPU the rank's context bound: rank r on the
 node's local GPU r; weights, the row pool and every intermediate there), what the rank holds of the weights (its
-shard of a TP or DCP group, engine/model/shards.py; a whole replica for the fast TP/DCP kernels), which SPMD
-wrapper runs the model
+shard of a TP or DCP group, engine/model/shards.py, with either kernel set), which SPMD wrapper runs the model
 (engine/parallel/spmd.py: `TimedModel` on one rank, `TPModel` over a TP group, `DCPModel` on a DCP pool with its
 `DCPRowCache` views), then the engine's kernel set (engine/kernels.py, resolved by the Engine: an explicit "fast" it
 cannot run raises here naming why) and its warm-up before the rank reports in. The config is used whole (no field

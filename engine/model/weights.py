@@ -169,23 +169,3 @@ def build_model(cfg: ModelConfig, seed: int = DEFAULT_SEED, weights: str | Path 
     if torch.device(device).type != "cpu":
         model = model.to(device)
     return model.eval()
-
-
-def shard_of(model: KimiModel, shard: ShardSpec) -> KimiModel:
-    """Rank `shard.rank`'s shard of a whole model, on its device: the sharded tensors copied (their rows only),
-    the replicated ones shared with `model`. For a rank that keeps a whole replica anyway (the fast kernels' TP and
-    DCP steps run one) and needs the shard for the reference parallel paths."""
-    if not model.shard.is_whole:
-        raise ValueError("shard_of takes a whole model")
-    with torch.device(model.device):
-        part = KimiModel(model.cfg, shard)
-    whole = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, param in list(part.named_parameters()):
-            split = part.splits[name]
-            if split.is_sharded:
-                param.copy_(torch.cat([whole[name][lo:hi] for lo, hi in split.rows]))
-                continue
-            owner, _, leaf = name.rpartition(".")
-            setattr(part.get_submodule(owner) if owner else part, leaf, whole[name])
-    return part.eval()

@@ -10,6 +10,7 @@ API for node servers (SPMD: every rank of a group calls the same function with t
   DecodeResult; DCP caches are engine.cache.DCPRowCache in a node's row pool (ownership from the pool layout's
   dcp_interleave) or dcp_cache.DCPRankCache on plain tensors (tests, benchmarks); both under dcp_layout.DCPLayout
 - dcp_merge.compact_merge / generic_merge, dcp_attention.partial_attention / lse_merge / dcp_combine
-- fast_tp.TPFastDecoder(model, layout, ctx): the fast (Triton, bf16) decode step over a TP group (KDA heads and
-  experts split, MLA replicated), run through engine.fast.model.decode_on_pool; spmd.TPModel.fast_kernels uses it
+- fast_tp.TPFastDecoder(shard, layout, ctx): the fast (Triton, bf16) decode step over a TP group on the rank's
+  shard (MLA and KDA heads, experts and output rows split), run through engine.fast.model.decode_on_pool;
+  fast_dcp.DCPFastDecoder and fast_prefill.TPFastPrefiller likewise; spmd.TPModel.fast_kernels uses them
 """

@@ -2,8 +2,8 @@
 
 `apply_tp(model, ctx)` makes every MoE expert-parallel, bit-identical to the single-rank model, by moving data
 and never partial sums. Rank r holds experts [r*E/W, (r+1)*E/W) only: a rank's shard of the model
-(engine/model/shards.py) was built with just those; a whole replica (the fast kernels' model) keeps copies of
-them. Each rank routes its own rows, sends each row's latent z to the ranks owning its chosen experts
+(engine/model/shards.py) was built with just those (the fast steps copy the same shard); a whole model keeps
+copies of them. Each rank routes its own rows, sends each row's latent z to the ranks owning its chosen experts
 (all_to_all), every owner runs its experts on the rows it received (padded to the row block, so each row's
 result does not depend on its neighbours), and the per-slot expert outputs travel back (all_to_all). Every
 (row, slot) output comes from exactly one rank, so the combine selects rather than sums, and then adds the slots

@@ -124,3 +124,24 @@ def test_engine_and_wrappers_ask_the_registry(monkeypatch) -> None:  # type: ign
     with pytest.raises(KernelRefusal, match=r"runs single, the engine tp \(tp_size=2"):
         Engine(EngineConfig(num_rows=8, tp_size=2, kernels="fast"))  # the plain model over a TP layout
     assert Engine(EngineConfig(num_rows=8, tp_size=2)).kernels == "reference"
+
+
+def test_every_multi_rank_cell_runs_on_the_rank_shard() -> None:
+    """A TP or DCP rank holds its shard with either kernel set (the fast steps copy it: engine/parallel/fast_*.py),
+    one rank the whole model; the wrappers refuse a rank's model that is not its shard."""
+    import torch
+
+    from engine.model.config import get_preset
+    from engine.model.model import KimiModel
+    from engine.model.shards import ShardSpec
+    from engine.parallel.groups import ParallelContext
+    from engine.parallel.spmd import TPModel
+
+    for c in kernels.TABLE:
+        assert c.weights == ("whole" if c.parallelism == "single" else "shard"), c
+    ctx = ParallelContext(rank=1, world_size=2, group=None, device=torch.device("cpu"), backend="gloo")
+    for spec in (ShardSpec(), ShardSpec(2, 0)):  # the whole model, another rank's shard
+        with torch.device("meta"):
+            model = KimiModel(get_preset("kimi-k3.1-mini"), spec)
+        with pytest.raises(ValueError, match=r"build it with ShardSpec\(2, 1\)"):
+            TPModel(model, ctx, 1)

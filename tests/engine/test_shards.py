@@ -11,7 +11,7 @@ import torch
 from engine.model import weights
 from engine.model.config import get_preset
 from engine.model.shards import ShardSpec, TensorSplit, shard_plan
-from engine.model.weights import build_model, shard_of
+from engine.model.weights import build_model
 
 MINI = get_preset("kimi-k3.1-mini")
 
@@ -109,12 +109,6 @@ def test_pro_plan_shards_most_bytes() -> None:
 def test_uneven_split_is_refused_by_name(world_size: int, what: str) -> None:
     with pytest.raises(ValueError, match=what):
         shard_plan(MINI, world_size)
-
-
-def test_shard_of_a_whole_model_shares_replicated_tensors(whole) -> None:
-    part = shard_of(whole, ShardSpec(2, 1))
-    assert_slices(whole, part)
-    assert part.embed.data_ptr() == whole.embed.data_ptr()
 
 
 @pytest.mark.parametrize("kind", ["kimi-mix", "dsv32-fp8", "dsv32-sharded"])

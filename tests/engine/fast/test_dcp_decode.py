@@ -1,5 +1,6 @@
 """The fast decode inside the DCP decode (engine/parallel/fast_dcp.py) on 2 gloo ranks, CPU, Triton interpreter,
-kimi-k3.1-mini (2 MLA layers, top-k 256; prompts of 300 and 40 tokens), tokens owned in runs of 64 (the
+kimi-k3.1-mini (2 MLA layers, top-k 256; prompts of 300 and 40 tokens), each rank on its shard of the weights
+(as a node's rank: its MLA and KDA heads, experts, output rows), tokens owned in runs of 64 (the
 sub-block, the finest interleave the row layout takes): the 300-token request's keys sit on both ranks (172 and
 128), so its top-k is a merge of both ranks' candidates; the 40-token request's all on rank 0 (rank 1 attends
 over nothing and contributes an empty partial):

@@ -1,10 +1,11 @@
 """The fast SPMD prefill (engine/parallel/fast_prefill.py) on 2 gloo ranks, CPU, Triton interpreter, mini's
 structure with index_topk 32 (a 150-token prompt exercises the indexer's selection; 4 MLA heads, 4 indexer
-heads, 16 experts):
+heads, 16 experts), each rank on its shard of the weights (its MLA and KDA heads, experts and output rows):
 
 - fp32 weights and activations, token-sharded and head-sharded: every token's logits within 1e-4 of their range
-  of the single-rank FastPrefiller's (what differs: each linear runs on a rank's rows instead of all rows, the
-  experts' pair outputs are computed on their owner and the KDA core on a rank's heads; measured here: equal),
+  of the single-rank FastPrefiller's (what differs: the token-local linears run on a rank's rows, the head-wise
+  ones on a rank's heads, the experts' pair outputs on their owner, the KDA core on a rank's heads; measured
+  here: equal),
   the ranks' logits and attention rows bitwise equal (the rows are replicated), each rank's KDA recurrent and
   conv state its heads' share of the single rank's; the collectives moved bytes. Mini's indexer has 4 heads, so
   many keys score exactly 0 (every head's ReLU at 0) and tie at the k-th score: each piece of the prompt is
