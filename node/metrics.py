@@ -95,6 +95,9 @@ class NodeMetrics:
                                         registry=reg)
         self.lease_outcomes = Counter("pdcluster_node_lease_outcomes", "How leases ended.", ["outcome"],
                                       registry=reg)
+        self.handoffs_issued = Counter("pdcluster_node_handoffs_issued", "Hand-offs granted, by reader: `bound` "
+                                       "names the one decode engine that may redeem it, `any` names none.",
+                                       ["reader"], registry=reg)
         self.alltoall_bytes = Counter("pdcluster_node_alltoall_bytes", "Token-sharded prefill exchange bytes.",
                                       registry=reg)
         self.dcp_merge_bytes = Counter("pdcluster_node_dcp_merge_bytes", "DCP top-k merge bytes.", ["method"],

@@ -122,6 +122,7 @@ class Exporter:
                 self.executor.submit(Release(request_id=request_id, generation=exported.generation, reads_done=True))
             raise APIError(499, f"request {request_id} was aborted before its rows were leased")
         self.metrics.rows_exported.inc(len(exported.attn_row_ids) + len(exported.kda_row_ids))
+        self.metrics.handoffs_issued.labels(reader="any" if reader is None else "bound").inc()
         self._sync_metrics()
         ident = self.identity
         params = KVTransferParams(

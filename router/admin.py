@@ -52,7 +52,8 @@ def pools_view(state: RouterState) -> dict:
                      "healthy": view.is_healthy, "draining": view.is_draining, "inflight": view.num_inflight,
                      "geometry": asdict(view.geometry), "load": asdict(view.load),
                      "max_model_len": view.max_model_len, "breaker": breaker.state(now),
-                     "last_error": raw.last_error if raw else None})
+                     "last_error": raw.last_error if raw else None,
+                     "engine_id": state.cache_view.engine_id(view.name)})
     usable = state.usable_pairs(now)
     pairs = [{"prefill": p, "decode": d, "compatible": v.is_compatible, "reasons": list(v.reasons),
               "usable": (p, d) in usable, "warm": (p, d) in state.warm_pairs,

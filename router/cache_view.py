@@ -19,6 +19,12 @@ end only on instances that report `tails: true` (a finished turn stays resumable
 answer but its last sampled token); a node that reports no `resumable` map has it equal to `sessions`.
 A poll replaces an instance's entries, except held entries noted after the poll was sent (newer than what
 the node could report).
+
+The report also carries the node's `engine_id`: the router names a decode instance's as the reader of the hand-offs
+it asks for (router/kvparams.py `prefill_body`), so only that instance can redeem them. The answer is signed
+(`/v1/cache` is a control route, kv_transfer/cluster_auth.py); an instance that stops being healthy loses its id
+until it answers again (a restarted node has a new one), and the leg is then sent unbound rather than bound to a
+stale reader.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 import orjson
+
+from kv_transfer.signing import ENGINE_ID_PATTERN
 
 log = logging.getLogger("router")
 MAX_SESSIONS = 1024
@@ -53,6 +61,9 @@ class CacheReport:
     evicted_blocks: int = 0
     tails: bool = False
     """The node keeps each finished turn resumable at its exact end (docs/SESSIONS.md)."""
+    engine_id: str | None = None
+    """The node's engine id (the reader a hand-off for this decode instance is bound to); None when it reported
+    none that has an engine id's shape."""
 
     @property
     def is_caching(self) -> bool:
@@ -84,8 +95,10 @@ def parse_report(body: object) -> CacheReport | None:
         return None
     sessions = _sessions(body["sessions"])
     resumable = _sessions(body["resumable"]) if isinstance(body.get("resumable"), dict) else dict(sessions)
-    fingerprint = body.get("fingerprint")
-    return CacheReport(block_tokens=_count(body.get("block_tokens")),
+    fingerprint, engine_id = body.get("fingerprint"), body.get("engine_id")
+    if not isinstance(engine_id, str) or not ENGINE_ID_PATTERN.fullmatch(engine_id):
+        engine_id = None
+    return CacheReport(engine_id=engine_id, block_tokens=_count(body.get("block_tokens")),
                        fingerprint=fingerprint[:256] if isinstance(fingerprint, str) else "",
                        sessions=sessions, resumable=resumable, blocks_cached=_count(body.get("blocks_cached")),
                        rows_free=_count(body.get("rows_free")), hits_tokens=_count(body.get("hits_tokens")),
@@ -122,6 +135,17 @@ class CacheView:
 
     def forget(self, instance: str) -> None:
         self._instances.pop(instance, None)
+
+    def forget_engine_id(self, instance: str) -> None:
+        """The instance is not healthy: its engine id may change before it answers a poll again."""
+        current = self._instances.get(instance)
+        if current is not None and current.report.engine_id is not None:
+            current.report = replace(current.report, engine_id=None)
+
+    def engine_id(self, instance: str) -> str | None:
+        """The engine id `instance` last reported while healthy (None: unknown, or not one of our nodes)."""
+        current = self._instances.get(instance)
+        return current.report.engine_id if current is not None else None
 
     def note_served(self, instance: str, session: str, tokens: int, now: float, resumable: int = 0) -> None:
         """`instance` just finished a turn of `session` and keeps `tokens` of it (when its cache is on); on a node
@@ -212,6 +236,7 @@ class CachePoller:
         name = state.spec.name
         if not state.is_healthy:
             self.without_endpoint.pop(name, None)
+            self.view.forget_engine_id(name)
             return False
         rounds = self.without_endpoint.get(name)
         if rounds is None:

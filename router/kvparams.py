@@ -1,7 +1,9 @@
 """vLLM's PD wire protocol (`kv_transfer_params` in request/response bodies), typed.
 
 - P leg: the client body with max_tokens=1 (and max_completion_tokens=1 when present), stream=false,
-  no stream_options / min_tokens, and `kv_transfer_params` asking for a remote decode.
+  no stream_options / min_tokens, and `kv_transfer_params` asking for a remote decode; for a decode instance
+  whose engine id the router knows (our nodes report it, router/cache_view.py), `decode_engine_id` names it:
+  the prefill node signs it into the hand-off and every other decode node refuses it (403).
 - P answer: `kv_transfer_params` with do_remote_prefill, remote_engine_id, remote_request_id,
   remote_block_ids, remote_host, remote_port, tp_size, ... (`KVHandoff`); forwarded to D verbatim. A signed
   hand-off (a `signature` field, kv_transfer/signing.py: our prefill nodes) is never altered, else D refuses it;
@@ -31,15 +33,23 @@ class KVHandoff:
     def remote_engine_id(self) -> str | None:
         return self.params.get("remote_engine_id")
 
+    @property
+    def is_bound(self) -> bool:
+        """The hand-off names the one decode engine that may redeem it."""
+        return self.params.get("decode_engine_id") is not None
+
 
 PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """A new top-level dict (nested values shared with `body`, never mutated): serialised at once."""
+def prefill_body(body: dict[str, Any], reader: str | None = None) -> dict[str, Any]:
+    """A new top-level dict (nested values shared with `body`, never mutated): serialised at once. `reader`: the
+    engine id of the decode instance the hand-off is for (None: unknown, the hand-off is not bound)."""
     out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
     out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    if reader is not None:
+        out["kv_transfer_params"]["decode_engine_id"] = reader
     out["stream"] = False
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:

@@ -12,7 +12,9 @@ Breakers: P failures count against P; D failures (5xx, timeouts, broken connecti
 a handoff was used, against the P-D link (a broken transfer path). A node's shedding (429, or 503 with
 Retry-After) counts neither way: P is skipped for the next candidate, D's answer goes to the client with
 its Retry-After. A decode instance that cannot be connected to (the request never reached it) is replaced
-once by the least-loaded other usable, compatible decode of the pool before any byte reached the client.
+once by the least-loaded other usable, compatible decode of the pool before any byte reached the client (a
+hand-off bound to the unreachable instance is given back at P and the new one prefills the prompt itself).
+The P leg names the chosen decode instance's engine id as the hand-off's reader when the router knows it.
 A cancelled leg (client gone) closes its connection and calls the engine's aborter on both legs so
 neither node keeps rows for it.
 """
@@ -202,7 +204,8 @@ class Orchestrator:
         started = time.monotonic()
         try:
             async with self.state.deadlines.within(self.settings.prefill_timeout_s):
-                resp, content = await self._post(url, ctx, orjson.dumps(prefill_body(ctx.valid.body)))
+                body = prefill_body(ctx.valid.body, reader=self.state.cache_view.engine_id(ctx.placement.decode))
+                resp, content = await self._post(url, ctx, orjson.dumps(body))
         except TimeoutError:
             self.state.metrics.leg_timeouts.labels("prefill").inc()
             ctx.is_prefill_timeout = True
@@ -279,11 +282,18 @@ class Orchestrator:
         now = time.monotonic()
         failed = ctx.placement.decode
         pairs, blocked = self.state.usable_pairs(now), self.state.blocked_instances(now)
+        handoff = ctx.handoff if ctx.handoff is not None and not ctx.handoff.is_bound else None
         candidates = [v for v in self.state.registry.snapshot()
                       if v.role == "decode" and v.pool == ctx.placement.pool and v.is_usable and v.name != failed
-                      and v.name not in blocked and (ctx.handoff is None or (ctx.handoff.prefill, v.name) in pairs)]
+                      and v.name not in blocked and (handoff is None or (handoff.prefill, v.name) in pairs)]
         if not candidates:
             return False
+        if ctx.handoff is not None and handoff is None:
+            # Bound to the unreachable reader, which never claimed it: no other decode node may redeem it, so
+            # its lease is given back and the new instance prefills the prompt itself.
+            self.abort(self.state.registry.get(ctx.handoff.prefill), ctx.leg_request_id)
+            ctx.handoff, ctx.prefill_cached_tokens = None, None
+            ctx.fallback_reason = f"the hand-off was bound to {failed}"
         best = min(candidates, key=lambda v: (load_score(v), v.name))
         ctx.placement = replace(ctx.placement, decode=best.name,
                                 reason=f"{ctx.placement.reason}; {failed} unreachable, retried on {best.name}")

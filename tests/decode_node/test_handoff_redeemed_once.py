@@ -1,7 +1,8 @@
 """A hand-off is redeemed once, by the reader it was issued for, with real nodes (the shared `cluster`: P at
 TP=2 -> D `tp` and D `dcp`, real NIXL): the same signed params presented at once to both decode nodes and twice to
 one of them import exactly once (the prefill node's claim: first wins, the rest 409/403) and every row comes back;
-params issued for one decode node are refused by the other (and the reader field cannot be rewritten: signed)."""
+params issued for one decode node are refused by the other (and the reader field cannot be rewritten: signed);
+through the router, every hand-off is bound to the decode instance the router chose."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import httpx
 import pytest
 
 from tests.decode_node.test_pd_nodes import _idle, _metric
-from tests.topologies import LONG_POOL
+from tests.e2e.harness import choice_token_ids
+from tests.topologies import ADMIN_TOKEN, LONG_POOL, TP_POOL_CAPACITY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 PROMPT = "A hand-off is read once, by its reader. " * 8
@@ -75,5 +77,40 @@ def test_a_handoff_issued_for_one_decode_node_is_refused_by_another(nodes):
     assert rewritten.status_code == 403 and "signature" in rewritten.json()["error"]["message"]
     accepted = _decode(nodes["tp"], params, "bound-1-tp")
     assert accepted.status_code == 200, accepted.text
+    for url in (nodes["tp"], nodes["dcp"], p_url):
+        _idle(url, timeout_s=120)
+
+
+def _issued(p_url: str, reader: str) -> float:
+    try:
+        return _metric(p_url, "pdcluster_node_handoffs_issued_total", f'reader="{reader}"')
+    except AssertionError:  # the series starts with the first hand-off of its kind
+        return 0.0
+
+
+@pytest.mark.parametrize("pool", ("tp", LONG_POOL))
+def test_the_router_binds_each_handoff_to_the_decode_instance_it_chose(cluster, nodes, pool):
+    """Through the router, on each P -> D pairing: the P leg names the chosen decode instance as the reader (its
+    engine id, read from its signed `/v1/cache`), so the hand-off is bound (P counts it `bound`, none `any`), and
+    the answer is the oracle's. Before the router named the reader, every hand-off it asked for was `any`."""
+    p_url, auth = nodes["prefill"], nodes["auth"]
+    engine_id = httpx.get(f"{nodes[pool]}/v1/cache", auth=auth, timeout=30).json()["engine_id"]
+    decode = cluster.nodes_of(pool=pool)[0].name
+
+    def router_knows_the_reader() -> bool:
+        pools = httpx.get(f"{cluster.router_url}/v1/pools", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                          timeout=10).json()
+        return any(i["name"] == decode and i["engine_id"] == engine_id for i in pools["instances"])
+
+    cluster.wait_until(router_knows_the_reader, timeout_s=60, what=f"the router's view of {decode}'s engine id")
+    bound0, any0 = _issued(p_url, "bound"), _issued(p_url, "any")
+    prompt = f"Bound to {engine_id[:8]}: " + PROMPT
+    headers = {"X-Expected-Context-Tokens": str(TP_POOL_CAPACITY * 2)} if pool == LONG_POOL else {}
+    raw = cluster.client().completions.with_raw_response.create(
+        model=cluster.model, prompt=prompt, max_tokens=8, temperature=0, extra_headers=headers,
+        extra_body={"ignore_eos": True})
+    assert raw.headers["x-pdcluster-pool"] == pool and raw.headers["x-pdcluster-prefill"] != "none", raw.headers
+    assert _issued(p_url, "bound") == bound0 + 1 and _issued(p_url, "any") == any0
+    assert choice_token_ids(raw.parse().choices[0]) == list(cluster.oracle(prompt, 8).token_ids)
     for url in (nodes["tp"], nodes["dcp"], p_url):
         _idle(url, timeout_s=120)

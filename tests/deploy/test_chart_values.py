@@ -235,6 +235,18 @@ BAD_VALUES = {
     "reference-multi-node": ({"pools": [{"name": "p", "role": "prefill", "tp": 8, "nodesPerInstance": 2},
                                         {"name": "d", "role": "decode"}]}, "one node"),
     "duplicate-pool": ({"pools": [{"name": "p", "role": "prefill"}, {"name": "p", "role": "decode"}]}, "unique"),
+    "router-head-timeout-in-settings": ({"router": {"settings": {"head_read_timeout_s": 5}}},
+                                        "router.headReadTimeoutS"),
+    "router-pipelining-in-settings": ({"router": {"settings": {"max_pipelined_requests": 5}}},
+                                      "router.maxPipelinedRequests"),
+    "router-zero-pipelined": ({"router": {"maxPipelinedRequests": 0}}, "maxPipelinedRequests"),
+    "router-zero-head-timeout": ({"router": {"headReadTimeoutS": 0}}, "headReadTimeoutS"),
+    "node-head-timeout-in-settings": ({"pools": [{"name": "p", "role": "prefill"},
+                                                 {"name": "d", "role": "decode",
+                                                  "settings": {"http_head_timeout_s": 3}}]}, "httpHeadTimeoutS"),
+    "vllm-pool-head-timeout": ({"pools": [{"name": "p", "role": "prefill", "engine": "vllm", "tp": 1,
+                                           "httpHeadTimeoutS": 3}, {"name": "d", "role": "decode"}]},
+                               "reference-engine"),
     "vllm-pool-settings": ({"pools": [{"name": "p", "role": "prefill", "engine": "vllm", "tp": 1,
                                        "settings": {"kv": {"ucx_tls": "tcp"}}},
                                       {"name": "d", "role": "decode"}]}, "reference-engine"),
@@ -263,6 +275,7 @@ def test_pool_settings_render_as_the_role_env_and_read_back(tmp_path, monkeypatc
     env = {item["name"]: item["value"] for item in out.pool_pods("tp")[0].container["env"] if "value" in item}
     chart_env = {"DECODE_ADVERTISE_HOST": "$(POD_IP)", "DECODE_METRICS_PORT": "9100",  # every reference pod's
                  "DECODE_DRAIN_S": "55",  # the grace period (60 s) minus 5 s
+                 "DECODE_HTTP_HEAD_TIMEOUT_S": "10",  # poolDefaults.httpHeadTimeoutS
                  "DECODE_CLUSTER_SECRET_FILE": "/var/run/pdcluster/cluster-secret/cluster-secret"}
     assert {k: v for k, v in env.items() if k.startswith("DECODE_")} == settings_env("DECODE_", settings) | chart_env
     assert not any(k.startswith("PREFILL_") for k in env)
@@ -271,3 +284,30 @@ def test_pool_settings_render_as_the_role_env_and_read_back(tmp_path, monkeypatc
     node = DecodeSettings()
     assert (node.engine.num_rows, node.kv.ucx_tls, node.kv.timeout_s, node.kv.capture_telemetry) == (
         512, "rc,sm,self", 12.5, False)
+
+
+def test_connection_limits_reach_the_router_and_the_nodes(tmp_path, monkeypatch) -> None:
+    """`router.headReadTimeoutS` / `router.maxPipelinedRequests` land in the router's Settings, and
+    `httpHeadTimeoutS` (poolDefaults, a pool's own wins) in each reference node's: what the processes run with."""
+    from decode_node.settings import Settings as DecodeSettings
+    from prefill_node.settings import Settings as PrefillSettings
+    from router.settings import Settings as RouterSettings
+
+    out = render(CPU_DEV, overrides={
+        "router": {"headReadTimeoutS": 2.5, "maxPipelinedRequests": 4}, "poolDefaults": {"httpHeadTimeoutS": 7},
+        "pools": [{"name": "prefill", "role": "prefill", "tp": 2, "engine": "reference"},
+                  {"name": "tp", "role": "decode", "engine": "reference", "httpHeadTimeoutS": 3.5}]}, tmp_dir=tmp_path)
+    (cm,) = [c for c in out.of_kind("ConfigMap") if "router.yaml" in c.get("data", {})]
+    router = RouterSettings(**RouterConfig.model_validate(yaml.safe_load(cm["data"]["router.yaml"])).router)
+    assert (router.head_read_timeout_s, router.max_pipelined_requests) == (2.5, 4)
+    for pool, settings_cls, expected in (("prefill", PrefillSettings, 7.0), ("tp", DecodeSettings, 3.5)):
+        env = {item["name"]: item["value"] for item in out.pool_pods(pool)[0].container["env"] if "value" in item}
+        with monkeypatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            assert settings_cls().http_head_timeout_s == expected, pool
+    defaults = RouterSettings()
+    (cm,) = [c for c in render(CPU_DEV).of_kind("ConfigMap") if "router.yaml" in c.get("data", {})]
+    rendered = yaml.safe_load(cm["data"]["router.yaml"])["router"]
+    assert (rendered["head_read_timeout_s"], rendered["max_pipelined_requests"]) == (
+        defaults.head_read_timeout_s, defaults.max_pipelined_requests), "the chart's defaults are the router's"

@@ -61,7 +61,7 @@ class CacheNode:
 
         @app.get("/v1/cache")
         async def cache() -> dict:
-            return {"block_tokens": 16, "fingerprint": "fp", "sessions": dict(node.held) if node.cache_on else {},
+            return {"engine_id": f"engine-{node.name}", "block_tokens": 16, "fingerprint": "fp", "sessions": dict(node.held) if node.cache_on else {},
                     "blocks_cached": sum(node.held.values()) // 16, "rows_free": 1000,
                     "hits_tokens": node.hits_tokens, "queried_tokens": node.queried_tokens, "evicted_blocks": 0,
                     "resumable": {s: t - t % 16 for s, t in node.held.items()} if node.cache_on else {}}
@@ -83,7 +83,8 @@ class CacheNode:
                     node.held[session] = prompt
                 handoff = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]],
                            "remote_engine_id": f"engine-{node.name}", "remote_request_id": "r",
-                           "remote_host": "localhost", "remote_port": 5600, "tp_size": 1}
+                           "remote_host": "localhost", "remote_port": 5600, "tp_size": 1,
+                           "decode_engine_id": params.get("decode_engine_id")}
                 return JSONResponse({"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
                                      "usage": node._usage(prompt, 1, cached), "kv_transfer_params": handoff})
             if session and node.cache_on:

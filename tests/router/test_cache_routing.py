@@ -363,3 +363,47 @@ async def test_a_node_without_the_cache_endpoint_is_not_polled_every_round():
         decode.is_healthy = True
         await poller.poll_all()
         assert len(asked) == healthy + 1  # back from unhealthy: asked again
+
+
+def test_a_report_names_the_nodes_engine_id_only_in_an_engine_ids_shape():
+    assert parse_report({"sessions": {}, "engine_id": "0a1b-c.d_e"}).engine_id == "0a1b-c.d_e"
+    for bad in ("", "../x", "a" * 200, 7, None):
+        assert parse_report({"sessions": {}, "engine_id": bad}).engine_id is None
+    view_ = CacheView()
+    view_.apply_report("d0", CacheReport(engine_id="e0", sessions={"aa": 5}), sent_at=0.0)
+    view_.forget_engine_id("d0")
+    assert view_.engine_id("d0") is None and view_.held("aa") == {"d0": 5}, "only the id is forgotten"
+
+
+@sync
+async def test_the_prefill_leg_names_the_chosen_decode_instance_as_the_reader():
+    """Once the router read a decode instance's engine id (its signed /v1/cache), the P leg asks for a hand-off
+    bound to it, and the D leg carries that hand-off; before any report, and after the instance was unhealthy
+    (a restart changes its id), the P leg names no reader rather than a stale one."""
+    fakes = nodes(cache_on=False)
+    async with router_harness(fakes, **SETTINGS) as (client, app):
+        prompt = [{"role": "user", "content": "b" * 300}]
+
+        async def legs() -> tuple[dict, dict, str]:
+            for node in fakes:
+                node.requests.clear()
+            resp = await client.post("/v1/chat/completions", json=chat_body(prompt))
+            assert resp.status_code == 200 and resp.headers["x-pdcluster-prefill"] != "none"
+            p_leg, d_leg = (next(r["body"]["kv_transfer_params"] for n in fakes for r in n.requests
+                                 if n.role == role) for role in ("prefill", "decode"))
+            return p_leg, d_leg, resp.headers["x-pdcluster-decode"]
+
+        await poll(app)
+        decodes = set()
+        for _ in range(4):
+            p_leg, d_leg, decode = await legs()
+            assert p_leg["decode_engine_id"] == d_leg["decode_engine_id"] == f"engine-{decode}"
+            decodes.add(decode)
+        state = app.state.router
+        for name in decodes:
+            state.registry.get(name).is_healthy = False
+        await poll(app)
+        for name in decodes:
+            state.registry.get(name).is_healthy = True
+        p_leg, _, _ = await legs()
+        assert "decode_engine_id" not in p_leg, "an instance that was unhealthy is not named until polled again"

@@ -122,6 +122,14 @@ tolerations: {{- toYaml ($p.tolerations | default $d.tolerations) | nindent 2 }}
 env: {{- toYaml (concat ($d.env | default list) ($p.env | default list)) | nindent 2 }}
 extraArgs: {{- toYaml ($p.extraArgs | default list) | nindent 2 }}
 settings: {{- toYaml ($p.settings | default dict) | nindent 2 }}
+{{- if hasKey ($p.settings | default dict) "http_head_timeout_s" }}
+{{- fail (printf "pool %s: settings.http_head_timeout_s: set the pool's httpHeadTimeoutS instead" $p.name) }}
+{{- end }}
+{{- $head := $p.httpHeadTimeoutS | default $d.httpHeadTimeoutS }}
+{{- if and (eq $engine "vllm") (hasKey $p "httpHeadTimeoutS") }}
+{{- fail (printf "pool %s: httpHeadTimeoutS applies to reference-engine nodes; set vLLM's flags in extraArgs" $p.name) }}
+{{- end }}
+httpHeadTimeoutS: {{ $head }}
 {{- $grace := int ($p.terminationGracePeriodSeconds | default $d.terminationGracePeriodSeconds) }}
 {{- if lt $grace 10 }}
 {{- fail (printf "pool %s: terminationGracePeriodSeconds must be at least 10 (the node drains for it minus 5 s), got %d" $p.name $grace) }}

@@ -190,6 +190,8 @@ containers:
       - name: {{ upper $p.role }}_CLUSTER_SECRET_FILE
         value: {{ include "pdcluster.clusterSecretFile" $root | quote }}
       {{- end }}
+      - name: {{ upper $p.role }}_HTTP_HEAD_TIMEOUT_S
+        value: {{ $p.httpHeadTimeoutS | quote }}
       - name: {{ upper $p.role }}_ADVERTISE_HOST
         value: "$(POD_IP)"
       - name: {{ upper $p.role }}_METRICS_PORT
