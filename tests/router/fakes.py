@@ -50,6 +50,8 @@ class FakeNode:
     """`weights_fingerprint` of the model card (reference nodes report one)."""
     root: str | None = None
     """`root` of the model card (vLLM: the model path)."""
+    engine_id: str | None = None
+    """When set, the node answers GET /v1/cache (an empty cache) naming this engine id, as reference nodes do."""
     bodies: list[dict] = field(default_factory=list)
     request_ids: list[str | None] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -106,6 +108,12 @@ class FakeNode:
                 card["root"] = node.root
             return JSONResponse({"object": "list", "data": [card]})
 
+        @app.get("/v1/cache")
+        async def cache() -> Response:
+            if node.engine_id is None:
+                return Response(status_code=404)
+            return JSONResponse({"engine_id": node.engine_id, "block_tokens": node.block_size, "sessions": {}})
+
         @app.post("/abort_requests")
         async def abort(request: Request) -> dict:
             node.aborted.extend((await request.json())["request_ids"])
@@ -127,6 +135,8 @@ class FakeNode:
                     "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
                     "remote_engine_id": f"engine-{node.name}", "remote_request_id": f"p-{rid}",
                     "remote_host": "localhost", "remote_port": 5600, "tp_size": 1}
+                if handoff is not None and params.get("decode_engine_id"):
+                    handoff["decode_engine_id"] = params["decode_engine_id"]
                 return JSONResponse({"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
                                      "usage": node.usage(1),
                                      "kv_transfer_params": handoff})

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from router.cache_view import CachePoller
 from router.config import InstanceSpec
 from router.health import HealthChecker
 from router.placement import RequestShape, place
@@ -82,6 +83,34 @@ def test_decode_connect_error_is_retried_once_on_another_decode(stream):
     run(main())
     assert len(d1.bodies) == 1 and d1.bodies[0]["kv_transfer_params"]["remote_engine_id"] == "engine-p0"
     assert p.aborted == [], "the handoff stays valid for the retry (nothing aborted)"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_handoff_bound_to_an_unreachable_decode_is_given_back_and_the_other_prefills(stream):
+    """A hand-off names its reader (d0): d1 could not redeem it, so the connect retry gives it back at P (abort)
+    and sends d1 the request without one (d1 prefills it); nothing bound to d0 ever reaches d1."""
+    ours = {"engine_label": "reference", "tp_size": 1}
+    p = FakeNode("p0", "prefill", **ours)
+    d0, d1 = (FakeNode(name, "decode", engine_id=f"engine-{name}", **ours) for name in ("d0", "d1"))
+
+    async def main():
+        reference = {name: {"engine": "reference"} for name in ("p0", "d0", "d1")}
+        async with router_harness([p, d0, d1], specs=reference) as (client, app):
+            state = app.state.router
+            await CachePoller(state.registry, state.cache_view, state.client, 1.0, 5.0).poll_all()
+            app.state.transport.refused.add("d0.test:80")
+            resp = await client.post("/v1/completions", json=completion(stream=stream))
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-pdcluster-decode"] == "d1" and resp.headers["x-pdcluster-prefill"] == "none"
+            for _ in range(100):  # the abort is fire-and-forget
+                if p.aborted:
+                    break
+                await asyncio.sleep(0.02)
+
+    run(main())
+    assert p.bodies[0]["kv_transfer_params"]["decode_engine_id"] == "engine-d0"
+    assert len(d1.bodies) == 1 and "kv_transfer_params" not in d1.bodies[0]
+    assert p.aborted == [p.request_ids[0]], "the bound hand-off's lease is given back"
 
 
 def test_decode_connect_error_without_another_decode_is_502():
