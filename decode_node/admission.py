@@ -1,6 +1,7 @@
 """Admission of imports on the decode node: an import that finds too few free rows waits, it does not fail.
 
-An import reserves its prompt + max_tokens rows at once, outside the engine's queue. When every rank reports
+An import takes rows for its prompt (plus the engine's small look-ahead, engine/scheduler.py) at once, outside
+the engine's queue; its answer takes rows as it grows, as every request's does. When every rank reports
 `short_of_rows` (nothing was allocated or posted anywhere), `ImportQueue.admit` keeps the request in a FIFO
 queue and tries again, the head first, each time a request leaves the node (rows came back) and at least every
 `poll_s` (quarantines and released exports free rows too). The wait is bounded: at most `depth` imports queue

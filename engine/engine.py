@@ -302,9 +302,9 @@ class Engine:
         if reason is not None:
             self._remember_session(req, self.scheduler.keep_tail(req))
             self.scheduler.finish(req, reason)
-        return TokenEvent(request_id=req.request_id, token_id=tok.token_id, index=len(req.output_token_ids) - 1,
+        return TokenEvent(request_id=req.request_id, token_id=tok.token_id, index=req.num_emitted - 1,
                           logprob=tok.logprob, top_logprobs=tok.top_logprobs, rank=tok.rank, finish_reason=reason,
-                          num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=req.num_cached_tokens)
+                          num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.reported_cached_tokens)
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         params = req.sampling

@@ -12,18 +12,26 @@ freeing them (engine.cache.RowPool.quarantine) and pins the shared cache blocks 
 request's rows stay quarantined for good.
 `Scheduler.schedule()` picks, per engine step, every running request (up to max_batch) to decode and one prefill
 chunk: the request being prefilled (first in, first out; the head of the queue is admitted when the pool, counting
-evictable cache blocks, has rows for its prompt + max_tokens; a head that does not fit lets at most
-MAX_HEAD_BYPASS later requests that do go first, so one huge max_tokens does not hold up the queue, nor is it
-starved) computes its next `max_step_tokens - decodes`
+evictable cache blocks, has rows for its prompt + `reserve_ahead_tokens` of its answer; a head that does not fit
+lets at most MAX_HEAD_BYPASS later requests that do go first, nor is it starved) computes its next
+`max_step_tokens - decodes`
 tokens (at least MIN_CHUNK; all of them when the budget is None). A chunk also ends at the prompt's last block
 boundary, where the KDA state is snapshotted for the prefix cache.
 Prefix cache (engine/prefix_cache.py): admission reuses the longest resumable cached prefix (its attention rows
 shared, its KDA snapshot copied into the request's own KDA rows) and computes only the rest; an import reuses
 the longest held prefix of attention blocks and reads only the others. Finished blocks are published as they
 complete (prefill chunks, decode steps crossing a block boundary, an import's blocks at start_decode).
-Rows are allocated when a request is admitted, for its prompt plus max_tokens, so a running request never
-runs out of rows; its own rows return to the pool when it finishes, is aborted, or its export is released, and
-its references to cache blocks are dropped.
+Rows, reserve as you go (docs/ARCHITECTURE.md "Admission"): a request is admitted with rows for its prompt plus
+at most RESERVE_AHEAD_TOKENS of its answer, and takes one more attention row each time its answer crosses into
+a new block, so a huge max_tokens holds only the rows its answer really fills. When a running request needs a
+row and the pool (cache blocks evicted, prompt-state copies dropped) has none, the request that started running
+last is preempted by recompute: its rows go back, its outputs so far join its prompt (`SamplingParams.num_resumed`,
+the path a resumed stream takes) and it goes back to the head of the queue; once re-admitted it prefills prompt +
+outputs and continues with the next token, bit for bit. The request ahead of all others never is, so the queue
+always moves; `add` refuses a request whose prompt + max_tokens the whole pool could not hold.
+`reserve_ahead_tokens=None` (the simulator, which advances many tokens per event) reserves prompt + max_tokens at
+admission instead, and nothing is ever preempted. A request's own rows return to the pool when it finishes, is
+aborted, or its export is released, and its references to cache blocks are dropped.
 The scheduler is deterministic: the same commands in the same order give the same batches and row ids.
 """
 
@@ -32,7 +40,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.api import SamplingParams
 from engine.cache import BlockTable, OutOfRows, RowPool
@@ -44,6 +52,8 @@ MAX_HEAD_BYPASS = 16
 """Later requests a waiting head that does not fit may let go ahead of it before the queue waits for it again."""
 BYPASS_SCAN = 4
 """Waiting requests behind the head a step tries when the head does not fit."""
+RESERVE_AHEAD_TOKENS = 16
+"""Answer tokens a request's rows hold at admission beyond its prompt (it takes more rows as its answer grows)."""
 
 
 class RequestState(enum.Enum):
@@ -94,6 +104,10 @@ class Request:
     """Chunk logits of a request that asked for prompt log-probs."""
     num_bypassed: int = 0
     """Later requests admitted ahead of this one while it headed the queue and did not fit."""
+    num_folded: int = 0
+    """Outputs that preemptions moved into the prompt (already emitted; recomputed as prompt on re-admission)."""
+    first_cached_tokens: int | None = None
+    """num_cached_tokens of its first admission, kept through preemptions (what usage reports)."""
 
     @property
     def cache_root(self) -> bytes:
@@ -107,8 +121,28 @@ class Request:
 
     @property
     def capacity(self) -> int:
-        """Tokens the rows must hold: the prompt, plus max_tokens unless the rows go to a remote decoder."""
+        """Tokens the rows may come to hold: the prompt, plus max_tokens unless the rows go to a remote decoder."""
         return len(self.prompt_token_ids) + (0 if self.export else self.sampling.max_tokens)
+
+    def reserve_tokens(self, ahead: int | None) -> int:
+        """Tokens its rows hold at admission: the prompt plus `ahead` answer tokens (None: all of max_tokens)."""
+        if ahead is None:
+            return self.capacity
+        return len(self.prompt_token_ids) + (0 if self.export else min(self.sampling.max_tokens, ahead))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt the client sent (without outputs folded in by preemptions)."""
+        return len(self.prompt_token_ids) - self.num_folded
+
+    @property
+    def num_emitted(self) -> int:
+        """Outputs emitted so far, those folded into the prompt included."""
+        return self.num_folded + len(self.output_token_ids)
+
+    @property
+    def reported_cached_tokens(self) -> int:
+        return self.num_cached_tokens if self.first_cached_tokens is None else self.first_cached_tokens
 
     def token_at(self, lo: int, hi: int) -> list[int]:
         """Token ids of positions [lo, hi) (prompt, then outputs)."""
@@ -126,11 +160,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: RowPool, max_batch: int = 64, cache: PrefixCache | None = None,
-                 max_step_tokens: int | None = None, resume: bool = True) -> None:
+                 max_step_tokens: int | None = None, resume: bool = True,
+                 reserve_ahead_tokens: int | None = RESERVE_AHEAD_TOKENS) -> None:
         """`cache`: the prefix cache (None: none); `max_step_tokens`: tokens per step shared by decodes and a
         prefill chunk (None: a prompt prefills in one step); `resume`: the model can prefill from a position
-        past 0 (chunks and cache hits of local prefills need it)."""
+        past 0 (chunks and cache hits of local prefills need it); `reserve_ahead_tokens`: answer tokens reserved
+        at admission, rows growing as the answer does (None: all of max_tokens at admission, no preemption)."""
         self.pool = pool
+        self.reserve_ahead_tokens = reserve_ahead_tokens
+        self.num_preemptions = 0
+        """Running requests preempted by recompute (their rows given back, their outputs recomputed as prompt)."""
         self.max_batch = max_batch
         self.cache = cache
         self.max_step_tokens = max_step_tokens if resume else None
@@ -199,7 +238,7 @@ class Scheduler:
                 self.cache.take_tail(tail)  # not evicted by this very admission
             else:
                 tail = None
-        admitted = self._admit(req, reuse, keys, req.capacity)
+        admitted = self._admit(req, reuse, keys, req.reserve_tokens(self.reserve_ahead_tokens))
         if tail is not None:
             if admitted:
                 assert req.table is not None
@@ -243,7 +282,7 @@ class Scheduler:
             keys = self.cache.keys(req.prompt_token_ids, len(req.prompt_token_ids) // self.block_tokens,
                                    req.cache_root)
             reuse = self.cache.lookup(keys)
-        total = max(req.capacity, num_tokens)
+        total = max(req.reserve_tokens(self.reserve_ahead_tokens), num_tokens)
         if not self._admit(req, reuse, keys, total):
             num_attn, num_kda = self.pool.rows_for(total)
             raise OutOfRows(f"a request of {total} tokens needs {num_attn - len(reuse) + num_kda} rows, "
@@ -291,7 +330,7 @@ class Scheduler:
         return None
 
     def schedule(self) -> SchedulerOutput:
-        decode = tuple(self.running[: self.max_batch])
+        decode = self._grow()
         if self.prefilling is None and self.waiting:
             self.prefilling = self._admit_next()
             if self.prefilling is not None:
@@ -307,6 +346,53 @@ class Scheduler:
         if req.num_computed < boundary < end:
             end = boundary
         return SchedulerOutput(req, decode, end)
+
+    def _grow(self) -> tuple[Request, ...]:
+        """This step's decode batch, each with rows for the position it writes (num_tokens - 1): a request whose
+        answer crossed into a new block takes a row; when the pool has none, the last request to start running
+        is preempted (it may be the one growing) until the row is found."""
+        while True:
+            batch = self.running[: self.max_batch]
+            if self.reserve_ahead_tokens is None:
+                return tuple(batch)
+            short = next((req for req in batch if not self._extend(req)), None)
+            if short is None:
+                return tuple(batch)
+            self.preempt(self.running[-1])
+
+    def _extend(self, req: Request) -> bool:
+        """Rows for req.num_tokens tokens; False (nothing changed) when the pool cannot give them."""
+        assert req.table is not None
+        need = self.pool.rows_for(req.num_tokens)[0] - len(req.table.attn_row_ids)
+        if need <= 0:
+            return True
+        if need > self.pool.num_available:
+            self._drop_prompt_states(need - self.pool.num_available)
+        if need > self.pool.num_available:
+            return False
+        self.pool.extend(req.table, req.num_tokens)
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Preempt a running request by recompute: its rows go back to the pool, its outputs join its prompt (as
+        a resumed stream's do: `SamplingParams.num_resumed`, so sampling continues where it was) and it waits at
+        the head of the queue; re-admitted, it prefills prompt + outputs and samples its next token from there."""
+        assert req.state == RequestState.RUNNING
+        self.running.remove(req)
+        self._free(req)
+        if req.first_cached_tokens is None:
+            req.first_cached_tokens = req.num_cached_tokens
+        outputs = req.output_token_ids
+        req.sampling = replace(req.sampling, num_resumed=req.sampling.num_resumed + len(outputs),
+                               max_tokens=req.sampling.max_tokens - len(outputs), prompt_logprobs=None)
+        req.prompt_token_ids = req.prompt_token_ids + outputs
+        req.num_folded += len(outputs)
+        req.output_token_ids, req.output_logprobs = [], []
+        req.num_computed = req.num_cached_tokens = req.num_bypassed = 0
+        req.block_keys, req.given_rows = [], set()
+        req.state = RequestState.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
 
     def prefill_done(self, req: Request) -> None:
         if self.prefilling is req:

@@ -132,7 +132,10 @@ class SimInstance:
                                          f"{spec.fingerprint}:{layout.fingerprint}".encode(), spec.prefix_cache)
         self.reports = SessionReports(self.cache)
         self.pool.spare = self.cache
-        self.scheduler = Scheduler(self.pool, spec.max_batch, self.cache, spec.max_step_tokens)
+        # Rows for prompt + max_tokens at admission (no growth, no preemption): the simulation advances a request
+        # by many tokens per event, so it cannot take rows token by token as the engine does.
+        self.scheduler = Scheduler(self.pool, spec.max_batch, self.cache, spec.max_step_tokens,
+                                   reserve_ahead_tokens=None)
         self.inbox: deque[Callable[[], None]] = deque()
         self.import_queue: deque[tuple[Request, Flight]] = deque()
         self.flights: dict[str, Flight] = {}

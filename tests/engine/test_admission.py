@@ -1,6 +1,10 @@
-"""Admission (engine/scheduler.py `_admit_next`): a waiting request whose prompt + max_tokens the pool cannot
-hold yet does not hold up the smaller requests behind it (they are admitted and finish while it waits), and it is
-not starved: once MAX_HEAD_BYPASS requests went ahead of it, the queue waits for it."""
+"""Admission (engine/scheduler.py `_admit_next`): a waiting request whose rows the pool cannot hold yet does not
+hold up the smaller requests behind it (they are admitted and finish while it waits), and it is not starved: once
+MAX_HEAD_BYPASS requests went ahead of it, the queue waits for it.
+
+These engines reserve prompt + max_tokens at admission (`reserve_ahead_tokens=None`), so a 3000-token max_tokens
+stands for a head that does not fit: with reserve as you go (the default, tests/engine/test_preemption.py) only a
+prompt can be that large, and the bypass rule is the same."""
 
 from __future__ import annotations
 
@@ -14,6 +18,12 @@ SHORT = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
 PROMPT = [256, 1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
+def _engine() -> Engine:
+    engine = Engine(EngineConfig(num_rows=8, prefix_cache=False))  # 3 + 2 rows for 3010 tokens, 1 + 2 for 13
+    engine.scheduler.reserve_ahead_tokens = None
+    return engine
+
+
 def _finished(engine: Engine, steps: int) -> list[str]:
     done = []
     for _ in range(steps):
@@ -22,7 +32,7 @@ def _finished(engine: Engine, steps: int) -> list[str]:
 
 
 def test_a_request_that_does_not_fit_yet_lets_smaller_ones_go_first() -> None:
-    engine = Engine(EngineConfig(num_rows=8, prefix_cache=False))  # 3 + 2 rows for 3010 tokens, 1 + 2 for 13
+    engine = _engine()
     engine.add_request("running", PROMPT, LONG)
     _finished(engine, 2)
     engine.add_request("huge", PROMPT, LONG)  # 5 rows: only 3 are free while "running" runs
@@ -36,7 +46,7 @@ def test_a_request_that_does_not_fit_yet_lets_smaller_ones_go_first() -> None:
 
 def test_the_waiting_request_is_not_starved(monkeypatch) -> None:
     monkeypatch.setattr(scheduler, "MAX_HEAD_BYPASS", 2)
-    engine = Engine(EngineConfig(num_rows=8, prefix_cache=False))
+    engine = _engine()
     engine.add_request("running", PROMPT, LONG)
     _finished(engine, 2)
     engine.add_request("huge", PROMPT, LONG)
