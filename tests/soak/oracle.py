@@ -1,14 +1,34 @@
-"""The soak's oracle: the suite's in-process oracle (tests/oracle.py: `pdcluster generate`'s answer from one
-`Engine` kept loaded in this process, one request at a time), so hundreds of answers are checked without starting
-a process per prompt. `work_s` is that request's own prefill + decode time on this machine, alone.
+"""The soak's oracle: `pdcluster generate`'s answers for hundreds of requests, in this process, in minutes.
+
+Why batched: on the CPU a decode step costs about the same for one request as for 64 (every linear layer and
+routed expert works on 64-row blocks, engine/model/numerics.py `ROW_BLOCK`, so its cost is the weights'), and the
+step count, not the prompt, dominated the old one-request-at-a-time oracle: a soak's ~2,500 answer tokens took
+~2,500 single-request decode steps (about 1 s each on this 2-core machine for a 1,700-token context, over 20 s when
+it is loaded), where a batched run takes one step per request plus the longest answer.
+
+`Oracle.run_all` puts every distinct (prompt, max_tokens) through one single-rank reference engine at once (prefix
+cache off, so every prompt is computed from its first token as the CLI's fresh engine computes it; rows for every
+answer, so nothing is preempted), in waves of `WAVE` requests. Rows are padded to 64-row blocks and each request
+attends to its own tokens only, so a request's tokens do not depend on what it is batched with: the engine's
+promise, which the soak checks again here: `check_alone` reruns a few of the requests alone through
+tests/oracle.py `generate` (the code of `pdcluster generate`, one request at a time) and compares token for token.
+`work_s`, a request's own prefill + decode time alone: its prefill as timed in the batched run (one request per
+prefill, nothing else in that call) plus its decode steps at the per-step time measured by those alone reruns.
 """
 
 from __future__ import annotations
 
+import random
+import statistics
 import time
 from dataclasses import dataclass
 
 from engine.model.tokenizer import ByteTokenizer, ChatMessage
+
+WAVE = 64
+"""Requests one batched run holds at once (the engine's decode batch)."""
+NUM_ALONE = 3
+"""Requests `check_alone` reruns one at a time."""
 
 
 def prompt_ids_of(prompt: str | list[dict]) -> list[int]:
@@ -27,12 +47,19 @@ class Expected:
     work_s: float
 
 
+Key = tuple[tuple[int, ...], int]
+
+
 class Oracle:
     def __init__(self, model: str) -> None:
         self.model = model
         self.tokenizer = ByteTokenizer()
-        self.cache: dict[tuple[tuple[int, ...], int], Expected] = {}
+        self.cache: dict[Key, Expected] = {}
         self.num_runs = 0
+        self.prefill_s: dict[Key, float] = {}
+        """A batched request's own prefill time (the runner's prefill call for it alone)."""
+        self.decode_step_s: float | None = None
+        """One single-request decode step, as the alone reruns measured it."""
 
     def token_names(self, token_ids: list[int]) -> list[str]:
         """What a node's log-prob entries call these tokens (node/logprobs.py `token_name`)."""
@@ -41,15 +68,78 @@ class Oracle:
         return [token_name(self.tokenizer, t) for t in token_ids]
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> Expected:
+        """The answer `run_all` computed, else one computed alone now."""
         key = (tuple(prompt_ids), max_tokens)
         if key not in self.cache:
-            self.cache[key] = self._run(prompt_ids, max_tokens)
+            self.cache[key] = self._alone(key)
         return self.cache[key]
 
-    def _run(self, prompt_ids: list[int], max_tokens: int) -> Expected:
+    def _alone(self, key: Key) -> Expected:
         from tests.oracle import generate
 
         self.num_runs += 1
         started = time.perf_counter()
-        out = generate(prompt_ids, max_tokens, model=self.model)
+        out = generate(list(key[0]), key[1], model=self.model)
         return Expected(out["token_ids"], out["text"], time.perf_counter() - started)
+
+    def run_all(self, requests: list[tuple[list[int], int]]) -> None:
+        """Compute the answers of every (prompt ids, max_tokens) not yet known, batched (module docstring)."""
+        keys = list(dict.fromkeys((tuple(p), m) for p, m in requests if (tuple(p), m) not in self.cache))
+        for lo in range(0, len(keys), WAVE):
+            self._run_wave(keys[lo:lo + WAVE])
+
+    def _run_wave(self, keys: list[Key]) -> None:
+        from engine.api import DEFAULT_SEED, SamplingParams
+        from engine.engine import Engine, EngineConfig
+        from engine.layout import plan_layout
+        from engine.model.config import resolve_model
+
+        layout = plan_layout(resolve_model(self.model))
+        rows = sum(sum(layout.rows_per_request(len(p) + m)) for p, m in keys)
+        engine = Engine(EngineConfig(model=self.model, seed=DEFAULT_SEED, device="cpu", kernels="reference",
+                                     prefix_cache=False, num_rows=rows, max_batch=WAVE))
+        runner_prefill = engine.runner.prefill
+
+        def timed_prefill(req, *args, **kwargs):  # noqa: ANN001, ANN202 - ModelRunner.prefill's signature
+            started = time.perf_counter()
+            try:
+                return runner_prefill(req, *args, **kwargs)
+            finally:
+                key = ids[req.request_id]
+                self.prefill_s[key] = self.prefill_s.get(key, 0.0) + time.perf_counter() - started
+
+        engine.runner.prefill = timed_prefill
+        ids: dict[str, Key] = {}
+        tokens: dict[str, list[int]] = {}
+        for i, (prompt, max_tokens) in enumerate(keys):
+            request_id = f"oracle-batch-{self.num_runs + i}"
+            ids[request_id], tokens[request_id] = (prompt, max_tokens), []
+            engine.add_request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens))
+        self.num_runs += len(keys)
+        while engine.has_work:
+            for event in engine.step().tokens:
+                if event.token_id is not None:
+                    tokens[event.request_id].append(event.token_id)
+        assert engine.scheduler.num_preemptions == 0, "the oracle's pool holds every answer"
+        for request_id, key in ids.items():
+            token_ids = tokens[request_id]
+            self.cache[key] = Expected(token_ids, engine.tokenizer.decode(token_ids), 0.0)
+
+    def check_alone(self, seed: int = 0) -> dict:
+        """Rerun NUM_ALONE batched answers one at a time (tests/oracle.py `generate`): equal token for token, and
+        the single-request decode step they take sets `work_s` of every batched answer."""
+        batched = sorted(k for k in self.cache if k in self.prefill_s)
+        sample = random.Random(seed).sample(batched, min(NUM_ALONE, len(batched)))
+        equal, steps = True, []
+        for key in sample:
+            alone = self._alone(key)
+            equal = equal and alone.token_ids == self.cache[key].token_ids and alone.text == self.cache[key].text
+            if len(alone.token_ids) > 1:
+                steps.append(max(alone.work_s - self.prefill_s[key], 0.0) / (len(alone.token_ids) - 1))
+        self.decode_step_s = statistics.median(steps) if steps else 0.0
+        for key in batched:
+            expected = self.cache[key]
+            work = self.prefill_s[key] + max(len(expected.token_ids) - 1, 0) * self.decode_step_s
+            self.cache[key] = Expected(expected.token_ids, expected.text, work)
+        return {"rerun_alone": len(sample), "batched_equals_alone": equal,
+                "decode_step_alone_s": round(self.decode_step_s, 3)}

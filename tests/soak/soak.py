@@ -13,14 +13,16 @@ a few chunks. At 40 % of the duration one rank process of the DCP decode instanc
 router marks the instance unhealthy the instance is restarted (the requests it held fail cleanly).
 
 Checks (each reported with counts, exit status 1 when one fails):
-- oracle: every completed answer equals the greedy answer of the engine run alone (the code of
-  `pdcluster generate`, in this process, one request at a time), token for token for non-streamed answers
+- leaks: once the load stopped, every node reports 0 rows used, 0 leases outstanding, nothing running (then the
+  cluster stops, so the oracle has the machine);
+- oracle: every completed answer equals the greedy answer of the reference engine in this process (the code of
+  `pdcluster generate`, batched: tests/soak/oracle.py says why and how), token for token for non-streamed answers
   (every request asks for log-probs, whose entries name each token; `token_ids` too where the answer has
-  them) and in text; two prompts are also run through
-  the real `pdcluster generate --json` CLI to show the in-process oracle is that oracle;
-- leaks: once the load stopped, every node reports 0 rows used, 0 leases outstanding, nothing running;
-- waits: no request took more than 5 s beyond its own prefill + decode time, measured by the oracle
-  engine alone on the same machine (a loaded machine reports the excess it saw, the counts say how many).
+  them) and in text; a few answers are recomputed one request at a time and must be equal (`oracle_batched`),
+  and two prompts are also run through the real `pdcluster generate --json` CLI to show the in-process oracle is
+  that oracle;
+- waits: no request took more than 5 s beyond its own prefill + decode time on the oracle engine alone on the same
+  machine (a loaded machine reports the excess it saw, the counts say how many).
 """
 
 from __future__ import annotations
@@ -226,12 +228,18 @@ def health_of(url: str) -> int | str:
 
 
 def check(soak: Soak, oracle: Oracle) -> dict:
-    """Oracle equality, node leaks, waits; the report (counts) with `failed` checks listed."""
+    """Node leaks (the cluster is then stopped: the oracle gets the machine), oracle equality, waits; the report
+    (counts) with `failed` checks listed."""
     soak.mark_fault_overlap()
     recs = soak.records
     outcomes = {k: sum(r.outcome == k for r in recs) for k in ("ok", "cancelled", "shed", "error")}
     errors_outside_fault = [r for r in recs if r.outcome == "error" and not r.during_fault]
     done = [r for r in recs if r.outcome == "ok"]
+    loads, leaks = leak_check(soak.handle)
+    soak.handle.stop()
+    started = time.monotonic()
+    oracle.run_all([(r.prompt_ids, r.max_tokens) for r in done])
+    alone = oracle.check_alone()
     mismatches, excess = [], []
     for r in done:
         expected = oracle.generate(r.prompt_ids, r.max_tokens)
@@ -240,7 +248,31 @@ def check(soak: Soak, oracle: Oracle) -> dict:
         if not same:
             mismatches.append({"kind": r.kind, "stream": r.stream, "got": r.text[:80], "want": expected.text[:80]})
         excess.append(r.e2e_s - expected.work_s)
-    handle = soak.handle
+    cli = [run_oracle(sys.executable, soak.handle.cluster.config.model, p, 8) for p in ("soak cli check", "tool plan")]
+    cli_same = all(list(c.token_ids) == oracle.generate(prompt_ids_of(p), 8).token_ids
+                   for c, p in zip(cli, ("soak cli check", "tool plan")))
+    over = sorted(e for e in excess if e > WAIT_LIMIT_S)
+    report = {
+        "requests": len(recs), "outcomes": outcomes, "errors_outside_fault": len(errors_outside_fault),
+        "error_samples": [r.error for r in errors_outside_fault[:5]],
+        "completed_checked": len(done), "oracle_mismatches": len(mismatches), "mismatch_samples": mismatches[:3],
+        "streamed_checked": sum(r.stream for r in done), "non_streamed_checked": sum(not r.stream for r in done),
+        "oracle_s": round(time.monotonic() - started, 1), "oracle_batched": alone,
+        "in_process_oracle_equals_cli": cli_same, "node_loads_after": loads, "leaking_nodes": sorted(leaks),
+        "wait_excess_s": {"max": round(max(excess, default=0.0), 2), "over_limit": len(over),
+                          "p50": round(sorted(excess)[len(excess) // 2], 2) if excess else 0.0},
+        "fault_window_s": round(soak.fault_window[1] - soak.fault_window[0], 1) if len(soak.fault_window) == 2 else None,
+    }
+    report["failed"] = [name for name, bad in (
+        ("oracle", bool(mismatches)), ("oracle_batched", not alone["batched_equals_alone"]),
+        ("oracle_cli", not cli_same), ("leaks", bool(leaks)),
+        ("errors_outside_fault", bool(errors_outside_fault)), ("waits", bool(over)),
+        ("fault_not_done", report["fault_window_s"] is None)) if bad]
+    return report
+
+
+def leak_check(handle: ClusterHandle) -> tuple[dict, dict]:
+    """Once every node is idle (or 120 s passed): each node's load, and those that hold anything."""
     try:
         handle.wait_until(lambda: all(load.is_quiet and load.rows_used == 0 for load in handle.loads().values()), 120,
                           "every node to be idle")
@@ -255,25 +287,7 @@ def check(soak: Soak, oracle: Oracle) -> dict:
                                 "http_port_health": health_of(node.url)}
     leaks = {name: load for name, load in loads.items()
              if "error" in load or load["rows_used"] or load["leases"] or load["running"] or load["waiting"]}
-    cli = [run_oracle(sys.executable, handle.cluster.config.model, p, 8) for p in ("soak cli check", "tool plan")]
-    cli_same = all(list(c.token_ids) == oracle.generate(prompt_ids_of(p), 8).token_ids
-                   for c, p in zip(cli, ("soak cli check", "tool plan")))
-    over = sorted(e for e in excess if e > WAIT_LIMIT_S)
-    report = {
-        "requests": len(recs), "outcomes": outcomes, "errors_outside_fault": len(errors_outside_fault),
-        "error_samples": [r.error for r in errors_outside_fault[:5]],
-        "completed_checked": len(done), "oracle_mismatches": len(mismatches), "mismatch_samples": mismatches[:3],
-        "streamed_checked": sum(r.stream for r in done), "non_streamed_checked": sum(not r.stream for r in done),
-        "in_process_oracle_equals_cli": cli_same, "node_loads_after": loads, "leaking_nodes": sorted(leaks),
-        "wait_excess_s": {"max": round(max(excess, default=0.0), 2), "over_limit": len(over),
-                          "p50": round(sorted(excess)[len(excess) // 2], 2) if excess else 0.0},
-        "fault_window_s": round(soak.fault_window[1] - soak.fault_window[0], 1) if len(soak.fault_window) == 2 else None,
-    }
-    report["failed"] = [name for name, bad in (
-        ("oracle", bool(mismatches)), ("oracle_cli", not cli_same), ("leaks", bool(leaks)),
-        ("errors_outside_fault", bool(errors_outside_fault)), ("waits", bool(over)),
-        ("fault_not_done", report["fault_window_s"] is None)) if bad]
-    return report
+    return loads, leaks
 
 
 def main(argv: list[str] | None = None) -> int:
