@@ -69,8 +69,8 @@ class CachedTail:
     """Key of block index-1 (the root of its requests' chain for index 0): the full blocks the tail extends."""
     index: int
     """The partial block k: the tail holds tokens [k*B, end) of its sequence."""
-    tokens: tuple[int, ...]
-    """Token ids [k*B, end)."""
+    tokens: Sequence[int]
+    """Token ids [k*B, end) (`frozen_tokens`: a tuple, or an immutable sequence that compares by content)."""
     end: int
     attn_row: int
     kda_rows: tuple[int, ...]
@@ -101,15 +101,29 @@ def block_bytes(tokens: Sequence[int]) -> bytes:
     return b"".join(int(t).to_bytes(4, "little") for t in tokens)
 
 
+def frozen_tokens(tokens: Sequence[int]) -> Sequence[int]:
+    """An immutable copy of `tokens` that compares equal to another exactly when the tokens are equal (a tail's
+    `tokens`): a tuple, or the sequence itself when it encodes itself (`key_bytes()`, as in `block_bytes`: the
+    simulator's run-length sequences are immutable and compare by their canonical runs, so copying their
+    thousands of tokens into a tuple would only cost time)."""
+    if hasattr(tokens, "key_bytes"):
+        return tokens
+    return tuple(tokens)
+
+
 def chain_keys(tokens: Sequence[int], block_tokens: int, num_blocks: int, fingerprint: bytes,
                parent: bytes = ROOT, first: int = 0) -> list[bytes]:
     """Keys of blocks first..num_blocks-1 of `tokens`, chained from `parent` (the key of block first-1)."""
+    encode_blocks = getattr(tokens, "block_key_bytes", None)
+    if encode_blocks is not None:  # a sequence that encodes its blocks in one pass (sim/tokens.py)
+        encoded = encode_blocks(block_tokens, first, num_blocks)
+    else:
+        encoded = (block_bytes(tokens[k * block_tokens:(k + 1) * block_tokens]) for k in range(first, num_blocks))
     keys = []
-    for k in range(first, num_blocks):
-        h = hashlib.blake2b(digest_size=16)
-        h.update(parent)
+    for data in encoded:
+        h = hashlib.blake2b(parent, digest_size=16)
         h.update(fingerprint)
-        h.update(block_bytes(tokens[k * block_tokens:(k + 1) * block_tokens]))
+        h.update(data)
         parent = h.digest()
         keys.append(parent)
     return keys
@@ -194,7 +208,7 @@ class PrefixCache:
             k = tail.index
             if k > len(held) or (held[k - 1].key if k else root) != tail.parent or tail.end >= len(tokens):
                 continue
-            if (best is None or tail.end > best.end) and tuple(tokens[k * self.block_tokens:tail.end]) == tail.tokens:
+            if (best is None or tail.end > best.end) and frozen_tokens(tokens[k * self.block_tokens:tail.end]) == tail.tokens:
                 best = tail
         return best
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.api import SamplingParams
 from engine.cache import BlockTable, OutOfRows, RowPool
-from engine.prefix_cache import CachedBlock, CachedTail, PrefixCache, cache_root, chain_keys
+from engine.prefix_cache import CachedBlock, CachedTail, PrefixCache, cache_root, chain_keys, frozen_tokens
 
 MIN_CHUNK = 16
 """Fewest prompt tokens a step prefills while a prompt waits (so a full decode batch cannot starve it)."""
@@ -470,13 +470,13 @@ class Scheduler:
             row = self.pool.allocate(1)[0]
             self.pool.copy_rows([row], [req.table.attn_row_ids[k]])  # positions < n stay as written
             prompt_tail = CachedTail(parent=req.block_keys[k - 1] if k else req.cache_root, index=k,
-                                     tokens=tuple(req.prompt_token_ids[k * bt:n]), end=n, attn_row=row, kda_rows=state)
+                                     tokens=frozen_tokens(req.prompt_token_ids[k * bt:n]), end=n, attn_row=row, kda_rows=state)
             req.prompt_state = None
         tails: list[CachedTail] = []
         k = written // bt
         if written % bt and k < len(req.table.attn_row_ids) and len(req.block_keys) == k:
             tail = CachedTail(parent=req.block_keys[-1] if k else req.cache_root, index=k,
-                              tokens=tuple(req.token_at(k * bt, written)), end=written,
+                              tokens=frozen_tokens(req.token_at(k * bt, written)), end=written,
                               attn_row=req.table.attn_row_ids[k], kda_rows=tuple(req.table.kda_row_ids))
             req.given_rows = set(tail.rows)
             self.cache.add_tail(tail)

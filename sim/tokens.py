@@ -46,18 +46,21 @@ class TokenRuns(Sequence[int]):
                 merged.append((uid, offset, length))
         self._init(tuple(merged))
 
-    def _init(self, runs: tuple[tuple[int, int, int], ...]) -> None:
+    def _init(self, runs: tuple[tuple[int, int, int], ...], length: int | None = None) -> None:
         self.runs = runs
-        self._length = sum(r[2] for r in runs) if len(runs) > 1 else (runs[0][2] if runs else 0)
+        if length is None:
+            length = sum(r[2] for r in runs) if len(runs) > 1 else (runs[0][2] if runs else 0)
+        self._length = length
         self._ends_list: list[int] | None = None
         self._slices: dict[tuple[int, int], TokenRuns] | None = None
         self._key: bytes | None = None
 
     @classmethod
-    def _canonical(cls, runs: tuple[tuple[int, int, int], ...]) -> TokenRuns:
-        """From runs already canonical (a slice or a join of canonical sequences): no merging pass."""
+    def _canonical(cls, runs: tuple[tuple[int, int, int], ...], length: int | None = None) -> TokenRuns:
+        """From runs already canonical (a slice or a join of canonical sequences): no merging pass. `length`:
+        their token count, when the caller knows it."""
         obj = cls.__new__(cls)
-        obj._init(runs)
+        obj._init(runs, length)
         return obj
 
     @property
@@ -90,12 +93,12 @@ class TokenRuns(Sequence[int]):
         start = ends[first - 1] if first else 0
         if first == last:
             uid, offset, _ = runs[first]
-            return TokenRuns._canonical(((uid, offset + lo - start, hi - lo),))
+            return TokenRuns._canonical(((uid, offset + lo - start, hi - lo),), hi - lo)
         uid, offset, length = runs[first]
         head = (uid, offset + lo - start, start + length - lo)
         uid, offset, length = runs[last]
         tail = (uid, offset, hi - ends[last - 1])
-        return TokenRuns._canonical((head, *runs[first + 1:last], tail))
+        return TokenRuns._canonical((head, *runs[first + 1:last], tail), hi - lo)
 
     def __getitem__(self, index: int | slice) -> int | TokenRuns:  # type: ignore[override]
         n = self._length
@@ -140,6 +143,33 @@ class TokenRuns(Sequence[int]):
         if self._key is None:
             self._key = b"".join(_RUN.pack(*run) for run in self.runs)
         return self._key
+
+    def block_key_bytes(self, block_tokens: int, first: int, num_blocks: int) -> list[bytes]:
+        """`key_bytes()` of the slices [k*block_tokens, (k+1)*block_tokens) for k in first..num_blocks-1, in one
+        walk over the runs (engine/prefix_cache.py `chain_keys` keys a prompt's blocks with it). Equal to slicing
+        each block and encoding it: a block's runs are the runs it overlaps, cut at its edges."""
+        out: list[bytes] = []
+        if num_blocks <= first:
+            return out
+        pack, runs, ends = _RUN.pack, self.runs, self._ends
+        lo = first * block_tokens
+        i = bisect.bisect_right(ends, lo)  # the run holding token lo
+        start = ends[i - 1] if i else 0  # its first token's position
+        for _ in range(first, num_blocks):
+            hi = lo + block_tokens
+            parts = []
+            while i < len(runs):  # (a block past the end is cut short, as a slice is)
+                uid, offset, length = runs[i]
+                end = start + length
+                parts.append(pack(uid, offset + lo - start, min(end, hi) - lo))
+                if end > hi:
+                    break
+                i, start, lo = i + 1, end, end
+                if end == hi:
+                    break
+            out.append(b"".join(parts))
+            lo = hi
+        return out
 
     def extended(self, uid: int, count: int) -> TokenRuns:
         """This sequence followed by `count` more tokens of text `uid` (continuing its last run of `uid`)."""

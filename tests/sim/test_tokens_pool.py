@@ -56,3 +56,14 @@ def test_timeless_pool_sets_what_rowpool_sets() -> None:
     real, sim = RowPool(layout, cfg, 4), TimelessRowPool(layout, cfg, 4)
     assert set(vars(real)) == set(vars(sim))
     assert sim.allocate(3) == real.allocate(3)
+
+
+def test_block_keys_in_one_walk_match_sliced_blocks() -> None:
+    rng = random.Random(2)
+    for _ in range(300):
+        runs = TokenRuns(_random_runs(rng) * rng.randrange(1, 4))
+        block = rng.choice((1, 2, 3, 4, 8))
+        num = len(runs) // block + rng.randrange(2)  # one block past the end is cut short, as a slice is
+        first = rng.randrange(num + 1)
+        sliced = [runs[k * block:(k + 1) * block].key_bytes() for k in range(first, num)]
+        assert runs.block_key_bytes(block, first, num) == sliced
