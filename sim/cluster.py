@@ -40,6 +40,10 @@ from sim.stream import chunk_times
 from sim.tokens import Interner, TokenRuns
 
 
+LAST_PROMPTS = 4096
+"""Sessions whose latest prompt a cluster keeps for the next turn to extend (most recently sent first kept)."""
+
+
 @dataclass
 class _Node:
     """What `cluster.plan.router_config` reads of a planned node."""
@@ -92,6 +96,8 @@ class SimCluster:
         self.num_inflight = 0
         self._is_polling = False
         self._seq = 0
+        self.last_prompts: dict[str, TokenRuns] = {}
+        """Each session's latest prompt (sim/tokens.py `TokenRuns.continues`)."""
 
     def _add_pool(self, pool, nodes: list, record_chunks: bool) -> None:
         cfg = resolve_model(self.config.model_of(pool))
@@ -173,6 +179,13 @@ class _Flow:
         self.c, self.spec, self.concurrency, self.start, self.done = cluster, spec, concurrency, start, done
         self.origin, self.queued_s = origin, queued_s
         self.prompt: TokenRuns = cluster.profile.template.prompt(spec.messages, cluster.interner)
+        if spec.session_id:  # a turn re-sends the session's last prompt: its block encodings serve this one's
+            earlier = cluster.last_prompts.pop(spec.session_id, None)
+            if earlier is not None:
+                self.prompt.continues(earlier)
+            cluster.last_prompts[spec.session_id] = self.prompt
+            if len(cluster.last_prompts) > LAST_PROMPTS:  # the session least recently sent a turn
+                del cluster.last_prompts[next(iter(cluster.last_prompts))]
         self.times: list[float] = []
         self.num_tokens = 0
         self.prefill_cached: int | None = None

@@ -32,7 +32,7 @@ class TokenRuns(Sequence[int]):
     are remembered per sequence: the prefill and the decode instance key the same prompt's blocks, and a block
     published later is sliced again (a sequence is immutable, so a remembered slice stays right)."""
 
-    __slots__ = ("_ends_list", "_key", "_length", "_slices", "runs")
+    __slots__ = ("_blocks", "_ends_list", "_key", "_length", "_prefix", "_slices", "runs")
 
     def __init__(self, runs: Sequence[tuple[int, int, int]] = ()) -> None:
         merged: list[tuple[int, int, int]] = []
@@ -54,6 +54,10 @@ class TokenRuns(Sequence[int]):
         self._ends_list: list[int] | None = None
         self._slices: dict[tuple[int, int], TokenRuns] | None = None
         self._key: bytes | None = None
+        self._blocks: dict[int, list[bytes]] | None = None
+        """Per block size: the encodings of the first full blocks, as `block_key_bytes` computed them."""
+        self._prefix: TokenRuns | None = None
+        """An earlier sequence this one extends (`continues`), until its block encodings are taken over."""
 
     @classmethod
     def _canonical(cls, runs: tuple[tuple[int, int, int], ...], length: int | None = None) -> TokenRuns:
@@ -144,10 +148,38 @@ class TokenRuns(Sequence[int]):
             self._key = b"".join(_RUN.pack(*run) for run in self.runs)
         return self._key
 
+    def continues(self, earlier: TokenRuns) -> None:
+        """`earlier`'s runs are the first runs of this sequence (a session's previous prompt, which the next turn
+        re-sends): the block encodings computed for it serve this sequence's first blocks. Checked, not trusted."""
+        if len(earlier.runs) <= len(self.runs) and self.runs[:len(earlier.runs)] == earlier.runs:
+            self._prefix = earlier
+            earlier._prefix = None  # no chain of a session's prompts kept alive
+
     def block_key_bytes(self, block_tokens: int, first: int, num_blocks: int) -> list[bytes]:
-        """`key_bytes()` of the slices [k*block_tokens, (k+1)*block_tokens) for k in first..num_blocks-1, in one
-        walk over the runs (engine/prefix_cache.py `chain_keys` keys a prompt's blocks with it). Equal to slicing
-        each block and encoding it: a block's runs are the runs it overlaps, cut at its edges."""
+        """`key_bytes()` of the slices [k*block_tokens, (k+1)*block_tokens) for k in first..num_blocks-1
+        (engine/prefix_cache.py `chain_keys` keys a prompt's blocks with it). Equal to slicing each block and
+        encoding it: a block's runs are the runs it overlaps, cut at its edges. Full blocks are remembered per
+        block size (a prompt is keyed on its prefill and its decode instance) and taken over from the sequence
+        this one `continues`; the rest come from one walk over the runs."""
+        if num_blocks <= first:
+            return []
+        if self._blocks is None:
+            self._blocks = {}
+        memo = self._blocks.get(block_tokens)
+        if memo is None:
+            memo = self._blocks[block_tokens] = []
+            earlier = self._prefix
+            if earlier is not None and earlier._blocks is not None:
+                memo.extend(earlier._blocks.get(block_tokens, ()))  # full blocks of a prefix: the same tokens
+        num_full = min(num_blocks, self._length // block_tokens)
+        if len(memo) < num_full:
+            memo += self._walk_blocks(block_tokens, len(memo), num_full)
+        if num_blocks > num_full:  # a block past the end, cut short as a slice is (never remembered)
+            return memo[first:num_full] + self._walk_blocks(block_tokens, max(first, num_full), num_blocks)
+        return memo[first:num_blocks]
+
+    def _walk_blocks(self, block_tokens: int, first: int, num_blocks: int) -> list[bytes]:
+        """The encodings of blocks first..num_blocks-1, in one walk over the runs."""
         out: list[bytes] = []
         if num_blocks <= first:
             return out

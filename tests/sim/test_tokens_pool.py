@@ -67,3 +67,21 @@ def test_block_keys_in_one_walk_match_sliced_blocks() -> None:
         first = rng.randrange(num + 1)
         sliced = [runs[k * block:(k + 1) * block].key_bytes() for k in range(first, num)]
         assert runs.block_key_bytes(block, first, num) == sliced
+
+
+def test_block_keys_taken_over_from_an_earlier_prompt_match_sliced_blocks() -> None:
+    rng = random.Random(3)
+    for _ in range(300):
+        earlier = TokenRuns(_random_runs(rng))
+        later = TokenRuns(list(earlier.runs) + _random_runs(rng))
+        other = TokenRuns(_random_runs(rng) + _random_runs(rng))  # not an extension: nothing is taken over
+        block = rng.choice((1, 2, 3, 4))
+        earlier.block_key_bytes(block, 0, len(earlier) // block)
+        for seq in (later, other):
+            seq.continues(earlier)
+            num = len(seq) // block + rng.randrange(2)
+            first = rng.randrange(num + 1)
+            sliced = [seq[k * block:(k + 1) * block].key_bytes() for k in range(first, num)]
+            assert seq.block_key_bytes(block, first, num) == sliced
+            assert seq.block_key_bytes(block, 0, num) == [seq[k * block:(k + 1) * block].key_bytes()
+                                                          for k in range(num)]
