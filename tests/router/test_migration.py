@@ -158,3 +158,28 @@ async def _test_a_moved_non_streamed_answer_names_the_instance_that_answered() -
         resp = await client.post("/v1/completions", json=completion())
     assert resp.status_code == 200 and resp.headers["x-pdcluster-decode"] == "d2"
     assert resp.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
+
+
+def test_a_moved_stream_gets_a_new_prefill_leg_bound_to_its_new_decode_instance() -> None:
+    """The hand-off of the first placement names d1 as its reader; after d1's stream breaks, the request goes
+    to d2 through a new P leg whose hand-off names d2 (d2 would refuse one bound to d1)."""
+    asyncio.run(_test_a_moved_stream_gets_a_new_prefill_leg_bound_to_its_new_decode_instance())
+
+
+async def _test_a_moved_stream_gets_a_new_prefill_leg_bound_to_its_new_decode_instance() -> None:
+    from router.cache_view import CachePoller
+
+    prefill = FakeNode("p0", "prefill", engine_label="reference", tp_size=1)
+    lost = FakeNode("d1", "decode", num_tokens=6, engine_label="reference", tp_size=1, engine_id="engine-d1",
+                    cut_after=2)
+    other = FakeNode("d2", "decode", num_tokens=6, engine_label="reference", tp_size=1, engine_id="engine-d2")
+    async with router_harness([prefill, lost, other], specs=_decodes(prefill, lost, other)) as (client, app):
+        state = app.state.router
+        await CachePoller(state.registry, state.cache_view, state.client, 1.0, 5.0).poll_all()
+        chunks, events = await _stream(client, completion(max_tokens=6))
+    assert events[-1] == "[DONE]" and "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == \
+        "t0 t1 t2 t3 t4 t5 "
+    readers = [body["kv_transfer_params"].get("decode_engine_id") for body in prefill.bodies]
+    assert readers == ["engine-d1", "engine-d2"], readers
+    assert lost.bodies[0]["kv_transfer_params"]["decode_engine_id"] == "engine-d1"
+    assert other.bodies[0]["kv_transfer_params"]["decode_engine_id"] == "engine-d2"
