@@ -34,9 +34,10 @@ of the reference ops:
 Every rank ends with the same logits. World size 1 runs the single-rank computation (the collectives are
 no-ops). A step resuming at `start` > 0 reads the earlier keys from the pages and the KDA state from the rows.
 The attention time (indexer + sparse MLA; the device synchronised before and after) and the bytes this rank put
-into collectives are reported as engine/parallel/prefill.py reports them. Bytes rank r puts into the exchanges
-of one step of N tokens, n of them its own (h = H/W, h_K = H_K/W, e the activations' bytes: 2 in bf16; the
-hidden rows and outputs fp32):
+into collectives are reported as engine/parallel/prefill.py reports them (the MoE's apart, `moe_exchange_bytes`).
+Bytes rank r puts into the attention's and KDA's exchanges of one step of N tokens, n of them its own (h = H/W,
+h_K = H_K/W, e the activations' bytes: 2 in bf16; the hidden rows and outputs fp32; `all_logits` adds
+4 (W-1) n V; tests/engine/fast/test_tp_prefill.py counts them):
     per MLA layer:  4 (W-1) n d  +  e (W-1) N h v  +  4 (N-n) d/W
                     token mode adds  e (N-n) h (kv_lora + rope)  (all-to-all #1)  +  4 n (H-h) kv_lora  (#2)
     per KDA layer:  4 (W-1) n d  +  4 (W-1) N h_K d_K  +  4 (N-n) d/W
@@ -139,9 +140,12 @@ class _Step:
         self.stats.exchange_bytes += rows.numel() * rows.element_size() * (self.ctx.world_size - 1)
         return scatter_to_global(all_gather_varlen(self.ctx, rows.contiguous()), self.plans, [self.num_tokens])[0]
 
-    def exchange(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-        self.stats.exchange_bytes += sum(c.numel() * c.element_size() for r, c in enumerate(chunks)
-                                         if r != self.ctx.rank)
+    def exchange(self, chunks: list[torch.Tensor], moe: bool = False) -> list[torch.Tensor]:
+        sent = sum(c.numel() * c.element_size() for r, c in enumerate(chunks) if r != self.ctx.rank)
+        if moe:
+            self.stats.moe_exchange_bytes += sent
+        else:
+            self.stats.exchange_bytes += sent
         return all_to_all_list(self.ctx, [c.contiguous() for c in chunks])
 
     def to_global(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -209,8 +213,8 @@ class _Step:
                                                          cfg.routed_scaling_factor, f["latent"])
         owner = ids // dec.per_rank                                                 # [rows, k]
         wanted = [(owner == r).any(1).nonzero().flatten() for r in range(world)]
-        z_in = self.exchange([z[rows] for rows in wanted])
-        ids_in = self.exchange([ids[rows] for rows in wanted])
+        z_in = self.exchange([z[rows] for rows in wanted], moe=True)
+        ids_in = self.exchange([ids[rows] for rows in wanted], moe=True)
         pairs, counts = [], []
         for zr, ir in zip(z_in, ids_in):
             mine = (ir >= dec.first) & (ir < dec.first + dec.per_rank)
@@ -219,7 +223,7 @@ class _Step:
             counts.append(int(pr.shape[0]))
         out = expert_pairs(torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs]), f["w1"], f["w3"],
                            f["w2"])
-        returned = self.exchange(list(out.split(counts)))
+        returned = self.exchange(list(out.split(counts)), moe=True)
         slots = z.new_zeros(ids.shape[0], ids.shape[1], z.shape[1])
         for r, rows in enumerate(wanted):
             pr, pc = (owner[rows] == r).nonzero(as_tuple=True)

@@ -65,7 +65,10 @@ class PrefillStats:
     """Indexer + sparse MLA (incl. reading and dequantising the cache) on this rank."""
     total_s: float = 0.0
     exchange_bytes: int = 0
-    """Bytes this rank put into all_gather / all_to_all."""
+    """Bytes this rank put into the attention's and KDA's all_gather / all_to_all (docs/SHARDING.md's formulas)."""
+    moe_exchange_bytes: int = 0
+    """Bytes this rank put into the expert-parallel MoE's all_to_all (the fast prefill counts them; the reference's
+    `ExpertParallelMoE` does not)."""
     selections: list[list[torch.Tensor]] = field(default_factory=list)
     """With record_selections: per MLA layer, per request, this rank's [q, k] selections (own queries)."""
     selection_positions: list[list[torch.Tensor]] = field(default_factory=list)

@@ -139,13 +139,14 @@ def fast_prefill(ctx: ParallelContext, cfg, prompt: torch.Tensor, mode: str, dty
     pool = RowPool(layout, cfg, 8)
     table = pool.allocate_request(prompt.numel())
     prefiller = TPFastPrefiller(TPFastDecoder(model, layout, ctx, dtype))
-    logits, exchanged = [], 0
+    logits, exchanged, moe = [], 0, 0
     for lo, hi, step_mode in ((0, split, "token"), (split, prompt.numel(), mode)):
         if hi > lo:
             res = prefiller.prefill(pool.buffer, prompt[lo:hi], table.attn_row_ids, table.kda_row_ids, lo, step_mode,
                                     all_logits=True)
             logits.append(res.logits)
             exchanged += res.stats.exchange_bytes
+            moe += res.stats.moe_exchange_bytes
     recurrent, conv = kda_state_views(pool.buffer, layout, table.kda_row_ids[0], 0, prefiller.conv_dtype)
     return {"logits": torch.cat(logits), "recurrent": recurrent.clone(), "conv": conv.clone(),
-            "attention_rows": pool.buffer[table.attn_row_ids].clone(), "exchange_bytes": exchanged}
+            "attention_rows": pool.buffer[table.attn_row_ids].clone(), "exchange_bytes": exchanged, "moe_exchange_bytes": moe}

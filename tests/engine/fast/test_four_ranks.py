@@ -2,7 +2,7 @@
 experts of kimi-k3.1-mini per rank, d_model/4 output rows): CPU, Triton interpreter, fp32 copies. The same checks
 and bounds as on 2 ranks against the single-rank fast path (test_tp_decode.py, test_tp_prefill.py): the TP decode
 within 1e-4 of the logit range, the token- and head-sharded prefill within 1e-4, greedy tokens equal, every rank's
-logits bitwise equal. Its own pool of 4 ranks: the 2-rank files' pools have 2."""
+logits bitwise equal, the prefill's exchanged bytes the formula's. Its own pool of 4 ranks: the 2-rank files' pools have 2."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from engine.parallel.groups import RankPool
 from engine.parallel.kda_shard import head_range
 from tests.engine.fast import _tp_ranks
 from tests.engine.fast.test_tp_decode import FIRST, MINI, STEPS, _prompts, check_against_single_rank
-from tests.engine.fast.test_tp_prefill import TINY, _prompt, _single_rank
+from tests.engine.fast.test_tp_prefill import TINY, _prompt, _single_rank, exchange_formula
 
 pytestmark = [pytest.mark.process,
               pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on the CPU: an interpreter test")]
@@ -47,3 +47,4 @@ def test_four_rank_fast_prefill_matches_single_rank(pool4, mode: str) -> None:
         assert torch.equal(got, results[0]["logits"]), "the ranks must agree bitwise"
         lo, hi = head_range(TINY, 4, rank)
         torch.testing.assert_close(res["recurrent"], want["recurrent"][lo:hi], rtol=1e-4, atol=1e-5)
+        assert res["exchange_bytes"] == exchange_formula(4, rank, mode), f"rank {rank}'s bytes"

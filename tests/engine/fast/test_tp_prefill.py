@@ -7,7 +7,8 @@ heads, 16 experts), each rank on its shard of the weights (its MLA and KDA heads
   ones on a rank's heads, the experts' pair outputs on their owner, the KDA core on a rank's heads; measured
   here: equal),
   the ranks' logits and attention rows bitwise equal (the rows are replicated), each rank's KDA recurrent and
-  conv state its heads' share of the single rank's; the collectives moved bytes. Mini's indexer has 4 heads, so
+  conv state its heads' share of the single rank's; the bytes each rank put into the attention's and KDA's
+  exchanges are engine/parallel/fast_prefill.py's formula (`exchange_formula`), the MoE's moved bytes. Mini's indexer has 4 heads, so
   many keys score exactly 0 (every head's ReLU at 0) and tie at the k-th score: each piece of the prompt is
   scored over rows as wide as the prompt's keys, so top-k breaks those ties as in the one-shot prefill (with
   rows as wide as the piece, 12% of the logits moved by up to 1.3% of their range);
@@ -34,6 +35,7 @@ from engine.model.config import get_preset
 from engine.model.weights import build_model
 from engine.parallel.groups import RankPool
 from engine.parallel.kda_shard import head_range
+from engine.parallel.shard_plan import all_plans
 from tests.engine.fast import _tp_ranks
 
 cpu_ranks = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on the CPU: an interpreter test")
@@ -71,7 +73,22 @@ def single_rank() -> dict:
     return _single_rank()
 
 
-def _check(results: list[dict], want: dict, label: str) -> None:
+def exchange_formula(world_size: int, rank: int, mode: str) -> int:
+    """engine/parallel/fast_prefill.py's docstring (docs/SHARDING.md): the bytes rank r puts into one step's
+    attention and KDA exchanges, fp32 activations (e = 4), every token's logits gathered; n = the rank's tokens."""
+    cfg, w, total = TINY, world_size, LENGTH
+    n = all_plans([total], w, "zigzag" if mode == "token" else "contiguous")[rank].num_rows
+    d, h, hk = cfg.d_model, cfg.num_heads // w, cfg.kda_num_heads // w
+    output = 4 * (total - n) * d // w
+    mla = 4 * (w - 1) * n * d + 4 * (w - 1) * total * h * cfg.v_head_dim + output
+    if mode == "token":
+        mla += 4 * (total - n) * h * cfg.latent_dim + 4 * n * (cfg.num_heads - h) * cfg.kv_lora_rank
+    kda = 4 * (w - 1) * n * d + 4 * (w - 1) * total * hk * cfg.kda_head_dim + output
+    return cfg.num_mla_layers * mla + cfg.num_kda_layers * kda + 4 * (w - 1) * n * cfg.vocab_size
+
+
+def _check(results: list[dict], want: dict, label: str, mode: str | None = None) -> None:
+    """`mode`: one step of that mode, whose exchanged bytes must be the formula's."""
     span = float(want["logits"].max() - want["logits"].min())
     for rank, res in enumerate(results):
         got = res["logits"]
@@ -81,7 +98,9 @@ def _check(results: list[dict], want: dict, label: str) -> None:
         lo, hi = head_range(TINY, 2, rank)
         torch.testing.assert_close(res["recurrent"], want["recurrent"][lo:hi], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(res["conv"], want["conv"][lo:hi], rtol=1e-4, atol=1e-5)
-        assert res["exchange_bytes"] > 0
+        assert res["moe_exchange_bytes"] > 0
+        if mode is not None:
+            assert res["exchange_bytes"] == exchange_formula(len(results), rank, mode), f"rank {rank}'s bytes"
     assert torch.equal(results[0]["logits"], results[1]["logits"]), "the ranks must agree bitwise"
     assert torch.equal(results[0]["attention_rows"], results[1]["attention_rows"]), "the rows are replicated"
 
@@ -91,7 +110,7 @@ def _check(results: list[dict], want: dict, label: str) -> None:
 @cpu_ranks
 def test_two_rank_fast_prefill_matches_single_rank(pool2, single_rank, mode: str) -> None:
     results = pool2.run(_tp_ranks.fast_prefill, TINY, _prompt(), mode, torch.float32)
-    _check(results, single_rank, f"fast {mode}-sharded prefill (2 ranks)")
+    _check(results, single_rank, f"fast {mode}-sharded prefill (2 ranks)", mode)
 
 
 @pytest.mark.process
