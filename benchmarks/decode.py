@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kernels", default="reference", choices=["reference", "fast"],
                         help="fast: the fast TP / DCP decoders over packed row pools "
-                             "(CPU: only under TRITON_INTERPRET=1)")
+                             "(CPU: under the Triton interpreter, turned on here: slow)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if (args.device == "cuda") != (args.backend == "nccl"):
@@ -231,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernels == "fast" and min(args.world_sizes) < 2:
         parser.error("--kernels fast compares the fast TP and DCP decoders on W >= 2 ranks (a DCP pool of one rank "
                      "is the TP pool); the single-rank fast decode is measured by benchmarks/engine.py")
+
+    if args.kernels == "fast" and args.device == "cpu":  # the Triton kernels on CPU: the interpreter (slow)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
     from engine.parallel.groups import RankPool
 
