@@ -12,7 +12,8 @@ Per cluster, the launcher also provides what reference nodes need beyond their c
 - a cluster secret, generated at start into `<log dir>/cluster.secret` (mode 0600), named by
   `PREFILL_/DECODE_/ROUTER_CLUSTER_SECRET_FILE` (never the secret itself on a command line); hand-offs and the
   control requests between the router and the nodes (kv_transfer/cluster_auth.py) are signed with it;
-- `DECODE_PREFILL_PEERS`: the reference prefill instances, the only ones a decode node reads from;
+- `DECODE_PREFILL_PEERS`: the reference prefill instances and the other reference decode instances (whose streams
+  it takes over with their KV when they drain: decode_node/moves.py), the only ones a decode node reads from;
 - `PREFILL_/DECODE_METRICS_PORT`: a separate /metrics port per node (`metrics_urls` points there).
 A pool's own `env` / `settings` naming any of these wins.
 
@@ -167,7 +168,8 @@ class Cluster:
         if f"{prefix}METRICS_PORT" not in given and plan.name in self.metrics_ports:
             env[f"{prefix}METRICS_PORT"] = str(self.metrics_ports[plan.name])
         if plan.role == "decode" and "DECODE_PREFILL_PEERS" not in given:
-            peers = [f"{p.host}:{p.port}" for p in self.node_plans if p.role == "prefill" and p.engine == "reference"]
+            peers = [f"{p.host}:{p.port}" for p in self.node_plans if p.engine == "reference" and (
+                p.role == "prefill" or (p.role == "decode" and p.name != plan.name))]  # decode: moves on drain
             env["DECODE_PREFILL_PEERS"] = json.dumps(peers)
         return env
 

@@ -1,8 +1,10 @@
 """The decode node's FastAPI app: OpenAI endpoints (remote-prefill import or colocated generation),
-/health, /v1/models, /metrics, /abort_requests. TP pool (`--tp B`) or DCP pool (`--dcp W`).
+/health, /v1/models, /metrics, /abort_requests, and the NIXL side channel (agent metadata of every rank, the
+claim and abort of the leases on streams it moves out on drain: decode_node/moves.py). TP pool (`--tp B`) or DCP
+pool (`--dcp W`).
 
 Its ranks run the shared worker with `RankImporter` (decode_node/rank_importer.py) as their role; its runtime's
-hand-off owner is the `Importer` (decode_node/importer.py).
+hand-off owner is the `Importer` (decode_node/importer.py), which holds the node's `Moves`.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from fastapi.responses import Response
 
 from decode_node.admission import ImportQueue
 from decode_node.handoff import HandoffGate
-from decode_node.importer import Importer, serve_remote
+from decode_node.importer import Importer, serve_here, serve_remote
+from decode_node.moves import Moves
 from decode_node.peers import PeerDirectory
 from decode_node.settings import Settings
+from kv_transfer.exporter import Exporter, ExportIdentity
 from kv_transfer.geometry import Geometry
+from kv_transfer.side_channel import InstanceMetadata, RankMetadata, side_channel_router
 from node.app import build_app
 from node.executor import Executor
-from node.local import serve_local
 from node.metrics import NodeMetrics
 from node.rank import RankInfo
 from node.runtime import NodeRuntime, start_runtime, worker_config
@@ -40,7 +44,19 @@ async def handle(runtime: NodeRuntime[Importer], prepared: PreparedRequest, requ
                        "kv_transfer_params")
     if params is not None and params.do_remote_prefill:
         return await serve_remote(runtime, prepared, request, params)
-    return await serve_local(runtime, prepared, request)
+    return await serve_here(runtime, prepared, request)
+
+
+def _moves(settings: Settings, executor: Executor, metrics: NodeMetrics, head: RankInfo) -> Moves:
+    """What this node moves out on drain: nothing on a DCP pool (a reader's remap takes TP rows) or without a
+    transport (no rank endpoint to read from)."""
+    if not settings.move_on_drain or settings.dcp > 1 or head.endpoint is None:
+        return Moves(None, settings.move_wait_s)
+    identity = ExportIdentity(engine_id=settings.engine_id, host=settings.public_host, port=settings.port,
+                              tp_size=settings.world_size, block_size=head.block_size,
+                              subblock_tokens=head.subblock_tokens, layout_fingerprint=head.layout_fingerprint)
+    exporter = Exporter(identity, executor, metrics, settings.move_lease_s, secret=settings.handoff_secret())
+    return Moves(exporter, settings.move_wait_s)
 
 
 def _importer(settings: Settings, gate: HandoffGate, peers: PeerDirectory
@@ -51,7 +67,7 @@ def _importer(settings: Settings, gate: HandoffGate, peers: PeerDirectory
         return Importer(gate=gate, peers=peers,
                         queue=ImportQueue(settings.import_queue_depth, settings.import_queue_wait_s),
                         geometry=Geometry(settings.world_size, settings.dcp, head.block_size, head.layout_fingerprint),
-                        policy=settings.kv_load_failure_policy)
+                        policy=settings.kv_load_failure_policy, moves=_moves(settings, executor, metrics, head))
     return build
 
 
@@ -74,11 +90,66 @@ def create_app(settings: Settings) -> FastAPI:
             await peers.close()
             raise
         app.state.runtime = runtime
+        sweeper = asyncio.create_task(_sweep(runtime.handoff.moves.exporter, settings.move_lease_s / 4))
         try:
             yield
         finally:
+            sweeper.cancel()
             app.state.runtime = None
             await peers.close()
             await asyncio.to_thread(runtime.executor.stop)
 
-    return build_app(f"pdcluster decode node ({settings.pool})", handle, lifespan, settings)
+    def running() -> NodeRuntime[Importer]:
+        runtime = getattr(app.state, "runtime", None)
+        if runtime is None:
+            raise APIError(503, "the node is starting")
+        return runtime
+
+    def metadata() -> InstanceMetadata:
+        ranks: list[RankInfo] = running().executor.startup_info
+        head = ranks[0]
+        return InstanceMetadata(
+            engine_id=settings.engine_id, model=settings.engine.model, layout_fingerprint=head.layout_fingerprint,
+            tp_size=settings.world_size, dcp_size=settings.dcp, block_size=head.block_size,
+            subblock_tokens=head.subblock_tokens, row_bytes=head.row_bytes, num_rows=head.num_rows,
+            kda_groups=head.kda_groups,
+            ranks=[RankMetadata.from_endpoint(info.endpoint) for info in ranks if info.endpoint is not None])
+
+    app = build_app(f"pdcluster decode node ({settings.pool})", handle, lifespan, settings)
+    app.include_router(side_channel_router(metadata, app.state.control_guard, _MoveLeases(running)))
+    default_hand_off = app.state.hand_off
+
+    def hand_off() -> None:
+        """Move the running streams with their KV (decode_node/moves.py); without moves, end them with a 503."""
+        runtime = getattr(app.state, "runtime", None)
+        if runtime is None or runtime.handoff.moves.exporter is None:
+            default_hand_off()
+            return
+        runtime.handoff.moves.hand_off(runtime)
+    app.state.hand_off = hand_off
+    return app
+
+
+async def _sweep(exporter: Exporter | None, every_s: float) -> None:
+    while exporter is not None:
+        await asyncio.sleep(every_s)
+        exporter.sweep()
+
+
+class _MoveLeases:
+    """The leases on moved streams as the side channel's lease control (kv_transfer/side_channel.py)."""
+
+    def __init__(self, running: Callable[[], NodeRuntime[Importer]]) -> None:
+        self._running = running
+
+    def _exporter(self) -> Exporter:
+        exporter = self._running().handoff.moves.exporter
+        if exporter is None:
+            raise APIError(404, "this decode node moves no stream out")
+        return exporter
+
+    def abort(self, lease_id: str, reader: str) -> bool:
+        return self._exporter().abort_lease(lease_id, reader)
+
+    def claim(self, lease_id: str, reader: str) -> dict[int, bytes]:
+        return self._exporter().claim(lease_id, reader)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import httpx
@@ -33,8 +33,9 @@ from fastapi.responses import Response
 
 from decode_node.admission import ImportQueue
 from decode_node.handoff import HandoffGate
+from decode_node.moves import Moves
 from decode_node.peers import Address, PeerDirectory
-from engine.api import ImportKV, ImportOutcome, StartDecode
+from engine.api import HandOffAbort, ImportKV, ImportOutcome, StartDecode
 from kv_transfer.geometry import Geometry
 from kv_transfer.params import KVParamsError, KVTransferParams, check_readable
 from kv_transfer.remap import pair_problems
@@ -42,7 +43,7 @@ from kv_transfer.side_channel import InstanceMetadata
 from kv_transfer.signing import lease_key
 from node.app import NodeBusy, until_disconnect
 from node.local import respond, serve_local
-from node.runtime import HandOffAbort, NodeRuntime
+from node.runtime import NodeRuntime
 from node.textgen import PreparedRequest
 from serving.errors import APIError
 
@@ -61,17 +62,22 @@ class Importer:
     """This node's pairing geometry (world size, DCP size, block size, layout fingerprint)."""
     policy: Literal["fail", "recompute"] = "recompute"
     """A failed KV read: `fail` answers 502 (rows released on both sides), `recompute` prefills here."""
+    moves: Moves = field(default_factory=lambda: Moves(None))
+    """The streams this node moves out on drain, and the leases on their rows (decode_node/moves.py)."""
 
     def holds(self, request_id: str) -> bool:
-        return False  # an import's rows belong to its request, which is in flight while they do
+        return self.moves.holds(request_id)  # an import's rows belong to its request, in flight while they do
 
     def abort(self, request_id: str, in_flight: Iterable[str] = ()) -> HandOffAbort:
-        # the ranks' Abort cancels an import's READs (decode_node/rank_importer.py); until then they may write
-        return HandOffAbort(ended=False, reads_done=False)
+        """A moved stream's lease ends (the ranks' Abort cancels an import's READs: decode_node/rank_importer.py;
+        until then they may write, so the rows go to quarantine either way)."""
+        exporter = self.moves.exporter
+        ended = exporter is not None and exporter.abort(request_id, in_flight).ended
+        return HandOffAbort(ended=ended, reads_done=False)
 
     @property
     def num_outstanding(self) -> int:
-        return 0
+        return self.moves.num_outstanding
 
 
 def _check_request(prepared: PreparedRequest, params: KVTransferParams) -> None:
@@ -108,6 +114,12 @@ async def _admit(runtime: NodeRuntime[Importer], prepared: PreparedRequest, para
     return info
 
 
+async def serve_here(runtime: NodeRuntime[Importer], prepared: PreparedRequest, request: Request) -> Response:
+    """Prefill and decode on this node (node/local.py), the stream movable on drain (decode_node/moves.py)."""
+    return await serve_local(runtime, prepared, request,
+                             lambda events: runtime.handoff.moves.watch(runtime, prepared, events))
+
+
 async def serve_remote(runtime: NodeRuntime[Importer], prepared: PreparedRequest, request: Request,
                        params: KVTransferParams) -> Response:
     """Import the prefill node's rows and decode."""
@@ -127,7 +139,7 @@ async def serve_remote(runtime: NodeRuntime[Importer], prepared: PreparedRequest
             await peers.release(address, params.lease_id, reader)
         if exc.status == 502 and policy == "recompute":  # the prefill node is unreachable: a KV load failure
             runtime.metrics.failed_transfers.inc()
-            return await serve_local(runtime, prepared, request)
+            return await serve_here(runtime, prepared, request)
         raise
     first = params.first_token(prepared.request_id, len(prepared.prompt_token_ids))
     notify_key = b"" if gate.secret is None else lease_key(gate.secret, str(params.lease_id))
@@ -152,17 +164,20 @@ async def serve_remote(runtime: NodeRuntime[Importer], prepared: PreparedRequest
             await peers.release(address, params.lease_id, reader)
         reason = outcome.error if isinstance(outcome, ImportOutcome) else getattr(outcome, "error", "import failed")
         if policy == "recompute":
-            return await serve_local(runtime, prepared, request)
+            return await serve_here(runtime, prepared, request)
         raise APIError(502, f"KV transfer from {params.remote_engine_id} failed: {reason}")
     runtime.metrics.xfer_time.observe(outcome.seconds)
     runtime.metrics.xfer_bytes.observe(outcome.num_bytes)
+    if params.transfer_mode == "move":  # a stream moved here from a draining decode instance
+        runtime.metrics.kv_moved_bytes.inc(outcome.num_bytes)
+        runtime.metrics.kv_moved_reads.inc()
     if outcome.num_descriptors:
         runtime.metrics.xfer_descs.observe(outcome.num_descriptors)
     for post_s in outcome.post_s:
         runtime.metrics.post_time.observe(post_s)
     runtime.executor.submit(StartDecode(request_id=prepared.request_id))
     # usage.cached_tokens: the prompt tokens this node already held and did not read (the engine's events carry them)
-    out = respond(runtime, prepared, request, events, started)
+    out = respond(runtime, prepared, request, importer.moves.watch(runtime, prepared, events), started)
     response = out if prepared.stream else await out
     response.headers[KV_TRANSFER_HEADER] = f"{outcome.seconds:.6f}"  # the router's `kv_transfer` leg
     return response

@@ -10,7 +10,10 @@ the shared worker (node/worker.py) calls:
   rank carrying one descriptor per merged row range, with the lease's DONE notification;
 - `step()`, after every engine step: one non-blocking poll of every import in flight
   (kv_transfer.reads.PendingReads), so decode steps of other requests go on while a READ is in flight or stalled;
-- `abort(request_id)`: cancel that request's READs.
+- `abort(request_id)`: cancel that request's READs;
+- a stream it moves out on drain (`MoveOut`: the engine exports it, decode_node/moves.py) is exposed and its
+  readers' DONE messages drained by the rank's `RankExporter` (kv_transfer/rank_exporter.py) over the same
+  transport, as a prefill rank does; its `Release` or an `Abort` deregisters the rows.
 Invariant: each rank answers exactly one `ImportOutcome` per `ImportKV` it applied - when its READs are all DONE,
 when one fails or the import's deadline (`config.kv.timeout_s`) passes, at once if it cannot post, or when an
 `Abort` cancels it - and it has released every READ handle by then. `uncancelled` on the outcome says NIXL
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 
 from engine.api import Command, Event, ImportKV, ImportOutcome, RankEngine
 from kv_transfer.importer import post_import
+from kv_transfer.rank_exporter import RankExporter
 from kv_transfer.reads import PendingReads
 from kv_transfer.transport import KVTransport
 from node.rank import WorkerConfig
@@ -50,13 +54,15 @@ class RankImporter:
         self.timeout_s = timeout_s
         """An import's deadline from its post (the node's `kv.timeout_s`)."""
         self._imports: dict[str, _Import] = {}
+        self.exports = RankExporter(rank, transport)
+        """The streams this rank moves out (exposed for their lease alone)."""
 
     def _error(self, request_id: str, exc: BaseException | str, uncancelled: bool = False) -> ImportOutcome:
         reason = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
         return ImportOutcome(request_id=request_id, error=f"rank {self.rank}: {reason}", uncancelled=uncancelled)
 
     def apply(self, cmd: Command) -> list[Event] | None:
-        return self._post(cmd) if isinstance(cmd, ImportKV) else None
+        return self._post(cmd) if isinstance(cmd, ImportKV) else self.exports.apply(cmd)
 
     def _post(self, cmd: ImportKV) -> list[Event]:
         """Allocate, plan and post the READs (`cmd.params` were checked by the decode node; `cmd.peer` is the
@@ -96,10 +102,11 @@ class RankImporter:
                                         seconds=time.perf_counter() - imp.started,
                                         num_descriptors=sum(r.descriptors for r in results),
                                         post_s=tuple(r.post_s for r in results), uncancelled=not clean))
-        return events
+        return events + self.exports.step(engine_events)
 
     def abort(self, request_id: str) -> list[Event]:
         """An abort reached an import in flight: cancel its READs; its one outcome says whether they were."""
+        self.exports.abort(request_id)
         imp = self._imports.pop(request_id, None)
         if imp is None:
             return []
@@ -109,8 +116,7 @@ class RankImporter:
         for imp in self._imports.values():
             imp.reads.close()
         self._imports.clear()
-        if self.transport is not None:
-            self.transport.close()
+        self.exports.close()  # its exposures, then the transport
 
 
 def build_rank_importer(config: WorkerConfig, rank: int, engine: RankEngine) -> RankImporter:

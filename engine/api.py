@@ -209,6 +209,17 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class HandOffAbort:
+    """What a hand-off owner's `abort` found (node/runtime.py `HandOff`; the ranks' `Abort` carries `reads_done`)."""
+
+    ended: bool
+    """Something the hand-off kept for the request ended (a lease)."""
+    reads_done: bool
+    """No READ can target the request's rows from now on: the ranks' `Abort` frees them at once, not into
+    quarantine (engine/api.py `Abort`)."""
+
+
+@dataclass(frozen=True)
 class Release:
     """End export `generation` of `request_id` (its lease ended). Never by row ids: a release that names an
     export no longer live frees nothing. `reads_done`: every READ finished, the rows are free at once; else
@@ -227,7 +238,18 @@ class HoldRows:
     request_id: str
 
 
-Command = Submit | ImportKV | StartDecode | Abort | Release | HoldRows
+@dataclass(frozen=True)
+class MoveOut:
+    """Hand a running request to another decode instance (a planned move: a drain): its next decode step writes the
+    KV of its last token as usual, but the token it samples is not emitted: the request is exported instead
+    (`ExportedRows`: prompt + outputs so far, that token as the first one the next instance streams) and its rows
+    wait for a reader, as a prefill node's export does. A request that is not decoding (queued, prefilling,
+    importing, gone) is left as it is: the node ends those the old way."""
+
+    request_id: str
+
+
+Command = Submit | ImportKV | StartDecode | Abort | Release | HoldRows | MoveOut
 
 
 @dataclass(frozen=True)
@@ -283,12 +305,15 @@ class ImportOutcome:
 
 @dataclass(frozen=True)
 class EngineFailure:
-    """The request cannot continue (bad input found by the engine, or a rank died)."""
+    """The request cannot continue (bad input found by the engine, or a rank died), or it continues elsewhere."""
 
     request_id: str
     error: str
     status: int = 500
     is_final: bool = True
+    kv_transfer_params: dict | None = None
+    """A stream moved out on drain (decode_node/moves.py): the signed params another decode instance continues it
+    with, sent to the router in the stream's last (error) event."""
 
 
 @dataclass(frozen=True)

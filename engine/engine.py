@@ -52,6 +52,7 @@ from engine.api import (
     Event,
     HoldRows,
     ImportKV,
+    MoveOut,
     ImportRows,
     RankStats,
     Release,
@@ -146,6 +147,8 @@ class Engine:
         """Imports waiting for StartDecode -> the prefill node's first token (`import_kv`)."""
         self._reported_cache: tuple | None = None
         """What the last CacheReport of `rank_stats` depended on."""
+        self._moving: set[str] = set()
+        """Running requests to export at their next decode step (`MoveOut`)."""
 
     @property
     def _parallelism(self) -> str:
@@ -208,6 +211,7 @@ class Engine:
         """End a request wherever it is; an exported or importing one's rows are quarantined, not freed, unless
         `reads_done` (no READ can target them: an export no reader claimed)."""
         self._import_firsts.pop(request_id, None)
+        self._moving.discard(request_id)
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return False
@@ -248,8 +252,24 @@ class Engine:
                 written = req.num_tokens  # the step wrote the KV of position num_tokens - 1
                 if written % bt == 0:
                     self.scheduler.publish(req, written, snapshot=True)
-                out.tokens.append(self._append(req, self._sample(req, logits[i])))
+                tok = self._sample(req, logits[i])
+                if req.request_id in self._moving:
+                    out.exported.append(self._move_out(req, tok))
+                else:
+                    out.tokens.append(self._append(req, tok))
         return out
+
+    def _move_out(self, req: Request, tok: SampledToken) -> PrefillResult:
+        """Export a running request (`MoveOut`): the rows hold the KV of prompt + outputs (this step wrote the
+        last one's) and the KDA state after them; `tok` is the next token, which the reader streams first."""
+        self._moving.discard(req.request_id)
+        self.scheduler.export(req)
+        assert req.table is not None
+        num_tokens = req.num_tokens
+        num_attn = -(-num_tokens // self.layout.block_size)
+        return PrefillResult(req.request_id, tuple(req.table.attn_row_ids[:num_attn]), tuple(req.table.kda_row_ids),
+                             num_tokens, tok.token_id, tok.logprob, req.generation, tok.top_logprobs,
+                             req.num_cached_tokens)
 
     @staticmethod
     def _sample(req: Request, logits: torch.Tensor) -> SampledToken:
@@ -426,6 +446,11 @@ class Engine:
             return []
         if isinstance(cmd, HoldRows):
             self.hold(cmd.request_id)
+            return []
+        if isinstance(cmd, MoveOut):
+            req = self.scheduler.requests.get(cmd.request_id)
+            if req is not None and req.state == RequestState.RUNNING:
+                self._moving.add(cmd.request_id)
             return []
         if isinstance(cmd, ImportKV):
             raise ValueError(f"ImportKV {cmd.request_id!r} needs a transport to fill its rows: import_kv allocates them")

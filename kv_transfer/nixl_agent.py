@@ -15,7 +15,9 @@ Decode side, per request and D rank: kv_transfer.importer plans the reads and kv
 READ per source P rank carrying a DONE notification for the lease) and polls them without blocking; a READ loads
 its lease's sections (`RankEndpoint.sections`) into the peer's entry first (at most MAX_SECTIONS per peer: past
 that, the entry is dropped and reloaded when no READ from that peer runs); a read still running after
-`repost_after_s` is cancelled and posted once more on a fresh endpoint (`repost`).
+`repost_after_s` is cancelled and posted once more on a fresh endpoint (`repost`). A decode rank
+(`per_lease=True, register_pool=True`) has its whole pool registered as its READs' target and, like a prefill
+rank, serves readers only what `expose` names: the rows of a stream it moves out on drain (decode_node/moves.py).
 UCX configuration: kv_transfer.ucx_env.
 """
 
@@ -85,7 +87,7 @@ class NixlTransport:
     """One rank's NIXL agent with its pool registered once (see the module docstring)."""
 
     def __init__(self, agent_name: str, pool: Any, row_bytes: int, settings: KVTransferSettings | None = None,
-                 peer_is_local: bool = True, per_lease: bool = False) -> None:
+                 peer_is_local: bool = True, per_lease: bool = False, register_pool: bool | None = None) -> None:
         self.settings = settings or KVTransferSettings()
         self.base_addr, self.pool_bytes, self.mem_type, self.device_id = _buffer_addr(pool)
         self.ucx_tls = resolve_ucx_tls(self.settings.ucx_tls, self.mem_type)
@@ -111,8 +113,10 @@ class NixlTransport:
         self.num_rows = self.pool_bytes // row_bytes
         self._api = api
         self.per_lease = per_lease
-        """Register only what `expose` names (a prefill rank), not the whole pool."""
-        self._reg = None if per_lease else self._agent.register_memory(
+        """Readers address only what `expose` names (the endpoint carries the connection, no memory)."""
+        if register_pool is None:
+            register_pool = not per_lease
+        self._reg = None if not register_pool else self._agent.register_memory(
             [(self.base_addr, self.pool_bytes, self.device_id, "")], self.mem_type)
         self._peers: dict[str, str] = {}
         self._sections: dict[str, set[bytes]] = {}
@@ -318,10 +322,11 @@ class NixlTransport:
 
 def rank_agent(config: Any, engine: Any, side: str, rank: int) -> NixlTransport | None:
     """A node rank's agent over its engine's row pool (`engine.pool.buffer`, engine/api.py `RankEngine`), named
-    `<engine id>-<side><rank>` (side "p": per-lease exposure, or "d": the pool registered as the READs' target);
+    `<engine id>-<side><rank>` (side "p": per-lease exposure; "d": the pool registered as the READs' target, and
+    per-lease exposure of the streams it moves out on drain);
     None when the node runs without a transport (`config.transport` false: tests of the rank protocol alone).
     `config` is the rank's node.rank.WorkerConfig (its engine_id, transport and kv settings)."""
     if not config.transport:
         return None
     return NixlTransport(f"{config.engine_id}-{side}{rank}", engine.pool.buffer, engine.layout.row_bytes, config.kv,
-                         per_lease=side == "p")
+                         per_lease=True, register_pool=side == "d")

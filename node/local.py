@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -17,7 +17,7 @@ from engine.api import Submit
 from node.app import streaming, until_disconnect
 from node.responses import final_response, stream_chunks
 from node.runtime import NodeRuntime
-from node.textgen import GenerationResult, Piece, PreparedRequest, generate_pieces
+from node.textgen import GenerationResult, Piece, PreparedRequest, StreamMoved, generate_pieces
 from serving.errors import APIError, error_body
 
 
@@ -37,7 +37,10 @@ def respond(runtime: NodeRuntime, prepared: PreparedRequest, request: Request, e
                 async for chunk in stream_chunks(prepared, pieces, result, runtime.tokenizer):
                     yield chunk
             except APIError as exc:  # headers are gone: report in-band, as vLLM does
-                yield json.dumps(error_body(exc.status, exc.message, exc.param))
+                body = error_body(exc.status, exc.message, exc.param)
+                if isinstance(exc, StreamMoved):  # the router continues the stream on another instance
+                    body["kv_transfer_params"] = exc.kv_transfer_params
+                yield json.dumps(body)
             finally:
                 await pieces.aclose()
                 await _record(runtime, result)
@@ -55,12 +58,14 @@ def respond(runtime: NodeRuntime, prepared: PreparedRequest, request: Request, e
     return until_disconnect(request, collect())
 
 
-async def serve_local(runtime: NodeRuntime, prepared: PreparedRequest, request: Request) -> Response:
-    """Prefill and decode on this node."""
+async def serve_local(runtime: NodeRuntime, prepared: PreparedRequest, request: Request,
+                      watch: Callable[[AsyncIterator[Any]], AsyncIterator[Any]] | None = None) -> Response:
+    """Prefill and decode on this node; `watch` wraps the request's events (the decode node's moves on drain)."""
     started = time.monotonic()
     cmd = Submit(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
                  sampling=prepared.sampling, session=prepared.session, cache_salt=prepared.cache_salt)
-    out = respond(runtime, prepared, request, runtime.executor.events(cmd), started)
+    events = runtime.executor.events(cmd)
+    out = respond(runtime, prepared, request, watch(events) if watch is not None else events, started)
     return out if prepared.stream else await out
 
 

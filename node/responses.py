@@ -127,7 +127,7 @@ async def stream_chunks(prepared: PreparedRequest, pieces: AsyncIterator[Piece],
             if prepared.echo:
                 streamed_ids += list(prepared.prompt_token_ids)
             continue
-        if piece.text or piece.finish_reason:
+        if piece.text or piece.finish_reason or piece.is_flush:
             logprobs = _logprobs(prepared, tokenizer, piece.tokens, streamed_ids)
             ids = [int(e.token_id) for e in piece.tokens if e.token_id is not None]
             streamed_ids += ids

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+from engine.api import HandOffAbort
 from node.executor import Executor, WorkerSpec
 from node.metrics import CacheInfo, NodeMetrics
 from node.rank import RankInfo, WorkerConfig
@@ -30,17 +31,6 @@ from node.tokenizer import load_tokenizer
 
 WORKER_FACTORY = "node.worker:build_worker"
 log = logging.getLogger("pdcluster.node")
-
-
-@dataclass(frozen=True)
-class HandOffAbort:
-    """What a hand-off owner's `abort` found."""
-
-    ended: bool
-    """Something the hand-off kept for the request ended (a lease)."""
-    reads_done: bool
-    """No READ can target the request's rows from now on: the ranks' `Abort` frees them at once, not into
-    quarantine (engine/api.py `Abort`)."""
 
 
 class HandOff(Protocol):

@@ -325,6 +325,16 @@ class Piece:
     finish_reason: str | None = None
     is_prompt: bool = False
     """The prompt's log-probs (`tokens`: one per prompt position), and with `echo` its text, before any token."""
+    is_flush: bool = False
+    """Tokens whose text is still held back, sent (ids and log-probs, no text) because the stream ends here."""
+
+
+@dataclass
+class StreamMoved(APIError):
+    """The stream ends on this node and continues on another with its KV (decode_node/moves.py): the error event
+    carries the signed params the router hands to the next instance."""
+
+    kv_transfer_params: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -358,6 +368,11 @@ async def generate_pieces(events: AsyncIterator[Any], prepared: PreparedRequest,
     try:
         async for event in events:
             if isinstance(event, EngineFailure):
+                if pending:  # tokens whose text is held back reach the client (their ids) before the failure, so
+                    yield Piece("", tuple(pending), is_flush=True)  # a resume continues after every sampled token
+                    pending.clear()
+                if event.kv_transfer_params is not None:
+                    raise StreamMoved(event.status, event.error, kv_transfer_params=event.kv_transfer_params)
                 raise APIError(event.status, event.error)
             if isinstance(event, PromptLogprobs):
                 result.prompt_tokens = list(event.tokens)

@@ -23,8 +23,9 @@ import random
 import re
 from dataclasses import dataclass, field
 
-REASONS = ("stream_broke", "error_event", "timeout", "unreachable", "error_status")
-"""`pdcluster_migrations_total{reason}`: why a request left its decode instance."""
+REASONS = ("stream_broke", "error_event", "timeout", "unreachable", "error_status", "drain")
+"""`pdcluster_migrations_total{reason}`: why a request left its decode instance ("drain": the draining node moved
+the stream out with its KV, router/moves.py)."""
 
 _TOKEN_IDS = re.compile(rb',"token_ids":\[[0-9,]*\]')
 _TOKEN_IDS_KEY = b'"token_ids":['

@@ -4,7 +4,9 @@ a stream, open its continuation for the relay.
 `Mover.move(reason)` counts the failure, aborts the lost legs, and places the request again (the usual placement
 over our engine's decode instances that serve the same weights, the failed ones blocked, no session stickiness:
 the prompt grows by the tokens already sent, which may move it to a larger pool); the request then carries
-`resume_token_ids` and its next leg id. It raises APIError (the client's one error) when the request may not move
+`resume_token_ids` and its next leg id; a stream its draining instance moved out with its KV (reason "drain",
+decode_node/moves.py) goes to the new instance with those params and no P leg, and falls back to the recompute
+when that instance refuses or fails it. It raises APIError (the client's one error) when the request may not move
 again or no instance can take it. `StreamResume` is the relay's `Resumer`: move, run the P leg when the new
 placement has one, open the stream; a new instance that fails before its first chunk is moved from as well.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from router.kvparams import KVHandoff
 from router.placement import NoPlacement, Placement, place
 from router.proxy import DecodeFailed, Orchestrator, RequestContext, UpstreamReply
 from router.relay import StreamAccounting
@@ -43,12 +46,15 @@ class Mover:
         self.state, self.orch, self.ctx = state, orch, ctx
         self.migration = ctx.migration
 
-    def move(self, reason: str, sent_token_ids: list[int] = ()) -> None:
-        """Leave the failed decode instance for another one (raises APIError when it cannot)."""
+    def move(self, reason: str, sent_token_ids: list[int] = (), moved: dict | None = None) -> None:
+        """Leave the failed decode instance for another one (raises APIError when it cannot). `moved`: the signed
+        params of a stream its draining instance moved out with its KV: the next instance READs them (no P leg)."""
         ctx, mig, now = self.ctx, self.migration, time.monotonic()
-        mig.note_failure(ctx.placement.decode, reason, now)
+        lost = ctx.placement.decode
+        mig.note_failure(lost, reason, now)
         self.state.metrics.migrations.labels(reason).inc()
-        self.orch.abort_legs(ctx)
+        if moved is None:  # a moved stream ended itself: an abort there would end the lease on its rows
+            self.orch.abort_legs(ctx)
         if not mig.can_move(now):
             raise APIError(502, mig.exhausted_message(now))
         try:
@@ -59,9 +65,12 @@ class Mover:
         if ctx.is_admitted:
             self.state.admission.move(ctx.placement.pool, placement.pool)
         mig.num_moves += 1
-        reason_text = f"moved from {ctx.placement.decode} ({reason}) to {placement.decode}"
+        reason_text = f"moved from {lost} ({reason}{', with its KV' if moved else ''}) to {placement.decode}"
         ctx.placement = replace(placement, reason=f"{placement.reason}; {reason_text}")
         ctx.handoff = None
+        if moved is not None:
+            ctx.placement = replace(ctx.placement, prefills=(), disaggregate=False)
+            ctx.handoff = KVHandoff(prefill=lost, params=moved)
         ctx.prefill_cached_tokens = None
         ctx.outcome, ctx.error = "ok", None
         if sent_token_ids:
@@ -87,17 +96,25 @@ class StreamResume:
         if ctx.stream_attempts is not None:  # the lost stream failed its instance (and link) breakers
             mover.orch.record_decode_status(ctx, ctx.stream_attempts, None)
         paused_since = self.acct.token_times[-1] if self.acct.token_times else None
+        moved = self.acct.move_params if reason == "drain" else None
         while True:
             try:
-                mover.move(reason, self.acct.token_ids)
+                mover.move(reason, self.acct.token_ids, moved)
                 if ctx.placement.disaggregate:
                     ctx.handoff = await mover.orch.prefill(ctx)
                 opened = await mover.orch.open_stream(ctx)
             except DecodeFailed as exc:
-                reason = exc.reason
+                reason, moved = exc.reason, None  # from here on: recompute
                 continue
-            except (APIError, UpstreamReply) as exc:
-                self.message = exc.message if isinstance(exc, APIError) else str(exc)
+            except UpstreamReply as exc:
+                if moved is None:
+                    self.message = str(exc)
+                    self._restore_inflight()
+                    return None
+                reason, moved = "drain", None  # the next instance refused the move (4xx): recompute instead
+                continue
+            except APIError as exc:
+                self.message = exc.message
                 self._restore_inflight()
                 return None
             if paused_since is not None:

@@ -58,6 +58,9 @@ class StreamAccounting:
     """The token ids of the events relayed so far (`tracks_ids`)."""
     is_finished: bool = False
     """An event carried a finish reason (`tracks_ids`)."""
+    move_params: dict | None = None
+    """The `kv_transfer_params` of D's error event when the node moved the stream out with its KV on drain
+    (decode_node/moves.py): the next instance READs the rows instead of recomputing them."""
 
     def feed(self, chunk: bytes, now: float) -> None:
         if self.buffer:
@@ -101,6 +104,8 @@ class StreamAccounting:
             self.error = str(payload["error"].get("message") or "error event without a message")
             code = payload["error"].get("code")
             self.error_status = code if isinstance(code, int) else None
+            params = payload.get("kv_transfer_params")
+            self.move_params = params if isinstance(params, dict) else None
         if isinstance(payload.get("usage"), dict):
             self.usage = payload["usage"]
         for choice in payload.get("choices") or ():
@@ -261,7 +266,8 @@ async def relay(resp: UpstreamResponse, chunks: AsyncIterator[bytes], first: byt
                 if head:
                     yield to_client(scrub_sse_chunk(head))
                 acct.ended_at = time.monotonic()
-                failure = ("error_event", "upstream_error", 502, f"decode failed: {acct.error}")
+                failure = ("drain" if acct.move_params is not None else "error_event", "upstream_error", 502,
+                           f"decode failed: {acct.error}")
             reason, status, code, message = failure
             if resume is not None and not acct.is_finished:
                 watchdog.waiting = False  # moving is not idle time
@@ -270,7 +276,7 @@ async def relay(resp: UpstreamResponse, chunks: AsyncIterator[bytes], first: byt
                 if opened is not None:
                     resp, chunks, pending = opened
                     status = "cancelled"
-                    acct.error = acct.error_status = acct.ended_at = None
+                    acct.error = acct.error_status = acct.ended_at = acct.move_params = None
                     acct.is_done = False
                     continue
                 code, message = code or 502, resume.message

@@ -176,7 +176,7 @@ def test_node_knows_the_transport_only_by_its_protocol() -> None:
 
 
 HANDOFF_HALVES = {"kv_transfer.lease", "kv_transfer.reads", "kv_transfer.importer", "kv_transfer.remap",
-                  "kv_transfer.side_channel"}
+                  "kv_transfer.side_channel", "kv_transfer.exporter", "kv_transfer.rank_exporter"}
 """The export half (leases, side channel) and the import half (plan, READs) of a hand-off: prefill_node's and
 decode_node's, never node/'s."""
 

@@ -218,22 +218,32 @@ def _admin(cluster, name: str, action: str) -> None:
 
 
 def test_sigterm_on_a_decode_node_moves_its_8_streams(resume_cluster) -> None:
-    """Drain by SIGTERM (`drain_hand_off_s: 0`): the node hands its 8 running streams off, the router continues
-    each on the other instance; all 8 end as their oracle (seeded, 8 seeds), the node exits 0; the longest pause
-    a client saw is printed."""
+    """Drain by SIGTERM (`drain_hand_off_s: 0`): the node moves its 8 running streams with their KV
+    (decode_node/moves.py): the other instance READs each stream's rows and KDA state and continues it (no P
+    leg, no recompute); all 8 end as their oracle (4 greedy, 4 seeded with their own seeds), the node exits 0;
+    the longest pause a client saw is printed."""
     cluster = resume_cluster
     _wait_healthy(cluster)
     victim, other = (node.name for node in cluster.nodes_of(role="decode"))
-    moved_before = cluster.metrics("router").get("pdcluster_migrations_total") or 0.0
+    before = cluster.metrics("router")
+    moved_before = before.get("pdcluster_migrations_total", reason="drain") or 0.0
+    prefill_legs = before.get("pdcluster_leg_duration_seconds_count", leg="prefill") or 0.0
+    reader_before = cluster.metrics(other)
+    reads_before = reader_before.get("pdcluster_kv_moved_requests_total") or 0.0
+    bytes_before = reader_before.get("pdcluster_kv_moved_bytes_total") or 0.0
     _admin(cluster, other, "drain")  # every stream starts on the victim
     results: dict[int, list[dict]] = {}
     arrivals: dict[int, list[float]] = {i: [] for i in range(8)}
     placed: dict[int, str] = {}
 
+    def case_of(index: int) -> tuple[str, dict]:
+        return ("greedy", {}) if index % 2 == 0 else ("seeded", {"seed": 100 + index})
+
     def run(index: int) -> None:
         def on_tokens(num_tokens: int, headers) -> None:
             placed.setdefault(index, headers["x-pdcluster-decode"])
-        body = {**_body("seeded"), "seed": 100 + index, "max_tokens": DRAIN_TOKENS}
+        case, extra = case_of(index)
+        body = {**_body(case), **extra, "max_tokens": DRAIN_TOKENS}
         results[index] = _stream(cluster, body, on_tokens, arrivals[index])[0]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
@@ -241,16 +251,26 @@ def test_sigterm_on_a_decode_node_moves_its_8_streams(resume_cluster) -> None:
         thread.start()
     cluster.wait_until(lambda: len(placed) == 8, 600, "all 8 streams to send a token", poll_s=0.05)
     assert set(placed.values()) == {victim}
+    legs_at_drain = cluster.metrics("router").value("pdcluster_leg_duration_seconds_count", leg="prefill")
     _admin(cluster, other, "undrain")
     process = cluster.cluster.children[victim].popen
     os.kill(process.pid, signal.SIGTERM)
     for thread in threads:
         thread.join(900)
     for index in range(8):
-        _check_against_oracle(results[index], "seeded", DRAIN_TOKENS, seed=100 + index)
+        case, extra = case_of(index)
+        _check_against_oracle(results[index], case, DRAIN_TOKENS, **extra)
     assert process.wait(120) == 0
-    assert cluster.metrics("router").value("pdcluster_migrations_total") == moved_before + 8
+    after = cluster.metrics("router")
+    assert after.value("pdcluster_migrations_total", reason="drain") == moved_before + 8
+    assert after.value("pdcluster_leg_duration_seconds_count", leg="prefill") == legs_at_drain  # nothing recomputed
+    assert legs_at_drain >= prefill_legs
+    reader = cluster.metrics(other)  # the KV was READ decode-to-decode, once per stream
+    assert reader.value("pdcluster_kv_moved_requests_total") == reads_before + 8
+    moved_bytes = reader.value("pdcluster_kv_moved_bytes_total") - bytes_before
+    assert moved_bytes > 0
     pause = max(max(b - a for a, b in zip(times, times[1:])) for times in arrivals.values())
-    print(f"drain of {victim} with 8 streams: longest pause a client saw {pause:.2f} s")
+    print(f"drain of {victim} with 8 streams: moved with their KV ({moved_bytes:.0f} bytes READ), "
+          f"longest pause a client saw {pause:.2f} s")
     cluster.restart(victim)
     _wait_healthy(cluster)
