@@ -2,7 +2,8 @@
 by the chunks of the request resumed with their token ids (`resume_token_ids`), give the uninterrupted stream's
 text, token ids, log-prob offsets and usage, with no role chunk repeated; held-back bytes (half a UTF-8
 character, a possible stop-string prefix) are sent by the resumed stream, not lost. No engine: the token events
-are given (the engine's side is tests/engine/test_resume.py)."""
+are given (the engine's side is tests/engine/test_resume.py). A stream that fails (or moves out on drain) sends the
+ids of the tokens whose text it still held back before its error, so the resume continues after every one."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import json
 
 import pytest
 
+from engine.api import EngineFailure
 from engine.model.tokenizer import ByteTokenizer
 from engine.outputs import TokenEvent
 from node.responses import stream_chunks
-from node.textgen import GenerationResult, Limits, generate_pieces, prepare
+from node.textgen import GenerationResult, Limits, StreamMoved, generate_pieces, prepare
 from node.tokenizer import ServerTokenizer
 from serving.errors import APIError
 from serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -86,3 +88,37 @@ def test_resume_token_ids_are_checked() -> None:
     prepared = prepare(_request("completion", resume_token_ids=[70, 71]), "completion", "r", "m", TOKENIZER, LIMITS)
     assert prepared.sampling.num_resumed == 2 and prepared.sampling.max_tokens == 58
     assert prepared.prompt_token_ids[-2:] == (70, 71)
+
+
+def _chunks_until_error(kind: str, events: list) -> tuple[list[dict], APIError]:
+    prepared = prepare(_request(kind), kind, "r", "m", TOKENIZER, LIMITS)
+    result = GenerationResult()
+    chunks: list[dict] = []
+
+    async def run() -> APIError:
+        pieces = generate_pieces(_aiter(events), prepared, TOKENIZER, result)
+        try:
+            async for chunk in stream_chunks(prepared, pieces, result, TOKENIZER):
+                chunks.append(json.loads(chunk.model_dump_json()))
+        except APIError as exc:
+            return exc
+        raise AssertionError("the stream did not fail")
+    return chunks, asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("moved", [False, True])
+def test_a_failing_stream_sends_its_held_back_token_ids_first(kind: str, moved: bool) -> None:
+    ids = list(ANSWER.encode())
+    num_sent = 2  # "h" and the first byte of "é": half a character, held back
+    params = {"lease_id": "lease-x", "transfer_mode": "move"} if moved else None
+    failure = EngineFailure("r", "the node is draining", 503, kv_transfer_params=params)
+    sent, error = _chunks_until_error(kind, _events(ids[:num_sent], 0) + [failure])
+    assert [t for c in sent if c["choices"] for t in c["choices"][0].get("token_ids") or ()] == ids[:num_sent]
+    assert isinstance(error, StreamMoved) == moved and error.status == 503
+    if moved:
+        assert error.kv_transfer_params == params
+    rest = _chunks(kind, _events(ids[num_sent:], num_sent), resume_token_ids=ids[:num_sent])
+    whole = _chunks(kind, _events(ids, 0))
+    text = "".join(_text(kind, c) for c in sent + rest if c["choices"])
+    assert text == "".join(_text(kind, c) for c in whole if c["choices"])

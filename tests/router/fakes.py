@@ -42,6 +42,11 @@ class FakeNode:
     """Streams end with an OpenAI error event and [DONE] after this many tokens (a node failing mid-stream)."""
     cut_after: int | None = None
     """Streams end without [DONE] after this many tokens (a node whose stream was cut)."""
+    moved_params: dict | None = None
+    """With `stream_error_after`: the error event is a draining node's move (503 with these kv_transfer_params,
+    decode_node/moves.py)."""
+    refuse_moves: bool = False
+    """Answer 403 to a decode leg whose kv_transfer_params are a move (a node that cannot read the mover's rows)."""
     drop_handoff: bool = False
     healthy: bool = True
     models_body: object = None
@@ -130,6 +135,8 @@ class FakeNode:
                 return JSONResponse({"error": {"message": "injected", "code": node.fail_status}},
                                     status_code=node.fail_status, headers=node.fail_headers)
             params = body.get("kv_transfer_params") or {}
+            if node.refuse_moves and params.get("transfer_mode") == "move":
+                return JSONResponse({"error": {"message": "not a peer", "code": 403}}, status_code=403)
             if params.get("do_remote_decode"):
                 handoff = None if node.drop_handoff else {
                     "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
@@ -174,7 +181,11 @@ class FakeNode:
                     await asyncio.sleep(self.token_delay_s)
                 if self.stream_error_after is not None and i == self.stream_error_after:
                     error = {"message": "rank 1 died", "type": "server_error", "param": None, "code": 500}
-                    yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n"
+                    event: dict = {"error": error}
+                    if self.moved_params is not None:
+                        event = {"error": {**error, "message": "draining", "code": 503},
+                                 "kv_transfer_params": self.moved_params}
+                    yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n"
                     return
                 if self.cut_after is not None and i == self.cut_after:
                     return

@@ -3,7 +3,9 @@ the bit-exact continuation itself is tests/engine/test_resume.py, tests/node/tes
 fault tests): a decode instance that fails mid-stream (error event, cut stream) or before answering (5xx) hands
 the request to another one with the tokens already sent; the client sees one stream with one id, every token
 once, the usage of the last leg; the seed is fixed at the first placement; `migration_limit` bounds the moves and
-ends the stream with one error event; vLLM pools are not resumed."""
+ends the stream with one error event; vLLM pools are not resumed; a stream a draining node moved out with its KV
+goes to the next instance with the mover's params and no abort of the lost leg, and falls back to the recompute
+when that instance refuses the move."""
 
 from __future__ import annotations
 
@@ -183,3 +185,44 @@ async def _test_a_moved_stream_gets_a_new_prefill_leg_bound_to_its_new_decode_in
     assert readers == ["engine-d1", "engine-d2"], readers
     assert lost.bodies[0]["kv_transfer_params"]["decode_engine_id"] == "engine-d1"
     assert other.bodies[0]["kv_transfer_params"]["decode_engine_id"] == "engine-d2"
+
+
+MOVED = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "engine-d1",
+         "remote_request_id": "r", "remote_block_ids": [[3]], "remote_host": "localhost", "remote_port": 5600,
+         "tp_size": 1, "transfer_mode": "move", "lease_id": "lease-1", "signature": "v1:00"}
+
+
+def test_a_drained_stream_moves_with_its_kv_params() -> None:
+    asyncio.run(_test_a_drained_stream_moves_with_its_kv_params())
+
+
+async def _test_a_drained_stream_moves_with_its_kv_params() -> None:
+    lost = FakeNode("d1", "decode", num_tokens=6, engine_label="reference", stream_error_after=2,
+                    moved_params=MOVED)
+    other = FakeNode("d2", "decode", num_tokens=6, engine_label="reference")
+    async with router_harness([lost, other], specs=_decodes(lost, other)) as (client, _):
+        chunks, events = await _stream(client, completion(max_tokens=6))
+        metrics = (await client.get("/metrics")).text
+    assert events[-1] == "[DONE]" and not any("error" in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "t0 t1 t2 t3 t4 t5 "
+    assert other.bodies[0]["kv_transfer_params"] == MOVED  # the mover's signed params, unaltered
+    assert other.bodies[0]["resume_token_ids"] == [100, 101]
+    assert not lost.aborted  # an abort there would end the lease on the rows the next instance reads
+    assert 'pdcluster_migrations_total{reason="drain"} 1.0' in metrics
+
+
+def test_a_refused_move_is_recomputed_elsewhere() -> None:
+    asyncio.run(_test_a_refused_move_is_recomputed_elsewhere())
+
+
+async def _test_a_refused_move_is_recomputed_elsewhere() -> None:
+    lost = FakeNode("d1", "decode", num_tokens=6, engine_label="reference", stream_error_after=2,
+                    moved_params=MOVED)
+    refuses = FakeNode("d2", "decode", num_tokens=6, engine_label="reference", refuse_moves=True)
+    other = FakeNode("d3", "decode", num_tokens=6, engine_label="reference")
+    async with router_harness([lost, refuses, other], specs=_decodes(lost, refuses, other)) as (client, _):
+        chunks, events = await _stream(client, completion(max_tokens=6))
+    assert events[-1] == "[DONE]" and not any("error" in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "t0 t1 t2 t3 t4 t5 "
+    assert refuses.bodies[0]["kv_transfer_params"] == MOVED
+    assert "kv_transfer_params" not in other.bodies[0] and other.bodies[0]["resume_token_ids"] == [100, 101]
