@@ -15,10 +15,11 @@ On SIGTERM with `drain_hand_off_s` (node/serving.py calls the app's hand-off), `
    instance, which claims the lease on this node's side channel and READs the rows like a P -> D hand-off
    (decode_node/importer.py; this node must be one of its `prefill_peers`); their DONE notices end the lease,
    which frees the rows here; the node exits once no request and no lease is left (`num_outstanding`).
-Failures: a stream that is not decoding when the hand-off comes (queued, prefilling, importing), or that does not
-reach its next step within `move_wait_s`, ends with a plain 503 (the router recomputes it elsewhere); a move the
-router cannot place, or whose reader fails, falls back to that recompute on the router's side; the lease then
-expires (`move_lease_s`) and the rows are quarantined for the read timeout.
+Failures: a stream that is not decoding yet when the hand-off comes (queued, prefilling, importing) moves at its
+first decode step; one that does not reach it within `move_wait_s` ends with a plain 503 (the router recomputes it
+elsewhere) and is aborted here; a move the router cannot place, or whose reader fails, falls back to that
+recompute on the router's side; the lease then expires (`move_lease_s`) and the rows are quarantined for the read
+timeout.
 """
 
 from __future__ import annotations

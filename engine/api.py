@@ -243,8 +243,8 @@ class MoveOut:
     """Hand a running request to another decode instance (a planned move: a drain): its next decode step writes the
     KV of its last token as usual, but the token it samples is not emitted: the request is exported instead
     (`ExportedRows`: prompt + outputs so far, that token as the first one the next instance streams) and its rows
-    wait for a reader, as a prefill node's export does. A request that is not decoding (queued, prefilling,
-    importing, gone) is left as it is: the node ends those the old way."""
+    wait for a reader, as a prefill node's export does. A request not decoding yet (queued, prefilling, importing)
+    moves at its first decode step; one that ends first (or is unknown) is left as it is."""
 
     request_id: str
 

@@ -320,6 +320,7 @@ class Engine:
         req.output_logprobs.append(tok.logprob)
         reason = self._finish_reason(req, tok.token_id)
         if reason is not None:
+            self._moving.discard(req.request_id)  # it ended before its move
             self._remember_session(req, self.scheduler.keep_tail(req))
             self.scheduler.finish(req, reason)
         return TokenEvent(request_id=req.request_id, token_id=tok.token_id, index=req.num_emitted - 1,
@@ -447,9 +448,10 @@ class Engine:
         if isinstance(cmd, HoldRows):
             self.hold(cmd.request_id)
             return []
-        if isinstance(cmd, MoveOut):
-            req = self.scheduler.requests.get(cmd.request_id)
-            if req is not None and req.state == RequestState.RUNNING:
+        if isinstance(cmd, MoveOut):  # a stream not decoding yet (queued, prefilling, importing) moves at its first
+            req = self.scheduler.requests.get(cmd.request_id)  # decode step
+            if req is not None and not req.export and req.state not in (RequestState.EXPORTED,
+                                                                          RequestState.FINISHED):
                 self._moving.add(cmd.request_id)
             return []
         if isinstance(cmd, ImportKV):

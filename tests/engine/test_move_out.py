@@ -66,12 +66,27 @@ def test_a_moved_stream_continues_on_the_reader_bit_for_bit(engine: Engine, case
     assert engine.num_free_rows == free_before
 
 
-def test_move_out_leaves_a_request_that_is_not_decoding_alone(engine: Engine) -> None:
+def test_a_queued_request_moves_at_its_first_decode_step(engine: Engine) -> None:
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     engine.apply(Submit(request_id="queued", prompt_token_ids=tuple(_prompt()), sampling=params))
-    assert engine.apply(MoveOut(request_id="queued")) == []  # waiting, not decoding: nothing to move yet
+    assert engine.apply(MoveOut(request_id="queued")) == []  # waiting: it moves once it decodes
     assert engine.apply(MoveOut(request_id="unknown")) == []
-    tokens: list[TokenEvent] = []
+    events = []
     while engine.has_work:
-        tokens += [e for e in engine.step_events() if isinstance(e, TokenEvent)]
-    assert len(tokens) == 4 and tokens[-1].finish_reason == "length"
+        events += engine.step_events()
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    exported = [e for e in events if isinstance(e, ExportedRows)]
+    assert len(tokens) == 1 and not tokens[0].finish_reason  # the prefill's token, then the move
+    assert len(exported) == 1 and exported[0].num_tokens == len(_prompt()) + 1
+    assert engine.release("queued", exported[0].generation, reads_done=True)
+
+
+def test_a_request_that_ends_before_its_move_is_not_moved(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.apply(Submit(request_id="short", prompt_token_ids=tuple(_prompt()), sampling=params))
+    engine.apply(MoveOut(request_id="short"))
+    events = []
+    while engine.has_work:
+        events += engine.step_events()
+    assert [e.finish_reason for e in events if isinstance(e, TokenEvent)] == ["length"]
+    assert not [e for e in events if isinstance(e, ExportedRows)] and not engine._moving
