@@ -84,12 +84,14 @@ class Exporter:
     def _lease_ended(self, lease: Lease, outcome: str) -> None:
         key = lease.export
         with self._lock:  # the Release is queued before the lease stops naming the request (`abort` relies on it)
-            if self.executor.healthy:
-                self.executor.submit(Release(request_id=key.request_id, generation=key.generation,
-                                             reads_done=lease.reads_done))
-            if self._lease_of.get(key.request_id) == lease.lease_id:
-                del self._lease_of[key.request_id]
-            self._exposed.pop(key, None)
+            try:
+                if self.executor.healthy:
+                    self.executor.submit(Release(request_id=key.request_id, generation=key.generation,
+                                                 reads_done=lease.reads_done))
+            finally:  # a dead executor (ExecutorDead) frees nothing, but the lease is over all the same
+                if self._lease_of.get(key.request_id) == lease.lease_id:
+                    del self._lease_of[key.request_id]
+                self._exposed.pop(key, None)
 
     def _sync_metrics(self) -> None:
         with self._lock:
