@@ -54,6 +54,8 @@ class Moves:
     """Internal ids of the streams running here that may move."""
     moving: set[str] = field(default_factory=set)
     """Streams sent `MoveOut` whose export has not come back yet."""
+    moved: set[str] = field(default_factory=set)
+    """Streams leased to another instance (their stream is ending: the hand-off must not end them again)."""
 
     def can_move(self, prepared: PreparedRequest) -> bool:
         return self.exporter is not None and prepared.stream and prepared.return_token_ids
@@ -76,6 +78,7 @@ class Moves:
             self.movable.discard(request_id)
             self.moving.discard(request_id)
             await events.aclose()  # type: ignore[attr-defined]
+            self.moved.discard(request_id)  # after: the executor no longer names it
 
     def _moved(self, runtime: NodeRuntime, prepared: PreparedRequest, exported: ExportedRows,
                outputs: list[int]) -> EngineFailure:
@@ -92,6 +95,7 @@ class Moves:
             params = self.exporter.grant(request_id, exported, tokens, transfer_mode="move")
         except APIError:  # aborted meanwhile: the ranks' Abort ended the export
             return EngineFailure(request_id=request_id, error=DRAIN_MESSAGE, status=503)
+        self.moved.add(request_id)
         runtime.metrics.streams_moved.labels(outcome="leased").inc()
         return EngineFailure(request_id=request_id, error=MOVED_MESSAGE, status=503,
                              kv_transfer_params=params.to_wire())
@@ -110,7 +114,7 @@ class Moves:
         while self.moving and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         stuck = sorted(self.moving)
-        num = runtime.executor.end_all(DRAIN_MESSAGE, status=503)
+        num = runtime.executor.end_all(DRAIN_MESSAGE, status=503, keep=frozenset(self.moved))
         for request_id in stuck:  # a late export would wait for a lease that never comes: end it on the ranks
             runtime.executor.abort(request_id)
         if num or stuck:

@@ -387,12 +387,12 @@ class Executor:
         self.state.error = message
         self.end_all(message)
 
-    def end_all(self, message: str, status: int = 500) -> int:
-        """End every request in flight with an `EngineFailure` (each one's consumer then aborts it, freeing its
-        rows); the ranks go on. Returns how many were ended."""
+    def end_all(self, message: str, status: int = 500, keep: frozenset[str] = frozenset()) -> int:
+        """End every request in flight but those in `keep` with an `EngineFailure` (each one's consumer then aborts
+        it, freeing its rows); the ranks go on. Returns how many were ended."""
         with self._lock:
-            pending = list(self._inflight.values())
-            ids = list(self._inflight)
+            ids = [request_id for request_id in self._inflight if request_id not in keep]
+            pending = [self._inflight[request_id] for request_id in ids]
         for request_id, inflight in zip(ids, pending):
             inflight.loop.call_soon_threadsafe(inflight.queue.put_nowait,
                                                EngineFailure(request_id=request_id, error=message, status=status))
