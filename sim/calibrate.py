@@ -116,8 +116,11 @@ def _pools(config: ClusterConfig) -> tuple:
     return prefill[0], tp[0], dcp[0]
 
 
-def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path) -> dict[str, dict]:
-    """Measure each point on one started cluster: median TTFT (s) and TPOT (s) per point."""
+def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, repeat: int = 1) -> dict[str, dict]:
+    """Measure each point on one started cluster: median TTFT (s) and TPOT (s) per point, over `repeat` times the
+    point's requests."""
+    if repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {repeat}")
     from sim.measure import RealCluster
 
     found: dict[str, dict] = {}
@@ -128,10 +131,10 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path) -> 
             if point.name not in names:
                 continue
             if point.name.startswith("ttft_append"):
-                found[point.name] = _append_point(real, point, out_dir)
+                found[point.name] = _append_point(real, point, out_dir, repeat)
                 print(f"{point.name}: {found[point.name]}", file=sys.stderr)
                 continue
-            found[point.name] = _random_point(real, point, out_dir)
+            found[point.name] = _random_point(real, point, out_dir, repeat)
             print(f"{point.name}: {found[point.name]}", file=sys.stderr)
     colocated = config.model_copy(update={"router": config.router.model_copy(update={
         "settings": {**config.router.settings, "disagg_min_uncached_tokens": 10**9}})})
@@ -139,18 +142,18 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path) -> 
         real.sweep(warm, "random", [1], 1e6, out_dir / "warmup-colocated", max_requests=3, drain_s=600.0)
         for point in COLOCATED:
             if "append" in point.name:
-                found[point.name] = _append_point(real, point, out_dir)
+                found[point.name] = _append_point(real, point, out_dir, repeat)
             else:
-                found[point.name] = _random_point(real, point, out_dir)
+                found[point.name] = _random_point(real, point, out_dir, repeat)
             print(f"{point.name}: {found[point.name]}", file=sys.stderr)
     return found
 
 
-def _random_point(real, point: Point, out_dir: Path) -> dict:  # noqa: ANN001 - sim.measure.RealCluster
+def _random_point(real, point: Point, out_dir: Path, repeat: int = 1) -> dict:  # noqa: ANN001 - sim.measure.RealCluster
     workload = RandomWorkload(RandomConfig(seed=7, input_len=parse_dist(str(point.words)),
                                            output_len=parse_dist(str(point.output))))
     summary = real.sweep(workload, "random", [point.concurrency], 1e6, out_dir / point.name,
-                         max_requests=point.requests, drain_s=600.0)
+                         max_requests=point.requests * repeat, drain_s=600.0)
     level = summary.levels[0]
     if not level.num_ok:
         raise RuntimeError(f"calibration point {point.name}: no request succeeded ({level.errors_by_kind})")
@@ -191,7 +194,7 @@ def first_chunk_share(num_tokens: int, p: float, first_with_second: bool = True)
     return total / n1
 
 
-def _append_point(real, point: Point, out_dir: Path) -> dict:  # noqa: ANN001 - sim.measure.RealCluster
+def _append_point(real, point: Point, out_dir: Path, repeat: int = 1) -> dict:  # noqa: ANN001 - sim.measure.RealCluster
     """Second turns of two-turn agent sessions: median TTFT, their prompt and cached tokens."""
     from loadgen.scenarios.agentx import AgentXConfig, AgentXWorkload
 
@@ -199,7 +202,7 @@ def _append_point(real, point: Point, out_dir: Path) -> dict:  # noqa: ANN001 - 
                        tool_len=parse_dist(str(point.output)), output_len=parse_dist("2"), turns=parse_dist("2"),
                        think_s=parse_dist("0"), subagent_prob=0.0, max_context=10**6)
     summary = real.sweep(AgentXWorkload(cfg), "agentx", [point.concurrency], 1e6, out_dir / point.name,
-                         max_requests=point.requests, drain_s=600.0)
+                         max_requests=point.requests * repeat, drain_s=600.0)
     second = [r for r in summary.levels[0].records if r.is_ok and r.request_id.endswith(".t1")]
     if not second:
         raise RuntimeError(f"calibration point {point.name}: no second turn succeeded")
@@ -336,10 +339,14 @@ def main_calibrate(argv: list[str]) -> int:
     p.add_argument("--name", default="cpu-mini-reference")
     p.add_argument("--work-dir", type=Path, default=Path("sim-calibrate"), help="loadgen outputs and node logs")
     p.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} points (no 1200-word TTFT)")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="times each point's requests are sent (default 2: twice POINTS' counts, steadier medians)")
     p.add_argument("--measured", type=Path, default=None, help="refit from a measured.json of an earlier run")
     p.add_argument("--figures", choices=("h200", "gb300"), default=None,
                    help="no measurement: fit a GPU profile to published figures (sim/figures.py)")
     args = p.parse_args(argv)
+    if args.repeat is not None and (args.figures or args.measured):
+        p.error("--repeat sets how many requests each point measures; --figures and --measured measure nothing")
     try:
         if args.figures:
             from sim.figures import build
@@ -350,7 +357,8 @@ def main_calibrate(argv: list[str]) -> int:
         if args.measured:
             measured = json.loads(args.measured.read_text())
         else:
-            measured = run_points(config, QUICK if args.quick else tuple(pt.name for pt in POINTS), args.work_dir)
+            measured = run_points(config, QUICK if args.quick else tuple(pt.name for pt in POINTS), args.work_dir,
+                                  2 if args.repeat is None else args.repeat)
             args.work_dir.mkdir(parents=True, exist_ok=True)
             (args.work_dir / "measured.json").write_text(json.dumps(measured, indent=1))
         profile = fit_profile(config, measured, args.name, "pdcluster sim calibrate " + " ".join(argv))

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from cluster.config import DEFAULT_CONFIG_PATH, load_config
 from loadgen.cli_compare import main_compare
 from loadgen.summary import load_summary
+from sim.calibrate import main_calibrate, run_points
 from sim.cli import main
 from tests.sim.helpers import profile
 
@@ -50,3 +54,11 @@ def test_refuses_client_flags_and_bad_profiles(tmp_path, capsys) -> None:
     missing.write_text(json.dumps(data))
     assert main([*ARGS, "--profile", str(missing), "--out", str(tmp_path / "z")]) == 2
     assert "no step cost for tp=1 dcp=2" in capsys.readouterr().err
+
+
+def test_calibrate_refuses_repeat_where_nothing_is_measured(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main_calibrate(["--figures", "gb300", "--repeat", "3", "--out", str(tmp_path / "p.json")])
+    assert "--repeat" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--repeat must be at least 1, got 0"):
+        run_points(load_config(DEFAULT_CONFIG_PATH), (), tmp_path, repeat=0)
