@@ -122,3 +122,18 @@ def test_a_failing_stream_sends_its_held_back_token_ids_first(kind: str, moved: 
     whole = _chunks(kind, _events(ids, 0))
     text = "".join(_text(kind, c) for c in sent + rest if c["choices"])
     assert text == "".join(_text(kind, c) for c in whole if c["choices"])
+
+
+def test_a_resumed_answer_reports_no_more_cached_tokens_than_its_prompt() -> None:
+    """A resuming node's cache may hold some of the resumed tokens too: the client's cached_tokens count only its
+    prompt (router/session_routing.py says which placement's figure the client sees)."""
+    from engine.api import SamplingParams
+    from node.responses import usage_of
+    from node.textgen import PreparedRequest
+
+    prepared = PreparedRequest(request_id="r", kind="completion", model="m", prompt_token_ids=tuple(range(10)),
+                               sampling=SamplingParams(max_tokens=4, num_resumed=3), stop_strings=(), stream=True,
+                               include_usage=True, echo=False, prompt_logprobs=False, kv_params=None)
+    usage = usage_of(prepared, GenerationResult(num_cached_tokens=9))
+    assert (usage.prompt_tokens, usage.completion_tokens) == (7, 3)
+    assert usage.prompt_tokens_details.cached_tokens == 7
