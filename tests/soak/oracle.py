@@ -1,6 +1,7 @@
 """The soak's oracle: `pdcluster generate`'s answers for hundreds of requests, in this process, in minutes.
 
-Why batched: on the CPU a decode step costs about the same for one request as for 64 (every linear layer and
+Why one thread: see `Oracle.__init__`. Why batched: on the CPU a decode step costs about the same for one request
+as for 64 (every linear layer and
 routed expert works on 64-row blocks, engine/model/numerics.py `ROW_BLOCK`, so its cost is the weights'), and the
 step count, not the prompt, dominated the old one-request-at-a-time oracle: a soak's ~2,500 answer tokens took
 ~2,500 single-request decode steps (about 1 s each on this 2-core machine for a 1,700-token context, over 20 s when
@@ -13,7 +14,8 @@ attends to its own tokens only, so a request's tokens do not depend on what it i
 promise, which the soak checks again here: `check_alone` reruns a few of the requests alone through
 tests/oracle.py `generate` (the code of `pdcluster generate`, one request at a time) and compares token for token.
 `work_s`, a request's own prefill + decode time alone: its prefill as timed in the batched run (one request per
-prefill, nothing else in that call) plus its decode steps at the per-step time measured by those alone reruns.
+prefill, nothing else in that call) plus its decode steps at the per-step time those alone reruns took (each
+rerun's time less the time of the same prompt with one output token, per further token).
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ Key = tuple[tuple[int, ...], int]
 
 class Oracle:
     def __init__(self, model: str) -> None:
+        import torch
+
+        # One intra-op thread, as `pdcluster generate` runs (engine/cli.py) and the test suite does (tests/conftest.py):
+        # this process ran two, and on a loaded 2-core machine each small op of a decode step waited at a barrier
+        # for a descheduled thread, which made the unbatched oracle take tens of minutes.
+        torch.set_num_threads(1)
         self.model = model
         self.tokenizer = ByteTokenizer()
         self.cache: dict[Key, Expected] = {}
@@ -134,8 +142,9 @@ class Oracle:
         for key in sample:
             alone = self._alone(key)
             equal = equal and alone.token_ids == self.cache[key].token_ids and alone.text == self.cache[key].text
-            if len(alone.token_ids) > 1:
-                steps.append(max(alone.work_s - self.prefill_s[key], 0.0) / (len(alone.token_ids) - 1))
+            if len(alone.token_ids) > 1:  # the same prompt with no decode step: what the decode steps added
+                first = self._alone((key[0], 1))
+                steps.append(max(alone.work_s - first.work_s, 0.0) / (len(alone.token_ids) - 1))
         self.decode_step_s = statistics.median(steps) if steps else 0.0
         for key in batched:
             expected = self.cache[key]
