@@ -1,11 +1,11 @@
 """The soak's oracle: `pdcluster generate`'s answers for hundreds of requests, in this process, in minutes.
 
-Why one thread: see `Oracle.__init__`. Why batched: on the CPU a decode step costs about the same for one request
-as for 64 (every linear layer and
-routed expert works on 64-row blocks, engine/model/numerics.py `ROW_BLOCK`, so its cost is the weights'), and the
-step count, not the prompt, dominated the old one-request-at-a-time oracle: a soak's ~2,500 answer tokens took
-~2,500 single-request decode steps (about 1 s each on this 2-core machine for a 1,700-token context, over 20 s when
-it is loaded), where a batched run takes one step per request plus the longest answer.
+Why one thread: see `Oracle.__init__` (measured here: about 1 s of CPU per single-request decode step with two
+threads at load average 19, 14 ms with one thread on a quiet machine; the two causes were not measured apart). Why
+batched: a decode step
+costs nearly the same for one request as for many (every linear layer and routed expert works on 64-row blocks,
+engine/model/numerics.py `ROW_BLOCK`), and a soak's answers are thousands of single-request decode steps one at a
+time, one step per request plus the longest answer batched.
 
 `Oracle.run_all` puts every distinct (prompt, max_tokens) through one single-rank reference engine at once (prefix
 cache off, so every prompt is computed from its first token as the CLI's fresh engine computes it; rows for every
