@@ -27,6 +27,7 @@ from kv_transfer.geometry import Geometry
 from kv_transfer.side_channel import InstanceMetadata, RankMetadata, side_channel_router
 from node.app import build_app
 from node.executor import Executor
+from node.export import serve_export
 from node.metrics import NodeMetrics
 from node.rank import RankInfo
 from node.runtime import NodeRuntime, start_runtime, worker_config
@@ -37,11 +38,21 @@ RANK_IMPORTER = "decode_node.rank_importer:build_rank_importer"
 """The decode ranks' RankRole factory (node/rank.py `WorkerConfig.rank_role`)."""
 
 
+async def serve_session_export(runtime: NodeRuntime[Importer], prepared: PreparedRequest,
+                               request: Request) -> Response:
+    """A session moving to another pool: prefill the new turn on top of this node's prefix cache and lease the whole
+    prompt's rows to the new instance (node/export.py; the router's session-growth move, docs/ARCHITECTURE.md)."""
+    exporter = runtime.handoff.moves.exporter
+    if exporter is None:
+        raise APIError(400, "this decode node exports no rows (a DCP pool, no KV transport, or move_on_drain off): "
+                            "send do_remote_decode requests to a prefill node", "kv_transfer_params")
+    return await serve_export(runtime, exporter, prepared, request, transfer_mode="move")
+
+
 async def handle(runtime: NodeRuntime[Importer], prepared: PreparedRequest, request: Request) -> Response:
     params = prepared.kv_params
     if params is not None and params.do_remote_decode:
-        raise APIError(400, "this is a decode node: do_remote_decode requests go to a prefill node",
-                       "kv_transfer_params")
+        return await serve_session_export(runtime, prepared, request)
     if params is not None and params.do_remote_prefill:
         return await serve_remote(runtime, prepared, request, params)
     return await serve_here(runtime, prepared, request)

@@ -1,6 +1,6 @@
 """The export half of a hand-off, node side: leases on exported rows, shared by the prefill node (each export of a
 prompt) and the decode node (a running request moved to another decode instance on drain, docs/ARCHITECTURE.md).
-The prefill node exports a prompt's rows (prefill_node/exporter.py `serve_export`); a draining decode node exports
+The prefill node exports a prompt's rows (node/export.py `serve_export`); a draining decode node exports
 a running stream's rows (decode_node/moves.py). Either way:
 Lease: `Exporter.grant()` turns an engine export (`ExportedRows`: request id, generation, rows) into the wire params
 and starts a lease naming that export. The lease ends exactly once, by whichever comes first: the readers' DONE

@@ -2,7 +2,7 @@
 `NodeRuntime` every handler serves with.
 
 `NodeRuntime[H]` holds what both node kinds share (executor, tokenizer, limits, metrics, the requests in flight)
-and, typed, the node kind's owner of P->D hand-offs (`handoff`: prefill_node/exporter.py `Exporter` or
+and, typed, the node kind's owner of P->D hand-offs (`handoff`: kv_transfer/exporter.py `Exporter` or
 decode_node/importer.py `Importer`). The shared HTTP layer (node/app.py) sees that owner only through `HandOff`.
 `start_runtime` spawns the ranks (node/executor.py running node/worker.py), then asks the node package to build
 its hand-off owner over them.

@@ -2,7 +2,8 @@
 /health, /v1/models, /metrics, /abort_requests and the NIXL side channel (agent metadata of every rank).
 
 Its ranks run the shared worker with `RankExporter` (prefill_node/rank_exporter.py) as their role; its
-runtime's hand-off owner is the `Exporter` (prefill_node/exporter.py).
+runtime's hand-off owner is the `Exporter` (kv_transfer/exporter.py); an export request (the P leg) is served by
+node/export.py `serve_export`.
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from kv_transfer.exporter import Exporter, ExportIdentity
 from kv_transfer.side_channel import InstanceMetadata, RankMetadata, side_channel_router
 from node.app import build_app
 from node.executor import Executor
+from node.export import serve_export
 from node.local import serve_local
 from node.metrics import NodeMetrics
 from node.rank import RankInfo
 from node.runtime import NodeRuntime, start_runtime, worker_config
 from node.textgen import PreparedRequest
-from prefill_node.exporter import Exporter, ExportIdentity, serve_export
 from prefill_node.settings import Settings
 from serving.errors import APIError
 
@@ -33,7 +35,7 @@ RANK_EXPORTER = "prefill_node.rank_exporter:build_rank_exporter"
 async def handle(runtime: NodeRuntime[Exporter], prepared: PreparedRequest, request: Request) -> Response:
     params = prepared.kv_params
     if params is not None and params.do_remote_decode:
-        return await serve_export(runtime, prepared, request)
+        return await serve_export(runtime, runtime.handoff, prepared, request)
     return await serve_local(runtime, prepared, request)
 
 

@@ -100,3 +100,11 @@ def pair_verdict(p: Geometry, d: Geometry) -> PairVerdict:
 def compat_matrix(prefills: list[Geometry], decodes: list[Geometry]) -> dict[tuple[str, str], PairVerdict]:
     """Verdicts for every (prefill, decode) pair, keyed by instance names."""
     return {(p.name, d.name): pair_verdict(p, d) for p in prefills for d in decodes}
+
+
+def move_matrix(decodes: list[Geometry]) -> dict[tuple[str, str], PairVerdict]:
+    """Verdicts for every (source, destination) pair of distinct reference decode instances: may the source's
+    rows move to the destination (a session outgrowing its pool, router/placement.py `move_source`)? The same
+    rules as a P -> D pair, the source in P's place (a DCP source is refused: its rows are split by token)."""
+    sources = [g for g in decodes if g.engine == "reference"]
+    return {(s.name, d.name): pair_verdict(s, d) for s in sources for d in decodes if d.name != s.name}

@@ -23,9 +23,10 @@ import random
 import re
 from dataclasses import dataclass, field
 
-REASONS = ("stream_broke", "error_event", "timeout", "unreachable", "error_status", "drain")
+REASONS = ("stream_broke", "error_event", "timeout", "unreachable", "error_status", "drain", "session_growth")
 """`pdcluster_migrations_total{reason}`: why a request left its decode instance ("drain": the draining node moved
-the stream out with its KV, router/moves.py)."""
+the stream out with its KV, router/moves.py; "session_growth": a session outgrew its pool and its kept KV moved
+decode-to-decode to the new pool's instance, router/placement.py `move_source`)."""
 
 _TOKEN_IDS = re.compile(rb',"token_ids":\[[0-9,]*\]')
 _TOKEN_IDS_KEY = b'"token_ids":['

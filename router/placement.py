@@ -25,6 +25,11 @@ output is a `Placement`. Rules:
   decode instance reported it can resume a local prefill from (`resumable`; never the router's own guess).
   A session that outgrows its pool migrates (the new pool's instance then receives the whole KV once).
   Prefills holding more of the session rank first, then by load.
+- session growth moves KV decode-to-decode (`move_source`): when a session migrates, the old pool's usable
+  decode instance holding the most of it, where that instance -> the new decode instance is a usable move pair
+  (`move_pairs`: compat.move_matrix, link and source breakers closed), runs the P leg in a prefill's place, first
+  of `prefills`: it prefills only the new tokens on top of its prefix cache and leases the whole prompt's rows,
+  which the new instance READs. The prefills ranked as usual follow it (the fallback when that leg fails).
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ class Placement:
     reason: str
     projected_tokens: int
     cached_tokens_estimate: int
+    move_source: str | None = None
+    """The decode instance whose kept KV of the session moves to `decode` (the first of `prefills`), or None."""
 
 
 class NoPlacement(Exception):
@@ -221,7 +228,8 @@ def place(shape: RequestShape, session: SessionRecord | None, pools: list[PoolVi
           instances: list[InstanceView], compatible: frozenset[tuple[str, str]],
           warm: frozenset[tuple[str, str]], min_uncached_tokens: int, hash_sessions: bool = False,
           blocked: frozenset[str] = frozenset(), held: Mapping[str, int] | None = None,
-          resumable: Mapping[str, int] | None = None) -> Placement:
+          resumable: Mapping[str, int] | None = None,
+          move_pairs: frozenset[tuple[str, str]] = frozenset()) -> Placement:
     held = held or {}
     resumable = held if resumable is None else resumable
     decodes = [v for v in instances if v.role == "decode" and v.is_healthy and not v.is_draining
@@ -262,6 +270,18 @@ def place(shape: RequestShape, session: SessionRecord | None, pools: list[PoolVi
     cached = min(resumable.get(decode.name, 0), shape.prompt_tokens)
     ranked = rank_prefills(prefills, decode.name, compatible, warm, held)
     disaggregate = bool(ranked) and should_disaggregate(shape.prompt_tokens, cached, min_uncached_tokens)
+    source = move_source(held, decodes, previous_pool, decode.name, move_pairs) if is_migration else None
+    if source is not None:
+        ranked, disaggregate = (source.name, *ranked), True
+        reason = f"{reason}; its KV moves from {source.name} ({held[source.name]} tokens held)"
     return Placement(pool=pool.name, decode=decode.name, prefills=ranked, disaggregate=disaggregate,
                      is_migration=is_migration, reason=reason, projected_tokens=projected,
-                     cached_tokens_estimate=cached)
+                     cached_tokens_estimate=cached, move_source=source.name if source is not None else None)
+
+
+def move_source(held: Mapping[str, int], decodes: list[InstanceView], previous_pool: str | None, decode: str,
+                move_pairs: frozenset[tuple[str, str]]) -> InstanceView | None:
+    """The usable decode instance of the session's old pool holding the most of it whose rows may move to
+    `decode` (None: the session's KV cannot move; the new instance gets it from a P leg)."""
+    sources = [d for d in decodes if d.pool == previous_pool and d.name != decode and (d.name, decode) in move_pairs]
+    return best_holder(held, sources)

@@ -15,6 +15,9 @@ its Retry-After. A decode instance that cannot be connected to (the request neve
 once by the least-loaded other usable, compatible decode of the pool before any byte reached the client (a
 hand-off bound to the unreachable instance is given back at P and the new one prefills the prompt itself).
 The P leg names the chosen decode instance's engine id as the hand-off's reader when the router knows it.
+A session that outgrew its pool sends its first P leg to the old pool's decode instance holding it
+(`Placement.move_source`, router/placement.py): it exports the session's rows (`transfer_mode="move"`,
+`pdcluster_migrations_total{reason="session_growth"}`); any refusal or failure there falls to the next prefill.
 A cancelled leg (client gone) closes its connection and calls the engine's aborter on both legs so
 neither node keeps rows for it.
 """
@@ -231,6 +234,11 @@ class Orchestrator:
             ctx.notes.append(f"{name}: HTTP {resp.status_code}")
             attempt.failed(time.monotonic())
             return None
+        is_move = name == ctx.placement.move_source
+        if resp.status_code >= 400 and is_move:  # the source cannot export (not the client's fault): the next one
+            ctx.notes.append(f"{name}: cannot move the session's KV ({upstream_message(content)})")
+            attempt.neutral()
+            return None
         attempt.succeeded()
         if resp.status_code >= 400:
             raise UpstreamReply(resp.status_code, content, resp.headers.get("content-type"))
@@ -244,6 +252,8 @@ class Orchestrator:
         handoff = handoff_from_answer(name, host_of(state.spec.url), answer)
         if handoff is None:
             ctx.fallback_reason = "no handoff"
+        elif is_move:  # the session's kept KV moves decode-to-decode (router/placement.py `move_source`)
+            self.state.metrics.migrations.labels("session_growth").inc()
         else:
             self.state.note_prefill_engine(name, handoff.remote_engine_id)
         return handoff
@@ -281,7 +291,8 @@ class Orchestrator:
         pool (compatible with its prefill's handoff); False when there is none."""
         now = time.monotonic()
         failed = ctx.placement.decode
-        pairs, blocked = self.state.usable_pairs(now), self.state.blocked_instances(now)
+        pairs = self.state.usable_pairs(now) | self.state.usable_move_pairs(now)
+        blocked = self.state.blocked_instances(now)
         handoff = ctx.handoff if ctx.handoff is not None and not ctx.handoff.is_bound else None
         candidates = [v for v in self.state.registry.snapshot()
                       if v.role == "decode" and v.pool == ctx.placement.pool and v.is_usable and v.name != failed

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from kv_transfer.geometry import Geometry
-from router.compat import PairVerdict, compat_matrix
+from router.compat import PairVerdict, compat_matrix, move_matrix
 from router.config import InstanceSpec
 from router.facts import CacheFacts, LoadFacts, ModelFacts
 
@@ -89,6 +89,8 @@ class Registry:
         self._instances: dict[str, InstanceState] = {}
         self._matrix: dict[tuple[str, str], PairVerdict] = {}
         self.compatible_pairs: frozenset[tuple[str, str]] = frozenset()
+        self.move_pairs: frozenset[tuple[str, str]] = frozenset()
+        """(source decode, destination decode) pairs whose kept KV may move decode-to-decode (compat.move_matrix)."""
         self._served_ids: set[str] = set()
         self._known_ids: set[str] = set()
         self._states: list[InstanceState] = []
@@ -125,6 +127,7 @@ class Registry:
         decodes = [s.geometry for s in self._states if s.spec.role == "decode"]
         self._matrix = compat_matrix(prefills, decodes)
         self.compatible_pairs = frozenset(key for key, verdict in self._matrix.items() if verdict.is_compatible)
+        self.move_pairs = frozenset(key for key, verdict in move_matrix(decodes).items() if verdict.is_compatible)
         self._served_ids = {str(card["id"]) for card in self.served_models()}
         self._known_ids = {str(card["id"]) for card in self.served_models(healthy_only=False)}
         self.version += 1

@@ -96,11 +96,13 @@ def place_request(state: RouterState, shape: RequestShape, now: float, scores_pr
                           state.warm_pairs, s.disagg_min_uncached_tokens,
                           hash_sessions=state.is_multi_worker, blocked=state.blocked_instances(now),
                           held=state.cache_view.held(shape.session_id),
-                          resumable=state.cache_view.resumable(shape.session_id))
+                          resumable=state.cache_view.resumable(shape.session_id),
+                          move_pairs=state.usable_move_pairs(now))
     except NoPlacement as exc:
         raise APIError(503, f"no decode instance available: {exc}") from None
     if scores_prompt and placement.disaggregate:  # prompt log-probs come from the prompt's own prefill
-        placement = replace(placement, disaggregate=False, reason=f"{placement.reason}; colocated: scores the prompt")
+        placement = replace(placement, disaggregate=False, move_source=None,
+                            reason=f"{placement.reason}; colocated: scores the prompt")
     state.admission.enter(placement.pool)
     if shape.session_id:
         known_tokens = max(shape.prompt_tokens, session.context_tokens if session else 0)

@@ -110,6 +110,15 @@ class RouterState:
         return frozenset(key for key in compatible
                          if self.breakers.link(*key).allows(now) and self.breakers.instance(key[0]).allows(now))
 
+    def usable_move_pairs(self, now: float) -> frozenset[tuple[str, str]]:
+        """Decode -> decode pairs a session's KV may move over now: compatible, link and source breakers closed."""
+        assert self.breakers is not None
+        pairs = self.registry.move_pairs
+        if not self.breakers.tripped:
+            return pairs
+        return frozenset(key for key in pairs
+                         if self.breakers.link(*key).allows(now) and self.breakers.instance(key[0]).allows(now))
+
     def blocked_instances(self, now: float) -> frozenset[str]:
         """Instances whose own breaker lets no request through now (placement skips them as decodes)."""
         assert self.breakers is not None

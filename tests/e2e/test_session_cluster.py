@@ -75,3 +75,53 @@ def test_a_turn_the_decode_instance_holds_skips_its_prefill_leg_and_matches_orac
     # the router learns what the decode instance holds from its next `/v1/cache` poll (every second)
     cluster.wait_until(again_without_prefill_leg, 30, "a turn without a P leg", poll_s=1.0)
     assert cluster.metrics("router").value("pdcluster_prefill_skipped_total") >= skipped_before + 1
+
+
+def test_session_growth_moves_its_kv_from_the_tp_instance_to_the_long_pool(cluster):
+    """Session growth moves KV decode-to-decode (router/placement.py `move_source`): the first turn that outgrows
+    `tp` sends its P leg to the `tp` decode instance holding the session, which prefills only the new turn's tokens
+    on top of its prefix cache and leases the whole prompt's rows; the long pool's instance READs them
+    (`pdcluster_kv_moved_*` on it) and answers the oracle's tokens. The prefill node exports nothing for it."""
+    rng = random.Random(31)  # its 5 turns answer no NUL (which a request body may not hold)
+    client = cluster.client()
+    source = cluster.nodes_of(role="decode", pool="tp")[0].name
+    reader = cluster.nodes_of(role="decode", pool=LONG_POOL)[0].name
+    prefill = cluster.nodes_of(role="prefill")[0].name
+    messages = [{"role": "system", "content": "You are a reviewing agent."}]
+    previous_prompt = 0
+    for turn in range(8):
+        messages.append({"role": "user", "content": _user_turn(rng, turn)})
+        expected = cluster.oracle_chat(messages, MAX_TOKENS)
+        router_before = cluster.metrics("router")
+        reader_before, exported_before = cluster.metrics(reader), cluster.metrics(prefill)
+        raw = client.chat.completions.with_raw_response.create(
+            model=cluster.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+            extra_headers={"X-Session-ID": "kv-move-session-1"})
+        reply = raw.parse()
+        assert reply.choices[0].message.content == expected.text, f"turn {turn} on {raw.headers['x-pdcluster-pool']}"
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        if raw.headers["x-pdcluster-pool"] == "tp":
+            previous_prompt = reply.usage.prompt_tokens
+            continue
+        assert turn > 0, "the session started on the long pool"
+        assert raw.headers["x-pdcluster-decode"] == reader and raw.headers.get("x-pdcluster-migrated") == "true"
+        assert raw.headers["x-pdcluster-prefill"] == source  # the P leg ran on the instance holding the session
+        router_after, reader_after = cluster.metrics("router"), cluster.metrics(reader)
+        assert router_after.value("pdcluster_migrations_total", reason="session_growth") == \
+            (router_before.get("pdcluster_migrations_total", reason="session_growth") or 0.0) + 1
+        # the long pool's instance READ the session's rows and KDA state from the tp instance, once
+        assert reader_after.value("pdcluster_kv_moved_requests_total") == \
+            (reader_before.get("pdcluster_kv_moved_requests_total") or 0.0) + 1
+        moved_bytes = reader_after.value("pdcluster_kv_moved_bytes_total") - \
+            (reader_before.get("pdcluster_kv_moved_bytes_total") or 0.0)
+        assert moved_bytes > 0
+        assert cluster.metrics(prefill).value("pdcluster_node_rows_exported_total") == \
+            exported_before.value("pdcluster_node_rows_exported_total")  # no P leg on the prefill node
+        # only the new turn's tokens were prefilled (what this prompt adds to the last one the tp instance saw: the
+        # previous answer as the client sends it back and the new user message); the rest came from its cache
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        assert previous_prompt <= cached < reply.usage.prompt_tokens, (cached, previous_prompt)
+        print(f"session moved {source} -> {reader} at turn {turn}: {moved_bytes:.0f} bytes READ, "
+              f"{reply.usage.prompt_tokens - cached} of {reply.usage.prompt_tokens} prompt tokens prefilled")
+        return
+    pytest.fail("the session never outgrew the tp pool")

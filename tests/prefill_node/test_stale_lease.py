@@ -15,7 +15,7 @@ from kv_transfer.ucx_env import KVTransferSettings
 from node.executor import Executor, WorkerSpec
 from node.metrics import NodeMetrics
 from node.rank import WorkerConfig
-from prefill_node.exporter import Exporter, ExportIdentity
+from kv_transfer.exporter import Exporter, ExportIdentity
 from serving.errors import APIError
 from tests.node.nodes import TOY
 

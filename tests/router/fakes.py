@@ -57,6 +57,8 @@ class FakeNode:
     """`root` of the model card (vLLM: the model path)."""
     engine_id: str | None = None
     """When set, the node answers GET /v1/cache (an empty cache) naming this engine id, as reference nodes do."""
+    blocks_cached: int = 0
+    """Blocks its GET /v1/cache says it holds (above 0: its cache is on, so the router notes what turns leave)."""
     bodies: list[dict] = field(default_factory=list)
     request_ids: list[str | None] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -117,7 +119,8 @@ class FakeNode:
         async def cache() -> Response:
             if node.engine_id is None:
                 return Response(status_code=404)
-            return JSONResponse({"engine_id": node.engine_id, "block_tokens": node.block_size, "sessions": {}})
+            return JSONResponse({"engine_id": node.engine_id, "block_tokens": node.block_size, "sessions": {},
+                                 "blocks_cached": node.blocks_cached})
 
         @app.post("/abort_requests")
         async def abort(request: Request) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.compat import Geometry, compat_matrix, pair_verdict
+from router.compat import Geometry, compat_matrix, move_matrix, pair_verdict
 
 
 def geo(name="x", engine="vllm", model="m", tp=1, dcp=1, block_size=16, cache_dtype="auto", fp=None,
@@ -73,3 +73,17 @@ def test_matrix_covers_every_pair():
     matrix = compat_matrix(prefills, decodes)
     assert {k: v.is_compatible for k, v in matrix.items()} == {
         ("p0", "d0"): True, ("p0", "d1"): True, ("p1", "d0"): False, ("p1", "d1"): True}
+
+
+def test_move_matrix_pairs_reference_decodes_tp_source_to_any_compatible_destination():
+    """Decode -> decode moves (a grown session's KV): a TP decode instance may feed a DCP one (the TP -> DCP
+    remap), never itself; a DCP source (rows split by token) and a vLLM instance never move."""
+    tp = geo("tp-0", engine="reference", tp=1, block_size=1024, fp="f1")
+    dcp = geo("dcp-0", engine="reference", tp=2, dcp=2, block_size=1024, fp="f1")
+    other = geo("tp-1", engine="reference", tp=1, block_size=1024, fp="f2")
+    vllm = geo("v-0")
+    matrix = move_matrix([tp, dcp, other, vllm])
+    compatible = {key for key, verdict in matrix.items() if verdict.is_compatible}
+    assert compatible == {("tp-0", "dcp-0")}
+    assert ("tp-0", "tp-0") not in matrix and ("v-0", "tp-0") not in matrix
+    assert matrix[("dcp-0", "tp-0")].reasons and matrix[("tp-0", "tp-1")].reasons

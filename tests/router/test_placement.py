@@ -136,3 +136,40 @@ def test_session_id_of(headers, body, expected):
 ], ids=["text", "ids", "id-lists", "text-list", "chat", "chat-parts"])
 def test_estimate_prompt_tokens(body, expected):
     assert estimate_prompt_tokens(body, chars_per_token=4.0) == expected
+
+
+GROWN = SessionRecord("s", "tp-small", "d-s0", 40_000, 0.0)
+"""A session of `tp-small` whose known context sends it to the `dcp` pool."""
+
+
+@pytest.mark.parametrize("move_pairs,held,source", [
+    (frozenset({("d-s0", "d-l0")}), {"d-s0": 30_000}, "d-s0"),
+    (frozenset({("d-s0", "d-l0"), ("d-s1", "d-l0")}), {"d-s0": 900, "d-s1": 30_000}, "d-s1"),
+    (frozenset(), {"d-s0": 30_000}, None),
+    (frozenset({("d-s0", "d-l1")}), {"d-s0": 30_000}, None),
+    (frozenset({("d-s0", "d-l0")}), {}, None),
+    (frozenset({("d-b0", "d-l0")}), {"d-b0": 30_000}, None),
+], ids=["holder-moves", "biggest-holder", "no-move-pair", "pair-to-another-decode", "nothing-held",
+        "holder-outside-the-old-pool"])
+def test_a_grown_session_moves_its_kv_from_the_instance_holding_it(move_pairs, held, source):
+    """Session growth: the old pool's instance holding the most of the session, paired with the new decode
+    instance, runs the P leg first (`move_source`); the usual prefills follow it as the fallback."""
+    result = place(shape(prompt=100), GROWN, POOLS, INSTANCES, ALL_PAIRS, frozenset(), 32, held=held,
+                   resumable={}, move_pairs=move_pairs)
+    assert (result.pool, result.decode, result.is_migration) == ("dcp", "d-l0", True), result.reason
+    assert result.move_source == source, result.reason
+    assert result.disaggregate
+    assert result.prefills == ((source,) if source else ()) + ("p0", "p1")
+
+
+def test_a_session_that_stays_in_its_pool_moves_no_kv():
+    result = place(shape(), SessionRecord("s", "tp-small", "d-s0", 500, 0.0), POOLS, INSTANCES, ALL_PAIRS,
+                   frozenset(), 32, held={"d-s0": 500}, move_pairs=frozenset({("d-s0", "d-l0")}))
+    assert not result.is_migration and result.move_source is None and "d-s0" not in result.prefills
+
+
+def test_an_unusable_holder_is_no_move_source():
+    instances = [view("d-s0", draining=True) if v.name == "d-s0" else v for v in INSTANCES]
+    result = place(shape(prompt=100), GROWN, POOLS, instances, ALL_PAIRS, frozenset(), 32, held={"d-s0": 30_000},
+                   move_pairs=frozenset({("d-s0", "d-l0")}))
+    assert result.is_migration and result.move_source is None and result.prefills == ("p0", "p1")

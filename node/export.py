@@ -1,26 +1,31 @@
-"""The prefill node's exporter: the one owner of a hand-off on the prefill side - export, lease, notifications,
-release.
+"""Serving an export request (router -> the node that holds or computes a prompt's rows): prefill the prompt and
+answer with signed transfer params, the rows kept under a lease for one reader.
 
-Export (`serve_export`, router -> P): the client body with `max_tokens=1`, `stream=false` and
-`kv_transfer_params={"do_remote_decode": true, ...}` is prefilled as a `Submit(export=True)`; the rows stay
-allocated and the answer is vLLM's completion body with one token and `kv_transfer_params` = {do_remote_prefill:
-true, remote_engine_id, remote_request_id, remote_block_ids, remote_host, remote_port, tp_size, dcp_size,
+Both node kinds serve it: a prefill node for every P leg (prefill_node/app.py), a TP decode node for a session that
+outgrows its pool (decode_node/app.py: the new pool's instance READs the session's rows from it instead of
+prefilling the whole context again; its prefix cache holds the session, so only the new turn's tokens are
+computed here). The request is the client body with `max_tokens=1`, `stream=false` and
+`kv_transfer_params={"do_remote_decode": true, ...}`; it runs as a `Submit(export=True)`, whose rows stay allocated,
+and the answer is vLLM's completion body with one token and `kv_transfer_params` = {do_remote_prefill: true,
+remote_engine_id, remote_request_id, remote_block_ids, remote_host, remote_port, tp_size, dcp_size,
 remote_num_tokens, ...} plus the packed-row fields (block size, layout fingerprint, KDA row ids, first token id,
-lease id and expiry, prompt digest), signed with the cluster secret.
-Lease, exposure and notifications: `Exporter` (kv_transfer/exporter.py, shared with the decode node's moves) turns
-the engine's export into signed params under a lease, which ends by the readers' DONE, an abort or expiry.
+lease id and expiry, prompt digest), signed with the cluster secret; `usage.prompt_tokens_details.cached_tokens` is
+what the prefix cache spared.
+The lease itself (grant, claims, notifications, release) is the node package's `kv_transfer.exporter.Exporter`;
+node/ sees it only as `ExportLeases` (node/ holds neither half of a hand-off: tests/test_layering.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.api import Abort, EngineFailure, ExportedRows, Submit
-from kv_transfer.exporter import Exporter, ExportIdentity
+from kv_transfer.params import KVTransferParams
 from kv_transfer.signing import ENGINE_ID_PATTERN
 from node.app import until_disconnect
 from node.metrics import RequestTiming
@@ -29,7 +34,18 @@ from node.runtime import NodeRuntime
 from node.textgen import GenerationResult, PreparedRequest
 from serving.errors import APIError
 
-__all__ = ["Exporter", "ExportIdentity", "check_export_request", "serve_export"]
+__all__ = ["ExportLeases", "check_export_request", "serve_export"]
+
+
+class ExportLeases(Protocol):
+    """What serving an export needs of the node's lease owner (kv_transfer/exporter.py `Exporter`)."""
+
+    def begin(self, request_id: str) -> None: ...
+
+    def grant(self, request_id: str, exported: ExportedRows, token_ids: list[int], reader: str | None = None,
+              transfer_mode: str = "pull") -> KVTransferParams: ...
+
+    def forget(self, request_id: str) -> None: ...
 
 
 def check_export_request(prepared: PreparedRequest) -> str | None:
@@ -45,7 +61,7 @@ def check_export_request(prepared: PreparedRequest) -> str | None:
     return reader
 
 
-async def _run_export(runtime: NodeRuntime[Exporter], prepared: PreparedRequest) -> ExportedRows:
+async def _run_export(runtime: NodeRuntime, prepared: PreparedRequest) -> ExportedRows:
     cmd = Submit(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
                  sampling=prepared.sampling, export=True, session=prepared.session,
                  cache_salt=prepared.cache_salt)
@@ -58,17 +74,19 @@ async def _run_export(runtime: NodeRuntime[Exporter], prepared: PreparedRequest)
     raise APIError(500, "the engine ended the export without rows")
 
 
-async def serve_export(runtime: NodeRuntime[Exporter], prepared: PreparedRequest, request: Request) -> Response:
-    """Prefill for a remote decoder and answer with the transfer params."""
+async def serve_export(runtime: NodeRuntime, leases: ExportLeases, prepared: PreparedRequest, request: Request,
+                       transfer_mode: str = "pull") -> Response:
+    """Prefill for a remote decoder and answer with the transfer params (`transfer_mode`: "pull" for a P leg,
+    "move" for a session's rows leaving a decode instance)."""
     reader = check_export_request(prepared)
     started = time.monotonic()
-    exporter = runtime.handoff
-    exporter.begin(prepared.request_id)
+    leases.begin(prepared.request_id)
     try:
         exported: ExportedRows = await until_disconnect(request, _run_export(runtime, prepared))
-        params = exporter.grant(prepared.request_id, exported, prepared.prompt_token_ids, reader)  # refused if aborted
+        params = leases.grant(prepared.request_id, exported, prepared.prompt_token_ids, reader,  # refused if aborted
+                              transfer_mode=transfer_mode)
     finally:
-        exporter.forget(prepared.request_id)
+        leases.forget(prepared.request_id)
     elapsed = time.monotonic() - started
     first = dataclasses.replace(exported.first, request_id=prepared.request_id)
     result = GenerationResult(tokens=[first], text=runtime.tokenizer.decode([int(exported.first.token_id or 0)]),
