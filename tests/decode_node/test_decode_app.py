@@ -41,12 +41,11 @@ def _params(**extra) -> dict:
 
 
 @pytest.mark.parametrize("params,needle", [
-    ({"do_remote_decode": True}, "decode node"),
     (_params(remote_num_tokens=3), "remote_num_tokens"),
     (_params(first_token_id=None), "first_token_id"),
     (_params(remote_host=None), "remote_host"),
     ({"do_remote_prefill": True, "remote_block_ids": {"a": 1}}, "malformed"),
-], ids=["remote-decode-on-decode", "token-count", "no-first-token", "no-host", "malformed"])
+], ids=["token-count", "no-first-token", "no-host", "malformed"])
 def test_bad_params_400(client, params, needle):
     resp = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params})
     assert resp.status_code == 400, resp.text
@@ -60,6 +59,22 @@ def test_recompute_policy_prefills_locally(client):
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["token_ids"] == oracle["choices"][0]["token_ids"]
     assert "vllm:nixl_num_failed_transfers_total 1.0" in client.get("/metrics").text
+
+
+def test_an_export_request_leases_the_prompts_rows_for_a_move(client):
+    """A TP decode node serves `do_remote_decode` (a session outgrowing its pool, node/export.py): it prefills the
+    prompt and answers signed params naming itself, `transfer_mode="move"`; an export request's own checks apply."""
+    bad = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4,
+                                                "kv_transfer_params": {"do_remote_decode": True}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens", bad.text
+    resp = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1,
+                                                 "kv_transfer_params": {"do_remote_decode": True}})
+    assert resp.status_code == 200, resp.text
+    params = resp.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["transfer_mode"] == "move"
+    assert params["remote_num_tokens"] == len(PROMPT) and params["lease_id"]
+    oracle = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}).json()
+    assert params["first_token_id"] == oracle["choices"][0]["token_ids"][0]
 
 
 def test_tp_and_dcp_together_is_refused():
