@@ -91,6 +91,16 @@ class ExecutorDead(RuntimeError):
     """The executor lost a rank; no more work is accepted."""
 
 
+@dataclass(frozen=True)
+class _Retired:
+    """Queued right after an `Abort`: set once the round that applied that Abort has delivered its events. Until
+    then a new request under the same id waits (`Executor.events`): the old request's final `abort` event, routed
+    by request id, would otherwise end the new one (an import that failed and is recomputed under its id)."""
+
+    request_id: str
+    done: threading.Event
+
+
 def _rank_main(spec: WorkerSpec, rank: int, init_method: str, conn: Any) -> None:
     """Entry of one rank process: join the group, build the worker, serve StepPlans until told to stop."""
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -164,8 +174,12 @@ class Executor:
         self.spec = spec
         self.state = ExecutorState()
         self.startup_info: list[Any] = []
-        self._commands: queue.Queue[Command] = queue.Queue()
+        self._commands: queue.Queue[Command | _Retired] = queue.Queue()
         self._inflight: dict[str, _Inflight] = {}
+        self._retiring: dict[str, _Retired] = {}
+        """Request ids with an Abort queued whose round has not delivered its events yet."""
+        self._marks: list[_Retired] = []
+        """The marks the round being run took from the queue (the driver thread's)."""
         self._notice_handlers: list[Any] = []
         self._lock = threading.Lock()
         self._procs: list[mp.Process] = []
@@ -251,6 +265,10 @@ class Executor:
         request_id = cmd.request_id
         if on_leave is not None and on_leave.request_id != request_id:
             raise ValueError(f"on_leave aborts {on_leave.request_id!r}, not the command's {request_id!r}")
+        with self._lock:
+            retiring = self._retiring.get(request_id)
+        if retiring is not None:
+            await self._settled(retiring)
         loop = asyncio.get_running_loop()
         inflight = _Inflight(asyncio.Queue(), loop)
         with self._lock:
@@ -270,16 +288,37 @@ class Executor:
             with self._lock:
                 self._inflight.pop(request_id, None)
             if not finished and self.healthy:
-                self._commands.put(on_leave or Abort(request_id=request_id))
+                self._queue_abort(on_leave or Abort(request_id=request_id))
 
     def abort(self, request_id: str, reads_done: bool = False) -> bool:
         """Abort a request on every rank (`reads_done`: no READ can target its rows, engine/api.py `Abort`); True
-        if it was in flight here."""
+        if it was in flight here. A new request under the same id waits until this abort's events are delivered."""
         with self._lock:
             known = request_id in self._inflight
         if self.healthy:
-            self._commands.put(Abort(request_id=request_id, reads_done=reads_done))
+            self._queue_abort(Abort(request_id=request_id, reads_done=reads_done))
         return known
+
+    def _queue_abort(self, cmd: Abort) -> None:
+        mark = _Retired(cmd.request_id, threading.Event())
+        with self._lock:  # the mark right behind its Abort: the round that takes the mark applied the Abort
+            self._commands.put(cmd)
+            self._commands.put(mark)
+            self._retiring[cmd.request_id] = mark
+
+    async def _settled(self, mark: _Retired) -> None:
+        """Until the round that applied `mark`'s Abort delivered its events (or the executor died, or a step's
+        deadline passed: the driver then fails every request anyway)."""
+        deadline = time.monotonic() + self.spec.step_timeout_s
+        while not mark.done.is_set() and self.healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+
+    def _settle(self, marks: list[_Retired]) -> None:
+        for mark in marks:
+            mark.done.set()
+            with self._lock:
+                if self._retiring.get(mark.request_id) is mark:
+                    del self._retiring[mark.request_id]
 
     # ------------------------------------------------------------------ driver thread
 
@@ -310,6 +349,8 @@ class Executor:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 break
+        self._marks = [cmd for cmd in commands if isinstance(cmd, _Retired)]
+        commands = [cmd for cmd in commands if not isinstance(cmd, _Retired)]
         for cmd in commands:
             if isinstance(cmd, ImportKV):
                 self._import_parts[cmd.request_id] = []
@@ -323,6 +364,7 @@ class Executor:
                 self._fail_all(self.state.error or "a rank failed")
                 return
             self._dispatch(replies)
+            self._settle(self._marks)
 
     def _round(self, plan: StepPlan) -> list[StepReply] | None:
         try:
@@ -386,6 +428,9 @@ class Executor:
         self.state.healthy = False
         self.state.error = message
         self.end_all(message)
+        with self._lock:
+            marks = list(self._retiring.values())
+        self._settle(marks)
 
     def end_all(self, message: str, status: int = 500, keep: frozenset[str] = frozenset()) -> int:
         """End every request in flight but those in `keep` with an `EngineFailure` (each one's consumer then aborts

@@ -90,3 +90,27 @@ def test_ranks_outside_a_process_group_never_load_torch():
         finally:
             executor.stop()
     assert results[True] == results[False] and len(results[False]) == 12
+
+
+def test_a_request_id_used_again_after_an_abort_gets_its_own_events():
+    """A decode node whose import failed aborts the request and recomputes it under the same id (decode_node/
+    importer.py `serve_remote`): the old request's final `abort` event, routed by id, must not end the new one.
+    The soak of 18:58 saw this as answers of "" (finish_reason "abort") where the oracle had text."""
+    executor = Executor(_spec(1, process_group=False))
+    executor.start()
+    try:
+        async def scenario() -> None:
+            alone = await _tokens(executor, "ref", (5, 6, 7), 12)
+            for attempt in range(5):
+                request_id = f"again-{attempt}"
+                events = executor.events(Submit(request_id, (5, 6, 7), SamplingParams(max_tokens=100000)))
+                await events.__anext__()
+                await events.aclose()  # the consumer leaves: Abort queued
+                executor.abort(request_id)  # and the node aborts it once more, as serve_remote does
+                async with asyncio.timeout(60):
+                    again = await _tokens(executor, request_id, (5, 6, 7), 12)
+                assert again == alone, f"attempt {attempt}: {again} != {alone}"
+
+        asyncio.run(scenario())
+    finally:
+        executor.stop()

@@ -63,6 +63,11 @@ SOAK_CONFIG = {
 WORDS = ("agent", "tool", "result", "plan", "file", "patch", "test", "error", "retry", "context", "shard", "rank")
 
 
+def route_of(resp: httpx.Response) -> dict[str, str]:
+    """The router's headers naming the request and where it ran (router/service.py `_route_headers`)."""
+    return {k: v for k, v in resp.headers.items() if k == "x-request-id" or k.startswith("x-pdcluster-")}
+
+
 def token_names_of(choice: dict) -> list[str]:
     """Token names of a choice's (or chunk's) log-probs: completions `tokens`, chat `content[].token`."""
     logprobs = choice.get("logprobs") or {}
@@ -86,6 +91,23 @@ class Record:
     e2e_s: float = 0.0
     during_fault: bool = False
     error: str = ""
+    route: dict[str, str] = field(default_factory=dict)
+    """The router's `x-request-id` and `x-pdcluster-*` headers: the request id and the instances that served it."""
+    finish_reason: str | None = None
+    usage: dict | None = None
+    num_events: int = 0
+    """Stream events (chunks) received."""
+
+    def sample(self, expected_ids: list[int], expected_text: str, expected_names: list[str]) -> dict:
+        """What a mismatch report shows of this answer next to the oracle's."""
+        return {"request_id": self.route.get("x-request-id"), "kind": self.kind, "stream": self.stream,
+                "route": {k.removeprefix("x-pdcluster-"): v for k, v in self.route.items() if k != "x-request-id"},
+                "finish_reason": self.finish_reason, "usage": self.usage, "num_events": self.num_events,
+                "max_tokens": self.max_tokens, "num_prompt_tokens": len(self.prompt_ids),
+                "started_s": round(self.started, 2), "e2e_s": round(self.e2e_s, 2), "during_fault": self.during_fault,
+                "got": self.text[:80], "want": expected_text[:80],
+                "got_token_ids": self.token_ids, "want_token_ids": expected_ids,
+                "got_token_names": self.token_names[:40], "want_token_names": expected_names[:40]}
 
 
 @dataclass
@@ -112,15 +134,19 @@ class Soak:
         rec = Record(kind, stream, prompt_ids, body["max_tokens"], time.monotonic())
         self.records.append(rec)
         headers = {"x-session-id": session} if session else {}
+        if stream:
+            body = {**body, "stream_options": {"include_usage": True}}
         cancel_after = self.rng.randint(1, 3) if stream and self.rng.random() < self.args.cancel_rate else None
         try:
             if stream:
                 await self._stream(client, path, body, headers, rec, cancel_after)
             else:
                 resp = await client.post(path, json=body, headers=headers)
-                rec.status = resp.status_code
+                rec.status, rec.route = resp.status_code, route_of(resp)
                 if resp.status_code == 200:
-                    choice = resp.json()["choices"][0]
+                    answer = resp.json()
+                    choice = answer["choices"][0]
+                    rec.finish_reason, rec.usage = choice.get("finish_reason"), answer.get("usage")
                     rec.text = choice.get("text") if "text" in choice else choice["message"]["content"]
                     rec.token_ids = choice.get("token_ids")
                     rec.token_names = token_names_of(choice)
@@ -142,7 +168,7 @@ class Soak:
 
     async def _stream(self, client, path, body, headers, rec: Record, cancel_after: int | None) -> None:
         async with client.stream("POST", path, json=body, headers=headers) as resp:
-            rec.status = resp.status_code
+            rec.status, rec.route = resp.status_code, route_of(resp)
             if resp.status_code != 200:
                 await resp.aread()
                 rec.outcome = "shed" if resp.status_code in (429, 503) else "error"
@@ -163,7 +189,10 @@ class Soak:
                 for choice in event.get("choices", []):
                     pieces.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
                     rec.token_names += token_names_of(choice)
+                    rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
+                rec.usage = event.get("usage") or rec.usage
                 num_events += 1
+                rec.num_events = num_events
                 if cancel_after is not None and num_events >= cancel_after:
                     rec.outcome = "cancelled"
                     return  # leaving the block closes the connection mid-stream
@@ -243,19 +272,22 @@ def check(soak: Soak, oracle: Oracle) -> dict:
     mismatches, excess = [], []
     for r in done:
         expected = oracle.generate(r.prompt_ids, r.max_tokens)
-        same = r.token_names == oracle.token_names(expected.token_ids) and r.text == expected.text and \
+        names = oracle.token_names(expected.token_ids)
+        same = r.token_names == names and r.text == expected.text and \
             (r.token_ids is None or r.token_ids == expected.token_ids)
         if not same:
-            mismatches.append({"kind": r.kind, "stream": r.stream, "got": r.text[:80], "want": expected.text[:80]})
+            mismatches.append(r.sample(expected.token_ids, expected.text, names))
         excess.append(r.e2e_s - expected.work_s)
     cli = [run_oracle(sys.executable, soak.handle.cluster.config.model, p, 8) for p in ("soak cli check", "tool plan")]
     cli_same = all(list(c.token_ids) == oracle.generate(prompt_ids_of(p), 8).token_ids
                    for c, p in zip(cli, ("soak cli check", "tool plan")))
+    for sample in mismatches:  # what the cluster's logs say about the request (its legs carry its id)
+        sample["log_lines"] = logged(soak.handle.cluster.log_dir, sample["request_id"])
     over = sorted(e for e in excess if e > WAIT_LIMIT_S)
     report = {
         "requests": len(recs), "outcomes": outcomes, "errors_outside_fault": len(errors_outside_fault),
         "error_samples": [r.error for r in errors_outside_fault[:5]],
-        "completed_checked": len(done), "oracle_mismatches": len(mismatches), "mismatch_samples": mismatches[:3],
+        "completed_checked": len(done), "oracle_mismatches": len(mismatches), "mismatch_samples": mismatches[:20],
         "streamed_checked": sum(r.stream for r in done), "non_streamed_checked": sum(not r.stream for r in done),
         "oracle_s": round(time.monotonic() - started, 1), "oracle_batched": alone,
         "in_process_oracle_equals_cli": cli_same, "node_loads_after": loads, "leaking_nodes": sorted(leaks),
@@ -269,6 +301,17 @@ def check(soak: Soak, oracle: Oracle) -> dict:
         ("errors_outside_fault", bool(errors_outside_fault)), ("waits", bool(over)),
         ("fault_not_done", report["fault_window_s"] is None)) if bad]
     return report
+
+
+def logged(log_dir: Path, request_id: str | None, limit: int = 20) -> list[str]:
+    """The cluster's log lines naming `request_id` (its legs' ids start with it), prefixed by the log's name."""
+    if not request_id:
+        return []
+    lines = []
+    for path in sorted(log_dir.glob("*.log")):
+        lines += [f"{path.stem}: {line.rstrip()[:300]}" for line in path.read_text(errors="replace").splitlines()
+                  if request_id in line]
+    return lines[:limit]
 
 
 def leak_check(handle: ClusterHandle) -> tuple[dict, dict]:
