@@ -1,7 +1,7 @@
-"""The decode node's FastAPI app: OpenAI endpoints (remote-prefill import or colocated generation),
-/health, /v1/models, /metrics, /abort_requests, and the NIXL side channel (agent metadata of every rank, the
-claim and abort of the leases on streams it moves out on drain: decode_node/moves.py). TP pool (`--tp B`) or DCP
-pool (`--dcp W`).
+"""The decode node's FastAPI app: OpenAI endpoints (remote-prefill import, colocated generation, or on a TP pool the
+export of a session that outgrows it: node/export.py), /health, /v1/models, /metrics, /abort_requests, and the NIXL
+side channel (agent metadata of every rank, the claim and abort of the leases on streams it moves out on drain,
+decode_node/moves.py, and on sessions it exports). TP pool (`--tp B`) or DCP pool (`--dcp W`).
 
 Its ranks run the shared worker with `RankImporter` (decode_node/rank_importer.py) as their role; its runtime's
 hand-off owner is the `Importer` (decode_node/importer.py), which holds the node's `Moves`.

@@ -31,7 +31,9 @@ class Settings(NodeSettings):
     """With `drain_hand_off_s`, hand each running stream that asked for token ids (our router's, which can resume)
     to another decode instance with its KV: the next decode step's token is not streamed, the stream's rows and
     KDA state are leased to the instance the router picks, which READs them and continues (decode_node/moves.py).
-    False, or a stream that cannot move (a DCP pool's, a queued one): it ends with a 503 and is recomputed."""
+    False, or a stream that cannot move (a DCP pool's, a queued one): it ends with a 503 and is recomputed.
+    The same leases serve a session that outgrows this TP pool (the router's `do_remote_decode` leg here:
+    node/export.py); False: such a leg is refused (400) and the router sends it to a prefill node instead."""
     move_lease_s: float = Field(default=30.0, gt=0)
     """How long a moved stream's rows wait for their reader (then they are quarantined for `kv.timeout_s`)."""
     move_wait_s: float = Field(default=10.0, gt=0)
