@@ -5,6 +5,7 @@ long pool's instance reads; when that instance refuses, the usual prefill takes 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -33,8 +34,12 @@ def _growth_moves(metrics: str) -> float:
     return float(line.split()[-1])
 
 
-@pytest.mark.parametrize("source_refuses", [False, True], ids=["moves-from-holder", "holder-refuses-prefill-leg"])
-def test_a_grown_session_reads_its_kv_from_the_decode_instance_holding_it(source_refuses):
+@pytest.mark.parametrize("source_fails", [None, "refuses", "fails", "link-open"],
+                         ids=["moves-from-holder", "holder-refuses-prefill-leg", "holder-fails-prefill-leg",
+                              "open-link-breaker"])
+def test_a_grown_session_reads_its_kv_from_the_decode_instance_holding_it(source_fails):
+    """The session's first turn lands on d0; the turn that outgrows the short pool reads d0's export on d1, unless
+    d0 refuses it (400), fails it (500) or its link to d1 is open: then the prefill node p0 takes the leg."""
     nodes = _nodes()
     p0, d0, d1 = nodes
 
@@ -46,16 +51,21 @@ def test_a_grown_session_reads_its_kv_from_the_decode_instance_holding_it(source
             resp = await client.post("/v1/completions", json=completion(), headers={"X-Session-ID": "s1"})
             assert resp.headers["x-pdcluster-decode"] == "d0" and resp.headers["x-pdcluster-prefill"] == "p0"
             num_p0 = len(p0.bodies)
-            d0.fail_status = 400 if source_refuses else None
+            d0.fail_status = {"refuses": 400, "fails": 500}.get(source_fails)
+            if source_fails == "link-open":
+                link = state.breakers.link("d0", "d1")
+                for _ in range(link.failure_threshold):
+                    link.attempt(time.monotonic()).failed(time.monotonic())
+                assert not link.allows(time.monotonic())
             resp = await client.post("/v1/completions", json=completion(LONG_PROMPT),
                                      headers={"X-Session-ID": "s1"})
             assert resp.status_code == 200, resp.text
             assert resp.headers["x-pdcluster-decode"] == "d1" and resp.headers["x-pdcluster-migrated"] == "true"
             export = d0.bodies[-1]
-            assert export["kv_transfer_params"]["do_remote_decode"] and export["max_tokens"] == 1
+            assert bool(export.get("kv_transfer_params", {}).get("do_remote_decode")) == (source_fails != "link-open")
             decode_params = d1.bodies[-1]["kv_transfer_params"]
             moves = _growth_moves((await client.get("/metrics")).text)
-            if source_refuses:  # the prefill node took the leg: the long pool's instance reads from it
+            if source_fails:  # the prefill node took the leg: the long pool's instance reads from it
                 assert resp.headers["x-pdcluster-prefill"] == "p0" and len(p0.bodies) == num_p0 + 1
                 assert decode_params["remote_engine_id"] == "engine-p0" and moves == 0
             else:
