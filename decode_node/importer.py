@@ -22,6 +22,7 @@ every READ was cancelled (an uncancelled one leaves both sides' rows quarantined
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ from node.local import respond, serve_local
 from node.runtime import NodeRuntime
 from node.textgen import PreparedRequest
 from serving.errors import APIError
+
+log = logging.getLogger(__name__)
 
 KV_TRANSFER_HEADER = "X-KV-Transfer-Seconds"
 """Seconds the KV READs of an imported request took (the router observes them as its `kv_transfer` leg)."""
@@ -163,6 +166,8 @@ async def serve_remote(runtime: NodeRuntime[Importer], prepared: PreparedRequest
         if not (isinstance(outcome, ImportOutcome) and outcome.uncancelled):  # a READ may still run: let it expire
             await peers.release(address, params.lease_id, reader)
         reason = outcome.error if isinstance(outcome, ImportOutcome) else getattr(outcome, "error", "import failed")
+        log.warning("request %s: the KV import of lease %s from %s failed (%s): %s", prepared.request_id,
+                    params.lease_id, params.remote_engine_id, policy, reason)
         if policy == "recompute":
             return await serve_here(runtime, prepared, request)
         raise APIError(502, f"KV transfer from {params.remote_engine_id} failed: {reason}")

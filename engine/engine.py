@@ -490,7 +490,8 @@ class Engine:
                          ("prefix_cache_hit_tokens", float(totals.hit_tokens)),
                          ("prefix_cache_evicted_blocks", float(totals.evicted_blocks)),
                          ("kv_transfer_blocks_read", float(totals.blocks_read)),
-                         ("kv_transfer_blocks_reused", float(totals.blocks_reused)))
+                         ("kv_transfer_blocks_reused", float(totals.blocks_reused)),
+                         ("num_preemptions", float(self.scheduler.num_preemptions)))
             last_session = next(reversed(self.sessions), None)
             depends = (self.cache.num_blocks, self.pool.num_free, tuple(vars(totals).values()), len(self.sessions),
                        last_session)

@@ -72,6 +72,9 @@ class NodeMetrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", m, registry=reg)
         self.request_success = Counter("vllm:request_success", "Finished requests.", ["model_name", "finished_reason"],
                                        registry=reg)
+        self.num_preemptions = Counter("vllm:num_preemptions", "Running requests preempted for rows (recomputed "
+                                       "when re-admitted: engine/scheduler.py `preempt`).", m, registry=reg)
+        self.num_preemptions.labels(model_name)
         self.xfer_time = Histogram("vllm:nixl_xfer_time_seconds", "One READ, post to completion.",
                                    buckets=XFER_BUCKETS, registry=reg)
         self.post_time = Histogram("vllm:nixl_post_time_seconds", "Posting time of one READ.",
@@ -188,6 +191,8 @@ class NodeMetrics:
             self.dcp_merge_fallbacks.inc(delta)
         elif name in _PREFIX_COUNTERS:
             getattr(self, _PREFIX_COUNTERS[name]).labels(role=self.role).inc(delta)
+        elif name == "num_preemptions":
+            self.num_preemptions.labels(self.model_name).inc(delta)
         elif name.startswith("kv_transfer_blocks_"):
             self.transfer_blocks.labels(role=self.role, kind=name.removeprefix("kv_transfer_blocks_")).inc(delta)
 
