@@ -2,8 +2,9 @@
 and the separate metrics port.
 
 - `GuardMiddleware` (pure ASGI) reads a request body completely before the app sees it, refusing one larger than
-  `max_body_bytes` (413), slower than `body_read_timeout_s` (408), or JSON nested too deep or holding a lone
-  surrogate or NUL on any route (400 naming the field: serving/json_guard.py), as OpenAI error JSON; a response chunk the
+  `max_body_bytes` (413), slower than `body_read_timeout_s` (408), or JSON nested too deep, holding a lone
+  surrogate, or NUL outside text for the model, on any route (400 naming the field: serving/json_guard.py), as
+  OpenAI error JSON; a response chunk the
   client does not take within `stream_write_timeout_s` ends the response as a client disconnect would (the
   request is aborted and its rows freed), so a stalled SSE reader cannot hold a stream forever.
 - `Drain`: on SIGTERM the node stops admitting (new requests get 503 + Retry-After, /health 503 so readiness

@@ -1,7 +1,8 @@
 """Light request validation at the router edge; everything else passes through to the node unchanged.
 
-Checked: the body is a JSON object within `max_body_bytes`, nested at most `MAX_JSON_DEPTH` deep, with no NUL in
-any string (lone surrogates are invalid JSON to the parser); `model` names a served model (absent or null: the
+Checked: the body is a JSON object within `max_body_bytes`, nested at most `MAX_JSON_DEPTH` deep, with NUL only in
+text for the model (the nodes' rule, serving/json_guard.py: `prompt`, message `content`, tool call `arguments`; a
+NUL in a name, id, control field or `stop` is a 400; lone surrogates are invalid JSON to the parser); `model` names a served model (absent or null: the
 cluster's one model, filled in for the nodes, as vLLM serves its one model; with several, a 400); `messages`
 (chat) or `prompt` (completions) is present and well typed, and a user/system/developer message has content;
 `max_tokens` / `max_completion_tokens` are integers in [1, limit], or 0 for a request that only scores its
@@ -22,6 +23,7 @@ from typing import Any, Literal
 import orjson
 
 from serving.errors import APIError
+from serving.json_guard import nul_error, refused_nul, strings
 
 Endpoint = Literal["chat", "completions"]
 ROUTER_ONLY_FIELDS = ("kv_transfer_params",)
@@ -54,7 +56,7 @@ def scores_prompt(body: dict[str, Any]) -> bool:
 
 def parse_body(raw: bytes, max_body_bytes: int) -> dict[str, Any]:
     """The body as a JSON object: within `max_body_bytes`, valid UTF-8 JSON (a lone surrogate, escaped or not, is
-    not), nested at most `MAX_JSON_DEPTH` deep, and no string (key or value) holding NUL."""
+    not), nested at most `MAX_JSON_DEPTH` deep, and NUL only in text for the model (serving/json_guard.py)."""
     if len(raw) > max_body_bytes:
         raise APIError(413, f"request body is {len(raw)} bytes, more than the limit of {max_body_bytes}")
     try:
@@ -74,21 +76,10 @@ def parse_body(raw: bytes, max_body_bytes: int) -> dict[str, Any]:
                 raise APIError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
             raise APIError(400, f"request body cannot be passed on: {str(exc)[:200]}") from None
     if b"\\" in raw and b"\\u0000" in raw:
-        _check_no_nul(body)
+        for path, text, is_key in strings(body, MAX_JSON_DEPTH):
+            if refused_nul(path, text, is_key):
+                raise nul_error(path, is_key)
     return body
-
-
-def _check_no_nul(body: dict[str, Any]) -> None:
-    """400 for a NUL in any string, key or value (C-string APIs downstream, tokenizers included, cut there)."""
-    stack: list[Any] = [body]
-    while stack:
-        value = stack.pop()
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            if (isinstance(key, str) and "\x00" in key) or (isinstance(item, str) and "\x00" in item):
-                raise APIError(400, "request body holds a NUL character (\\u0000) in a string")
-            if isinstance(item, (dict, list)):
-                stack.append(item)
 
 
 def _check_messages(messages: Any) -> None:

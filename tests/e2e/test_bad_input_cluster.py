@@ -6,6 +6,7 @@ import httpx
 import openai
 import pytest
 
+from engine.model.tokenizer import ByteTokenizer, ChatMessage
 from tests.e2e.harness import choice_token_ids
 
 pytestmark = pytest.mark.e2e
@@ -121,3 +122,45 @@ def test_penalties_are_honoured_through_the_router(cluster):
                                        presence_penalty=0.5, frequency_penalty=0.5,
                                        extra_body={"repetition_penalty": 1.2, "ignore_eos": True})
     assert len(choice_token_ids(result.choices[0])) == 8
+
+
+NUL_PROMPT = "Byte zero \x00 travels as text."
+NUL_TURNS = [{"role": "user", "content": "Answer with a zero byte."},
+             {"role": "assistant", "content": "Here it is: \x00."},  # an answer holding byte 0, sent back
+             {"role": "user", "content": "And once more\x00"}]
+
+
+def test_nul_in_model_text_is_served_as_the_oracle_answers(cluster):
+    """Byte 0 is text a byte-level model writes, and an agent sends the conversation back: a prompt holding NUL and
+    a chat whose earlier answer holds it are served through the router (prefill and decode legs) and straight by a
+    node with the oracle's tokens (`pdcluster generate` on the same text); the node tokenizes the turns as the
+    reference chat template does."""
+    client = cluster.client()
+    expected = cluster.oracle(NUL_PROMPT, 4)
+    result = client.completions.create(model=cluster.model, prompt=NUL_PROMPT, max_tokens=4, temperature=0)
+    assert choice_token_ids(result.choices[0]) == list(expected.token_ids)
+    node = cluster.nodes_of(pool="tp")[0].url
+    direct = httpx.post(f"{node}/v1/completions", timeout=300,
+                        json={"model": cluster.model, "prompt": NUL_PROMPT, "max_tokens": 4, "temperature": 0})
+    assert direct.status_code == 200, direct.text
+    assert direct.json()["choices"][0]["token_ids"] == list(expected.token_ids)
+
+    tokens = httpx.post(f"{node}/tokenize", json={"messages": NUL_TURNS}, timeout=60)
+    assert tokens.status_code == 200, tokens.text
+    template = ByteTokenizer().apply_chat_template([ChatMessage(m["role"], m["content"]) for m in NUL_TURNS])
+    assert tokens.json()["tokens"] == template and template.count(0) == 2
+    expected = cluster.oracle_chat(NUL_TURNS, 4)
+    answer = client.chat.completions.create(model=cluster.model, messages=NUL_TURNS, max_tokens=4, temperature=0)
+    assert answer.choices[0].message.content == expected.text
+    assert answer.usage.completion_tokens == len(expected.token_ids)
+    assert answer.usage.prompt_tokens == len(template)
+
+
+@pytest.mark.parametrize("field,value", [("model", "m\x00"), ("user", "u\x00"), ("cache_salt", "s\x00"),
+                                         ("stop", ["\x00"])])
+def test_nul_in_an_identifier_or_control_field_is_a_400_at_router_and_node(cluster, field, value):
+    body = {"model": cluster.model, "prompt": "hi", "max_tokens": 2, field: value}
+    for url in (cluster.router_url, cluster.nodes_of(pool="tp")[0].url):
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        error = _error_of(response, 400)
+        assert error["param"] == field and "NUL" in error["message"] and "\\u0000" not in response.text

@@ -137,3 +137,21 @@ def test_weights_fingerprint_tells_checkpoints_apart_not_their_paths(tmp_path):
     assert len({fingerprint(mix), fingerprint(other_weights), fingerprint(other_tokenizer)}) == 3
     assert served_weights_fingerprint(resolve_model("kimi-k3.1-mini"), 0, load_tokenizer(
         resolve_model("kimi-k3.1-mini"))) != fingerprint(mix)
+
+
+def test_nul_in_text_encodes_as_transformers_does(ckpt):
+    """NUL is text (a byte-level model writes byte 0, an agent sends it back): the checkpoint's tokenizer encodes it
+    in a prompt and in chat turns as transformers does, and decodes it back."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the test oracle (test extra)")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(ckpt))
+    tokenizer = _server_tokenizer(ckpt)
+    prompt = "a\x00b \x00\x00 Caf\u00e9\x00"
+    completion = prepare(CompletionRequest(prompt=prompt, max_tokens=2), "completion", "r1", "m", tokenizer, LIMITS)
+    assert list(completion.prompt_token_ids) == theirs(prompt)["input_ids"]
+    assert tokenizer.decode(completion.prompt_token_ids) == prompt
+    messages = [{"role": "user", "content": "zero?"}, {"role": "assistant", "content": "here: \x00"},
+                {"role": "user", "content": "again\x00"}]
+    chat = prepare(ChatCompletionRequest.model_validate({"messages": messages, "max_tokens": 2}), "chat", "r2", "m",
+                   tokenizer, LIMITS)
+    assert list(chat.prompt_token_ids) == list(theirs.apply_chat_template(messages, add_generation_prompt=True)
+                                               ["input_ids"])

@@ -1,7 +1,9 @@
 """Hostile bodies sent straight to a node (prefill app, real rank process of the test backend, in-process HTTP):
-a lone UTF-16 surrogate or NUL in any string or field name, JSON nested past `MAX_JSON_DEPTH`, a bad X-Request-Id,
+a lone UTF-16 surrogate in any string or field name, NUL in a field name or a string that is not text for the model
+(an id, a name, `model`, `user`, `cache_salt`, `stop`), JSON nested past `MAX_JSON_DEPTH`, a bad X-Request-Id,
 too many or too long stop strings, a bad `cache_salt` or tenant header: every route answers 400 as OpenAI error
-JSON naming the field, never a 500 (serving/json_guard.py, node/serving.py `GuardMiddleware`)."""
+JSON naming the field, never a 500 (serving/json_guard.py, node/serving.py `GuardMiddleware`). NUL in text for the
+model (prompt, message content) is accepted and tokenized as byte 0."""
 
 from __future__ import annotations
 
@@ -31,15 +33,25 @@ def _nested(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
 
+PLACES = {  # where a hostile client may put a string: (body with `@` where the character goes, param named)
+    "prompt": (b'{"prompt": "a@b", "max_tokens": 2}', "prompt"),
+    "message": (b'{"messages": [{"role": "user", "content": "@"}]}', "messages"),
+    "model": (b'{"prompt": "ab", "model": "m@", "max_tokens": 2}', "model"),
+    "stop": (b'{"prompt": "ab", "stop": ["@"], "max_tokens": 2}', "stop"),
+    "user": (b'{"prompt": "ab", "user": "u@", "max_tokens": 2}', "user"),
+    "cache-salt": (b'{"prompt": "ab", "cache_salt": "s@", "max_tokens": 2}', "cache_salt"),
+    "message-name": (b'{"messages": [{"role": "user", "name": "@", "content": "x"}]}', "messages"),
+    "role": (b'{"messages": [{"role": "user@", "content": "x"}]}', "messages"),
+    "key": (b'{"prompt": "ab", "@": 1}', None),
+    "nested-key": (b'{"prompt": "ab", "response_format": {"type@": "text"}}', "response_format"),
+    "ids": (b'{"request_ids": ["r@"]}', "request_ids"),
+}
+MODEL_TEXT = ("prompt", "message")
+"""Places whose text goes to the tokenizer: NUL is accepted there (test_nul_in_text_for_the_model_is_accepted)."""
 BODIES = {
-    "surrogate-prompt": (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
-    "surrogate-model": (b'{"prompt": "ab", "model": "\\udfff", "max_tokens": 2}', "model"),
-    "surrogate-message": (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
-    "surrogate-stop": (b'{"prompt": "ab", "stop": ["\\udc00"]}', "stop"),
-    "surrogate-key": (b'{"prompt": "ab", "\\ud800": 1}', None),
-    "surrogate-ids": (b'{"request_ids": ["\\ud800"]}', "request_ids"),
-    "nul-prompt": (b'{"prompt": "a\\u0000b", "max_tokens": 2}', "prompt"),
-    "nul-message": (b'{"messages": [{"role": "user", "content": "\\u0000"}]}', "messages"),
+    **{f"surrogate-{name}": (body.replace(b"@", b"\\ud800"), param) for name, (body, param) in PLACES.items()},
+    **{f"nul-{name}": (body.replace(b"@", b"\\u0000"), param) for name, (body, param) in PLACES.items()
+       if name not in MODEL_TEXT},
     "deep-params": (b'{"prompt": "ab", "kv_transfer_params": ' + b'{"a": ' * 300 + b'1' + b'}' * 300 + b'}',
                     "kv_transfer_params"),
     "deep-list": (b'{"prompt": "ab", "stop": ' + _nested(MAX_JSON_DEPTH + 1) + b'}', "stop"),
@@ -55,6 +67,24 @@ def test_every_route_answers_400_naming_the_field(client, route, name):
     error = resp.json()["error"]
     assert error["code"] == 400 and error["param"] == param
     assert "\\ud" not in resp.text and "\\u0000" not in resp.text  # the bad value is never echoed
+
+
+@pytest.mark.parametrize("route,body,want", [
+    ("/tokenize", b'{"prompt": "a\\u0000b", "add_special_tokens": false}', [97, 0, 98]),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\u0000"}]}]}', None),
+    ("/v1/completions", b'{"prompt": ["a\\u0000b"], "max_tokens": 2}', None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+                             b'"content": "x\\u0000y"}, {"role": "user", "content": "\\u0000"}], "max_tokens": 2}',
+     None),
+], ids=["tokenize-prompt", "tokenize-part", "completions-list", "chat-answer-sent-back"])
+def test_nul_in_text_for_the_model_is_accepted(client, route, body, want):
+    """An answer holding byte 0 (a byte-level model writes it) comes back in the next turn: the node serves it."""
+    resp = client.post(route, content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 200, resp.text
+    if want is not None:
+        assert resp.json()["tokens"] == want
+    elif route == "/tokenize":
+        assert 0 in resp.json()["tokens"]
 
 
 def test_a_pair_of_surrogates_is_a_character_and_passes(client):

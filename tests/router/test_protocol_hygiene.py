@@ -1,6 +1,6 @@
 """Protocol hygiene of the router's server (router/server.py, router/connection.py, router/validation.py) against
-hostile clients: JSON nested past what the legs can send on, NUL in a string and lone surrogates get an OpenAI
-400 (not a 500); a refused `HEAD` gets no body; pipelining is bounded (nothing is parsed past the bound, the socket is
+hostile clients: JSON nested past what the legs can send on, NUL outside text for the model (a name, id, control field or header)
+and lone surrogates get an OpenAI 400 (not a 500), NUL in a prompt or message content is passed on; a refused `HEAD` gets no body; pipelining is bounded (nothing is parsed past the bound, the socket is
 not read); a request head must arrive within `head_read_timeout_s`, a new connection must
 send a request within it, and blank lines are no keep-alive activity (slowloris)."""
 
@@ -42,19 +42,63 @@ def test_json_nesting_past_the_limit_is_a_400_not_a_500():
         assert status == 200, body
 
 
-@pytest.mark.parametrize("body", [
-    b'{"model": "fake-model", "prompt": "a\\u0000b", "max_tokens": 2}',
-    b'{"model": "fake-model", "prompt": "x", "max_tokens": 2, "metadata": {"k\\u0000": "v"}}',
-    b'{"model": "fake-model", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\u0000"}]}]}',
-], ids=["prompt", "key", "nested-part"])
-def test_nul_in_a_string_is_a_400(body):
+NUL_REFUSED = {
+    "key": b'{"model": "fake-model", "prompt": "x", "max_tokens": 2, "metadata": {"k\\u0000": "v"}}',
+    "model": b'{"model": "fake-model\\u0000", "prompt": "x", "max_tokens": 2}',
+    "user": b'{"model": "fake-model", "prompt": "x", "max_tokens": 2, "user": "\\u0000"}',
+    "cache_salt": b'{"model": "fake-model", "prompt": "x", "max_tokens": 2, "cache_salt": "s\\u0000"}',
+    "stop": b'{"model": "fake-model", "prompt": "x", "max_tokens": 2, "stop": ["\\u0000"]}',
+    "response_format": b'{"model": "fake-model", "prompt": "x", "response_format": {"type": "\\u0000"}}',
+    "messages": b'{"model": "fake-model", "messages": [{"role": "user", "name": "n\\u0000", "content": "x"}]}',
+}
+
+
+@pytest.mark.parametrize("name", list(NUL_REFUSED))
+def test_nul_outside_model_text_is_a_400(name):
+    body = NUL_REFUSED[name]
     with ExitStack() as stack:
         router = start(stack, [FakeNode("d0", "decode")])
         path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
         error = assert_openai_error(exchange(router, request("POST", path, body)), 400)
-        assert "NUL" in error["message"]
-        escaped = b'{"model": "fake-model", "prompt": "a\\\\u0000b", "max_tokens": 2}'  # a backslash, then text
+        assert "NUL" in error["message"] and error["param"] == {"key": "metadata"}.get(name, name)
+        escaped = b'{"model": "fake-model", "prompt": "a", "user": "a\\\\u0000b", "max_tokens": 2}'  # \, then text
         assert exchange(router, request("POST", "/v1/completions", escaped))[0] == 200
+
+
+NUL_ACCEPTED = {
+    "prompt": b'{"model": "fake-model", "prompt": "a\\u0000b", "max_tokens": 2}',
+    "prompt-list": b'{"model": "fake-model", "prompt": ["a\\u0000b"], "max_tokens": 2}',
+    "content-part": b'{"model": "fake-model", "messages": [{"role": "user", "content": [{"type": "text", '
+                    b'"text": "\\u0000"}]}]}',
+    "answer-sent-back": b'{"model": "fake-model", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+                        b'"content": "a\\u0000b", "tool_calls": [{"id": "c1", "type": "function", "function": '
+                        b'{"name": "f", "arguments": "{\\"x\\": \\"\\u0000\\"}"}}]}, {"role": "user", "content": "more"}]}',
+}
+
+
+@pytest.mark.parametrize("name", list(NUL_ACCEPTED))
+def test_nul_in_model_text_is_passed_on(name):
+    """A byte-level model may answer byte 0; the client sends that answer back in its next turn: the router passes
+    the text on to the node as it came (the node's own rule is the same, serving/json_guard.py)."""
+    body = NUL_ACCEPTED[name]
+    node = FakeNode("d0", "decode")
+    with ExitStack() as stack:
+        router = start(stack, [node])
+        path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        status, _, answer = exchange(router, request("POST", path, body))
+        assert status == 200, answer
+    sent = json.loads(body)
+    received = node.bodies[-1]
+    assert received.get("prompt") == sent.get("prompt") and received.get("messages") == sent.get("messages")
+
+
+def test_nul_in_a_header_is_a_400():
+    with ExitStack() as stack:
+        router = start(stack, [FakeNode("d0", "decode")])
+        with connect(router) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: r\r\nX-Request-Id: a\x00b\r\n\r\n")
+            line, _, body = split_answer(read_all(sock))
+        assert line.startswith(b"HTTP/1.1 400") and b"a\x00b" not in body
 
 
 @pytest.mark.parametrize("prompt", [b'"\\ud800"', b'"x\\udc00"', b'"\xed\xa0\x80"'],
