@@ -82,7 +82,7 @@ def test_session_growth_moves_its_kv_from_the_tp_instance_to_the_long_pool(clust
     `tp` sends its P leg to the `tp` decode instance holding the session, which prefills only the new turn's tokens
     on top of its prefix cache and leases the whole prompt's rows; the long pool's instance READs them
     (`pdcluster_kv_moved_*` on it) and answers the oracle's tokens. The prefill node exports nothing for it."""
-    rng = random.Random(31)  # its 5 turns answer no NUL (which a request body may not hold)
+    rng = random.Random(31)
     client = cluster.client()
     source = cluster.nodes_of(role="decode", pool="tp")[0].name
     reader = cluster.nodes_of(role="decode", pool=LONG_POOL)[0].name
