@@ -33,6 +33,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 
 import httpx
 import orjson
@@ -113,6 +114,8 @@ class _Instance:
     """session -> (tokens, when it was set)."""
     resumable: dict[str, tuple[int, float]] = field(default_factory=dict)
     """Notes of turn ends on a node with tails: session -> (tokens, when it was set)."""
+    newest_at: float = float("-inf")
+    """No entry of `held` or `resumable` was set later than this."""
 
 
 class CacheView:
@@ -122,16 +125,20 @@ class CacheView:
         self._instances: dict[str, _Instance] = {}
 
     def apply_report(self, instance: str, report: CacheReport, sent_at: float) -> None:
-        """A poll sent at `sent_at` answered `report`: it replaces the entries older than the poll."""
+        """A poll sent at `sent_at` answered `report`: it replaces the entries older than the poll (the old entries
+        are looked through only when a note is newer than the poll: each poll of every instance passes here)."""
         current = self._instances.get(instance)
-        held = {s: (t, sent_at) for s, t in report.sessions.items()}
+        sessions = report.sessions
+        held = dict(zip(sessions, zip(sessions.values(), repeat(sent_at))))
         notes: dict[str, tuple[int, float]] = {}
-        if current is not None:
+        newest = sent_at
+        if current is not None and current.newest_at > sent_at:
+            newest = current.newest_at
             for session, (tokens, at) in current.held.items():
                 if at > sent_at and len(held) < MAX_SESSIONS:
                     held[session] = (tokens, at)
             notes = {s: n for s, n in current.resumable.items() if n[1] > sent_at}
-        self._instances[instance] = _Instance(report, held, notes)
+        self._instances[instance] = _Instance(report, held, notes, newest)
 
     def forget(self, instance: str) -> None:
         self._instances.pop(instance, None)
@@ -160,6 +167,7 @@ class CacheView:
                 oldest = min(table, key=lambda s: table[s][1])
                 del table[oldest]
             table[session] = (value, now)
+            current.newest_at = max(current.newest_at, now)
 
     def resumable(self, session: str | None) -> dict[str, int]:
         """Instance name -> leading tokens of `session` it reported it can resume a local prefill from."""

@@ -11,6 +11,7 @@ the real `held_tokens`, only the sessions those touch. tests/sim checks the repo
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 
 from engine.prefix_cache import CachedBlock, PrefixCache
 
@@ -86,6 +87,11 @@ class SessionReports:
         self._by_key: dict[bytes, set[str]] = {}
         self._by_tail: dict[int, set[str]] = {}
         self._dirty: set[str] = set()
+        self._moved: set[str] = set()
+        """Sessions remembered since the last report (they lead the next one)."""
+        self._forgotten: set[str] = set()
+        self._last: tuple[dict[str, int], dict[str, int]] | None = None
+        """The last report's (held, resumable) maps, most recent session first; never changed once handed out."""
 
     def remember(self, session: str, old: tuple[list[bytes], list] | None, keys: list[bytes], tails: list) -> None:
         """The session's record is now (keys, tails): index what it did not have (a turn's keys extend the last
@@ -99,11 +105,13 @@ class SessionReports:
         for tail in tails:
             self._by_tail.setdefault(id(tail), set()).add(session)
         self._dirty.add(session)
+        self._moved.add(session)
 
     def forget(self, session: str, old: tuple[list[bytes], list]) -> None:
         self._unindex(session, *old)
         self.figures.pop(session, None)
         self._dirty.discard(session)
+        self._forgotten.add(session)
 
     def _unindex(self, session: str, keys: list[bytes], tails: list) -> None:
         for key in keys:
@@ -119,8 +127,8 @@ class SessionReports:
                 if not found:
                     del self._by_tail[id(tail)]
 
-    def refresh(self, sessions: OrderedDict) -> None:
-        """Recompute the sessions whose blocks, tails or records changed since the last refresh."""
+    def refresh(self, sessions: OrderedDict) -> set[str]:
+        """Recompute the sessions whose blocks, tails or records changed since the last refresh; returns them."""
         cache = self.cache
         dirty = self._dirty
         for key in cache.changed_keys:
@@ -129,9 +137,59 @@ class SessionReports:
             dirty.update(self._by_tail.get(tail, ()))
         cache.changed_keys.clear()
         cache.changed_tails.clear()
+        done = set()
         for session in dirty:
             record = sessions.get(session)
             if record is not None:
                 keys, tails = record
                 self.figures[session] = (cache.held_tokens(keys), cache.held_tokens(keys, snapshot=True, tails=tails))
+                done.add(session)
         dirty.clear()
+        return done
+
+    def report(self, sessions: OrderedDict) -> tuple[dict[str, int], dict[str, int]]:
+        """(held, resumable): session -> tokens, sessions with none left out, most recently remembered first (as
+        `Engine.cache_report` lists them). Built from the last report's maps: the sessions remembered since lead,
+        the ones whose figures changed are set in place, forgotten ones dropped; a session whose figure rose from
+        none without being remembered belongs somewhere in the middle, and the maps are then built whole."""
+        changed = self.refresh(sessions)
+        moved = [s for s in self._moved if s in sessions]
+        last, figures = self._last, self.figures
+        maps = None
+        if last is not None:
+            front = list(islice(reversed(sessions), len(moved)))  # the remembered ones are the newest
+            changed.difference_update(moved)
+            gone = [s for s in self._forgotten if s not in sessions]
+            maps = tuple(_patched(last[i], i, front, changed, gone, figures) for i in (0, 1))
+        if maps is None or maps[0] is None or maps[1] is None:
+            recent = [(s, figures[s]) for s in reversed(sessions)]
+            maps = ({s: f[0] for s, f in recent if f[0] > 0}, {s: f[1] for s, f in recent if f[1] > 0})
+        self._moved.clear()
+        self._forgotten.clear()
+        self._last = maps
+        return maps
+
+
+def _patched(last: dict[str, int], i: int, front: list[str], changed: set[str], gone: list[str],
+             figures: dict[str, tuple[int, int]]) -> dict[str, int] | None:
+    """`last` with `front` leading (in that order), `changed` set in place and `gone` dropped; None when a changed
+    session is missing from `last` (its place is not known here)."""
+    new = {s: figures[s][i] for s in front}
+    new.update(last)  # the front keep their places (their stale values are set again below)
+    for s in front:
+        value = figures[s][i]
+        if value > 0:
+            new[s] = value
+        else:
+            del new[s]
+    for s in gone:
+        new.pop(s, None)
+    for s in changed:
+        value = figures[s][i]
+        if value > 0:
+            if s not in new:
+                return None
+            new[s] = value
+        else:
+            new.pop(s, None)
+    return new

@@ -405,16 +405,7 @@ class SimInstance:
     def cache_report(self) -> CacheReport:
         """`Engine.cache_report` as the router's poll parses it (per-session figures kept by `SessionReports`)."""
         cache = self.cache
-        self.reports.refresh(self.sessions)
-        figures = self.reports.figures
-        held: dict[str, int] = {}
-        resumable: dict[str, int] = {}
-        for session in reversed(self.sessions):  # most recent first, as the engine lists them
-            tokens, resume = figures[session]
-            if tokens > 0:
-                held[session] = tokens
-            if resume > 0:
-                resumable[session] = resume
+        held, resumable = self.reports.report(self.sessions)
         return CacheReport(
             block_tokens=self.layout.block_size, fingerprint="sim", sessions=held, resumable=resumable,
             blocks_cached=cache.num_blocks, rows_free=self.pool.num_free, hits_tokens=cache.counters.hit_tokens,
