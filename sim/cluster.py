@@ -22,7 +22,7 @@ from engine.layout import plan_layout
 from engine.model.config import resolve_model
 from kv_transfer.capacity import GPU_PROFILES, plan_capacity
 from loadgen.records import RequestRecord, http_kind
-from loadgen.schedule import RequestSpec
+from loadgen.schedule import Message, RequestSpec
 from router.admission import PoolFull
 from router.config import RouterConfig
 from router.facts import CacheFacts, LoadFacts, ModelFacts
@@ -96,8 +96,8 @@ class SimCluster:
         self.num_inflight = 0
         self._is_polling = False
         self._seq = 0
-        self.last_prompts: dict[str, TokenRuns] = {}
-        """Each session's latest prompt (sim/tokens.py `TokenRuns.continues`)."""
+        self.last_prompts: dict[str, tuple[tuple[Message, ...], TokenRuns]] = {}
+        """Each session's latest messages and prompt (sim/tokens.py `Template.prompt`, `TokenRuns.continues`)."""
 
     def _add_pool(self, pool, nodes: list, record_chunks: bool) -> None:
         cfg = resolve_model(self.config.model_of(pool))
@@ -178,12 +178,12 @@ class _Flow:
                  done: Callable[[RequestRecord], None], origin: float, queued_s: float) -> None:
         self.c, self.spec, self.concurrency, self.start, self.done = cluster, spec, concurrency, start, done
         self.origin, self.queued_s = origin, queued_s
-        self.prompt: TokenRuns = cluster.profile.template.prompt(spec.messages, cluster.interner)
+        earlier = cluster.last_prompts.pop(spec.session_id, None) if spec.session_id else None
+        self.prompt: TokenRuns = cluster.profile.template.prompt(spec.messages, cluster.interner, earlier)
         if spec.session_id:  # a turn re-sends the session's last prompt: its block encodings serve this one's
-            earlier = cluster.last_prompts.pop(spec.session_id, None)
             if earlier is not None:
-                self.prompt.continues(earlier)
-            cluster.last_prompts[spec.session_id] = self.prompt
+                self.prompt.continues(earlier[1])
+            cluster.last_prompts[spec.session_id] = (spec.messages, self.prompt)
             if len(cluster.last_prompts) > LAST_PROMPTS:  # the session least recently sent a turn
                 del cluster.last_prompts[next(iter(cluster.last_prompts))]
         self.times: list[float] = []

@@ -266,19 +266,28 @@ class Template:
                 (interner.uid("end"), 0, 1 if self.kind == "bytes" or self.tokens_per_message else 0))
         return tuple(run for run in runs if run[2] > 0)
 
-    def prompt(self, messages: Sequence[Message], interner: Interner) -> TokenRuns:
+    def prompt(self, messages: Sequence[Message], interner: Interner,
+               earlier: tuple[Sequence[Message], TokenRuns] | None = None) -> TokenRuns:
         """The templated prompt of `messages`, generation prompt included. Every run starts at offset 0 and none
-        is empty, so no two neighbours continue one text: the runs are canonical as they stand."""
+        is empty, so no two neighbours continue one text: the runs are canonical as they stand. `earlier`: the
+        messages and prompt of an earlier call with this interner; when `messages` starts with those messages
+        (checked), their runs are taken over and only the new messages are looked up (a session's turn re-sends
+        every earlier message)."""
         memo = interner.message_runs.setdefault(self, {})
         runs: list[tuple[int, int, int]] = [(interner.uid("bos"), 0, 1)]
         interner.uid("end")  # numbered before any message's texts, as ever
+        header = self._header_len("assistant")
+        if earlier is not None:
+            done, done_runs = earlier
+            if len(done) <= len(messages) and tuple(messages[:len(done)]) == tuple(done) and done_runs.runs:
+                runs = list(done_runs.runs[:-1] if header else done_runs.runs)
+                messages = messages[len(done):]
         for msg in messages:
             key = (msg.role, hash(msg.content), msg.num_tokens)
             found = memo.get(key)
             if found is None:
                 found = memo[key] = self._message_runs(msg, interner)
             runs += found
-        header = self._header_len("assistant")
         if header:
             runs.append((interner.uid(("hdr", "assistant")), 0, header))
         return TokenRuns._canonical(tuple(runs))

@@ -85,3 +85,21 @@ def test_block_keys_taken_over_from_an_earlier_prompt_match_sliced_blocks() -> N
             assert seq.block_key_bytes(block, first, num) == sliced
             assert seq.block_key_bytes(block, 0, num) == [seq[k * block:(k + 1) * block].key_bytes()
                                                           for k in range(num)]
+
+
+def test_prompt_from_an_earlier_prompt_equals_the_whole_walk() -> None:
+    rng = random.Random(5)
+    texts = ["sys", "a b", "c", "tool out", "é", "a b"]
+    for template in (Template("bytes"), Template("words", 4), Template("words", 0), Template("words", 1)):
+        reused, whole = Interner(), Interner()
+        sessions: dict[int, tuple[Message, ...]] = {}
+        last: dict[int, tuple[tuple[Message, ...], TokenRuns]] = {}
+        for _ in range(200):
+            sid = rng.randrange(4)
+            new = tuple(Message(rng.choice(("user", "assistant", "tool")), t, len(t.split()))
+                        for t in rng.sample(texts, rng.randrange(1, 3)))
+            msgs = sessions[sid] = (sessions.get(sid, ()) + new) if rng.random() < 0.8 else new  # or a fresh one
+            earlier = last.get(sid) if rng.random() < 0.9 else last.get(rng.randrange(4))  # maybe another's
+            got = template.prompt(msgs, reused, earlier)
+            assert got.runs == template.prompt(msgs, whole).runs
+            last[sid] = (msgs, got)
