@@ -140,6 +140,9 @@ class PrefixCache:
         """Blocks with refs 0, least recently used first."""
         self.tails: OrderedDict[int, CachedTail] = OrderedDict()
         """Finished turns' tails, least recently used first (all evictable: a use copies them)."""
+        self._tail_groups: dict[tuple[bytes, int], dict[int, None]] = {}
+        """(parent, index) -> ids of the tails in `tails` that start there, in their `tails` order (the ones a new
+        tail of that start may extend: `add_tail` looks at those only)."""
         self.counters = CacheCounters()
         self.now = 0.0
         """The engine's clock at the last `tick` (pins are compared with it)."""
@@ -165,12 +168,17 @@ class PrefixCache:
     def _tail_put(self, tail: CachedTail) -> None:
         if id(tail) not in self.tails:
             self._tail_rows += len(tail.rows)
+            self._tail_groups.setdefault((tail.parent, tail.index), {})[id(tail)] = None
         self.tails[id(tail)] = tail
 
     def _tail_drop(self, key: int) -> CachedTail | None:
         tail = self.tails.pop(key, None)
         if tail is not None:
             self._tail_rows -= len(tail.rows)
+            group = self._tail_groups[(tail.parent, tail.index)]
+            del group[key]
+            if not group:
+                del self._tail_groups[(tail.parent, tail.index)]
         return tail
 
     def keys(self, tokens: Sequence[int], num_blocks: int, root: bytes = ROOT) -> list[bytes]:
@@ -214,8 +222,9 @@ class PrefixCache:
 
     def add_tail(self, tail: CachedTail) -> None:
         """Keep a finished turn's tail (its rows now belong to the cache). Tails it extends are dropped."""
-        for key, old in list(self.tails.items()):
-            if old.parent == tail.parent and old.index == tail.index and tail.tokens[:len(old.tokens)] == old.tokens:
+        for key in list(self._tail_groups.get((tail.parent, tail.index), ())):
+            old = self.tails[key]
+            if tail.tokens[:len(old.tokens)] == old.tokens:
                 self._tail_drop(key)
                 self.pool.free(old.rows)
         self._tail_put(tail)
@@ -227,6 +236,8 @@ class PrefixCache:
     def put_back_tail(self, tail: CachedTail) -> None:
         self._tail_put(tail)
         self.tails.move_to_end(id(tail))
+        group = self._tail_groups[(tail.parent, tail.index)]
+        group[id(tail)] = group.pop(id(tail))
 
     # ---- references ----
     def acquire(self, blocks: Sequence[CachedBlock]) -> None:

@@ -348,3 +348,52 @@ def test_evictable_rows_counts_equal_the_walk_under_random_operations() -> None:
         else:
             cache.now += rng.random()
         assert cache.evictable_rows() == cache.naive_evictable_rows(), step
+
+
+def test_add_tail_drops_what_the_walk_over_every_tail_drops() -> None:
+    """`add_tail` looks only at the tails of the new tail's start; against `naive_add_tail` (the walk over every
+    tail) after random adds, uses (taken and put back, or put back while held), and evictions: the same tails in
+    the same order, and the same rows freed in the same order (the pool hands rows out in the order it got them)."""
+    import random
+
+    from engine.prefix_cache import CachedTail, PrefixCache
+
+    class Pool:
+        def __init__(self) -> None:
+            self.freed: list[int] = []
+
+        def free(self, rows) -> None:  # noqa: ANN001
+            self.freed += rows
+
+    def naive_add_tail(cache: PrefixCache, tail: CachedTail) -> None:
+        for key, old in list(cache.tails.items()):
+            if old.parent == tail.parent and old.index == tail.index and tail.tokens[:len(old.tokens)] == old.tokens:
+                cache._tail_drop(key)
+                cache.pool.free(old.rows)
+        cache._tail_put(tail)
+
+    rng = random.Random(1)
+    fast, naive = PrefixCache(Pool(), 4, b"fp"), PrefixCache(Pool(), 4, b"fp")
+    made: list[CachedTail] = []
+    for step in range(3000):
+        op = rng.randrange(6)
+        if op < 3:
+            tokens = tuple(rng.choice((1, 2)) for _ in range(rng.randrange(1, 5)))
+            tail = CachedTail(rng.choice((b"p", b"q")), rng.randrange(2), tokens, 9, step, (step, step))
+            fast.add_tail(tail)
+            naive_add_tail(naive, tail)
+            made.append(tail)
+        elif op == 3 and made:
+            tail = rng.choice(made)
+            if id(tail) in fast.tails:
+                if rng.random() < 0.5:
+                    fast.take_tail(tail)
+                    naive.take_tail(tail)
+                fast.put_back_tail(tail)
+                naive.put_back_tail(tail)
+        elif op == 4:
+            n = rng.randrange(1, 4)
+            assert fast.evict(n) == naive.evict(n)
+        assert list(fast.tails) == list(naive.tails), step
+        assert fast.pool.freed == naive.pool.freed, step
+    assert naive.pool.freed
