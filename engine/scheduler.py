@@ -94,6 +94,8 @@ class Request:
     """Cache blocks this request's table uses (reused or published by it); their rows belong to the cache."""
     block_keys: list[bytes] = field(default_factory=list)
     """Chained keys of this request's full blocks so far."""
+    prompt_keys: list[bytes] = field(default_factory=list)
+    """Chained keys of the prompt's first blocks, as admission looked them up (`publish` takes them over)."""
     decode_snapshot: CachedBlock | None = None
     given_rows: set[int] = field(default_factory=set)
     """Rows handed to the prefix cache as this request's tail (not freed with the request)."""
@@ -216,6 +218,7 @@ class Scheduler:
         req.table = BlockTable(attn, kda)
         req.cached_blocks = list(reuse)
         req.block_keys = list(keys[:len(reuse)])
+        req.prompt_keys = keys
         req.num_cached_tokens = req.num_computed = len(reuse) * self.block_tokens
         if self.cache is not None:
             self.cache.counters.queried_tokens += len(req.prompt_token_ids)
@@ -389,7 +392,7 @@ class Scheduler:
         req.num_folded += len(outputs)
         req.output_token_ids, req.output_logprobs = [], []
         req.num_computed = req.num_cached_tokens = req.num_bypassed = 0
-        req.block_keys, req.given_rows = [], set()
+        req.block_keys, req.prompt_keys, req.given_rows = [], [], set()
         req.state = RequestState.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -403,10 +406,13 @@ class Scheduler:
         ending at `upto` carries a copy of req's KDA state (upto must then be a block boundary)."""
         if not self._caching() or req.table is None:
             return
-        bt, cache = self.block_tokens, self.cache
+        bt, cache, known = self.block_tokens, self.cache, req.prompt_keys
         for k in range(len(req.block_keys), upto // bt):
-            parent = req.block_keys[-1] if req.block_keys else req.cache_root
-            key = chain_keys(req.token_at(k * bt, (k + 1) * bt), bt, 1, cache.fingerprint, parent)[0]
+            if k < len(known):  # the keys so far are known's first k: block k chains to known[k]
+                key = known[k]
+            else:
+                parent = req.block_keys[-1] if req.block_keys else req.cache_root
+                key = chain_keys(req.token_at(k * bt, (k + 1) * bt), bt, 1, cache.fingerprint, parent)[0]
             req.block_keys.append(key)
             kda = None
             if snapshot and (k + 1) * bt == upto and self.resume:

@@ -57,7 +57,9 @@ class ObservedPrefixCache(PrefixCache):
         self.tails = _NotedOrderedDict(self.changed_tails)
 
     def insert(self, key: bytes, index: int, attn_row: int, kda_rows: tuple[int, ...] | None) -> CachedBlock | None:
-        self.changed_keys.add(key)  # an existing block may gain its snapshot
+        held = self.blocks.get(key)
+        if held is not None and held.kda_rows is None and kda_rows is not None:
+            self.changed_keys.add(key)  # a held block gains its snapshot (a new block is noted by `blocks`)
         return super().insert(key, index, attn_row, kda_rows)
 
     def drop_snapshot(self, block: CachedBlock) -> None:
@@ -128,7 +130,8 @@ class SessionReports:
                     del self._by_tail[id(tail)]
 
     def refresh(self, sessions: OrderedDict) -> set[str]:
-        """Recompute the sessions whose blocks, tails or records changed since the last refresh; returns them."""
+        """Recompute the sessions whose blocks, tails or records changed since the last refresh; returns those whose
+        figures changed."""
         cache = self.cache
         dirty = self._dirty
         for key in cache.changed_keys:
@@ -137,15 +140,18 @@ class SessionReports:
             dirty.update(self._by_tail.get(tail, ()))
         cache.changed_keys.clear()
         cache.changed_tails.clear()
-        done = set()
+        changed = set()
+        figures = self.figures
         for session in dirty:
             record = sessions.get(session)
             if record is not None:
                 keys, tails = record
-                self.figures[session] = (cache.held_tokens(keys), cache.held_tokens(keys, snapshot=True, tails=tails))
-                done.add(session)
+                now = (cache.held_tokens(keys), cache.held_tokens(keys, snapshot=True, tails=tails))
+                if figures.get(session) != now:
+                    figures[session] = now
+                    changed.add(session)
         dirty.clear()
-        return done
+        return changed
 
     def report(self, sessions: OrderedDict) -> tuple[dict[str, int], dict[str, int]]:
         """(held, resumable): session -> tokens, sessions with none left out, most recently remembered first (as

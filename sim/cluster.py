@@ -37,11 +37,13 @@ from sim.events import EventLoop
 from sim.instance import Flight, HostCores, InstanceSpec, SimInstance
 from sim.profile import Profile
 from sim.stream import chunk_times
-from sim.tokens import Interner, TokenRuns
+from sim.tokens import Interner, TokenRuns, extends
 
 
 LAST_PROMPTS = 4096
-"""Sessions whose latest prompt a cluster keeps for the next turn to extend (most recently sent first kept)."""
+"""Sessions whose latest prompts a cluster keeps for the next turn to extend (most recently sent first kept)."""
+PROMPTS_PER_SESSION = 8
+"""Prompts kept per session (the forks of an agent run branches beside its main line)."""
 
 
 @dataclass
@@ -96,8 +98,10 @@ class SimCluster:
         self.num_inflight = 0
         self._is_polling = False
         self._seq = 0
-        self.last_prompts: dict[str, tuple[tuple[Message, ...], TokenRuns]] = {}
-        """Each session's latest messages and prompt (sim/tokens.py `Template.prompt`, `TokenRuns.continues`)."""
+        self.last_prompts: dict[str, list[tuple[tuple[Message, ...], TokenRuns]]] = {}
+        """Per session, its latest messages and prompts, least recently used first (sim/tokens.py
+        `Template.prompt`, `TokenRuns.continues`): the branches of an agent's fork and its main line each extend
+        their own."""
 
     def _add_pool(self, pool, nodes: list, record_chunks: bool) -> None:
         cfg = resolve_model(self.config.model_of(pool))
@@ -178,12 +182,17 @@ class _Flow:
                  done: Callable[[RequestRecord], None], origin: float, queued_s: float) -> None:
         self.c, self.spec, self.concurrency, self.start, self.done = cluster, spec, concurrency, start, done
         self.origin, self.queued_s = origin, queued_s
-        earlier = cluster.last_prompts.pop(spec.session_id, None) if spec.session_id else None
+        recent = cluster.last_prompts.pop(spec.session_id, []) if spec.session_id else []
+        earlier = next((e for e in reversed(recent) if extends(spec.messages, e[0])), None)
         self.prompt: TokenRuns = cluster.profile.template.prompt(spec.messages, cluster.interner, earlier)
-        if spec.session_id:  # a turn re-sends the session's last prompt: its block encodings serve this one's
+        if spec.session_id:  # a turn re-sends an earlier prompt of its session: its block encodings serve this one's
             if earlier is not None:
                 self.prompt.continues(earlier[1])
-            cluster.last_prompts[spec.session_id] = (spec.messages, self.prompt)
+                recent.remove(earlier)
+                recent.append(earlier)  # a fork's turns and the main line after it all extend the fork's prompt
+            recent.append((spec.messages, self.prompt))
+            del recent[:-PROMPTS_PER_SESSION]
+            cluster.last_prompts[spec.session_id] = recent
             if len(cluster.last_prompts) > LAST_PROMPTS:  # the session least recently sent a turn
                 del cluster.last_prompts[next(iter(cluster.last_prompts))]
         self.times: list[float] = []

@@ -236,6 +236,11 @@ class Interner:
         return self.uid(("fresh", len(self._uids)))
 
 
+def extends(messages: Sequence[Message], earlier: Sequence[Message]) -> bool:
+    """`messages` starts with `earlier` (equal messages; a session's turns share the objects, compared at once)."""
+    return len(earlier) <= len(messages) and tuple(messages[:len(earlier)]) == tuple(earlier)
+
+
 @dataclass(frozen=True)
 class Template:
     """How messages become tokens: `kind` "bytes" (the reference engine's byte-level template, exact) or
@@ -279,7 +284,7 @@ class Template:
         header = self._header_len("assistant")
         if earlier is not None:
             done, done_runs = earlier
-            if len(done) <= len(messages) and tuple(messages[:len(done)]) == tuple(done) and done_runs.runs:
+            if extends(messages, done) and done_runs.runs:
                 runs = list(done_runs.runs[:-1] if header else done_runs.runs)
                 messages = messages[len(done):]
         for msg in messages:
