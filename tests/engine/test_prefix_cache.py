@@ -397,3 +397,22 @@ def test_add_tail_drops_what_the_walk_over_every_tail_drops() -> None:
         assert list(fast.tails) == list(naive.tails), step
         assert fast.pool.freed == naive.pool.freed, step
     assert naive.pool.freed
+
+
+def test_published_keys_are_the_chained_keys_of_the_tokens() -> None:
+    """`publish` takes the keys admission computed for the prompt's blocks (`Request.prompt_keys`) and hashes only
+    the blocks past them: every published key equals the key chained from the request's own tokens, for a fresh
+    prompt, one that resumes from a held block, and an answer that runs into a new block."""
+    from engine.prefix_cache import chain_keys
+
+    engine = Engine(EngineConfig(num_rows=48))
+    first = _prompt(2100, salt=21)
+    engine.prefill_and_keep("a", first, SamplingParams(max_tokens=1))
+    longer = first + _prompt(1100, salt=22)
+    engine.prefill_and_keep("b", longer, SamplingParams(max_tokens=1))
+    for rid, tokens in (("a", first), ("b", longer)):
+        req = engine.scheduler.requests[rid]
+        assert req.block_keys == chain_keys(tokens, BLOCK, len(tokens) // BLOCK, engine.cache.fingerprint,
+                                            req.cache_root)
+        assert set(req.block_keys) <= set(engine.cache.blocks)
+    assert engine.scheduler.requests["b"].num_cached_tokens >= BLOCK
