@@ -12,6 +12,7 @@ refreshed as the real one is: load facts every `health_interval_s`, cache report
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -98,7 +99,7 @@ class SimCluster:
         self.num_inflight = 0
         self._is_polling = False
         self._seq = 0
-        self.last_prompts: dict[str, list[tuple[tuple[Message, ...], TokenRuns]]] = {}
+        self.last_prompts: OrderedDict[str, list[tuple[tuple[Message, ...], TokenRuns]]] = OrderedDict()
         """Per session, its latest messages and prompts, least recently used first (sim/tokens.py
         `Template.prompt`, `TokenRuns.continues`): the branches of an agent's fork and its main line each extend
         their own."""
@@ -183,18 +184,18 @@ class _Flow:
         self.c, self.spec, self.concurrency, self.start, self.done = cluster, spec, concurrency, start, done
         self.origin, self.queued_s = origin, queued_s
         recent = cluster.last_prompts.pop(spec.session_id, []) if spec.session_id else []
-        earlier = next((e for e in reversed(recent) if extends(spec.messages, e[0])), None)
+        found = next((k for k in range(len(recent) - 1, -1, -1) if extends(spec.messages, recent[k][0])), None)
+        earlier = None if found is None else recent[found]
         self.prompt: TokenRuns = cluster.profile.template.prompt(spec.messages, cluster.interner, earlier)
         if spec.session_id:  # a turn re-sends an earlier prompt of its session: its block encodings serve this one's
             if earlier is not None:
                 self.prompt.continues(earlier[1])
-                recent.remove(earlier)
-                recent.append(earlier)  # a fork's turns and the main line after it all extend the fork's prompt
+                recent.append(recent.pop(found))  # a fork's turns and the main line after it extend the fork's prompt
             recent.append((spec.messages, self.prompt))
             del recent[:-PROMPTS_PER_SESSION]
             cluster.last_prompts[spec.session_id] = recent
             if len(cluster.last_prompts) > LAST_PROMPTS:  # the session least recently sent a turn
-                del cluster.last_prompts[next(iter(cluster.last_prompts))]
+                cluster.last_prompts.popitem(last=False)
         self.times: list[float] = []
         self.num_tokens = 0
         self.prefill_cached: int | None = None
