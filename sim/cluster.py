@@ -12,6 +12,7 @@ refreshed as the real one is: load facts every `health_interval_s`, cache report
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from engine.layout import plan_layout
 from engine.model.config import resolve_model
 from kv_transfer.capacity import GPU_PROFILES, plan_capacity
 from loadgen.records import RequestRecord, http_kind
-from loadgen.schedule import Message, RequestSpec
+from loadgen.schedule import RequestSpec
 from router.admission import PoolFull
 from router.config import RouterConfig
 from router.facts import CacheFacts, LoadFacts, ModelFacts
@@ -99,10 +100,10 @@ class SimCluster:
         self.num_inflight = 0
         self._is_polling = False
         self._seq = 0
-        self.last_prompts: OrderedDict[str, list[tuple[tuple[Message, ...], TokenRuns]]] = OrderedDict()
-        """Per session, its latest messages and prompts, least recently used first (sim/tokens.py
+        self.last_prompts: OrderedDict[str, list[tuple[weakref.ref[RequestSpec], TokenRuns]]] = OrderedDict()
+        """Per session, its latest requests and prompts, least recently used first (sim/tokens.py
         `Template.prompt`, `TokenRuns.continues`): the branches of an agent's fork and its main line each extend
-        their own."""
+        their own. The requests are held weakly: a finished session's texts are not kept alive."""
 
     def _add_pool(self, pool, nodes: list, record_chunks: bool) -> None:
         cfg = resolve_model(self.config.model_of(pool))
@@ -184,14 +185,16 @@ class _Flow:
         self.c, self.spec, self.concurrency, self.start, self.done = cluster, spec, concurrency, start, done
         self.origin, self.queued_s = origin, queued_s
         recent = cluster.last_prompts.pop(spec.session_id, []) if spec.session_id else []
-        found = next((k for k in range(len(recent) - 1, -1, -1) if extends(spec.messages, recent[k][0])), None)
-        earlier = None if found is None else recent[found]
+        recent = [(ref, runs) for ref, runs in recent if ref() is not None]  # a finished session's specs are gone
+        found = next((k for k in range(len(recent) - 1, -1, -1) if extends(spec.messages, recent[k][0]().messages)),
+                     None)
+        earlier = None if found is None else (recent[found][0]().messages, recent[found][1])
         self.prompt: TokenRuns = cluster.profile.template.prompt(spec.messages, cluster.interner, earlier)
         if spec.session_id:  # a turn re-sends an earlier prompt of its session: its block encodings serve this one's
             if earlier is not None:
                 self.prompt.continues(earlier[1])
                 recent.append(recent.pop(found))  # a fork's turns and the main line after it extend the fork's prompt
-            recent.append((spec.messages, self.prompt))
+            recent.append((weakref.ref(spec), self.prompt))
             del recent[:-PROMPTS_PER_SESSION]
             cluster.last_prompts[spec.session_id] = recent
             if len(cluster.last_prompts) > LAST_PROMPTS:  # the session least recently sent a turn
