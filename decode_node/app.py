@@ -24,7 +24,7 @@ from decode_node.peers import PeerDirectory
 from decode_node.settings import Settings
 from kv_transfer.exporter import Exporter, ExportIdentity
 from kv_transfer.geometry import Geometry
-from kv_transfer.side_channel import InstanceMetadata, RankMetadata, side_channel_router
+from kv_transfer.side_channel import InstanceMetadata, side_channel_router
 from node.app import build_app
 from node.executor import Executor
 from node.export import serve_export
@@ -117,14 +117,8 @@ def create_app(settings: Settings) -> FastAPI:
         return runtime
 
     def metadata() -> InstanceMetadata:
-        ranks: list[RankInfo] = running().executor.startup_info
-        head = ranks[0]
-        return InstanceMetadata(
-            engine_id=settings.engine_id, model=settings.engine.model, layout_fingerprint=head.layout_fingerprint,
-            tp_size=settings.world_size, dcp_size=settings.dcp, block_size=head.block_size,
-            subblock_tokens=head.subblock_tokens, row_bytes=head.row_bytes, num_rows=head.num_rows,
-            kda_groups=head.kda_groups,
-            ranks=[RankMetadata.from_endpoint(info.endpoint) for info in ranks if info.endpoint is not None])
+        return InstanceMetadata.from_ranks(settings.engine_id, settings.engine.model,
+                                           running().executor.startup_info, tp_size=settings.world_size, dcp_size=settings.dcp)
 
     app = build_app(f"pdcluster decode node ({settings.pool})", handle, lifespan, settings)
     app.include_router(side_channel_router(metadata, app.state.control_guard, _MoveLeases(running)))

@@ -75,6 +75,15 @@ class InstanceMetadata(BaseModel):
     kda_groups: int
     ranks: list[RankMetadata]
 
+    @classmethod
+    def from_ranks(cls, engine_id: str, model: str, ranks: list, tp_size: int, dcp_size: int = 1) -> "InstanceMetadata":
+        """A node's metadata from its ranks' startup reports (node.rank.RankInfo: rank 0's layout, each endpoint)."""
+        head = ranks[0]
+        return cls(engine_id=engine_id, model=model, layout_fingerprint=head.layout_fingerprint, tp_size=tp_size,
+                   dcp_size=dcp_size, block_size=head.block_size, subblock_tokens=head.subblock_tokens,
+                   row_bytes=head.row_bytes, num_rows=head.num_rows, kda_groups=head.kda_groups,
+                   ranks=[RankMetadata.from_endpoint(info.endpoint) for info in ranks if info.endpoint is not None])
+
     def endpoints(self) -> dict[int, RankEndpoint]:
         return {r.rank: r.to_endpoint() for r in self.ranks}
 

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from kv_transfer.exporter import Exporter, ExportIdentity
-from kv_transfer.side_channel import InstanceMetadata, RankMetadata, side_channel_router
+from kv_transfer.side_channel import InstanceMetadata, side_channel_router
 from node.app import build_app
 from node.executor import Executor
 from node.export import serve_export
@@ -81,13 +81,8 @@ def create_app(settings: Settings) -> FastAPI:
         return runtime
 
     def metadata() -> InstanceMetadata:
-        ranks: list[RankInfo] = running().executor.startup_info
-        head = ranks[0]
-        return InstanceMetadata(
-            engine_id=settings.engine_id, model=settings.engine.model, layout_fingerprint=head.layout_fingerprint,
-            tp_size=settings.tp, block_size=head.block_size, subblock_tokens=head.subblock_tokens,
-            row_bytes=head.row_bytes, num_rows=head.num_rows, kda_groups=head.kda_groups,
-            ranks=[RankMetadata.from_endpoint(info.endpoint) for info in ranks if info.endpoint is not None])
+        return InstanceMetadata.from_ranks(settings.engine_id, settings.engine.model,
+                                           running().executor.startup_info, tp_size=settings.tp)
 
     app = build_app("pdcluster prefill node", handle, lifespan, settings)
     app.include_router(side_channel_router(metadata, app.state.control_guard, _LeaseControl(running)))
