@@ -54,9 +54,10 @@ class ImportQueue:
             deadline = min(deadline, time.monotonic() + (lease_expiry - time.time()) - LEASE_MARGIN_S)
         return deadline
 
-    async def admit(self, runtime: NodeRuntime, attempt: Attempt, lease_expiry: float | None
-                    ) -> tuple[Any, AsyncIterator[Any]]:
-        """The first event and stream of an import that got its rows (or failed for another reason)."""
+    async def admit(self, runtime: NodeRuntime, attempt: Attempt, lease_expiry: float | None,
+                    stop: Callable[[], None] = lambda: None) -> tuple[Any, AsyncIterator[Any]]:
+        """The first event and stream of an import that got its rows (or failed for another reason). `stop` runs
+        at every turn of the wait and may raise to end it (a drain hands the queued imports back)."""
         if not self._waiting:
             first, events = await attempt()
             if not is_short_of_rows(first):
@@ -71,6 +72,7 @@ class ImportQueue:
         try:
             seen, last_try = runtime.num_finished, time.monotonic()
             while True:
+                stop()
                 now = time.monotonic()
                 if now >= deadline:
                     raise NodeBusy("no free rows for this import within its wait; retry later")

@@ -32,9 +32,9 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
-from decode_node.admission import ImportQueue
+from decode_node.admission import ImportQueue, is_short_of_rows
 from decode_node.handoff import HandoffGate
-from decode_node.moves import Moves
+from decode_node.moves import DRAIN_MESSAGE, HandedBack, Moves
 from decode_node.peers import Address, PeerDirectory
 from engine.api import HandOffAbort, ImportKV, ImportOutcome, StartDecode
 from kv_transfer.geometry import Geometry
@@ -123,6 +123,15 @@ async def serve_here(runtime: NodeRuntime[Importer], prepared: PreparedRequest, 
                              lambda events: runtime.handoff.moves.watch(runtime, prepared, events))
 
 
+async def _recompute_here(runtime: NodeRuntime[Importer], prepared: PreparedRequest, request: Request) -> Response:
+    """The `recompute` policy after a failed import: prefill here, unless the drain's hand-off began (a draining node
+    computes nothing new: a plain 503 hands the request back to the router, which places it elsewhere)."""
+    if runtime.handoff.moves.is_handing_off:
+        runtime.metrics.streams_moved.labels(outcome="handed_back").inc()
+        raise HandedBack(503, DRAIN_MESSAGE)
+    return await serve_here(runtime, prepared, request)
+
+
 async def serve_remote(runtime: NodeRuntime[Importer], prepared: PreparedRequest, request: Request,
                        params: KVTransferParams) -> Response:
     """Import the prefill node's rows and decode."""
@@ -142,7 +151,7 @@ async def serve_remote(runtime: NodeRuntime[Importer], prepared: PreparedRequest
             await peers.release(address, params.lease_id, reader)
         if exc.status == 502 and policy == "recompute":  # the prefill node is unreachable: a KV load failure
             runtime.metrics.failed_transfers.inc()
-            return await serve_here(runtime, prepared, request)
+            return await _recompute_here(runtime, prepared, request)
         raise
     first = params.first_token(prepared.request_id, len(prepared.prompt_token_ids))
     notify_key = b"" if gate.secret is None else lease_key(gate.secret, str(params.lease_id))
@@ -151,15 +160,29 @@ async def serve_remote(runtime: NodeRuntime[Importer], prepared: PreparedRequest
                    notify_key=notify_key, cache_salt=prepared.cache_salt)
 
     async def attempt() -> tuple[object, object]:
+        importer.moves.import_may_start(prepared.request_id)  # a drain's hand-off began: 503, handed back
         events = runtime.executor.events(cmd)
-        return await events.__anext__(), events  # a disconnect cancels this inside the generator: it aborts
+        first = await events.__anext__()  # a disconnect cancels this inside the generator: it aborts
+        if is_short_of_rows(first):  # nothing allocated: the ranks do not hold it (it queues)
+            importer.moves.imported.discard(prepared.request_id)
+        return first, events
 
+    importer.moves.admitted.add(prepared.request_id)
     try:
-        outcome, events = await until_disconnect(request, importer.queue.admit(runtime, attempt, params.lease_expiry))
-    except NodeBusy:
+        outcome, events = await until_disconnect(request, importer.queue.admit(
+            runtime, attempt, params.lease_expiry, stop=importer.moves.refuse_if_handing_off))
+    except (NodeBusy, HandedBack) as exc:
+        importer.moves.forget(prepared.request_id)
+        if isinstance(exc, HandedBack):
+            runtime.metrics.streams_moved.labels(outcome="handed_back").inc()
         await peers.release(address, params.lease_id, reader)  # nothing was read: the rows go back at once
         raise
+    except BaseException:
+        importer.moves.forget(prepared.request_id)
+        raise
+    importer.moves.admitted.discard(prepared.request_id)
     if not isinstance(outcome, ImportOutcome) or outcome.error:
+        importer.moves.forget(prepared.request_id)
         await events.aclose()
         runtime.executor.abort(prepared.request_id)
         runtime.metrics.failed_transfers.inc()
@@ -168,8 +191,8 @@ async def serve_remote(runtime: NodeRuntime[Importer], prepared: PreparedRequest
         reason = outcome.error if isinstance(outcome, ImportOutcome) else getattr(outcome, "error", "import failed")
         log.warning("request %s: the KV import of lease %s from %s failed (%s): %s", prepared.request_id,
                     params.lease_id, params.remote_engine_id, policy, reason)
-        if policy == "recompute":
-            return await serve_here(runtime, prepared, request)
+        if policy == "recompute" or importer.moves.is_handing_off:  # draining: handed back, whatever the policy
+            return await _recompute_here(runtime, prepared, request)
         raise APIError(502, f"KV transfer from {params.remote_engine_id} failed: {reason}")
     runtime.metrics.xfer_time.observe(outcome.seconds)
     runtime.metrics.xfer_bytes.observe(outcome.num_bytes)

@@ -15,11 +15,14 @@ On SIGTERM with `drain_hand_off_s` (node/serving.py calls the app's hand-off), `
    instance, which claims the lease on this node's side channel and READs the rows like a P -> D hand-off
    (decode_node/importer.py; this node must be one of its `prefill_peers`); their DONE notices end the lease,
    which frees the rows here; the node exits once no request and no lease is left (`num_outstanding`).
-Failures: a stream that is not decoding yet when the hand-off comes (queued, prefilling, importing) moves at its
-first decode step; one that does not reach it within `move_wait_s` ends with a plain 503 (the router recomputes it
-elsewhere) and is aborted here; a move the router cannot place, or whose reader fails, falls back to that
-recompute on the router's side; the lease then expires (`move_lease_s`) and the rows are quarantined for the read
-timeout.
+By state at the hand-off (docs/ARCHITECTURE.md, "Moving a stream"): a stream queued, prefilling or importing its
+KV (its `ImportKV` reached the ranks: `imported`) moves at its first decode step; an import that has not reached the
+ranks (`admitted`: in the import queue, or claiming its lease) and a stream that had not started are handed back
+(`HandedBack`, a plain 503 that the router answers by placing the request elsewhere), so the draining node computes
+nothing new. Failures: a stream that does not reach a decode step within `move_wait_s` ends with a plain 503 (the
+router recomputes it elsewhere) and is aborted here; a move the router cannot place, or whose reader fails, falls
+back to that recompute on the router's side; the lease then expires (`move_lease_s`) and the rows are quarantined
+for the read timeout.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ DRAIN_MESSAGE = "the node is draining: continue on another instance"
 MOVED_MESSAGE = "the node is draining: the stream moves to another instance with its KV"
 
 
+class HandedBack(APIError):
+    """A request a draining node gives back before computing anything for it: a plain 503 (no Retry-After), which
+    the router answers by placing the request again elsewhere (router/proxy.py: a decode 5xx)."""
+
+
 @dataclass
 class Moves:
     """The streams a decode node may move out, and the leases on those it moved (see the module docstring)."""
@@ -56,6 +64,12 @@ class Moves:
     """Streams sent `MoveOut` whose export has not come back yet."""
     moved: set[str] = field(default_factory=set)
     """Streams leased to another instance (their stream is ending: the hand-off must not end them again)."""
+    admitted: set[str] = field(default_factory=set)
+    """Imports admitted here (decode_node/importer.py `serve_remote`) whose stream has not started yet."""
+    imported: set[str] = field(default_factory=set)
+    """Of `admitted`, those whose `ImportKV` the ranks have (their KV is arriving or arrived)."""
+    is_handing_off: bool = False
+    """The drain's hand-off began: no import starts here any more, and no stream starts that is not moving."""
 
     def can_move(self, prepared: PreparedRequest) -> bool:
         return self.exporter is not None and prepared.stream and prepared.return_token_ids
@@ -65,6 +79,13 @@ class Moves:
         """The stream's events, its export (after `MoveOut`) turned into the failure that carries its lease."""
         request_id = prepared.request_id
         outputs: list[int] = []
+        self.admitted.discard(request_id)
+        self.imported.discard(request_id)
+        if self.is_handing_off and request_id not in self.moving:  # nothing computed here yet: the router re-places it
+            await events.aclose()  # type: ignore[attr-defined]
+            runtime.metrics.streams_moved.labels(outcome="handed_back").inc()
+            yield EngineFailure(request_id=request_id, error=DRAIN_MESSAGE, status=503)
+            return
         if self.can_move(prepared):
             self.movable.add(request_id)
         try:
@@ -100,13 +121,36 @@ class Moves:
         return EngineFailure(request_id=request_id, error=MOVED_MESSAGE, status=503,
                              kv_transfer_params=params.to_wire())
 
+    def forget(self, request_id: str) -> None:
+        """An import that ended before its stream started (handed back, shed, failed): nothing here to move."""
+        self.admitted.discard(request_id)
+        self.imported.discard(request_id)
+        self.moving.discard(request_id)
+
+    def refuse_if_handing_off(self) -> None:
+        """Once the hand-off began, an import that holds no rows here is handed back (`HandedBack`)."""
+        if self.is_handing_off:
+            raise HandedBack(503, DRAIN_MESSAGE)
+
+    def import_may_start(self, request_id: str) -> None:
+        """Called right before an import's `ImportKV` goes to the ranks (no await between): handed back once the
+        hand-off began, else marked as the ranks' (`imported`: a hand-off from now on moves it)."""
+        self.refuse_if_handing_off()
+        self.imported.add(request_id)
+
     def hand_off(self, runtime: NodeRuntime) -> None:
-        """Move every movable stream, then end the rest (on the event loop; node/serving.py's drain calls it)."""
-        ids = sorted(self.movable)
+        """Move every movable stream, then end the rest (on the event loop; node/serving.py's drain calls it).
+        Imports whose KV is arriving move too, at their first decode step after it arrived (the engine keeps the
+        `MoveOut`); imports that have not reached the ranks are handed back (`import_may_start`)."""
+        self.is_handing_off = True
+        streaming, importing = sorted(self.movable), sorted(self.imported - self.movable)
+        ids = streaming + importing
         for request_id in ids:
             runtime.executor.submit(MoveOut(request_id=request_id))
         self.moving.update(ids)
-        log.warning("draining: moving %d stream(s) with their KV", len(ids))
+        num_back = len(self.admitted - self.imported)
+        log.warning("draining: moving %d stream(s) with their KV (%d of them still importing it); %d import(s) "
+                    "not started yet handed back", len(ids), len(importing), num_back)
         asyncio.get_running_loop().create_task(self._end_the_rest(runtime))
 
     async def _end_the_rest(self, runtime: NodeRuntime) -> None:

@@ -108,12 +108,13 @@ class NodeMetrics:
         self.dcp_merge_fallbacks = Counter("pdcluster_node_dcp_merge_fallbacks", "Compact-merge resends.",
                                            registry=reg)
         self.streams_moved = Counter("pdcluster_node_streams_moved", "Streams a draining decode node handed off: "
-                                     "leased with their KV, or recomputed elsewhere.", ["outcome"], registry=reg)
+                                     "leased with their KV, recomputed elsewhere, or handed back before anything was "
+                                     "computed here.", ["outcome"], registry=reg)
         self.kv_moved_bytes = Counter("pdcluster_kv_moved_bytes", "KV bytes this decode node READ from another "
                                       "decode instance (a stream moved decode-to-decode).", registry=reg)
         self.kv_moved_reads = Counter("pdcluster_kv_moved_requests", "Streams this decode node took over with "
                                       "their KV READ from another decode instance.", registry=reg)
-        for outcome in ("leased", "recomputed"):
+        for outcome in ("leased", "recomputed", "handed_back"):
             self.streams_moved.labels(outcome=outcome)
         self.ucx_tcp_fallback = Gauge("pdcluster_node_ucx_tcp_fallback", "1 if UCX fell back to TCP.",
                                       registry=reg)

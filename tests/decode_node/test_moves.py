@@ -2,7 +2,8 @@
 is tests/engine/test_move_out.py, the READ and the continuation tests/e2e/test_resume_cluster.py): a stream's
 export becomes the failure that carries its lease, bound to prompt + the tokens streamed; an export that does not
 match what was streamed is released and recomputed; the hand-off sends `MoveOut` to the movable streams and ends
-only the others."""
+only the others; an import whose KV is arriving when the hand-off comes moves too, one that has not reached the ranks
+and a stream that had not started are handed back (a plain 503) before anything is computed for them here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import asyncio
 import math
 from types import SimpleNamespace
 
-from decode_node.moves import DRAIN_MESSAGE, Moves
+import pytest
+
+from decode_node.moves import DRAIN_MESSAGE, HandedBack, Moves
 from engine.api import EngineFailure, ExportedRows, MoveOut, Release, SamplingParams
 from engine.outputs import TokenEvent
 from kv_transfer.exporter import Exporter, ExportIdentity
@@ -124,3 +127,60 @@ def test_the_hand_off_moves_the_streams_and_ends_only_the_others() -> None:
         await watched.aclose()
         assert not moves.moved
     asyncio.run(run())
+
+
+def test_an_import_whose_kv_is_arriving_at_the_hand_off_moves_once_it_streams() -> None:
+    """The import reached the ranks (`import_may_start`) before the SIGTERM: the engine gets its `MoveOut` at once
+    (it keeps it until the first decode step after the READs) and its stream, started later, ends with the lease."""
+    moves, runtime = _moves()
+
+    async def run() -> list:
+        moves.admitted.add("i")
+        moves.import_may_start("i")
+        moves.admitted.discard("i")  # admission done; the stream has not started yet
+        moves.hand_off(runtime)
+        assert runtime.executor.commands == [MoveOut(request_id="i")] and moves.moving == {"i"}
+        first = TokenEvent(request_id="i", token_id=11, index=0, logprob=-1.0)
+        return await _collect(moves, runtime, "i", [first, _export("i", len(PROMPT) + 1)])
+    out = asyncio.run(run())
+    assert out[-1].kv_transfer_params is not None and out[-1].kv_transfer_params["remote_num_tokens"] == 4
+    assert runtime.metrics.streams_moved.labels(outcome="leased")._value.get() == 1
+    assert not moves.imported and not moves.moving
+
+
+def test_an_import_that_had_not_reached_the_ranks_is_handed_back() -> None:
+    """Queued for rows or still claiming its lease at the SIGTERM: it never starts here (a plain 503, which the router
+    answers by placing it again: router/proxy.py), and the hand-off sends it no MoveOut."""
+    moves, runtime = _moves()
+
+    async def run() -> None:
+        moves.admitted.add("q")
+        moves.hand_off(runtime)
+        assert runtime.executor.commands == [] and not moves.moving
+        with pytest.raises(HandedBack) as refused:
+            moves.import_may_start("q")
+        assert refused.value.status == 503 and refused.value.message == DRAIN_MESSAGE
+        with pytest.raises(HandedBack):
+            moves.refuse_if_handing_off()  # what the import queue's wait checks at every turn
+        assert "q" not in moves.imported
+    asyncio.run(run())
+
+
+def test_a_stream_that_starts_after_the_hand_off_is_handed_back_unstarted() -> None:
+    """A colocated request whose events had not started (no Submit yet) when the hand-off came: a 503 failure, and
+    its events are never started, so nothing is prefilled on the draining node."""
+    moves, runtime = _moves()
+    started: list[str] = []
+
+    async def never_started():
+        started.append("submitted")
+        yield TokenEvent(request_id="late", token_id=11, index=0, logprob=-1.0)
+
+    async def run() -> list:
+        moves.hand_off(runtime)
+        return [e async for e in moves.watch(runtime, _prepared("late"), never_started())]
+    out = asyncio.run(run())
+    assert len(out) == 1 and isinstance(out[0], EngineFailure) and out[0].status == 503
+    assert out[0].kv_transfer_params is None and out[0].error == DRAIN_MESSAGE
+    assert started == [] and "late" not in moves.movable
+    assert runtime.metrics.streams_moved.labels(outcome="handed_back")._value.get() == 1

@@ -42,8 +42,9 @@ CONFIG = {
 PROMPT = "Streams that survive: the router resumes a request on another decode instance, bit for bit. " * 3
 MAX_TOKENS = 48
 KILL_AFTER_TOKENS = 6
-DRAIN_TOKENS = 128
-"""Long enough that the 8 streams still run when the SIGTERM lands."""
+DRAIN_TOKENS = 256
+"""Long enough that the first streams still run when the last one streams its first token (their P legs run one
+after another), so that all 8 run when the SIGTERM lands; the test checks that they do."""
 HEALTH_BOUND_S = 60
 CASES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 1234}}
 
@@ -234,12 +235,14 @@ def test_sigterm_on_a_decode_node_moves_its_8_streams(resume_cluster) -> None:
     results: dict[int, list[dict]] = {}
     arrivals: dict[int, list[float]] = {i: [] for i in range(8)}
     placed: dict[int, str] = {}
+    counts: dict[int, int] = {}
 
     def case_of(index: int) -> tuple[str, dict]:
         return ("greedy", {}) if index % 2 == 0 else ("seeded", {"seed": 100 + index})
 
     def run(index: int) -> None:
         def on_tokens(num_tokens: int, headers) -> None:
+            counts[index] = num_tokens
             placed.setdefault(index, headers["x-pdcluster-decode"])
         case, extra = case_of(index)
         body = {**_body(case), **extra, "max_tokens": DRAIN_TOKENS}
@@ -255,6 +258,9 @@ def test_sigterm_on_a_decode_node_moves_its_8_streams(resume_cluster) -> None:
     _admin(cluster, other, "undrain")
     process = cluster.cluster.children[victim].popen
     os.kill(process.pid, signal.SIGTERM)
+    streamed = [counts[i] for i in range(8)]  # tokens each client had when the SIGTERM was sent
+    # 8 running streams: each streamed a token and none had ended (its last chunk comes after its last token)
+    assert all(0 < n < DRAIN_TOKENS for n in streamed), f"not 8 running streams at the SIGTERM: {streamed}"
     for thread in threads:
         thread.join(900)
     for index in range(8):
@@ -269,7 +275,7 @@ def test_sigterm_on_a_decode_node_moves_its_8_streams(resume_cluster) -> None:
     moved_bytes = reader.value("pdcluster_kv_moved_bytes_total") - bytes_before
     assert moved_bytes > 0
     pause = max(max(b - a for a, b in zip(times, times[1:])) for times in arrivals.values())
-    print(f"drain of {victim} with 8 streams: moved with their KV ({moved_bytes:.0f} bytes READ), "
-          f"longest pause a client saw {pause:.2f} s")
+    print(f"drain of {victim} with 8 streams ({streamed} tokens streamed at the SIGTERM): moved with their KV "
+          f"({moved_bytes:.0f} bytes READ), longest pause a client saw {pause:.2f} s")
     cluster.restart(victim)
     _wait_healthy(cluster)
