@@ -11,9 +11,10 @@ the real `held_tokens`, only the sessions those touch. tests/sim checks the repo
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from itertools import islice
 
-from engine.prefix_cache import CachedBlock, PrefixCache
+from engine.prefix_cache import ROOT, CachedBlock, PrefixCache
 
 
 class _NotedDict(dict):
@@ -55,6 +56,13 @@ class ObservedPrefixCache(PrefixCache):
         self.changed_tails: set[int] = set()
         self.blocks = _NotedDict(self.changed_keys)
         self.tails = _NotedOrderedDict(self.changed_tails)
+
+    def keys(self, tokens: Sequence[int], num_blocks: int, root: bytes = ROOT) -> list[bytes]:
+        """`PrefixCache.keys`, remembered on the prompt when it is a `TokenRuns` (sim/tokens.py `chained_keys`)."""
+        chained = getattr(tokens, "chained_keys", None)
+        if chained is None:
+            return super().keys(tokens, num_blocks, root)
+        return chained(self.block_tokens, num_blocks, self.fingerprint, root)
 
     def insert(self, key: bytes, index: int, attn_row: int, kda_rows: tuple[int, ...] | None) -> CachedBlock | None:
         held = self.blocks.get(key)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -24,7 +24,7 @@ from engine.layout import plan_layout
 from engine.model.config import resolve_model
 from kv_transfer.capacity import GPU_PROFILES, plan_capacity
 from loadgen.records import RequestRecord, http_kind
-from loadgen.schedule import RequestSpec
+from loadgen.schedule import Message, RequestSpec
 from router.admission import PoolFull
 from router.config import RouterConfig
 from router.facts import CacheFacts, LoadFacts, ModelFacts
@@ -100,10 +100,12 @@ class SimCluster:
         self.num_inflight = 0
         self._is_polling = False
         self._seq = 0
-        self.last_prompts: OrderedDict[str, list[tuple[weakref.ref[RequestSpec], TokenRuns]]] = OrderedDict()
-        """Per session, its latest requests and prompts, least recently used first (sim/tokens.py
-        `Template.prompt`, `TokenRuns.continues`): the branches of an agent's fork and its main line each extend
-        their own. The requests are held weakly: a finished session's texts are not kept alive."""
+        self.last_prompts: OrderedDict[str, list[tuple[weakref.ref[RequestSpec], TokenRuns, int]]] = OrderedDict()
+        """Per session, its latest requests, prompts and the router's estimates of them, least recently used first
+        (sim/tokens.py `Template.prompt`, `TokenRuns.continues`, `prompt_estimate` here): the branches of an agent's
+        fork and its main line each extend their own. The requests are held weakly: a finished session's texts are
+        not kept alive."""
+        self._base_estimate = prompt_estimate(self.state, {"messages": []})
 
     def _add_pool(self, pool, nodes: list, record_chunks: bool) -> None:
         cfg = resolve_model(self.config.model_of(pool))
@@ -173,6 +175,14 @@ class SimCluster:
         flow = _Flow(self, spec, concurrency, self.loop.now, done, origin, queued_s)
         self.loop.after(self.profile.http.router_s, flow.route)
 
+    def prompt_estimate(self, messages: Sequence[Message], earlier: tuple[int, int] | None = None) -> int:
+        """The router's `prompt_estimate` of a chat body of `messages`. It is a constant plus one figure per
+        message (router/placement.py), so with `earlier` = (n, the estimate of messages[:n]) only the messages
+        past n are estimated: a session's turn re-sends every earlier message of the turn it extends."""
+        done, total = (0, self._base_estimate) if earlier is None else earlier
+        body = {"messages": [{"role": m.role, "content": m.content} for m in messages[done:]]}
+        return total + prompt_estimate(self.state, body) - self._base_estimate
+
     def busy_s(self) -> dict[str, float]:
         return {name: inst.busy_s for name, inst in self.instances.items()}
 
@@ -185,16 +195,20 @@ class _Flow:
         self.c, self.spec, self.concurrency, self.start, self.done = cluster, spec, concurrency, start, done
         self.origin, self.queued_s = origin, queued_s
         recent = cluster.last_prompts.pop(spec.session_id, []) if spec.session_id else []
-        recent = [(ref, runs) for ref, runs in recent if ref() is not None]  # a finished session's specs are gone
+        recent = [entry for entry in recent if entry[0]() is not None]  # a finished session's specs are gone
         found = next((k for k in range(len(recent) - 1, -1, -1) if extends(spec.messages, recent[k][0]().messages)),
                      None)
-        earlier = None if found is None else (recent[found][0]().messages, recent[found][1])
-        self.prompt: TokenRuns = cluster.profile.template.prompt(spec.messages, cluster.interner, earlier)
+        earlier = None if found is None else recent[found]
+        earlier_messages = None if earlier is None else earlier[0]().messages
+        self.prompt: TokenRuns = cluster.profile.template.prompt(
+            spec.messages, cluster.interner, None if earlier is None else (earlier_messages, earlier[1]))
+        self.estimate = cluster.prompt_estimate(spec.messages, None if earlier is None else
+                                                (len(earlier_messages), earlier[2]))
         if spec.session_id:  # a turn re-sends an earlier prompt of its session: its block encodings serve this one's
             if earlier is not None:
                 self.prompt.continues(earlier[1])
                 recent.append(recent.pop(found))  # a fork's turns and the main line after it extend the fork's prompt
-            recent.append((weakref.ref(spec), self.prompt))
+            recent.append((weakref.ref(spec), self.prompt, self.estimate))
             del recent[:-PROMPTS_PER_SESSION]
             cluster.last_prompts[spec.session_id] = recent
             if len(cluster.last_prompts) > LAST_PROMPTS:  # the session least recently sent a turn
@@ -222,8 +236,7 @@ class _Flow:
         c, spec = self.c, self.spec
         state, now = c.state, c.loop.now
         key = session_key(ANONYMOUS, {"x-session-id": spec.session_id}, {}) if spec.session_id else None
-        body = {"messages": [{"role": m.role, "content": m.content} for m in spec.messages]}
-        self.shape = RequestShape(key, prompt_estimate(state, body), spec.max_tokens,
+        self.shape = RequestShape(key, self.estimate, spec.max_tokens,
                                   state.settings.session_growth_tokens)
         try:
             self.placement = place_request(state, self.shape, now)

@@ -21,10 +21,13 @@ import itertools
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
+from engine.prefix_cache import chain_keys
 from loadgen.schedule import Message
 
 _RUN = struct.Struct("<QII")
+_LENGTH = itemgetter(2)
 
 
 class TokenRuns(Sequence[int]):
@@ -32,7 +35,7 @@ class TokenRuns(Sequence[int]):
     are remembered per sequence: the prefill and the decode instance key the same prompt's blocks, and a block
     published later is sliced again (a sequence is immutable, so a remembered slice stays right)."""
 
-    __slots__ = ("_blocks", "_ends_list", "_key", "_length", "_prefix", "_slices", "runs")
+    __slots__ = ("_blocks", "_chains", "_ends_list", "_key", "_length", "_prefix", "_slices", "runs")
 
     def __init__(self, runs: Sequence[tuple[int, int, int]] = ()) -> None:
         merged: list[tuple[int, int, int]] = []
@@ -49,13 +52,15 @@ class TokenRuns(Sequence[int]):
     def _init(self, runs: tuple[tuple[int, int, int], ...], length: int | None = None) -> None:
         self.runs = runs
         if length is None:
-            length = sum(r[2] for r in runs) if len(runs) > 1 else (runs[0][2] if runs else 0)
+            length = sum(map(_LENGTH, runs)) if len(runs) > 1 else (runs[0][2] if runs else 0)
         self._length = length
         self._ends_list: list[int] | None = None
         self._slices: dict[tuple[int, int], TokenRuns] | None = None
         self._key: bytes | None = None
         self._blocks: dict[int, list[bytes]] | None = None
         """Per block size: the encodings of the first full blocks, as `block_key_bytes` computed them."""
+        self._chains: dict[tuple[int, bytes, bytes], list[bytes]] | None = None
+        """Per (block size, fingerprint, root): the chained keys of the first full blocks (`chained_keys`)."""
         self._prefix: TokenRuns | None = None
         """An earlier sequence this one extends (`continues`), until its block encodings are taken over."""
 
@@ -71,7 +76,7 @@ class TokenRuns(Sequence[int]):
     def _ends(self) -> list[int]:
         """End position of every run (computed when first indexed or sliced)."""
         if self._ends_list is None:
-            self._ends_list = list(itertools.accumulate(r[2] for r in self.runs))
+            self._ends_list = list(itertools.accumulate(map(_LENGTH, self.runs)))
         return self._ends_list
 
     def __len__(self) -> int:
@@ -177,6 +182,27 @@ class TokenRuns(Sequence[int]):
         if num_blocks > num_full:  # a block past the end, cut short as a slice is (never remembered)
             return memo[first:num_full] + self._walk_blocks(block_tokens, max(first, num_full), num_blocks)
         return memo[first:num_blocks]
+
+    def chained_keys(self, block_tokens: int, num_blocks: int, fingerprint: bytes, root: bytes) -> list[bytes]:
+        """engine/prefix_cache.py `chain_keys(self, block_tokens, num_blocks, fingerprint, root)`, remembered per
+        (block size, fingerprint, root) for full blocks: the prefill and the decode instance of one layout key the
+        same prompt alike, and a turn's prompt takes over the keys of the earlier prompt it `continues` (a chained
+        key names its whole prefix, so the keys of the earlier prompt's full blocks are this prompt's first keys).
+        Keys past the full blocks are chained afresh each call, never remembered."""
+        if num_blocks * block_tokens > self._length:
+            return chain_keys(self, block_tokens, num_blocks, fingerprint, root)
+        if self._chains is None:
+            self._chains = {}
+        config = (block_tokens, fingerprint, root)
+        memo = self._chains.get(config)
+        if memo is None:
+            memo = self._chains[config] = []
+            earlier = self._prefix
+            if earlier is not None and earlier._chains is not None:
+                memo.extend(earlier._chains.get(config, ()))
+        if len(memo) < num_blocks:
+            memo += chain_keys(self, block_tokens, num_blocks, fingerprint, memo[-1] if memo else root, len(memo))
+        return memo[:num_blocks]
 
     def _walk_blocks(self, block_tokens: int, first: int, num_blocks: int) -> list[bytes]:
         """The encodings of blocks first..num_blocks-1, in one walk over the runs."""
