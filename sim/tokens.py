@@ -111,7 +111,10 @@ class TokenRuns(Sequence[int]):
 
     def __getitem__(self, index: int | slice) -> int | TokenRuns:  # type: ignore[override]
         n = self._length
-        if isinstance(index, slice):
+        if type(index) is slice:
+            lo, hi = index.start, index.stop
+            if index.step is None and type(lo) is int and type(hi) is int and 0 <= lo and 0 <= hi:
+                return self._slice(lo, min(hi, n))  # the scheduler's and the cache's slices: [lo:hi], both >= 0
             lo, hi, step = index.indices(n)
             if step != 1:
                 raise ValueError("TokenRuns slices take step 1 only")
@@ -143,7 +146,7 @@ class TokenRuns(Sequence[int]):
         return self
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, TokenRuns) and self.runs == other.runs
+        return self is other or (isinstance(other, TokenRuns) and self.runs == other.runs)
 
     def __hash__(self) -> int:
         return hash(self.runs)
