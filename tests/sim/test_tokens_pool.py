@@ -103,3 +103,22 @@ def test_prompt_from_an_earlier_prompt_equals_the_whole_walk() -> None:
             got = template.prompt(msgs, reused, earlier)
             assert got.runs == template.prompt(msgs, whole).runs
             last[sid] = (msgs, got)
+
+
+def test_chained_keys_equal_chain_keys_per_layout_and_taken_over() -> None:
+    """`TokenRuns.chained_keys` (kept per block size, fingerprint and root; taken over from a prompt it continues)
+    equals the engine's `chain_keys` on the same tokens, for every layout asked in any order, past the full blocks
+    included."""
+    rng = random.Random(7)
+    layouts = [(b, fp, root) for b in (1, 2, 4) for fp in (b"p", b"d") for root in (b"r0", b"r1")]
+    for _ in range(300):
+        earlier = TokenRuns(_random_runs(rng) * rng.randrange(1, 3))
+        later = TokenRuns(list(earlier.runs) + _random_runs(rng))
+        for block, fp, root in rng.sample(layouts, 4):
+            earlier.chained_keys(block, rng.randrange(len(earlier) // block + 1), fp, root)
+        later.continues(earlier)
+        for seq in (earlier, later):
+            for block, fp, root in rng.sample(layouts, 6):
+                num = rng.randrange(len(seq) // block + 2)  # one block past the end is cut short, as a slice is
+                fresh = TokenRuns(seq.runs)  # nothing remembered: the engine keys it from scratch
+                assert seq.chained_keys(block, num, fp, root) == chain_keys(fresh, block, num, fp, root)
