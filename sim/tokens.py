@@ -162,13 +162,19 @@ class TokenRuns(Sequence[int]):
         if len(earlier.runs) <= len(self.runs) and self.runs[:len(earlier.runs)] == earlier.runs:
             self._prefix = earlier
             earlier._prefix = None  # no chain of a session's prompts kept alive
+            head = earlier._ends_list
+            if head and self._ends_list is None:  # the run ends of the shared runs, then the rest's
+                rest = itertools.accumulate(map(_LENGTH, self.runs[len(earlier.runs):]), initial=head[-1])
+                next(rest)
+                self._ends_list = head + list(rest)
 
     def block_key_bytes(self, block_tokens: int, first: int, num_blocks: int) -> list[bytes]:
         """`key_bytes()` of the slices [k*block_tokens, (k+1)*block_tokens) for k in first..num_blocks-1
         (engine/prefix_cache.py `chain_keys` keys a prompt's blocks with it). Equal to slicing each block and
         encoding it: a block's runs are the runs it overlaps, cut at its edges. Full blocks are remembered per
         block size (a prompt is keyed on its prefill and its decode instance) and taken over from the sequence
-        this one `continues`; the rest come from one walk over the runs."""
+        this one `continues`; the rest come from one walk over the runs (from `first` only, unremembered, when
+        blocks before `first` were never encoded: `chained_keys` took their keys over)."""
         if num_blocks <= first:
             return []
         if self._blocks is None:
@@ -179,6 +185,8 @@ class TokenRuns(Sequence[int]):
             earlier = self._prefix
             if earlier is not None and earlier._blocks is not None:
                 memo.extend(earlier._blocks.get(block_tokens, ()))  # full blocks of a prefix: the same tokens
+        if first > len(memo):  # the blocks before `first` are not asked for (their keys are known): walk the rest
+            return self._walk_blocks(block_tokens, first, num_blocks)
         num_full = min(num_blocks, self._length // block_tokens)
         if len(memo) < num_full:
             memo += self._walk_blocks(block_tokens, len(memo), num_full)

@@ -122,3 +122,25 @@ def test_chained_keys_equal_chain_keys_per_layout_and_taken_over() -> None:
                 num = rng.randrange(len(seq) // block + 2)  # one block past the end is cut short, as a slice is
                 fresh = TokenRuns(seq.runs)  # nothing remembered: the engine keys it from scratch
                 assert seq.chained_keys(block, num, fp, root) == chain_keys(fresh, block, num, fp, root)
+
+
+def test_a_continued_prompt_indexes_and_slices_as_a_fresh_one() -> None:
+    """A prompt that `continues` an earlier one takes over its run ends (and, with `chained_keys`, walks only the
+    blocks past those whose keys it took over): items, slices and block encodings equal a fresh sequence's."""
+    rng = random.Random(11)
+    for _ in range(300):
+        earlier = TokenRuns(_random_runs(rng) * rng.randrange(1, 3))
+        earlier[rng.randrange(len(earlier))]  # its run ends computed
+        later = TokenRuns(list(earlier.runs) + _random_runs(rng))
+        block = rng.choice((1, 2, 3))
+        earlier.chained_keys(block, len(earlier) // block, b"f", b"r")
+        later.continues(earlier)
+        fresh, tokens = TokenRuns(later.runs), list(later)
+        lo = rng.randrange(len(later))
+        hi = rng.randrange(lo, len(later) + 2)
+        assert later[lo] == tokens[lo] and list(later[lo:hi]) == tokens[lo:hi]
+        assert later.chained_keys(block, len(later) // block, b"f", b"r") == \
+            chain_keys(fresh, block, len(later) // block, b"f", b"r")
+        num = len(later) // block + 1
+        first = rng.randrange(num + 1)
+        assert later.block_key_bytes(block, first, num) == fresh.block_key_bytes(block, first, num)
