@@ -1,7 +1,8 @@
 """Prefix cache and chunked prefill on one rank: hits are bit-exact, rows are accounted, leases stay sole owners.
 
-kimi-k3.1-mini at TP1 has 1024-token blocks, so the sessions here run past 1024 tokens. Every equality is exact
-(token ids and float log-probs), against an engine with the cache off computing the same request from scratch.
+The model is tests/engine/tiny.py's (mini's layers with 64-token blocks), so the sessions here run past 64 tokens
+where mini's ran past 1024. Every equality is exact (token ids and float log-probs), against an engine with the cache
+off computing the same request from scratch.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import pytest
 from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingParams
 from engine.scheduler import RequestState
+from tests.engine.tiny import TINY_BLOCK
 
-BLOCK = 1024
+BLOCK = TINY_BLOCK
 
 
 def _prompt(n: int, salt: int = 0) -> list[int]:
@@ -38,8 +40,8 @@ def _same(a, b) -> None:
 
 
 @pytest.fixture(scope="module")
-def scratch() -> Engine:
-    return Engine(EngineConfig(num_rows=48, prefix_cache=False))
+def scratch(tiny_model: str) -> Engine:
+    return Engine(EngineConfig(model=tiny_model, num_rows=48, prefix_cache=False))
 
 
 def _accounted(engine: Engine) -> None:
@@ -54,9 +56,9 @@ def _accounted(engine: Engine) -> None:
     assert sorted(everything) == list(range(pool.num_rows))
 
 
-def test_session_turns_hit_and_equal_scratch(scratch: Engine) -> None:
-    engine = Engine(EngineConfig(num_rows=48))
-    prompt = _prompt(1100)
+def test_session_turns_hit_and_equal_scratch(scratch: Engine, tiny_model: str) -> None:
+    engine = Engine(EngineConfig(model=tiny_model, num_rows=48))
+    prompt = _prompt(70)
     turn1 = _run(engine, "t1", prompt, _sampling(), session="ab")
     assert turn1[-1].num_cached_tokens == 0
     _same(turn1, _run(scratch, "s1", prompt, _sampling()))
@@ -74,15 +76,15 @@ def test_session_turns_hit_and_equal_scratch(scratch: Engine) -> None:
     _accounted(engine)
 
 
-def test_decode_boundary_snapshot_resumes_the_answer(scratch: Engine) -> None:
+def test_decode_boundary_snapshot_resumes_the_answer(scratch: Engine, tiny_model: str) -> None:
     """A turn whose answer crosses a block boundary leaves a snapshot there: a prompt that shares the turn only
     up to past that boundary resumes from it; one that extends the whole turn resumes from the turn's tail."""
-    engine = Engine(EngineConfig(num_rows=48))
-    prompt = _prompt(1000, salt=1)
+    engine = Engine(EngineConfig(model=tiny_model, num_rows=48))
+    prompt = _prompt(40, salt=1)
     turn1 = _run(engine, "a1", prompt, _sampling(max_tokens=40), session="cd")
     answer = [e.token_id for e in turn1]
     assert dict(engine.cache_report().resumable)["cd"] == len(prompt) + len(answer) - 1  # the tail
-    # diverges after the boundary (first 30 answer tokens only): the block snapshot at 1024
+    # diverges after the boundary (first 30 answer tokens only): the block snapshot at 64
     branch = prompt + answer[:30] + _prompt(30, salt=5)
     other = _run(engine, "a3", branch, _sampling())
     assert other[0].num_cached_tokens == BLOCK
@@ -94,17 +96,17 @@ def test_decode_boundary_snapshot_resumes_the_answer(scratch: Engine) -> None:
     _accounted(engine)
 
 
-def test_prompt_tail_resumes_a_turn_whose_answer_text_differs(scratch: Engine) -> None:
+def test_prompt_tail_resumes_a_turn_whose_answer_text_differs(scratch: Engine, tiny_model: str) -> None:
     """Agent clients send the next turn as prompt + their own text of the answer, which need not be the sampled
     tokens: the turn then resumes at the previous prompt's exact end (the prompt tail), not at its last block
     boundary, and equals the request computed from scratch."""
-    engine = Engine(EngineConfig(num_rows=48, max_step_tokens=300))
-    prompt = _prompt(1300, salt=21)
+    engine = Engine(EngineConfig(model=tiny_model, num_rows=48, max_step_tokens=20))
+    prompt = _prompt(90, salt=21)
     turn1 = _run(engine, "p1", prompt, _sampling(max_tokens=12), session="ef")
     assert dict(engine.cache_report().resumable)["ef"] == len(prompt) + len(turn1) - 1
     assert len(engine.cache.tails) == 2
     other_answer = [(e.token_id + 1) % 251 for e in turn1]
-    prompt2 = prompt + other_answer + _prompt(50, salt=22)
+    prompt2 = prompt + other_answer + _prompt(10, salt=22)
     turn2 = _run(engine, "p2", prompt2, _sampling(), session="ef")
     assert {e.num_cached_tokens for e in turn2} == {len(prompt)}
     _same(turn2, _run(scratch, "q2", prompt2, _sampling()))
@@ -115,9 +117,9 @@ def test_prompt_tail_resumes_a_turn_whose_answer_text_differs(scratch: Engine) -
     _accounted(engine)
 
 
-def test_prompt_state_of_an_aborted_import_is_freed() -> None:
-    engine = Engine(EngineConfig(num_rows=16))
-    prompt = _prompt(1500, salt=23)
+def test_prompt_state_of_an_aborted_import_is_freed(tiny_model: str) -> None:
+    engine = Engine(EngineConfig(model=tiny_model, num_rows=16))
+    prompt = _prompt(94, salt=23)
     free = engine.num_free_rows
     engine.allocate_for_import("imp", prompt, _sampling())
     engine.start_decode("imp", 5)
@@ -129,14 +131,14 @@ def test_prompt_state_of_an_aborted_import_is_freed() -> None:
     assert engine.num_available_rows == free  # the published first block stays cached, evictable
 
 
-def test_prompt_state_copies_never_keep_a_request_out(scratch: Engine) -> None:
+def test_prompt_state_copies_never_keep_a_request_out(scratch: Engine, tiny_model: str) -> None:
     """The prompt-state copy is opportunistic: when an admission is short of rows, copies are given up."""
-    probe = Engine(EngineConfig(num_rows=8))
-    prompt_a, prompt_b = _prompt(1500, salt=24), _prompt(1100, salt=25)
+    probe = Engine(EngineConfig(model=tiny_model, num_rows=8))
+    prompt_a, prompt_b = _prompt(94, salt=24), _prompt(70, salt=25)
     rows_a, rows_b = (sum(probe.pool.rows_for(len(p) + m)) for p, m in ((prompt_a, 30), (prompt_b, 4)))
     num_kda = probe.pool.rows_for(1)[1]
     # a's rows, b's rows and the KDA snapshot at a's last block boundary: b fits only without a's copy
-    engine = Engine(EngineConfig(num_rows=rows_a + rows_b + num_kda))
+    engine = Engine(EngineConfig(model=tiny_model, num_rows=rows_a + rows_b + num_kda))
     engine.add_request("a", prompt_a, _sampling(max_tokens=30))
     events = {"a": [], "b": []}
     while engine.request_state("a") != RequestState.RUNNING:
@@ -158,10 +160,10 @@ def test_prompt_state_copies_never_keep_a_request_out(scratch: Engine) -> None:
     _accounted(engine)
 
 
-def test_chunked_prefill_interleaves_decodes_and_equals_one_shot(scratch: Engine) -> None:
+def test_chunked_prefill_interleaves_decodes_and_equals_one_shot(scratch: Engine, tiny_model: str) -> None:
     """A long prompt arriving while 4 streams run: every step that computes one of its chunks also gives each
     stream its next token, so no stream waits longer than one chunk's compute."""
-    engine = Engine(EngineConfig(num_rows=48, max_step_tokens=128, prefix_cache=False))
+    engine = Engine(EngineConfig(model=tiny_model, num_rows=48, max_step_tokens=32, prefix_cache=False))
     streams = [f"short{i}" for i in range(4)]
     for i, rid in enumerate(streams):
         engine.add_request(rid, _prompt(20, salt=30 + i), _sampling(max_tokens=40))
@@ -169,7 +171,7 @@ def test_chunked_prefill_interleaves_decodes_and_equals_one_shot(scratch: Engine
     while any(engine.request_state(rid) != RequestState.RUNNING for rid in streams):
         for e in engine.step().tokens:
             events[e.request_id].append(e)
-    long_prompt = _prompt(1200, salt=2)
+    long_prompt = _prompt(300, salt=2)
     engine.add_request("long", long_prompt, _sampling())
     req = engine.scheduler.requests["long"]
     progress = []
@@ -180,15 +182,15 @@ def test_chunked_prefill_interleaves_decodes_and_equals_one_shot(scratch: Engine
             events[e.request_id].append(e)
         progress.append((req.num_computed - before, {e.request_id for e in out.tokens}))
     chunks = [(n, decoded) for n, decoded in progress if n > 0]
-    assert len(chunks) >= 1200 // 128  # the long prompt took many steps...
-    assert all(n <= 128 - len(streams) for n, _ in chunks)  # ...each within the budget the 4 decodes leave...
+    assert len(chunks) >= 300 // 32  # the long prompt took many steps...
+    assert all(n <= 32 - len(streams) for n, _ in chunks)  # ...each within the budget the 4 decodes leave...
     assert all(set(streams) <= decoded for _, decoded in chunks)  # ...and every stream decoded in each of them
     assert all(len(events[rid]) == 40 for rid in streams)
     _same(events["long"], _run(scratch, "one-shot", long_prompt, _sampling()))
 
 
-def test_chunked_prompt_logprobs_equal_one_shot(scratch: Engine) -> None:
-    engine = Engine(EngineConfig(num_rows=48, max_step_tokens=100))
+def test_chunked_prompt_logprobs_equal_one_shot(scratch: Engine, tiny_model: str) -> None:
+    engine = Engine(EngineConfig(model=tiny_model, num_rows=48, max_step_tokens=100))
     prompt = _prompt(300, salt=6)
     sampling = SamplingParams(max_tokens=0, prompt_logprobs=2)
     chunked, whole = [], []
@@ -201,10 +203,10 @@ def test_chunked_prompt_logprobs_equal_one_shot(scratch: Engine) -> None:
     assert len(chunked[0].tokens) == len(prompt)
 
 
-def test_eviction_under_row_pressure_keeps_results_and_never_frees_used_blocks(scratch: Engine) -> None:
-    # 8 rows: one request of ~1100 tokens + 6 new uses 2 attention + 2 KDA rows; a snapshot 2 more
-    engine = Engine(EngineConfig(num_rows=8))
-    shared = _prompt(1100, salt=7)
+def test_eviction_under_row_pressure_keeps_results_and_never_frees_used_blocks(scratch: Engine, tiny_model: str) -> None:
+    # 8 rows: one request of 70 tokens + 6 new uses 2 attention + 2 KDA rows; a snapshot 2 more
+    engine = Engine(EngineConfig(model=tiny_model, num_rows=8))
+    shared = _prompt(70, salt=7)
     first = _run(engine, "p0", shared, _sampling())
     assert engine.cache.num_blocks == 1
     # two requests share the cached block at once; finishing one must leave the other's rows intact
@@ -220,18 +222,18 @@ def test_eviction_under_row_pressure_keeps_results_and_never_frees_used_blocks(s
     assert got["x"][0].num_cached_tokens == BLOCK
     # other long prompts push the cached block out (LRU, only when free rows run out)
     for i in range(3):
-        _run(engine, f"o{i}", _prompt(1100, salt=20 + i), _sampling())
+        _run(engine, f"o{i}", _prompt(70, salt=20 + i), _sampling())
         _accounted(engine)
     assert engine.cache.counters.evicted_blocks > 0
     again = _run(engine, "p1", shared, _sampling())
     _same(again, first)
 
 
-def test_exports_share_blocks_and_releases_free_only_their_own_rows() -> None:
-    engine = Engine(EngineConfig(num_rows=16, quarantine_s=10.0))
+def test_exports_share_blocks_and_releases_free_only_their_own_rows(tiny_model: str) -> None:
+    engine = Engine(EngineConfig(model=tiny_model, num_rows=16, quarantine_s=10.0))
     now = [0.0]
     engine.clock = lambda: now[0]
-    prompt = _prompt(1100, salt=9)
+    prompt = _prompt(70, salt=9)
     a = engine.prefill_and_keep("e", prompt, SamplingParams(max_tokens=1))
     b = engine.prefill_and_keep("f", prompt + [7, 7], SamplingParams(max_tokens=1))
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == BLOCK
@@ -251,10 +253,10 @@ def test_exports_share_blocks_and_releases_free_only_their_own_rows() -> None:
     _accounted(engine)
 
 
-def test_import_reuses_held_blocks_and_is_told_what_to_read() -> None:
-    engine = Engine(EngineConfig(num_rows=16))
-    prompt = _prompt(2100, salt=11)
-    _run(engine, "warm", prompt[:1500], _sampling())
+def test_import_reuses_held_blocks_and_is_told_what_to_read(tiny_model: str) -> None:
+    engine = Engine(EngineConfig(model=tiny_model, num_rows=16))
+    prompt = _prompt(131, salt=11)
+    _run(engine, "warm", prompt[:94], _sampling())
     table = engine.allocate_for_import("imp", prompt, _sampling())
     assert engine.num_reused_tokens("imp") == BLOCK
     held = engine.cache.lookup(engine.cache.keys(prompt, 1))
@@ -265,9 +267,9 @@ def test_import_reuses_held_blocks_and_is_told_what_to_read() -> None:
     _accounted(engine)
 
 
-def test_cache_off_reuses_nothing() -> None:
-    engine = Engine(EngineConfig(num_rows=48, prefix_cache=False))
-    prompt = _prompt(1100, salt=12)
+def test_cache_off_reuses_nothing(tiny_model: str) -> None:
+    engine = Engine(EngineConfig(model=tiny_model, num_rows=48, prefix_cache=False))
+    prompt = _prompt(70, salt=12)
     _run(engine, "o1", prompt, _sampling(), session="ef")
     second = _run(engine, "o2", prompt + [3], _sampling(), session="ef")
     assert second[0].num_cached_tokens == 0
@@ -399,16 +401,16 @@ def test_add_tail_drops_what_the_walk_over_every_tail_drops() -> None:
     assert naive.pool.freed
 
 
-def test_published_keys_are_the_chained_keys_of_the_tokens() -> None:
+def test_published_keys_are_the_chained_keys_of_the_tokens(tiny_model: str) -> None:
     """`publish` takes the keys admission computed for the prompt's blocks (`Request.prompt_keys`) and hashes only
     the blocks past them: every published key equals the key chained from the request's own tokens, for a fresh
     prompt, one that resumes from a held block, and an answer that runs into a new block."""
     from engine.prefix_cache import chain_keys
 
-    engine = Engine(EngineConfig(num_rows=48))
-    first = _prompt(2100, salt=21)
+    engine = Engine(EngineConfig(model=tiny_model, num_rows=48))
+    first = _prompt(131, salt=21)
     engine.prefill_and_keep("a", first, SamplingParams(max_tokens=1))
-    longer = first + _prompt(1100, salt=22)
+    longer = first + _prompt(70, salt=22)
     engine.prefill_and_keep("b", longer, SamplingParams(max_tokens=1))
     for rid, tokens in (("a", first), ("b", longer)):
         req = engine.scheduler.requests[rid]
