@@ -112,9 +112,11 @@ class TokenRuns(Sequence[int]):
     def __getitem__(self, index: int | slice) -> int | TokenRuns:  # type: ignore[override]
         n = self._length
         if type(index) is slice:
-            lo, hi = index.start, index.stop
+            lo, hi = index.start or 0, index.stop
+            if hi is None:
+                hi = n
             if index.step is None and type(lo) is int and type(hi) is int and 0 <= lo and 0 <= hi:
-                return self._slice(lo, min(hi, n))  # the scheduler's and the cache's slices: [lo:hi], both >= 0
+                return self._slice(lo, min(hi, n))  # the scheduler's and the cache's slices: [lo:hi], [:hi], [lo:]
             lo, hi, step = index.indices(n)
             if step != 1:
                 raise ValueError("TokenRuns slices take step 1 only")

@@ -42,6 +42,11 @@ def test_slices_concatenation_and_items_agree_with_lists() -> None:
             i = rng.randrange(len(tokens))
             assert runs[i] == tokens[i]
         assert list(runs.extended(7, 3)) == tokens + list(runs.extended(7, 3))[len(tokens):]
+        n = len(tokens)
+        bounds = (None, 0, lo, hi, n, n + 3, -1, -lo - 1)
+        for a in bounds:  # every form of a step-1 slice: open ends, past the end, negative, reversed
+            for b in bounds:
+                assert list(runs[a:b]) == tokens[a:b], (a, b)
 
 
 def test_byte_template_counts_what_the_router_estimates() -> None:
