@@ -9,10 +9,13 @@ that moment. Changes to the default config, so that faults are seen quickly and 
 router's `health_interval_s` 0.5 and `breaker_recovery_s` 2, the decode pools' `drain_hand_off_s` 0, and leg
 bounds for two shared cores (LEG_BOUNDS). The agentx lengths are smaller than loadgen's defaults (`--system-len`
 and the rest: a 2-core machine, and an oracle that computes every answer from its first token) and bounded by
-`--max-context` 2048, so every session fits either decode pool while the other is down.
+`--max-context` (200 words), so every session fits either decode pool while the other is down.
 
-Every completed answer is compared token for token (the log-prob token names) with the oracle (`Oracle`: the
-single-rank reference engine in this process, prefix cache off, every request from its first token).
+Every completed answer is compared token for token (the log-prob token names) with the oracle: tests/soak/oracle.py
+`Oracle`, the soak's (one torch thread, every distinct request batched through one single-rank reference engine in
+waves, prefix cache off, each request from its first token; a few answers rerun alone through tests/oracle.py as a
+check that batching changed no bit: `oracle_batched`). It runs after each side's cluster stopped, so it has the
+machine to itself; the baseline side's answers are mostly the faults side's, already known.
 
 Headline (`--json FILE`): requests failed (goal 0), answers that differ from the oracle (goal 0), rows leaked
 (every node's `pdcluster_node_kv_rows_used` and leases once it is quiet: goal 0), moves by reason, resume latency
@@ -47,7 +50,7 @@ from loadgen.metrics import percentile  # noqa: E402
 from loadgen.runner import run_level  # noqa: E402
 from loadgen.scenarios.agentx import AgentXConfig, AgentXWorkload  # noqa: E402
 from loadgen.schedule import Fork, RequestSpec  # noqa: E402
-from tests.soak.oracle import prompt_ids_of  # noqa: E402
+from tests.soak.oracle import Oracle, prompt_ids_of  # noqa: E402
 
 SCHEDULE = ((0.15, "kill", "decode"), (0.35, "kill", "prefill"), (0.55, "drain", "decode"), (0.75, "kill", "decode"))
 """(fraction of the run, action, role): the fault schedule."""
@@ -150,55 +153,9 @@ def specs_by_id(workload: AgentXWorkload, num_sessions: int) -> dict[str, Reques
     return found
 
 
-class Oracle:
-    """Greedy token names of every request, computed from its first token by the single-rank reference engine in
-    this process (prefix cache off, nothing moved or transferred), cached by (prompt ids, max_tokens). The
-    requests run as one continuous batch (`batch` at a time): this engine's output is a pure function of each
-    request's tokens, whatever runs beside it (the suite compares concurrent cluster streams with tests/oracle.py,
-    which runs one request alone); one at a time its decode steps cost minutes per answer on two shared cores."""
-
-    def __init__(self, model: str, batch: int = 32, max_tokens: int = 4096) -> None:
-        from engine.api import DEFAULT_SEED, EngineConfig
-        from engine.engine import Engine
-        from engine.layout import plan_layout
-        from engine.model.config import resolve_model
-        from engine.model.tokenizer import ByteTokenizer
-
-        rows = batch * sum(plan_layout(resolve_model(model)).rows_per_request(max_tokens))
-        self.engine = Engine(EngineConfig(model=model, seed=DEFAULT_SEED, device="cpu", kernels="reference",
-                                          prefix_cache=False, num_rows=rows, max_batch=batch))
-        self.tokenizer = ByteTokenizer()
-        self.cache: dict[tuple[tuple[int, ...], int], list[str]] = {}
-
-    @staticmethod
-    def key(spec: RequestSpec) -> tuple[tuple[int, ...], int]:
-        ids = prompt_ids_of([{"role": m.role, "content": m.content} for m in spec.messages])
-        return tuple(ids), spec.max_tokens
-
-    def compute(self, specs: list[RequestSpec]) -> None:
-        """Fill the cache for `specs` (one batch run; progress on stderr)."""
-        from engine.api import SamplingParams
-        from node.logprobs import token_name
-
-        todo = {key: f"oracle-{i}" for i, key in enumerate({self.key(spec) for spec in specs} - set(self.cache))}
-        if not todo:
-            return
-        started = time.monotonic()
-        for (ids, max_tokens), rid in todo.items():
-            self.engine.add_request(rid, list(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                  ignore_eos=True))
-        tokens: dict[str, list[int]] = {rid: [] for rid in todo.values()}
-        while self.engine.has_work:
-            for event in self.engine.step().tokens:
-                if event.token_id is not None:
-                    tokens[event.request_id].append(event.token_id)
-        for key, rid in todo.items():
-            self.cache[key] = [token_name(self.tokenizer, t) for t in tokens[rid]]
-        print(f"[chaos] oracle: {len(todo)} answers in {time.monotonic() - started:.0f} s", file=sys.stderr,
-              flush=True)
-
-    def token_names(self, spec: RequestSpec) -> list[str]:
-        return self.cache[self.key(spec)]
+def oracle_key(spec: RequestSpec) -> tuple[list[int], int]:
+    """(prompt ids, max_tokens) of an agentx request, as a node feeds them to its engine."""
+    return prompt_ids_of([{"role": m.role, "content": m.content} for m in spec.messages]), spec.max_tokens
 
 
 def stats(values: list[float]) -> dict:
@@ -243,8 +200,12 @@ def side(with_faults: bool, workload: AgentXWorkload, oracle: Oracle, args) -> d
     records = level.records
     done = [r for r in records if r.outcome == "ok"]
     failed = [r for r in records if r.outcome == "error"]
-    oracle.compute([specs[r.request_id] for r in done])
-    mismatched = [r.request_id for r in done if r.tokens != oracle.token_names(specs[r.request_id])]
+    oracle_started = time.monotonic()
+    oracle.run_all([oracle_key(specs[r.request_id]) for r in done])
+    mismatched = [r.request_id for r in done
+                  if r.tokens != oracle.token_names(oracle.generate(*oracle_key(specs[r.request_id])).token_ids)]
+    oracle_s = round(time.monotonic() - oracle_started, 1)
+    print(f"[chaos] {name}: oracle for {len(done)} answers in {oracle_s:.0f} s", file=sys.stderr, flush=True)
     leaked = {node: load for node, load in after.items() if "error" in load or any(load.values())}
     return {
         "requests": len(records), "completed": len(done), "failed": len(failed),
@@ -256,7 +217,7 @@ def side(with_faults: bool, workload: AgentXWorkload, oracle: Oracle, args) -> d
         "resume_latency_s": {q: bucket_quantile(router, "pdcluster_resume_latency_seconds", f)
                              for q, f in (("p50", 0.5), ("p99", 0.99))},
         "ttft_s": stats([r.ttft_s for r in done]), "tpot_s": stats([r.tpot_s for r in done]),
-        "schedule": log, "errors": sorted({f"{r.error_kind}: {r.error}"[:200] for r in failed})[:10],
+        "oracle_s": oracle_s, "schedule": log, "errors": sorted({f"{r.error_kind}: {r.error}"[:200] for r in failed})[:10],
     }
 
 
@@ -308,17 +269,18 @@ def main() -> int:
         seed=args.seed, system_len=parse_dist(args.system_len), task_len=parse_dist(args.task_len),
         tool_len=parse_dist(args.tool_len), output_len=parse_dist(args.output_len), turns=parse_dist(args.turns),
         max_context=args.max_context))
-    oracle = Oracle(config.model)
-    report = {}
+    oracle = Oracle(config.model, ignore_eos=True)
+    sides = {}
     for name, with_faults in (("faults", True), ("baseline", False)):
-        report[name] = side(with_faults, workload, oracle, args)
-        (args.out / f"{name}.json").write_text(json.dumps(report[name], indent=2))  # kept if the other side fails
-    f, b = report["faults"], report["baseline"]
-    report["headline"] = {"requests_failed": f["failed"], "answers_mismatched": f["mismatched"],
-                          "rows_leaked": f["rows_leaked"], "leaking_nodes": f["leaking_nodes"],
-                          "resume_latency_s": f["resume_latency_s"],
-                          **{f"{m}_{q}_ratio": ratio(f[m][q], b[m][q]) for m in ("ttft_s", "tpot_s")
-                             for q in ("p50", "p99")}}
+        sides[name] = side(with_faults, workload, oracle, args)
+        (args.out / f"{name}.json").write_text(json.dumps(sides[name], indent=2))  # kept if the other side fails
+    alone = oracle.check_alone()  # a few batched answers again, one at a time: the batch changed no bit
+    f, b = sides["faults"], sides["baseline"]
+    report = {"headline": {
+        "requests_failed": f["failed"], "answers_mismatched": f["mismatched"], "rows_leaked": f["rows_leaked"],
+        "leaking_nodes": f["leaking_nodes"], "moves": f["moves"], "resume_latency_s": f["resume_latency_s"],
+        **{f"{m}_{q}_ratio": ratio(f[m][q], b[m][q]) for m in ("ttft_s", "tpot_s") for q in ("p50", "p99")}},
+        **sides, "oracle_batched": alone}
     report["wall_s"] = round(time.monotonic() - started, 1)
     report["args"] = {k: str(v) for k, v in vars(args).items()}
     text = json.dumps(report, indent=2)
@@ -326,7 +288,8 @@ def main() -> int:
     print(table(report))
     if args.json:
         args.json.write_text(text)
-    bad = f["failed"] or f["mismatched"] or f["leaking_nodes"] or b["failed"] or b["mismatched"]
+    bad = f["failed"] or f["mismatched"] or f["leaking_nodes"] or b["failed"] or b["mismatched"] \
+        or not alone["batched_equals_alone"]
     return 1 if bad else 0
 
 

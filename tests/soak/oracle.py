@@ -53,7 +53,10 @@ Key = tuple[tuple[int, ...], int]
 
 
 class Oracle:
-    def __init__(self, model: str) -> None:
+    """Answers of (prompt ids, max_tokens), greedy; `ignore_eos` as the load asked it (the soak's requests stop at
+    EOS, benchmarks/chaos.py's run to `max_tokens`)."""
+
+    def __init__(self, model: str, ignore_eos: bool = False) -> None:
         import torch
 
         # One intra-op thread, as `pdcluster generate` runs (engine/cli.py) and the test suite does (tests/conftest.py):
@@ -61,6 +64,7 @@ class Oracle:
         # for a descheduled thread, which made the unbatched oracle take tens of minutes.
         torch.set_num_threads(1)
         self.model = model
+        self.ignore_eos = ignore_eos
         self.tokenizer = ByteTokenizer()
         self.cache: dict[Key, Expected] = {}
         self.num_runs = 0
@@ -87,7 +91,7 @@ class Oracle:
 
         self.num_runs += 1
         started = time.perf_counter()
-        out = generate(list(key[0]), key[1], model=self.model)
+        out = generate(list(key[0]), key[1], model=self.model, ignore_eos=self.ignore_eos)
         return Expected(out["token_ids"], out["text"], time.perf_counter() - started)
 
     def run_all(self, requests: list[tuple[list[int], int]]) -> None:
@@ -122,7 +126,7 @@ class Oracle:
         for i, (prompt, max_tokens) in enumerate(keys):
             request_id = f"oracle-batch-{self.num_runs + i}"
             ids[request_id], tokens[request_id] = (prompt, max_tokens), []
-            engine.add_request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens))
+            engine.add_request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=self.ignore_eos))
         self.num_runs += len(keys)
         while engine.has_work:
             for event in engine.step().tokens:
