@@ -22,7 +22,14 @@ Headline (`--json FILE`): requests failed (goal 0), answers that differ from the
 p50/p99 (the router's `pdcluster_resume_latency_seconds`, as bucket upper bounds) and the client TTFT / TPOT
 p50 / p99 of both sides with their ratios.
 
+`faults_during_load` says how many faults fired while the load ran: each restart holds the schedule up (about 30 s
+on a busy machine), so a run much shorter than 240 s sees its last faults (the drain among them) after the load.
+
     .venv/bin/python benchmarks/chaos.py --duration 240 --json /tmp/chaos.json
+
+Time: two sides of `--duration` plus each cluster's start and quiet-down, plus the oracle. A `--duration 45` smoke
+run took 400 s at load average 15 (the oracle 126 s of it, for 65 answers); `--duration 240` should take about
+15 minutes on a quiet 2-core machine, the oracle a few of them.
 """
 
 from __future__ import annotations
@@ -118,14 +125,16 @@ def busiest_decode(cluster: Cluster) -> str:
     return max(decode, key=running)
 
 
-def faults(cluster: Cluster, duration_s: float, log: list[str]) -> None:
-    """The schedule (SCHEDULE), each victim restarted as soon as it is gone."""
+def faults(cluster: Cluster, duration_s: float, log: list[str], fired_at: list[float]) -> None:
+    """The schedule (SCHEDULE), each victim restarted as soon as it is gone (a restart holds the schedule up: in a
+    short run the last faults may come after the load; `fired_at`, seconds into the run, tells)."""
     started = time.monotonic()
     prefill = next(p.name for p in cluster.node_plans if p.role == "prefill")
     for at, action, role in SCHEDULE:
         time.sleep(max(0.0, started + at * duration_s - time.monotonic()))
         name = prefill if role == "prefill" else busiest_decode(cluster)
-        log.append(f"{time.monotonic() - started:.1f} s: {action} {name}")
+        fired_at.append(time.monotonic() - started)
+        log.append(f"{fired_at[-1]:.1f} s: {action} {name}")
         if action == "kill":
             cluster.kill(name)
         else:
@@ -185,7 +194,8 @@ def side(with_faults: bool, workload: AgentXWorkload, oracle: Oracle, args) -> d
     try:
         before = wait_idle(cluster, 120)
         log: list[str] = []
-        chaos = threading.Thread(target=faults, args=(cluster, args.duration, log), name="chaos") \
+        fired_at: list[float] = []
+        chaos = threading.Thread(target=faults, args=(cluster, args.duration, log, fired_at), name="chaos") \
             if with_faults else None
         if chaos is not None:
             chaos.start()
@@ -217,7 +227,10 @@ def side(with_faults: bool, workload: AgentXWorkload, oracle: Oracle, args) -> d
         "resume_latency_s": {q: bucket_quantile(router, "pdcluster_resume_latency_seconds", f)
                              for q, f in (("p50", 0.5), ("p99", 0.99))},
         "ttft_s": stats([r.ttft_s for r in done]), "tpot_s": stats([r.tpot_s for r in done]),
-        "oracle_s": oracle_s, "schedule": log, "errors": sorted({f"{r.error_kind}: {r.error}"[:200] for r in failed})[:10],
+        "oracle_s": oracle_s, "schedule": log,
+        "faults_during_load": f"{sum(t < level.duration_s for t in fired_at)} of {len(SCHEDULE)}"
+        if with_faults else "-",
+        "errors": sorted({f"{r.error_kind}: {r.error}"[:200] for r in failed})[:10],
     }
 
 
@@ -231,6 +244,7 @@ def table(report: dict) -> str:
             ("failed", f["failed"], b["failed"]), ("oracle mismatches", f["mismatched"], b["mismatched"]),
             ("rows leaked / leaking nodes", f"{f['rows_leaked']:.0f} / {len(f['leaking_nodes'])}",
              f"{b['rows_leaked']:.0f} / {len(b['leaking_nodes'])}"),
+            ("faults during the load", f["faults_during_load"], "-"),
             ("moves", json.dumps(f["moves"]), json.dumps(b["moves"])),
             ("resume latency p50 / p99 (s, bucket)", f"{f['resume_latency_s']['p50']} / {f['resume_latency_s']['p99']}",
              "-")]
@@ -278,7 +292,8 @@ def main() -> int:
     f, b = sides["faults"], sides["baseline"]
     report = {"headline": {
         "requests_failed": f["failed"], "answers_mismatched": f["mismatched"], "rows_leaked": f["rows_leaked"],
-        "leaking_nodes": f["leaking_nodes"], "moves": f["moves"], "resume_latency_s": f["resume_latency_s"],
+        "leaking_nodes": f["leaking_nodes"], "faults_during_load": f["faults_during_load"], "moves": f["moves"],
+        "resume_latency_s": f["resume_latency_s"],
         **{f"{m}_{q}_ratio": ratio(f[m][q], b[m][q]) for m in ("ttft_s", "tpot_s") for q in ("p50", "p99")}},
         **sides, "oracle_batched": alone}
     report["wall_s"] = round(time.monotonic() - started, 1)
