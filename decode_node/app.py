@@ -66,7 +66,8 @@ def _moves(settings: Settings, executor: Executor, metrics: NodeMetrics, head: R
     identity = ExportIdentity(engine_id=settings.engine_id, host=settings.public_host, port=settings.port,
                               tp_size=settings.world_size, block_size=head.block_size,
                               subblock_tokens=head.subblock_tokens, layout_fingerprint=head.layout_fingerprint)
-    exporter = Exporter(identity, executor, metrics, settings.move_lease_s, secret=settings.handoff_secret())
+    exporter = Exporter(identity, executor, metrics, settings.move_lease_s, secret=settings.handoff_secret(),
+                        require_reader=settings.require_reader)
     return Moves(exporter, settings.move_wait_s)
 
 
@@ -158,3 +159,6 @@ class _MoveLeases:
 
     def claim(self, lease_id: str, reader: str) -> dict[int, bytes]:
         return self._exporter().claim(lease_id, reader)
+
+    def bind(self, lease_id: str, reader: str) -> None:
+        self._exporter().bind(lease_id, reader)

@@ -9,10 +9,11 @@ On SIGTERM with `drain_hand_off_s` (node/serving.py calls the app's hand-off), `
 2. each rank's `RankExporter` (kv_transfer/rank_exporter.py, inside decode_node/rank_importer.py) exposes exactly
    those rows to its transport, as a prefill rank does;
 3. `watch` (around the stream's events) turns the export into a lease (kv_transfer/exporter.py `Exporter.grant`,
-   `transfer_mode="move"`, bound to the prompt + the tokens the client has) and ends the stream with a 503
-   error event carrying the signed `kv_transfer_params` (node/textgen.py `StreamMoved`);
-4. the router (router/moves.py) sends the request with `resume_token_ids` and those params to another decode
-   instance, which claims the lease on this node's side channel and READs the rows like a P -> D hand-off
+   `transfer_mode="move"`, bound to the prompt + the tokens the client has, awaiting its reader) and ends the
+   stream with a 503 error event carrying the signed `kv_transfer_params` (node/textgen.py `StreamMoved`);
+4. the router (router/moves.py) picks the next decode instance, binds the lease to it (the side channel's signed
+   `POST /kv/leases/{id}/bind`: no other reader can claim it, and none at all before), and sends it the request
+   with `resume_token_ids` and those params; it claims the lease on this node's side channel and READs the rows like a P -> D hand-off
    (decode_node/importer.py; this node must be one of its `prefill_peers`); their DONE notices end the lease,
    which frees the rows here; the node exits once no request and no lease is left (`num_outstanding`).
 By state at the hand-off (docs/ARCHITECTURE.md, "Moving a stream"): a stream queued, prefilling or importing its
@@ -113,7 +114,7 @@ class Moves:
             runtime.executor.submit(Release(request_id=request_id, generation=exported.generation))
             return EngineFailure(request_id=request_id, error=DRAIN_MESSAGE, status=503)
         try:
-            params = self.exporter.grant(request_id, exported, tokens, transfer_mode="move")
+            params = self.exporter.grant(request_id, exported, tokens, transfer_mode="move", awaits_reader=True)
         except APIError:  # aborted meanwhile: the ranks' Abort ended the export
             return EngineFailure(request_id=request_id, error=DRAIN_MESSAGE, status=503)
         self.moved.add(request_id)

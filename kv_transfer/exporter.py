@@ -65,8 +65,10 @@ class Exporter:
     """Leases on exported rows, keyed by request id for aborts (see the module docstring)."""
 
     def __init__(self, identity: ExportIdentity, executor: CommandSink, metrics: Any,
-                 lease_seconds: float, secret: ClusterSecret | None = None) -> None:
+                 lease_seconds: float, secret: ClusterSecret | None = None, require_reader: bool = False) -> None:
         self.identity = identity
+        self.require_reader = require_reader
+        """Export requests must name their reader (node setting `require_reader`: node/export.py refuses the rest)."""
         self.secret = secret
         """Signs every granted hand-off (kv_transfer/signing.py); None only on an insecure node."""
         self.executor = executor
@@ -105,15 +107,17 @@ class Exporter:
             self.metrics.leases_outstanding.set(self.leases.outstanding)
 
     def grant(self, request_id: str, exported: ExportedRows, prompt_token_ids: list[int],
-              reader: str | None = None, transfer_mode: str = "pull") -> KVTransferParams:
+              reader: str | None = None, transfer_mode: str = "pull", awaits_reader: bool = False) -> KVTransferParams:
         """Lease the export and answer its params, bound to the prompt and to `reader` (the decode engine the
-        router named, which alone may claim it; None: the first decode node that claims it) and signed with the
-        cluster secret; APIError 499 if the request was aborted before this. `transfer_mode`: "pull" (a prefill
-        node's export) or "move" (a decode node's running stream, decode_node/moves.py)."""
+        router named, which alone may claim it; None: the first decode node that claims it, or with
+        `awaits_reader` the one a later `bind` names) and signed with the cluster secret; APIError 499 if the
+        request was aborted before this. `transfer_mode`: "pull" (a prefill node's export) or "move" (a decode
+        node's running stream, decode_node/moves.py)."""
         with self._lock:  # the check and the lease as one step: an abort comes before both or after both
             aborted = self._exporting.get(request_id, False)
             if not aborted:
-                lease = self.leases.create(ExportKey(request_id, exported.generation), reader=reader)
+                lease = self.leases.create(ExportKey(request_id, exported.generation), reader=reader,
+                                           awaits_reader=awaits_reader)
                 self._lease_of[request_id] = lease.lease_id
         if aborted:
             if self.executor.healthy:  # the ranks' Abort ends it too; whichever comes second frees nothing
@@ -121,7 +125,7 @@ class Exporter:
                 self.executor.submit(Release(request_id=request_id, generation=exported.generation, reads_done=True))
             raise APIError(499, f"request {request_id} was aborted before its rows were leased")
         self.metrics.rows_exported.inc(len(exported.attn_row_ids) + len(exported.kda_row_ids))
-        self.metrics.handoffs_issued.labels(reader="any" if reader is None else "bound").inc()
+        self.metrics.handoffs_issued.labels(reader="any" if reader is None and not awaits_reader else "bound").inc()
         self._sync_metrics()
         ident = self.identity
         params = KVTransferParams(
@@ -178,6 +182,10 @@ class Exporter:
         lease = self.leases.claim(lease_id, reader)
         with self._lock:
             return dict(self._exposed.get(lease.export, {}))
+
+    def bind(self, lease_id: str, reader: str) -> None:
+        """Name the reader of a lease that awaits one (kv_transfer/lease.py `bind`; ClaimRefused otherwise)."""
+        self.leases.bind(lease_id, reader)
 
     def abort_lease(self, lease_id: str, reader: str) -> bool:
         """The reader that claimed the lease will not read, and none of its READs can still run (the side channel's

@@ -14,6 +14,10 @@ signed `POST /kv/leases/{id}/claim`). The first claim wins; every later one is r
 as is one from a reader other than the decode instance the hand-off was issued for (`Lease.reader`, 403) and one
 for a lease that ended (404). So two decode nodes, a restarted one, or two concurrent presentations of one
 hand-off never both import it: the prefill node, which owns the rows, is the one authority.
+Bound later: a lease made before its reader is known (a stream a draining decode node moves out: its next
+instance is the router's choice, made after the lease) `awaits_reader`: every claim is refused (403) until
+`bind(lease_id, reader)` names the reader (the router's signed side-channel call, before it sends the params on);
+the first bind wins, a bind naming another reader, or one after a claim, is refused (409).
 Every end calls `on_end(lease, outcome)` once; `lease.reads_done` says no READ can still target the rows (every
 READ notified, the reader aborted, or nobody claimed the lease: a decode node reads only after its claim won, and a
 claim after the end is refused, so an unclaimed lease's rows are freed at once, not quarantined), else the node
@@ -64,6 +68,8 @@ class Lease:
     """The decode engine id the hand-off was issued for (None: any decode node of the cluster)."""
     claimed_by: str | None = None
     """The decode engine that redeemed it (the first claim)."""
+    awaits_reader: bool = False
+    """No claim wins until `bind` names the reader (see the module docstring)."""
     reads_done: bool = False
     """Set when the lease ends notified or aborted by its reader: no READ of it can still be running."""
 
@@ -109,10 +115,14 @@ class LeaseManager:
         with self._lock:
             return len(self._leases)
 
-    def create(self, export: ExportKey, lease_id: str | None = None, reader: str | None = None) -> Lease:
-        """Hold `export`'s rows for a reader (`reader`: the one decode engine that may claim them) until notified,
-        aborted or expired."""
-        lease = Lease(lease_id or uuid.uuid4().hex, export, self._clock() + self.ttl_s, reader=reader)
+    def create(self, export: ExportKey, lease_id: str | None = None, reader: str | None = None,
+               awaits_reader: bool = False) -> Lease:
+        """Hold `export`'s rows for a reader (`reader`: the one decode engine that may claim them; `awaits_reader`:
+        none is known yet, and none may claim before `bind` names it) until notified, aborted or expired."""
+        if reader is not None and awaits_reader:
+            raise ValueError("a lease that names its reader does not await one")
+        lease = Lease(lease_id or uuid.uuid4().hex, export, self._clock() + self.ttl_s, reader=reader,
+                      awaits_reader=awaits_reader)
         with self._lock:
             if lease.lease_id in self._leases:
                 raise ValueError(f"lease {lease.lease_id} already exists")
@@ -129,11 +139,29 @@ class LeaseManager:
             lease = self._leases.get(lease_id)
             if lease is None:
                 raise ClaimRefused(404, "the lease has ended (expired, aborted or already read)")
+            if lease.reader is None and lease.awaits_reader:
+                raise ClaimRefused(403, "the hand-off is not bound to a reader yet")
             if lease.reader is not None and lease.reader != reader:
                 raise ClaimRefused(403, "the hand-off was issued for another decode instance")
             if lease.claimed_by is not None:
                 raise ClaimRefused(409, "the hand-off was already redeemed (a lease is read once)")
             lease.claimed_by = reader
+            return lease
+
+    def bind(self, lease_id: str, reader: str) -> Lease:
+        """Name the one decode engine that may claim a lease that awaits its reader (the first bind wins; the same
+        reader again is a no-op); ClaimRefused otherwise."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                raise ClaimRefused(404, "the lease has ended (expired, aborted or already read)")
+            if lease.reader == reader:
+                return lease
+            if not lease.awaits_reader:
+                raise ClaimRefused(409, "the lease was issued for its reader already")
+            if lease.reader is not None or lease.claimed_by is not None:
+                raise ClaimRefused(409, "the lease is bound to another reader")
+            lease.reader = reader
             return lease
 
     def _end(self, lease_id: str, outcome: str, reads_done: bool = False) -> bool:

@@ -7,11 +7,14 @@ Prefill node: `app.include_router(side_channel_router(get_metadata, leases))` mo
   POST /kv/leases/{lease_id}/claim     -> LeaseGrant (body `LeaseClaim`: the reader's engine id): per rank, the
                                           metadata that addresses the lease's rows alone | 404 ended, 403 issued
                                           for another reader, 409 already redeemed (kv_transfer/lease.py)
+  POST /kv/leases/{lease_id}/bind      -> LeaseStatus (body `LeaseClaim`: the reader the router chose) for a lease
+                                          that awaits its reader (a stream moved out on drain) | 404 ended, 409
+                                          bound to another reader or claimed (kv_transfer/lease.py `bind`)
   POST /kv/leases/{lease_id}/abort     -> LeaseStatus (body `LeaseClaim`: the reader that claimed it) | 404 OpenAI
                                           error JSON if it already ended, 403 claimed by another reader
 `get_metadata` is a callable so the node can build it lazily once its ranks registered their pools; `leases` is
-anything with `abort(lease_id, reader) -> bool` and `claim(lease_id, reader)` (the node's export table: both go
-through its lease). Every route
+anything with `abort(lease_id, reader) -> bool`, `claim(lease_id, reader)` and `bind(lease_id, reader)` (the node's
+export table: each goes through its lease). Every route
 answers only requests signed with the cluster secret (`guard`, kv_transfer/cluster_auth.py; 401 otherwise): the
 metadata opens the pools to NIXL reads, an abort ends a reader's lease.
 Decode node: `fetch_metadata(host, port, auth=ClusterAuth(secret))` (httpx, bounded timeout); it claims each lease
@@ -126,6 +129,9 @@ class LeaseControl(Protocol):
         """Per rank, the lease's sections; raises ClaimRefused (kv_transfer/lease.py) unless `reader` redeems the
         lease now."""
 
+    def bind(self, lease_id: str, reader: str) -> None:
+        """Name the reader of a lease that awaits one; raises ClaimRefused (kv_transfer/lease.py) otherwise."""
+
 
 def side_channel_router(get_metadata: Callable[[], InstanceMetadata], guard: ControlGuard,
                         leases: LeaseControl | None = None) -> APIRouter:
@@ -146,6 +152,16 @@ def side_channel_router(get_metadata: Callable[[], InstanceMetadata], guard: Con
             raise APIError(exc.status, str(exc), param="lease_id") from None
         return LeaseGrant(lease_id=lease_id, ranks=[RankSections(rank=r, sections_b64=base64.b64encode(md).decode())
                                                     for r, md in sorted(sections.items())])
+
+    @router.post("/leases/{lease_id}/bind", response_model=LeaseStatus)
+    def bind(lease_id: str, body: LeaseClaim) -> LeaseStatus:
+        if leases is None:
+            raise APIError(404, "this node exports no leases")
+        try:
+            leases.bind(lease_id, body.reader)
+        except ClaimRefused as exc:
+            raise APIError(exc.status, str(exc), param="lease_id") from None
+        return LeaseStatus(lease_id=lease_id, alive=True)
 
     @router.post("/leases/{lease_id}/abort", response_model=LeaseStatus)
     def abort(lease_id: str, body: LeaseClaim) -> LeaseStatus:

@@ -47,12 +47,21 @@ class ExportLeases(Protocol):
 
     def forget(self, request_id: str) -> None: ...
 
+    @property
+    def require_reader(self) -> bool:
+        """Every export request must name its reader (node setting `require_reader`)."""
+        ...
 
-def check_export_request(prepared: PreparedRequest) -> str | None:
-    """Refuse an export request this node cannot serve; the decode engine it names as the reader, if any."""
+
+def check_export_request(prepared: PreparedRequest, require_reader: bool = False) -> str | None:
+    """Refuse an export request this node cannot serve; the decode engine it names as the reader, if any
+    (`require_reader`: one must be named)."""
     reader = prepared.kv_params.decode_engine_id if prepared.kv_params is not None else None
     if reader is not None and not ENGINE_ID_PATTERN.fullmatch(reader):
         raise APIError(400, "kv_transfer_params.decode_engine_id is not an engine id", "kv_transfer_params")
+    if reader is None and require_reader:
+        raise APIError(400, "kv_transfer_params.decode_engine_id is required: this node issues hand-offs bound to "
+                            "one decode instance only (require_reader)", "kv_transfer_params")
     if prepared.sampling.max_tokens != 1:
         raise APIError(400, f"a do_remote_decode request must have max_tokens=1, got {prepared.sampling.max_tokens}",
                        "max_tokens")
@@ -78,7 +87,7 @@ async def serve_export(runtime: NodeRuntime, leases: ExportLeases, prepared: Pre
                        transfer_mode: str = "pull") -> Response:
     """Prefill for a remote decoder and answer with the transfer params (`transfer_mode`: "pull" for a P leg,
     "move" for a session's rows leaving a decode instance)."""
-    reader = check_export_request(prepared)
+    reader = check_export_request(prepared, leases.require_reader)
     started = time.monotonic()
     leases.begin(prepared.request_id)
     try:

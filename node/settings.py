@@ -123,6 +123,12 @@ class NodeSettings(BaseSettings):
     `cluster_secret_file`: an environment value is visible to the process owner only, a flag would be in `ps`."""
     cluster_secret_file: Path | None = None
     """A file holding the cluster secret (mode 0600)."""
+    require_reader: bool = False
+    """Refuse (400) an export request (a P leg; on a TP decode node, a session's move) whose kv_transfer_params name
+    no reader (`decode_engine_id`), so every hand-off this node issues can be redeemed by one decode instance only
+    (the lease's first-claim rule stops a second reader either way). Our router names one on every leg to our
+    nodes (router/readers.py) and the chart turns this on; off by default for callers that speak vLLM's protocol
+    without it (`pdcluster up`'s node tests call the nodes directly)."""
     insecure_handoffs: bool = False
     """Run without a cluster secret: a prefill node answers unsigned params and a decode node imports unsigned
     ones (tests and single-user experiments only). Without it, a node with no secret refuses to start."""

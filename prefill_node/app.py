@@ -46,7 +46,8 @@ def _exporter(settings: Settings) -> Callable[[Executor, NodeMetrics], Exporter]
         identity = ExportIdentity(engine_id=settings.engine_id, host=settings.public_host, port=settings.port,
                                   tp_size=settings.tp, block_size=head.block_size,
                                   subblock_tokens=head.subblock_tokens, layout_fingerprint=head.layout_fingerprint)
-        return Exporter(identity, executor, metrics, settings.lease_seconds, secret=settings.handoff_secret())
+        return Exporter(identity, executor, metrics, settings.lease_seconds, secret=settings.handoff_secret(),
+                        require_reader=settings.require_reader)
     return build
 
 
@@ -100,3 +101,6 @@ class _LeaseControl:
 
     def claim(self, lease_id: str, reader: str) -> dict[int, bytes]:
         return self._running().handoff.claim(lease_id, reader)
+
+    def bind(self, lease_id: str, reader: str) -> None:
+        self._running().handoff.bind(lease_id, reader)

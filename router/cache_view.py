@@ -23,8 +23,8 @@ the node could report).
 The report also carries the node's `engine_id`: the router names a decode instance's as the reader of the hand-offs
 it asks for (router/kvparams.py `prefill_body`), so only that instance can redeem them. The answer is signed
 (`/v1/cache` is a control route, kv_transfer/cluster_auth.py); an instance that stops being healthy loses its id
-until it answers again (a restarted node has a new one), and the leg is then sent unbound rather than bound to a
-stale reader.
+until it answers again (a restarted node has a new one). A leg for an instance whose id is not known is never sent
+unbound: router/readers.py reads it on demand, or the instance prefills the request itself.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """vLLM's PD wire protocol (`kv_transfer_params` in request/response bodies), typed.
 
 - P leg: the client body with max_tokens=1 (and max_completion_tokens=1 when present), stream=false,
-  no stream_options / min_tokens, and `kv_transfer_params` asking for a remote decode; for a decode instance
-  whose engine id the router knows (our nodes report it, router/cache_view.py), `decode_engine_id` names it:
-  the prefill node signs it into the hand-off and every other decode node refuses it (403).
+  no stream_options / min_tokens, and `kv_transfer_params` asking for a remote decode; for one of our decode
+  instances (they report their engine id, router/readers.py), `decode_engine_id` names it: the prefill node signs
+  it into the hand-off and every other decode node refuses it (403). A vLLM decode instance's leg names none.
 - P answer: `kv_transfer_params` with do_remote_prefill, remote_engine_id, remote_request_id,
   remote_block_ids, remote_host, remote_port, tp_size, ... (`KVHandoff`); forwarded to D verbatim. A signed
   hand-off (a `signature` field, kv_transfer/signing.py: our prefill nodes) is never altered, else D refuses it;

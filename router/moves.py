@@ -5,8 +5,9 @@ a stream, open its continuation for the relay.
 over our engine's decode instances that serve the same weights, the failed ones blocked, no session stickiness:
 the prompt grows by the tokens already sent, which may move it to a larger pool); the request then carries
 `resume_token_ids` and its next leg id; a stream its draining instance moved out with its KV (reason "drain",
-decode_node/moves.py) goes to the new instance with those params and no P leg, and falls back to the recompute
-when that instance refuses or fails it. It raises APIError (the client's one error) when the request may not move
+decode_node/moves.py) goes to the new instance with those params and no P leg, its lease bound to that instance
+first (router/readers.py `bind_move`: a lease that cannot be bound is given back at its source and the stream
+recomputed on the new instance), and falls back to the recompute when that instance refuses or fails it. It raises APIError (the client's one error) when the request may not move
 again or no instance can take it. `StreamResume` is the relay's `Resumer`: move, run the P leg when the new
 placement has one, open the stream; a new instance that fails before its first chunk is moved from as well.
 """
@@ -99,7 +100,10 @@ class StreamResume:
         moved = self.acct.move_params if reason == "drain" else None
         while True:
             try:
+                source, lost_leg = ctx.placement.decode, ctx.leg_request_id
                 mover.move(reason, self.acct.token_ids, moved)
+                if moved is not None:
+                    moved = await self._bind(source, lost_leg, moved)
                 if ctx.placement.disaggregate:
                     ctx.handoff = await mover.orch.prefill(ctx)
                 opened = await mover.orch.open_stream(ctx)
@@ -120,6 +124,19 @@ class StreamResume:
             if paused_since is not None:
                 state.metrics.resume_latency.labels().observe(time.monotonic() - paused_since)
             return opened
+
+    async def _bind(self, source: str, lost_leg: str, moved: dict) -> dict | None:
+        """Bind the moved stream's lease to the instance it now goes to (router/readers.py `bind_move`): the params,
+        or None when it could not be bound (the lease is given back at its source and the stream is recomputed
+        there, on the instance already chosen)."""
+        state, ctx = self.mover.state, self.mover.ctx
+        problem = await state.readers.bind_move(source, moved.get("lease_id"), ctx.placement.decode)
+        if problem is None:
+            return moved
+        ctx.notes.append(problem)
+        ctx.handoff = None
+        self.mover.orch.abort(state.registry.get(source), lost_leg)
+        return None
 
     def _restore_inflight(self) -> None:
         """The relay's end decrements the current decode's count once: take it again when no stream opened."""

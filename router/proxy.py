@@ -14,7 +14,8 @@ Retry-After) counts neither way: P is skipped for the next candidate, D's answer
 its Retry-After. A decode instance that cannot be connected to (the request never reached it) is replaced
 once by the least-loaded other usable, compatible decode of the pool before any byte reached the client (a
 hand-off bound to the unreachable instance is given back at P and the new one prefills the prompt itself).
-The P leg names the chosen decode instance's engine id as the hand-off's reader when the router knows it.
+The P leg names the chosen decode instance's engine id as the hand-off's reader; one of our decode instances whose
+id cannot be learned (router/readers.py) gets no P leg: it prefills the prompt itself.
 A session that outgrew its pool sends its first P leg to the old pool's decode instance holding it
 (`Placement.move_source`, router/placement.py): it exports the session's rows (`transfer_mode="move"`,
 `pdcluster_migrations_total{reason="session_growth"}`); any refusal or failure there falls to the next prefill.
@@ -36,6 +37,7 @@ from router.breaker import Attempt
 from router.kvparams import KVHandoff, decode_body, handoff_from_answer, prefill_body
 from router.migration import Migration
 from router.placement import Placement, RequestShape, load_score
+from router.readers import UnknownReader
 from router.registry import InstanceState, host_of
 from router.session_routing import cached_tokens_of
 from router.state import RouterState
@@ -168,7 +170,13 @@ class Orchestrator:
             self.abort(reg.get(ctx.handoff.prefill), ctx.leg_request_id)
 
     async def prefill(self, ctx: RequestContext) -> KVHandoff | None:
-        """Run the P leg; None means 'D prefills locally' (fallback or nothing to hand off)."""
+        """Run the P leg; None means 'D prefills locally' (fallback, nothing to hand off, or a decode instance of
+        ours whose engine id is unknown: it is never sent an unbound hand-off, router/readers.py)."""
+        try:
+            reader = await self.state.readers.reader_for(ctx.placement.decode)
+        except UnknownReader as exc:
+            ctx.fallback_reason = f"{exc}: it prefills the prompt itself"
+            return None
         num_attempts = 0
         for name in ctx.placement.prefills:
             if num_attempts >= self.settings.prefill_max_attempts:
@@ -182,7 +190,7 @@ class Orchestrator:
             if num_attempts:
                 self.state.metrics.retries.labels("prefill").inc()
             num_attempts += 1
-            handoff = await self._prefill_once(ctx, state)
+            handoff = await self._prefill_once(ctx, state, reader)
             if handoff is not None or ctx.fallback_reason == "no handoff":
                 return handoff
         if self.settings.prefill_fallback == "decode_only":
@@ -192,22 +200,23 @@ class Orchestrator:
             raise APIError(504, f"prefill timed out after {num_attempts} attempt(s)")
         raise APIError(502, f"prefill failed after {num_attempts} attempt(s)")
 
-    async def _prefill_once(self, ctx: RequestContext, state: InstanceState) -> KVHandoff | None:
+    async def _prefill_once(self, ctx: RequestContext, state: InstanceState, reader: str | None) -> KVHandoff | None:
         name = state.spec.name
         attempt = self.state.breakers.instance(name).attempt(time.monotonic())
         ctx.leg, ctx.instance = "prefill", name
         try:
-            return await self._prefill_attempt(ctx, state, attempt)
+            return await self._prefill_attempt(ctx, state, attempt, reader)
         finally:
             attempt.neutral()  # a cancelled or broken leg that ended no other way (no-op once ended)
 
-    async def _prefill_attempt(self, ctx: RequestContext, state: InstanceState, attempt: Attempt) -> KVHandoff | None:
+    async def _prefill_attempt(self, ctx: RequestContext, state: InstanceState, attempt: Attempt,
+                               reader: str | None) -> KVHandoff | None:
         name, url = state.spec.name, state.spec.url
         state.num_inflight += 1
         started = time.monotonic()
         try:
             async with self.state.deadlines.within(self.settings.prefill_timeout_s):
-                body = prefill_body(ctx.valid.body, reader=self.state.cache_view.engine_id(ctx.placement.decode))
+                body = prefill_body(ctx.valid.body, reader=reader)
                 resp, content = await self._post(url, ctx, orjson.dumps(body))
         except TimeoutError:
             self.state.metrics.leg_timeouts.labels("prefill").inc()

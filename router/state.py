@@ -24,6 +24,7 @@ from router.config import PoolSpec, RouterConfig
 from router.deadlines import Deadlines
 from router.metrics import RouterMetrics
 from router.placement import PoolView
+from router.readers import Readers
 from router.registry import InstanceView, Registry
 from router.sessions import SessionTable
 from router.settings import Settings
@@ -51,6 +52,8 @@ class RouterState:
     api_keys: APIKeys | None = None
     cache_view: CacheView = field(default_factory=CacheView)
     """What each node's prefix cache holds per session (router/cache_view.py)."""
+    readers: Readers | None = None
+    """The engine id each hand-off for a decode instance is bound to (router/readers.py)."""
     _pool_views: tuple[int, list[PoolView]] = (-1, [])
 
     def __post_init__(self) -> None:
@@ -59,6 +62,7 @@ class RouterState:
         self.sessions = self.sessions or SessionTable(s.session_ttl_s, s.max_sessions)
         self.admission = self.admission or Admission(s, self.metrics)
         self.api_keys = self.api_keys or APIKeys.from_settings(s.api_keys, s.api_keys_file)
+        self.readers = self.readers or Readers(self.registry, self.cache_view, self.client, s.cache_poll_timeout_s)
         for spec in self.config.instances:
             self.registry.upsert(spec)
 

@@ -17,6 +17,7 @@ from decode_node.moves import DRAIN_MESSAGE, HandedBack, Moves
 from engine.api import EngineFailure, ExportedRows, MoveOut, Release, SamplingParams
 from engine.outputs import TokenEvent
 from kv_transfer.exporter import Exporter, ExportIdentity
+from kv_transfer.lease import ClaimRefused
 from kv_transfer.signing import prompt_digest
 from node.metrics import NodeMetrics
 from node.textgen import PreparedRequest
@@ -89,6 +90,22 @@ def test_an_export_becomes_the_failure_that_carries_its_lease() -> None:
     assert params["remote_block_ids"] == [[3]] and params["remote_kda_block_ids"] == [4, 5]
     assert moves.num_outstanding == 1 and moves.holds("r")
     assert runtime.metrics.streams_moved.labels(outcome="leased")._value.get() == 1
+
+
+def test_a_moved_streams_lease_is_claimed_only_by_the_instance_the_router_binds() -> None:
+    """Any peer decode node holding the params could claim a move lease once; now none can before the router's
+    bind (its choice of the next instance), and only that instance after it."""
+    moves, runtime = _moves()
+    out = asyncio.run(_collect(moves, runtime, "r", [_export("r", len(PROMPT))]))
+    lease_id = out[-1].kv_transfer_params["lease_id"]
+    exporter = moves.exporter
+    with pytest.raises(ClaimRefused, match="not bound") as refused:
+        exporter.claim(lease_id, "peer-decode")
+    assert refused.value.status == 403
+    exporter.bind(lease_id, "chosen-decode")
+    with pytest.raises(ClaimRefused, match="another decode instance"):
+        exporter.claim(lease_id, "peer-decode")
+    exporter.claim(lease_id, "chosen-decode")
 
 
 def test_an_export_that_does_not_match_the_stream_is_released() -> None:

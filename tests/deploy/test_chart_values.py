@@ -311,3 +311,25 @@ def test_connection_limits_reach_the_router_and_the_nodes(tmp_path, monkeypatch)
     rendered = yaml.safe_load(cm["data"]["router.yaml"])["router"]
     assert (rendered["head_read_timeout_s"], rendered["max_pipelined_requests"]) == (
         defaults.head_read_timeout_s, defaults.max_pipelined_requests), "the chart's defaults are the router's"
+
+
+def test_reference_nodes_refuse_unbound_handoffs_unless_a_pool_says_otherwise(tmp_path, monkeypatch) -> None:
+    """The chart's router binds every hand-off to its reader (router/readers.py), so the chart's reference nodes run
+    with `require_reader` (node/settings.py); a pool's own `settings.require_reader` is the one value it gets."""
+    from decode_node.settings import Settings as DecodeSettings
+    from prefill_node.settings import Settings as PrefillSettings
+
+    out = render(CPU_DEV, overrides={
+        "pools": [{"name": "prefill", "role": "prefill", "tp": 2, "engine": "reference"},
+                  {"name": "tp", "role": "decode", "engine": "reference"},
+                  {"name": "open", "role": "decode", "engine": "reference", "settings": {"require_reader": False}}]},
+        tmp_dir=tmp_path)
+    for pool, settings_cls, expected in (("prefill", PrefillSettings, True), ("tp", DecodeSettings, True),
+                                         ("open", DecodeSettings, False)):
+        items = [item for item in out.pool_pods(pool)[0].container["env"] if item["name"].endswith("_REQUIRE_READER")]
+        assert len(items) == 1, (pool, items)
+        with monkeypatch.context() as patch:
+            for item in out.pool_pods(pool)[0].container["env"]:
+                if "value" in item:
+                    patch.setenv(item["name"], item["value"])
+            assert settings_cls().require_reader is expected, pool

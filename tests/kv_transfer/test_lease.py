@@ -131,6 +131,32 @@ def test_first_claim_wins_and_binds_the_reader(env):
     assert refused.value.status == 404
 
 
+def test_a_lease_that_awaits_its_reader_is_claimed_only_by_the_one_bound_to_it(env):
+    """A moved stream's lease (its reader unknown when it was made) refuses every claim until the router binds it;
+    then only that reader; the first bind wins and a claimed lease takes no other."""
+    leases, _, _ = env
+    lease = leases.create(ExportKey("m", 1), awaits_reader=True)
+    with pytest.raises(ClaimRefused, match="not bound to a reader yet") as refused:
+        leases.claim(lease.lease_id, "decode-a")
+    assert refused.value.status == 403 and lease.claimed_by is None
+    leases.bind(lease.lease_id, "decode-b")
+    leases.bind(lease.lease_id, "decode-b")  # the same reader again (a retried call) changes nothing
+    with pytest.raises(ClaimRefused, match="bound to another reader") as refused:
+        leases.bind(lease.lease_id, "decode-a")
+    assert refused.value.status == 409
+    with pytest.raises(ClaimRefused, match="another decode instance") as refused:
+        leases.claim(lease.lease_id, "decode-a")
+    assert refused.value.status == 403
+    assert leases.claim(lease.lease_id, "decode-b").claimed_by == "decode-b"
+    pulled = leases.create(ExportKey("n", 1), reader="decode-a")
+    with pytest.raises(ClaimRefused, match="issued for its reader already"):
+        leases.bind(pulled.lease_id, "decode-b")
+    assert leases.abort(lease.lease_id)
+    with pytest.raises(ClaimRefused, match="has ended") as refused:
+        leases.bind(lease.lease_id, "decode-b")
+    assert refused.value.status == 404
+
+
 def test_concurrent_claims_one_winner():
     import threading
 

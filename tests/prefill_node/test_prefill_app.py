@@ -166,7 +166,31 @@ def test_remote_decode_answer_matches_vllm_shape_and_colocated_first_token(clien
     _wait_rows(client, 0)
 
 
+def test_a_node_that_requires_a_reader_refuses_unbound_export_requests():
+    """With `require_reader` (the chart's setting) an export request naming no decode engine is a 400 before any
+    row is computed, and one naming it is leased to that reader alone. Its own node: the shared one keeps vLLM's
+    default (unbound requests accepted)."""
+    settings = Settings(backend=TOY, num_rows=16, max_context=4096, engine_id="prefill-bound", port=8124,
+                        cluster_secret=TEST_CLUSTER_SECRET, require_reader=True)
+    with TestClient(create_app(settings)) as bound:
+        wire = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        request = {"prompt": "disaggregate me", "max_tokens": 1, "stream": False}
+        message = _error(bound.post("/v1/completions", json={**request, "kv_transfer_params": wire}), 400,
+                         "kv_transfer_params")
+        assert "decode_engine_id is required" in message and _rows_used(bound) == 0
+        answer = bound.post("/v1/completions", json={**request, "kv_transfer_params": {**wire,
+                                                                                      "decode_engine_id": "decode-a"}})
+        assert answer.status_code == 200, answer.text
+        lease_id = answer.json()["kv_transfer_params"]["lease_id"]
+        assert answer.json()["kv_transfer_params"]["decode_engine_id"] == "decode-a"
+        _error(bound.post(f"/kv/leases/{lease_id}/claim", json={"reader": "decode-b"}, auth=control_auth()), 403)
+        assert bound.post(f"/kv/leases/{lease_id}/claim", json={"reader": "decode-a"},
+                          auth=control_auth()).status_code == 200
+
+
 @pytest.mark.parametrize("method,path", [("GET", "/kv/metadata"), ("POST", "/kv/leases/" + "0" * 32 + "/abort"),
+                                         ("POST", "/kv/leases/" + "0" * 32 + "/bind"),
                                          ("POST", "/abort_requests"), ("GET", "/v1/cache")])
 def test_control_routes_refuse_unsigned_callers(client, method, path):
     """The control routes answer 401 to a caller without the cluster secret, or signing with another one."""

@@ -45,6 +45,10 @@ class FakeNode:
     moved_params: dict | None = None
     """With `stream_error_after`: the error event is a draining node's move (503 with these kv_transfer_params,
     decode_node/moves.py)."""
+    bind_status: int = 200
+    """What POST /kv/leases/{id}/bind answers (the router binds a moved stream's lease to its next instance)."""
+    binds: list[tuple[str, str]] = field(default_factory=list)
+    """(lease id, reader) of every bind it was asked for."""
     refuse_moves: bool = False
     """Answer 403 to a decode leg whose kv_transfer_params are a move (a node that cannot read the mover's rows)."""
     drop_handoff: bool = False
@@ -56,7 +60,9 @@ class FakeNode:
     root: str | None = None
     """`root` of the model card (vLLM: the model path)."""
     engine_id: str | None = None
-    """When set, the node answers GET /v1/cache (an empty cache) naming this engine id, as reference nodes do."""
+    """When set, the node answers GET /v1/cache (an empty cache) naming this engine id, as reference nodes do
+    (a node labelled "reference" gets `engine-<name>` unless `reports_engine_id` is False)."""
+    reports_engine_id: bool = True
     blocks_cached: int = 0
     """Blocks its GET /v1/cache says it holds (above 0: its cache is on, so the router notes what turns leave)."""
     bodies: list[dict] = field(default_factory=list)
@@ -68,6 +74,10 @@ class FakeNode:
     cached_tokens: list[int] = field(default_factory=list)
     """`prompt_tokens_details.cached_tokens` of the answers' usage, one per answer (the last one repeats); none when
     empty."""
+
+    def __post_init__(self) -> None:
+        if self.engine_id is None and self.engine_label == "reference" and self.reports_engine_id:
+            self.engine_id = f"engine-{self.name}"
 
     def usage(self, completion_tokens: int) -> dict:
         usage = {"prompt_tokens": 5, "completion_tokens": completion_tokens, "total_tokens": 5 + completion_tokens}
@@ -121,6 +131,11 @@ class FakeNode:
                 return Response(status_code=404)
             return JSONResponse({"engine_id": node.engine_id, "block_tokens": node.block_size, "sessions": {},
                                  "blocks_cached": node.blocks_cached})
+
+        @app.post("/kv/leases/{lease_id}/bind")
+        async def bind(lease_id: str, request: Request) -> Response:
+            node.binds.append((lease_id, (await request.json())["reader"]))
+            return JSONResponse({"lease_id": lease_id, "alive": True}, status_code=node.bind_status)
 
         @app.post("/abort_requests")
         async def abort(request: Request) -> dict:

@@ -211,6 +211,45 @@ async def _test_a_drained_stream_moves_with_its_kv_params() -> None:
     assert 'pdcluster_migrations_total{reason="drain"} 1.0' in metrics
 
 
+def test_a_moved_streams_lease_is_bound_to_its_next_instance_before_it_gets_the_params() -> None:
+    asyncio.run(_test_a_moved_streams_lease_is_bound_to_its_next_instance())
+
+
+async def _test_a_moved_streams_lease_is_bound_to_its_next_instance() -> None:
+    """The draining d1 leased the stream to nobody yet; the router binds the lease at d1 to d2's engine id (which
+    d1 then checks at every claim) before d2 is sent the params."""
+    lost = FakeNode("d1", "decode", num_tokens=6, engine_label="reference", stream_error_after=2,
+                    moved_params=MOVED)
+    other = FakeNode("d2", "decode", num_tokens=6, engine_label="reference")
+    async with router_harness([lost, other], specs=_decodes(lost, other)) as (client, _):
+        chunks, events = await _stream(client, completion(max_tokens=6))
+    assert events[-1] == "[DONE]" and not any("error" in c for c in chunks)
+    assert lost.binds == [("lease-1", "engine-d2")]
+    assert other.bodies[0]["kv_transfer_params"] == MOVED
+
+
+def test_a_moved_stream_whose_lease_cannot_be_bound_is_recomputed() -> None:
+    asyncio.run(_test_a_moved_stream_whose_lease_cannot_be_bound_is_recomputed())
+
+
+async def _test_a_moved_stream_whose_lease_cannot_be_bound_is_recomputed() -> None:
+    """d1 refuses the bind (the lease was bound or claimed already): d2 never sees the params, recomputes the
+    stream from the tokens sent, and the lease is given back at d1."""
+    lost = FakeNode("d1", "decode", num_tokens=6, engine_label="reference", stream_error_after=2,
+                    moved_params=MOVED, bind_status=409)
+    other = FakeNode("d2", "decode", num_tokens=6, engine_label="reference")
+    async with router_harness([lost, other], specs=_decodes(lost, other)) as (client, _):
+        chunks, events = await _stream(client, completion(max_tokens=6))
+        for _ in range(100):  # the abort is fire-and-forget
+            if lost.aborted:
+                break
+            await asyncio.sleep(0.02)
+    assert events[-1] == "[DONE]" and not any("error" in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "t0 t1 t2 t3 t4 t5 "
+    assert "kv_transfer_params" not in other.bodies[0] and other.bodies[0]["resume_token_ids"] == [100, 101]
+    assert lost.aborted == [lost.request_ids[0]], "the unbound lease is given back at its source"
+
+
 def test_a_refused_move_is_recomputed_elsewhere() -> None:
     asyncio.run(_test_a_refused_move_is_recomputed_elsewhere())
 

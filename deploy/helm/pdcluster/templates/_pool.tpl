@@ -192,6 +192,11 @@ containers:
       {{- end }}
       - name: {{ upper $p.role }}_HTTP_HEAD_TIMEOUT_S
         value: {{ $p.httpHeadTimeoutS | quote }}
+      {{- if not (hasKey $p.settings "require_reader") }}
+      {{- /* the chart's router names the reader of every hand-off (router/readers.py): refuse unbound ones */}}
+      - name: {{ upper $p.role }}_REQUIRE_READER
+        value: "true"
+      {{- end }}
       - name: {{ upper $p.role }}_ADVERTISE_HOST
         value: "$(POD_IP)"
       - name: {{ upper $p.role }}_METRICS_PORT
