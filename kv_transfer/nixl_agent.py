@@ -14,7 +14,14 @@ messages that end the node's leases (kv_transfer.lease).
 Decode side, per request and D rank: kv_transfer.importer plans the reads and kv_transfer.reads posts them (one
 READ per source P rank carrying a DONE notification for the lease) and polls them without blocking; a READ loads
 its lease's sections (`RankEndpoint.sections`) into the peer's entry first (at most MAX_SECTIONS per peer: past
-that, the entry is dropped and reloaded when no READ from that peer runs); a read still running after
+that, the entry is dropped and reloaded when no READ from that peer runs). NIXL keeps a peer's loaded regions in
+one sorted list and finds a descriptor's region by binary search, assuming regions do not overlap; but the rows
+of an ended lease are exposed again for later ones, as regions that overlap those still loaded from earlier
+leases (or, with P's prefix cache, from a live lease sharing a block), so a READ inside its own lease's region can
+be refused ("no specified or potential backend had the required registrations"). A refused READ whose peer
+entry holds other leases' sections is therefore posted once more on the entry loaded afresh with this lease's
+sections alone, when no READ from that peer runs (`PeerBusy` otherwise: kv_transfer/reads.py posts it later); a
+refusal on a fresh entry is final (rows outside the lease). A read still running after
 `repost_after_s` is cancelled and posted once more on a fresh endpoint (`repost`). A decode rank
 (`per_lease=True, register_pool=True`) has its whole pool registered as its READs' target and, like a prefill
 rank, serves readers only what `expose` names: the rows of a stream it moves out on drain (decode_node/moves.py).
@@ -32,7 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kv_transfer.remap import ReadOp
-from kv_transfer.transport import Exposure, RankEndpoint, ReadResult, TransferError, TransferState
+from kv_transfer.transport import Exposure, PeerBusy, RankEndpoint, ReadResult, TransferError, TransferState
 from kv_transfer.ucx_env import (
     KVTransferSettings,
     detect_tcp_fallback,
@@ -220,20 +227,38 @@ class NixlTransport:
         if any(op.p_rank != peer.rank for op in ops):
             raise TransferError(f"ops name P ranks other than {peer.rank}")
         local, remote = self._descs(peer, ops)
-        name = self.add_peer(peer)
         t0 = time.perf_counter()
         ldl = self._agent.get_xfer_descs(local, self.mem_type)
         rdl = self._agent.get_xfer_descs(remote, peer.mem_type)
-        try:
-            xfer = self._agent.initialize_xfer("READ", ldl, rdl, name, notif)
-        except Exception as exc:  # noqa: BLE001 - NIXL's refusal (e.g. rows its loaded metadata does not cover)
-            raise TransferError(f"NIXL refused the READ from {peer.agent_name}: {type(exc).__name__}: {exc}") from exc
+        xfer = self._initialize(peer, ldl, rdl, notif)
         state = self._agent.transfer(xfer)
         post_s = time.perf_counter() - t0
         h = _Handle(xfer, peer, tuple(ops), notif, t0, post_s)
         self._inflight.setdefault(peer.agent_name, set()).add(id(h))
         self._set_state(h, state)
         return h
+
+    def _initialize(self, peer: RankEndpoint, ldl: Any, rdl: Any, notif: bytes) -> Any:
+        """The READ's transfer handle; a refusal on an entry that holds other leases' sections is retried on the
+        entry loaded afresh (see the module docstring: PeerBusy while READs from the peer run)."""
+        name = self.add_peer(peer)
+        try:
+            return self._agent.initialize_xfer("READ", ldl, rdl, name, notif)
+        except Exception as exc:  # noqa: BLE001 - NIXL's refusal (e.g. rows its loaded metadata does not cover)
+            refusal = exc
+        if self._sections.get(peer.agent_name, set()) - {peer.sections}:
+            if self._inflight.get(peer.agent_name):
+                raise PeerBusy(f"the READ from {peer.agent_name} waits for the running ones to reload its entry")
+            log.info("READ from %s refused on an entry holding %d lease(s)' sections: reloading it", peer.agent_name,
+                     len(self._sections[peer.agent_name]))
+            self._drop_peer(peer.agent_name)
+            name = self.add_peer(peer)
+            try:
+                return self._agent.initialize_xfer("READ", ldl, rdl, name, notif)
+            except Exception as exc:  # noqa: BLE001 - refused on a fresh entry: rows outside the lease
+                refusal = exc
+        raise TransferError(f"NIXL refused the READ from {peer.agent_name}: {type(refusal).__name__}: {refusal}") \
+            from refusal
 
     def _set_state(self, h: _Handle, state: str) -> None:
         if state == "ERR":

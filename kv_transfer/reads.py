@@ -5,7 +5,9 @@ rank (each carries the lease's DONE notification, signed with `notify_key`, kv_t
 authenticated DONE per READ). Then:
 - `poll()` never blocks: True once every READ is DONE; TransferError when one failed (ERR) or the request's own
   deadline (`timeout_s`, default settings.timeout_s, from the post) passed. A READ still running after
-  `settings.repost_after_s` is cancelled and posted once more on a fresh endpoint (NixlTransport.repost).
+  `settings.repost_after_s` is cancelled and posted once more on a fresh endpoint (NixlTransport.repost). A READ
+  the transport could not post yet (`PeerBusy`: its peer's entry is reloaded once the READs from that peer now
+  running end, kv_transfer/nixl_agent.py) is posted by a later `poll()`, within the same deadline.
 - `close()` releases every handle, cancelling READs still running, and is called exactly once whatever the
   outcome. `uncancelled` is then True if NIXL refused to release a handle whose READ may still be running
   (a stalled READ dropped at a repost counts too): its late bytes may land in the destination rows, so the
@@ -23,7 +25,7 @@ from typing import Any
 
 from kv_transfer.lease import done_message
 from kv_transfer.remap import ReadPlan
-from kv_transfer.transport import RankEndpoint, ReadResult, TransferError, TransferState
+from kv_transfer.transport import PeerBusy, RankEndpoint, ReadResult, TransferError, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +50,35 @@ class PendingReads:
         self._closed = False
         self.uncancelled = False
         total = len(plan.consumers())
+        self._unposted: dict[int, tuple[RankEndpoint, Any, bytes]] = {}
+        """Index in `handles` -> (peer, ops, notification) of a READ not posted yet (PeerBusy)."""
         try:
             for p_rank, ops in plan.by_source(d_rank).items():
                 notif = done_message(lease_id, f"{d_rank}.{p_rank}", total, notify_key)
-                self.handles.append(transport.post_read(endpoints[p_rank], ops, notif))
+                self.handles.append(None)
+                self._unposted[len(self.handles) - 1] = (endpoints[p_rank], ops, notif)
+            self._post_waiting()
         except BaseException:
             self.close()
             raise
 
+    def _post_waiting(self) -> bool:
+        """Post the READs not posted yet; True when none is left waiting."""
+        for i, (peer, ops, notif) in list(self._unposted.items()):
+            try:
+                self.handles[i] = self.transport.post_read(peer, ops, notif)
+            except PeerBusy:
+                continue
+            del self._unposted[i]
+        return not self._unposted
+
     def poll(self) -> bool:
         """True when every READ is DONE; raises TransferError on ERR or past the deadline. Never blocks."""
         now = time.monotonic()
-        done = True
+        done = self._post_waiting()
         for i, handle in enumerate(self.handles):
+            if handle is None:
+                continue
             state = self.transport.poll(handle)
             if state is TransferState.ERR:
                 raise TransferError(f"read from {handle.peer.agent_name} failed")
@@ -72,10 +90,17 @@ class PendingReads:
                     log.warning("read from %s still running after %.1f s; posting it again on a fresh endpoint",
                                 handle.peer.agent_name, stalled_s)
                     self._release(handle)
-                    self.handles[i] = self.transport.repost(handle)
                     self._reposted.add(i)
+                    try:
+                        self.handles[i] = self.transport.repost(handle)
+                    except PeerBusy:
+                        self.handles[i] = None
+                        self._unposted[i] = (handle.peer, handle.ops, handle.notif)
         if not done and now >= self.deadline:
-            running = [h for h in self.handles if h.state is TransferState.PROC]
+            running = [h for h in self.handles if h is not None and h.state is TransferState.PROC]
+            if not running:
+                raise TransferError(f"{len(self._unposted)} read(s) could not be posted within {self.timeout_s:.1f} s "
+                                    "(their peer's entry stayed busy)")
             raise TransferError(f"{len(running)} read(s) from {running[0].peer.agent_name} "
                                 f"({sum(h.nbytes for h in running)} B) still running after {self.timeout_s:.1f} s")
         return done
@@ -97,7 +122,7 @@ class PendingReads:
         if not self._closed:
             self._closed = True
             stuck, self._stuck = self._stuck, []
-            for handle in self.handles + stuck:
+            for handle in [h for h in self.handles if h is not None] + stuck:
                 self._release(handle)
         return not self.uncancelled
 

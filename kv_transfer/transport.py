@@ -32,6 +32,11 @@ class TransferError(RuntimeError):
     """A read that failed (peer gone, backend error) or was refused before touching memory."""
 
 
+class PeerBusy(TransferError):
+    """A read that cannot be posted until the READs from its peer that are running now end (the peer's entry must
+    be loaded afresh first: kv_transfer/nixl_agent.py); post it again later."""
+
+
 @dataclass(frozen=True)
 class RankEndpoint:
     """What a reader needs to address one rank's pool (served by the prefill node's side channel)."""

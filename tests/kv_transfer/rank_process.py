@@ -94,6 +94,20 @@ def _serve(conn, name: str, pool_bytes: int, ucx_tls: str, cpu: int | None, sett
                 res = read_request(t, kw["d_rank"], ReadPlan({kw["d_rank"]: kw["ops"]}), kw["endpoints"],
                                    kw["lease_id"], kw.get("timeout"), kw.get("notify_key", b""))
                 out = {"results": [(r.state.value, r.bytes) for r in res], "reposted": t.reads_reposted}
+            elif cmd == "read_while_busy":  # two requests' READs: the second posted while the first still runs
+                from kv_transfer.reads import PendingReads
+
+                first, second = (PendingReads(t, 0, ReadPlan({0: ops}), {0: ep}, lease, 30)
+                                 for ep, ops, lease in kw["requests"])
+                waited = len(second._unposted)  # not posted yet: its peer's entry is busy
+                try:
+                    while not (first.poll() & second.poll()):
+                        time.sleep(0.001)
+                    out = {"waited": waited, "results": [[(r.state.value, r.bytes) for r in reads.results()]
+                                                         for reads in (first, second)]}
+                finally:
+                    first.close()
+                    second.close()
             elif cmd == "digest":  # sha256 over the listed (offset, length) ranges, in order
                 hsh = hashlib.sha256()
                 for off, length in kw["ranges"]:

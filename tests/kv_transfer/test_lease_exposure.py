@@ -69,3 +69,46 @@ def test_a_lease_reads_its_rows_and_no_other(pair):
     assert _read(d, dataclasses.replace(endpoint, sections=sections2), [5], "L2")["results"] == [("DONE", ROW)]
     assert _rows(d, [5]) == [True]
     p.call("unexpose", exposure=again)
+
+
+
+@pytest.mark.parametrize("leases", [
+    [([10, 11, 12, 13], 11, 0, ROW), ([12], 12, 3 * ROW // 4, ROW // 4), ([10, 11, 12, 13], 13, 0, ROW // 8)],
+    [([2, 3, 4], 2, 0, ROW // 8), ([3], 3, 0, ROW // 8), ([2, 3, 4], 4, ROW // 4, ROW // 8)],
+], ids=["same-rows-again", "wider-lease"])
+def test_a_lease_whose_regions_overlap_earlier_leases_reads_any_piece_of_its_rows(pair, leases):
+    """The soak's READ refusals on the DCP ranks ("no specified or potential backend had the required
+    registrations"): a reader kept every lease's sections of a peer loaded, and rows are exposed again for later
+    leases as regions that overlap the earlier ones. NIXL finds a descriptor's region by binary search over a list
+    it assumes does not overlap, so a piece inside a live lease's region (a DCP rank reads sub-blocks) was refused
+    once an older, smaller region sorted just before it. Each lease, in turn, reads a piece of one of its rows."""
+    p, d, endpoint = pair
+    for index, (rows, row, offset, length) in enumerate(leases):
+        exposure, sections = p.call("expose", rows=rows)
+        lease = dataclasses.replace(endpoint, sections=sections)
+        result = d.call("read_plan", d_rank=0, ops=[ReadOp(0, row, offset, length, row, offset)],
+                        endpoints={0: lease}, lease_id=f"overlap-{index}", timeout=60)
+        assert result["results"] == [("DONE", length)], (rows, result)
+        p.call("unexpose", exposure=exposure)
+
+
+def test_a_refused_read_waits_for_the_running_reads_of_its_peer_then_reads_on_a_fresh_entry(pair):
+    """The reload that fixes an overlapping layout drops the peer's entry, which would fail the READs from that peer
+    still running: the second request's READ is posted only once the first one's is not running (at once when the
+    first READ was done by its post, as CPU reads of a row often are; the waiting itself:
+    tests/kv_transfer/test_reads.py), and both end DONE."""
+    p, d, endpoint = pair
+    wide, wide_sections = p.call("expose", rows=[20, 21, 22])
+    wide_lease = dataclasses.replace(endpoint, sections=wide_sections)
+    first = d.call("read_plan", d_rank=0, ops=[ReadOp(0, 20, 0, ROW, 20, 0)], endpoints={0: wide_lease},
+                   lease_id="busy-w", timeout=60)  # the wide lease's sections are loaded first
+    assert first["results"] == [("DONE", ROW)]
+    narrow, narrow_sections = p.call("expose", rows=[21])
+    requests = [(dataclasses.replace(endpoint, sections=narrow_sections), [ReadOp(0, 21, 0, ROW, 21, 0)], "busy-0"),
+                (dataclasses.replace(endpoint, sections=wide_sections), [ReadOp(0, 22, ROW // 4, ROW // 8, 22, ROW // 4)],
+                 "busy-1")]
+    result = d.call("read_while_busy", requests=requests)
+    assert result["results"] == [[("DONE", ROW)], [("DONE", ROW // 8)]]
+    assert _rows(d, [21]) == [True]
+    p.call("unexpose", exposure=narrow)
+    p.call("unexpose", exposure=wide)

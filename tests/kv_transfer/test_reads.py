@@ -13,7 +13,7 @@ import pytest
 from kv_transfer.lease import done_message
 from kv_transfer.reads import PendingReads
 from kv_transfer.remap import ReadOp, ReadPlan
-from kv_transfer.transport import RankEndpoint, ReadResult, TransferError, TransferState
+from kv_transfer.transport import PeerBusy, RankEndpoint, ReadResult, TransferError, TransferState
 from kv_transfer.ucx_env import KVTransferSettings
 
 
@@ -30,11 +30,15 @@ class ScriptedTransport:
     def __init__(self, settings: KVTransferSettings, refuse_release: bool = False) -> None:
         self.settings = settings
         self.refuse_release = refuse_release
+        self.busy: set[str] = set()
+        """Peers whose READs cannot be posted now (PeerBusy, as NixlTransport while its entry must be reloaded)."""
         self.posted: list[Handle] = []
         self.released: list[Handle] = []
         self.reposts = 0
 
     def post_read(self, peer, ops, notif=b""):
+        if peer.agent_name in self.busy:
+            raise PeerBusy(f"{peer.agent_name} busy")
         handle = Handle(peer, notif)
         self.posted.append(handle)
         return handle
@@ -96,3 +100,31 @@ def test_deadline_and_uncancelled_reads():
     with pytest.raises(TransferError, match="still running"):
         reads.poll()
     assert not reads.close() and reads.uncancelled  # its READs may still land: the caller holds the rows
+
+
+def test_a_read_whose_peer_is_busy_is_posted_by_a_later_poll_within_the_deadline():
+    """NixlTransport answers PeerBusy while the READs from a peer whose entry it must reload still run: the
+    request's READ waits (nothing failed, the other source's READ runs) and a later poll posts it."""
+    transport = ScriptedTransport(KVTransferSettings())
+    transport.busy.add("P1")
+    reads = _reads(transport)
+    assert [h.peer.agent_name for h in transport.posted] == ["P0"]
+    transport.posted[0].state = TransferState.DONE
+    assert not reads.poll() and len(transport.posted) == 1, "still busy: not posted, not failed"
+    transport.busy.clear()
+    assert not reads.poll() and [h.peer.agent_name for h in transport.posted] == ["P0", "P1"]
+    assert transport.posted[1].notif == done_message("L", "0.1", 2)
+    transport.posted[1].state = TransferState.DONE
+    assert reads.poll() and [r.bytes for r in reads.results()] == [8, 8]
+    assert reads.close() and len(transport.released) == 2
+
+
+def test_a_read_whose_peer_stays_busy_fails_at_the_deadline():
+    transport = ScriptedTransport(KVTransferSettings())
+    transport.busy.add("P1")
+    reads = _reads(transport, timeout_s=0.01)
+    transport.posted[0].state = TransferState.DONE
+    time.sleep(0.02)
+    with pytest.raises(TransferError, match="could not be posted"):
+        reads.poll()
+    assert reads.close() and len(transport.released) == 1
