@@ -276,6 +276,7 @@ def test_pool_settings_render_as_the_role_env_and_read_back(tmp_path, monkeypatc
     chart_env = {"DECODE_ADVERTISE_HOST": "$(POD_IP)", "DECODE_METRICS_PORT": "9100",  # every reference pod's
                  "DECODE_DRAIN_S": "55",  # the grace period (60 s) minus 5 s
                  "DECODE_HTTP_HEAD_TIMEOUT_S": "10",  # poolDefaults.httpHeadTimeoutS
+                 "DECODE_REQUIRE_READER": "true",  # the chart's router binds every hand-off
                  "DECODE_CLUSTER_SECRET_FILE": "/var/run/pdcluster/cluster-secret/cluster-secret"}
     assert {k: v for k, v in env.items() if k.startswith("DECODE_")} == settings_env("DECODE_", settings) | chart_env
     assert not any(k.startswith("PREFILL_") for k in env)
