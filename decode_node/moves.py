@@ -150,8 +150,9 @@ class Moves:
             runtime.executor.submit(MoveOut(request_id=request_id))
         self.moving.update(ids)
         num_back = len(self.admitted - self.imported)
-        log.warning("draining: moving %d stream(s) with their KV (%d of them still importing it); %d import(s) "
-                    "not started yet handed back", len(ids), len(importing), num_back)
+        log.warning("draining: moving %d stream(s) with their KV (%d of them at their import: moving once it is read, "
+                    "handed back if it finds no rows); %d import(s) not started yet handed back", len(ids),
+                    len(importing), num_back)
         asyncio.get_running_loop().create_task(self._end_the_rest(runtime))
 
     async def _end_the_rest(self, runtime: NodeRuntime) -> None:

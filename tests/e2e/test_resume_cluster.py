@@ -279,3 +279,77 @@ def test_sigterm_on_a_decode_node_moves_its_8_streams(resume_cluster) -> None:
           f"({moved_bytes:.0f} bytes READ), longest pause a client saw {pause:.2f} s")
     cluster.restart(victim)
     _wait_healthy(cluster)
+
+
+SMALL_ROWS = 6
+"""Packed rows per decode rank in `small_cluster`: one stream of this prompt takes 3 (an attention row and two KDA
+group rows, kimi-k3.1-mini at TP=1), so 2 streams run and the next imports wait in the import queue."""
+
+
+@pytest.fixture(scope="module")
+def small_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """Own processes (not `resume_cluster`): decode nodes whose row pools hold 2 streams, so that a SIGTERM finds
+    imports queued for rows beside running streams; imports wait for rows long enough (queue and P leases) for the
+    SIGTERM, and on the other instance for the moved streams to end."""
+    from cluster.config import parse_config
+    from cluster.launcher import Cluster
+    from tests.e2e.harness import ClusterHandle
+
+    pools = [{**CONFIG["pools"][0], "settings": {"lease_seconds": 300.0}},  # imports wait for rows up to its expiry
+             {**CONFIG["pools"][1], "settings": {"drain_hand_off_s": 0, "num_rows": SMALL_ROWS,
+                                                  "import_queue_wait_s": 300.0}}]
+    config = parse_config({**CONFIG, "pools": pools}, "tests/e2e/test_resume_cluster.py")
+    handle = ClusterHandle(Cluster(config, tmp_path_factory.mktemp("small-logs"), python=sys.executable).start())
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def test_sigterm_hands_back_the_imports_still_queued_for_rows(small_cluster) -> None:
+    """A SIGTERM on a decode node running 2 streams with 2 more imports queued for rows: the 2 running streams move
+    with their KV (`migrations_total{drain}`), the 2 queued imports, which hold no rows there, are handed back at once
+    with a plain 503 and placed again on the other instance with a new P leg (`migrations_total{error_status}`), not
+    started on the draining node after the moves free its rows; all 4 end as their oracle, the node exits 0."""
+    cluster = small_cluster
+    _wait_healthy(cluster)
+    victim, other = (node.name for node in cluster.nodes_of(role="decode"))
+    before = cluster.metrics("router")
+    drained_before = before.get("pdcluster_migrations_total", reason="drain") or 0.0
+    failed_before = before.get("pdcluster_migrations_total", reason="error_status") or 0.0
+    _admin(cluster, other, "drain")  # every request starts on the victim
+    results: dict[int, list[dict]] = {}
+    counts: dict[int, int] = {}
+
+    def case_of(index: int) -> tuple[str, dict]:
+        return ("greedy", {}) if index % 2 == 0 else ("seeded", {"seed": 200 + index})
+
+    def run(index: int) -> None:
+        def on_tokens(num_tokens: int, headers) -> None:
+            counts[index] = num_tokens
+        case, extra = case_of(index)
+        body = {**_body(case), **extra, "max_tokens": DRAIN_TOKENS}
+        results[index] = _stream(cluster, body, on_tokens)[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    cluster.wait_until(lambda: len(counts) == 2 and cluster.metrics(victim).value(
+        "pdcluster_node_import_queue_depth") == 2, 600, "2 streams running, 2 imports queued for rows", poll_s=0.1)
+    _admin(cluster, other, "undrain")
+    process = cluster.cluster.children[victim].popen
+    os.kill(process.pid, signal.SIGTERM)
+    streamed = dict(counts)
+    assert len(streamed) == 2 and all(0 < n < DRAIN_TOKENS for n in streamed.values()), streamed
+    for thread in threads:
+        thread.join(900)
+    for index in range(4):
+        case, extra = case_of(index)
+        _check_against_oracle(results[index], case, DRAIN_TOKENS, **extra)
+    assert process.wait(120) == 0
+    after = cluster.metrics("router")
+    assert after.value("pdcluster_migrations_total", reason="drain") == drained_before + 2
+    assert after.value("pdcluster_migrations_total", reason="error_status") == failed_before + 2
+    print(f"drain of {victim} with 2 running streams ({streamed} tokens) and 2 queued imports: 2 moved, 2 handed back")
+    cluster.restart(victim)
+    _wait_healthy(cluster)
