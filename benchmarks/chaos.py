@@ -27,9 +27,11 @@ on a busy machine), so a run much shorter than 240 s sees its last faults (the d
 
     .venv/bin/python benchmarks/chaos.py --duration 240 --json /tmp/chaos.json
 
-Time: two sides of `--duration` plus each cluster's start and quiet-down, plus the oracle. A `--duration 45` smoke
-run took 400 s at load average 15 (the oracle 126 s of it, for 65 answers); `--duration 240` should take about
-15 minutes on a quiet 2-core machine, the oracle a few of them.
+Time: two sides of `--duration` plus each cluster's start and quiet-down, plus the oracle. Measured beside other
+runs (load average 15 to 27 on two cores): `--duration 45` took 400 s (oracle 126 s for 65 answers; 2 of the 4
+faults during the load), `--duration 120` 655 s (oracle 116 s for the faults side's 50 answers, 78 s for the
+baseline's 71; 4 of 4 faults during the load). `--duration 240` should take about 15 minutes on a quiet 2-core
+machine and under 25 on a busy one, the oracle about a third of it.
 """
 
 from __future__ import annotations
