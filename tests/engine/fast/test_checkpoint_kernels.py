@@ -7,13 +7,14 @@ Both run the fast kernels' cache formats (FP8 latent and FP8 index keys; a check
 refused by the fast path, engine/fast/support.py).
 - Segments, fp32, same inputs: the MLA front (rotary, full-rank query, dense MLA) equals `MLA.project` bit for bit;
   the KDA front (softplus gate) and the MoE (no latent, grouped top-k) agree with the reference within 1e-5.
-- End to end, a 72-token prompt prefilled (all logits), then 3 tokens decoded teacher-forced on the reference's
-  greedy tokens. bf16 (the production setting): argmax equal wherever the reference's top-2 margin exceeds 15%
-  of the range. fp32: logits within 1e-2 of the range (what is left: the sparse MLA kernel's bf16 queries and
-  probabilities) at every position whose attention needs no selection (all of them for a dense MLA; below
-  index_topk for DSA), with grouped routing off: the kernel set's small differences move FP8 index-key roundings
-  and router scores near a top-k boundary, and on these tiny random models one flipped expert or key moves the
-  logits by 10-30% of their range (measured), as FP8 keys against exact scores do (tests/engine/test_checkpoint.py).
+- End to end, a 40-token prompt on 32-token pages (it crosses a page, and the DSA kinds' index_topk of 16 and 32)
+  prefilled (all logits), then 3 tokens decoded teacher-forced on the reference's greedy tokens. bf16 (the
+  production setting): argmax equal wherever the reference's top-2 margin exceeds 15% of the range. fp32: logits
+  within 1e-2 of the range (what is left: the sparse MLA kernel's bf16 queries and probabilities) at every
+  position whose attention needs no selection (all of them for a dense MLA; below index_topk for DSA), with
+  grouped routing off: the kernel set's small differences move FP8 index-key roundings and router scores near a
+  top-k boundary, and on these tiny random models one flipped expert or key moves the logits by 10-30% of their
+  range (measured), as FP8 keys against exact scores do (tests/engine/test_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from tests.checkpoints import checkpoint_dir
 pytest.importorskip("transformers", reason="transformers writes the test checkpoints")
 
 KINDS = ["kimi-mix", "kimi-dense-shared", "dsv32-topk", "dsv32-yarn"]
-PROMPT_TOKENS = 72
+PROMPT_TOKENS = 40
+SUBBLOCK_TOKENS = 32
 DECODE_STEPS = 3
 
 
@@ -70,7 +72,7 @@ def test_fast_kernels_match_reference_on_checkpoint(kind: str, dtype: torch.dtyp
     cfg = dataclasses.replace(resolve_model(str(checkpoint_dir(kind))), latent_dtype="fp8")
     if tight:
         cfg = dataclasses.replace(cfg, num_expert_groups=1, topk_groups=1)
-    model, layout = build_model(cfg), plan_layout(cfg)
+    model, layout = build_model(cfg), plan_layout(cfg, subblock_tokens=SUBBLOCK_TOKENS)
     tokens = torch.randint(3, cfg.vocab_size, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(9))
     want_prefill, want_steps, fed = _reference(model, cfg, layout, tokens)
     fast = FastModel(model.to(device), layout, dtype)
