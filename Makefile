@@ -20,15 +20,19 @@ up: setup-python
 # process (each xdist worker) recompiles our modules and re-rewrites the asserts of ~170 test modules, about 3 s
 # of CPU per process per run (the __pycache__ folders are git-ignored).
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/python -m pytest
-# Tests that start no process run on both cores (pytest-xdist); those that start processes run in one pytest,
-# in the order tests/topologies.py gives them, sharing the topologies it starts once per run.
+# Tests that start no process run on both cores (pytest-xdist). Those that start processes run in the order
+# tests/topologies.py gives them, sharing the topologies it starts once per run: the vLLM pair's users first and
+# alone (both vLLM servers busy-poll the cores), then the rest on two workers, every cluster on one of them in
+# order (xdist group `topologies`) while the other takes the light tests a module at a time.
 PARALLEL := -n 2 --dist worksteal
+PROCESS_PARALLEL := -n 2 --dist loadgroup
 
 test: setup
 	@export PATH="$(CURDIR)/.tools/bin:$$PATH"; \
 	$(PYTEST) -m "not gpu and not process" $(PARALLEL) $(PYTEST_ARGS); fast=$$?; \
-	$(PYTEST) -m "not gpu and process" $(PYTEST_ARGS); slow=$$?; \
-	test $$fast -eq 0 -o $$fast -eq 5 && test $$slow -eq 0 -o $$slow -eq 5
+	$(PYTEST) -m "not gpu and process and vllm_pair" $(PYTEST_ARGS); vllm=$$?; \
+	$(PYTEST) -m "not gpu and process and not vllm_pair" $(PROCESS_PARALLEL) $(PYTEST_ARGS); slow=$$?; \
+	for rc in $$fast $$vllm $$slow; do test $$rc -eq 0 -o $$rc -eq 5 || exit 1; done
 
 # The fast tier: every test that starts no process or server (pytest marker `process`, tests/conftest.py).
 test-fast: setup-python

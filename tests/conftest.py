@@ -22,8 +22,9 @@ import pytest
 import engine.ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-pytest_plugins = ["tests.topologies"]
-"""The run's shared topologies (`cluster`, `vllm_cluster`, `vllm_pd_pair`, `decode_tp2`) and the test order."""
+pytest_plugins = ["tests.topologies", "tests.worker_groups"]
+"""The run's shared topologies (`cluster`, `vllm_cluster`, `vllm_pd_pair`, `decode_tp2`) and the test order; under
+`-n 2 --dist loadgroup`, which tests share a worker."""
 
 
 def free_port() -> int:
