@@ -6,7 +6,9 @@ A test's CPU time is the growth, over its set-up, call and teardown, of the CPU 
 pytest process has used: this process and the children it reaped (`resource.getrusage`) plus every live descendant
 (utime + stime + the cutime + cstime of the children it reaped, from /proc/<pid>/stat). A shared topology started
 by one test and used by the next is charged to each for what it burns while that test runs. Other users of the
-machine are not counted, unlike the /proc/stat idle figures.
+machine are not counted, unlike the /proc/stat idle figures. A process that dies unreaped by its parent (a killed
+process group's grandchildren, re-parented to init) takes its CPU out of the tree: the test in which it dies is
+charged minus what it had used (the tests before are right; a sum that includes that test loses the process).
 
 `cpu / wall` tells a test that waits (sleeps, polls, timeouts: near 0) from one that computes (near 1 or above on
 two cores). `others_cpu_s` is what every other process on the machine used meanwhile (/proc/stat), i.e. the

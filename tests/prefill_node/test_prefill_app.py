@@ -17,11 +17,28 @@ from tests.node.nodes import TEST_CLUSTER_SECRET, TOY, control_auth
 pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 
 
+HELD_LEASE_S = 600.0
+"""The module's node: no lease ends by expiry while a test looks at it (a 1.5 s lease ran out between an export and
+its abort when the machine was loaded)."""
+EXPIRING_LEASE_S = 3.0
+"""The expiry test's node: a lease it watches run out."""
+
+
+def _client(lease_seconds: float):
+    settings = Settings(backend=TOY, num_rows=16, max_context=4096, lease_seconds=lease_seconds, lease_sweep_s=0.1,
+                        engine_id="prefill-test", port=8123, cluster_secret=TEST_CLUSTER_SECRET)
+    return TestClient(create_app(settings))
+
+
 @pytest.fixture(scope="module")
 def client():
-    settings = Settings(backend=TOY, num_rows=16, max_context=4096, lease_seconds=1.5, lease_sweep_s=0.1,
-                        engine_id="prefill-test", port=8123, cluster_secret=TEST_CLUSTER_SECRET)
-    with TestClient(create_app(settings)) as c:
+    with _client(HELD_LEASE_S) as c:
+        yield c
+
+
+@pytest.fixture
+def expiring_client():
+    with _client(EXPIRING_LEASE_S) as c:
         yield c
 
 
@@ -201,12 +218,13 @@ def test_control_routes_refuse_unsigned_callers(client, method, path):
     assert client.request(method, path, json=body, auth=control_auth()).status_code in (200, 404, 503)
 
 
-def test_lease_expiry_frees_rows_and_side_channel(client):
+def test_lease_expiry_frees_rows_and_side_channel(expiring_client):
+    client = expiring_client
     meta = client.get("/kv/metadata", auth=control_auth()).json()
     assert meta["engine_id"] == "prefill-test" and meta["ranks"][0]["agent_name"] == "prefill-test-p0"
     params = _export(client, "req-expire")["kv_transfer_params"]
     assert _rows_used(client) == 3
-    _wait_rows(client, 0, timeout_s=10)
+    _wait_rows(client, 0, timeout_s=60)
     text = client.get("/metrics").text
     assert _metric(text, "pdcluster_node_lease_outcomes_total", 'outcome="expired"') >= 1
     assert _metric(text, "vllm:nixl_num_kv_expired_reqs_total") >= 1
