@@ -12,9 +12,10 @@ charged minus what it had used (the tests before are right; a sum that includes 
 
 `cpu / wall` tells a test that waits (sleeps, polls, timeouts: near 0) from one that computes (near 1 or above on
 two cores). `others_cpu_s` is what every other process on the machine used meanwhile (/proc/stat), i.e. the
-contention the figures were taken under. Under pytest-xdist each worker writes FILE.<worker id>, and each worker's
-tree holds only its own tests' processes. The report is tab-separated, slowest first: wall_s, cpu_s, cpu/wall,
-others_cpu_s, nodeid; a per-file sum follows.
+contention the figures were taken under, and `idle_s` the CPU time no process used (cores x wall - both): a
+test with idle CPU beside it was waiting, not starved. Under pytest-xdist each worker writes FILE.<worker id>, and
+each worker's tree holds only its own tests' processes. The report is tab-separated, slowest first: wall_s, cpu_s,
+cpu/wall, others_cpu_s, idle_s, nodeid; a per-file sum follows.
 """
 
 from __future__ import annotations
@@ -101,11 +102,12 @@ class _Recorder:
             acc = per_file[nodeid.split("::")[0]]
             for i, value in enumerate((wall, cpu, others, 1)):
                 acc[i] += value
-        lines = ["wall_s\tcpu_s\tcpu/wall\tothers_cpu_s\tnodeid"]
-        lines += [f"{w:.2f}\t{c:.2f}\t{c / w if w else 0:.2f}\t{o:.2f}\t{n}"
+        cores = sum(line[3:4].isdigit() for line in Path("/proc/stat").read_text().splitlines())  # cpuN lines
+        lines = ["wall_s\tcpu_s\tcpu/wall\tothers_cpu_s\tidle_s\tnodeid"]
+        lines += [f"{w:.2f}\t{c:.2f}\t{c / w if w else 0:.2f}\t{o:.2f}\t{cores * w - c - o:.2f}\t{n}"
                   for w, c, o, n in sorted(self.rows, reverse=True)]
-        lines += ["", "wall_s\tcpu_s\tcpu/wall\tothers_cpu_s\tnum_tests\tfile"]
-        lines += [f"{w:.2f}\t{c:.2f}\t{c / w if w else 0:.2f}\t{o:.2f}\t{k}\t{f}"
+        lines += ["", "wall_s\tcpu_s\tcpu/wall\tothers_cpu_s\tidle_s\tnum_tests\tfile"]
+        lines += [f"{w:.2f}\t{c:.2f}\t{c / w if w else 0:.2f}\t{o:.2f}\t{cores * w - c - o:.2f}\t{k}\t{f}"
                   for f, (w, c, o, k) in sorted(per_file.items(), key=lambda kv: -kv[1][0])]
         self.path.write_text("\n".join(lines) + "\n")
 
