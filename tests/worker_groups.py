@@ -26,7 +26,7 @@ def _groups_file(config: pytest.Config) -> Path | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if hasattr(config, "workerinput") or config.getvalue("dist") != "loadgroup":
+    if hasattr(config, "workerinput") or config.getoption("dist", default=None) != "loadgroup":
         return
     config._pdcluster_groups_file = Path(tempfile.mkdtemp(prefix="pytest-groups-")) / "groups.json"
 
