@@ -38,6 +38,7 @@ from engine.api import (
     TokenEvent,
 )
 from engine.layout import plan_layout
+from engine.results import CacheReport
 from engine.model.config import get_preset
 from engine.model.tokenizer_stream import IncrementalDecoder
 
@@ -242,13 +243,18 @@ class ToyEngine:
         return events
 
     def rank_stats(self, report_cache: bool = False) -> RankStats:
-        """The toy keeps no prefix cache: `report_cache` adds nothing."""
+        """The toy keeps no prefix cache: with `report_cache` it reports an empty one (no sessions, no blocks) and its
+        free rows, so its node answers `/v1/cache` (with its engine id, which the router binds hand-offs to) as a
+        reference node with its cache off does."""
         running = sum(r.state == "running" for r in self.reqs.values())
         waiting = sum(r.state == "waiting" for r in self.reqs.values())
         num_quarantined = sum(len(entry[1]) for entry in self.quarantined)
+        cache = CacheReport(block_tokens=self.layout.block_size, fingerprint=f"toy-{self.layout.fingerprint}",
+                            sessions=(), resumable=(), blocks_cached=0, rows_free=len(self.free), hits_tokens=0,
+                            queried_tokens=0, evicted_blocks=0, blocks_read=0, blocks_reused=0) if report_cache else None
         return RankStats(num_running=running, num_waiting=waiting,
                          num_rows_used=self.config.num_rows - len(self.free) - num_quarantined,
-                         num_rows_total=self.config.num_rows, has_work=bool(running or waiting))
+                         num_rows_total=self.config.num_rows, has_work=bool(running or waiting), cache=cache)
 
 
 def build_engine(config: EngineConfig, ctx: Any, clock: Callable[[], float], token_shard_min_tokens: int = 1,
