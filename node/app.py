@@ -31,7 +31,7 @@ from node.serving import Drain, GuardMiddleware, MetricsServer
 from node.settings import NodeSettings
 from node.textgen import SESSION_HEADER, TENANT_HEADER, Kind, PreparedRequest, parse_session, parse_tenant, prepare
 from serving import sse
-from serving.errors import APIError, error_body
+from serving.errors import DRAINING_HEADER, APIError, error_body
 from serving.protocol import (
     AbortRequests,
     ChatCompletionRequest,
@@ -117,16 +117,19 @@ def node_router(handle: Handler, settings: NodeSettings, guard: ControlGuard) ->
     control = [Depends(guard.check)]
     max_in_flight = settings.engine.max_batch + settings.max_queued_requests
 
-    def _shed(runtime: NodeRuntime, message: str) -> Response:
+    def _shed(runtime: NodeRuntime, message: str, draining: bool = False) -> Response:
         runtime.metrics.requests.labels(outcome="shed").inc()
-        return shed_response(message, settings.retry_after_s)
+        response = shed_response(message, settings.retry_after_s)
+        if draining:
+            response.headers[DRAINING_HEADER] = "1"
+        return response
 
     async def _serve(request: Request, body: CompletionRequest | ChatCompletionRequest, kind: Kind) -> Response:
         runtime = runtime_of(request)
         if not runtime.executor.healthy:
             raise APIError(503, f"the engine is down: {runtime.executor.state.error or 'not running'}")
         if request.app.state.drain.active:
-            return _shed(runtime, "the node is shutting down; retry on another instance")
+            return _shed(runtime, "the node is shutting down; retry on another instance", draining=True)
         if len(runtime.request_ids) >= max_in_flight:
             return _shed(runtime, f"the node holds {max_in_flight} requests (running + queued); retry later")
         external_id = parse_request_id(request.headers.get("x-request-id"))

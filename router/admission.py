@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 from router.metrics import RouterMetrics
 from router.settings import Settings
+from serving.errors import DRAINING_HEADER
 
 
 class PoolFull(Exception):
@@ -72,6 +73,12 @@ class Admission:
         for pool in {*pools, *self.inflight}:
             self.metrics.pool_inflight.labels(pool).set(self.inflight.get(pool, 0))
             self.metrics.pool_inflight_limit.labels(pool).set(self.limit(pool))
+
+
+def is_node_draining(status: int, headers: Mapping[str, str]) -> bool:
+    """A node's 503 refusing a request because it is shutting down (serving/errors.py `DRAINING_HEADER`): it
+    computed nothing, and the request belongs on another instance, not back at the client."""
+    return status == 503 and headers.get(DRAINING_HEADER) == "1"
 
 
 def is_node_shed(status: int, headers: Mapping[str, str]) -> bool:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import orjson
 
 from router.aborts import aborter_for
-from router.admission import is_node_shed
+from router.admission import is_node_draining, is_node_shed
 from router.breaker import Attempt
 from router.kvparams import KVHandoff, decode_body, handoff_from_answer, prefill_body
 from router.migration import Migration
@@ -423,6 +423,8 @@ class Orchestrator:
                     await resp.aclose()
                     state.num_inflight -= 1
                     self.record_decode_status(ctx, attempts, resp.status_code, resp.headers)
+                    if ctx.migration is not None and is_node_draining(resp.status_code, resp.headers):
+                        raise DecodeFailed(503, f"decode instance {state.spec.name} is draining", "error_status")
                     if is_node_shed(resp.status_code, resp.headers):
                         self.abort_legs(ctx)
                         raise UpstreamReply(resp.status_code, content, resp.headers.get("content-type"),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import orjson
 
-from router.admission import PoolFull, is_node_shed
+from router.admission import PoolFull, is_node_draining, is_node_shed
 from router.identity import cache_scope
 from router.placement import NoPlacement, Placement, RequestShape, SessionRecord, place
 from router.session_routing import after_turn, expected_growth, identify, prompt_estimate, rewrite_usage, \
@@ -255,7 +255,8 @@ async def _attempt(state: RouterState, orch: Orchestrator, ctx: RequestContext, 
     if not ctx.valid.is_stream:
         resp, content = await orch.decode_json(ctx)
         headers = _route_headers(ctx)
-        if mover is not None and resp.status_code >= 500 and not is_node_shed(resp.status_code, resp.headers):
+        if mover is not None and resp.status_code >= 500 and (not is_node_shed(resp.status_code, resp.headers)
+                                                              or is_node_draining(resp.status_code, resp.headers)):
             raise DecodeFailed(502, f"decode answered {resp.status_code}{upstream_message(content)}", "error_status")
         if is_node_shed(resp.status_code, resp.headers):
             ctx.outcome, headers = "shed", _shed_headers(ctx, resp.headers)

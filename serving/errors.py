@@ -25,6 +25,11 @@ from serving.scrub import scrub_message
 
 log = logging.getLogger("pdcluster.errors")
 
+DRAINING_HEADER = "x-pdcluster-draining"
+"""Set ("1") on a node's 503 that refuses a request because the node is draining (shutting down), as opposed to
+a busy node's: nothing was computed, and a router that can re-place the request sends it to another instance
+(router/admission.py `is_node_draining`) rather than relaying the 503."""
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

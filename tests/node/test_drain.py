@@ -11,6 +11,7 @@ import signal
 import httpx
 import pytest
 
+from serving.errors import DRAINING_HEADER
 from tests.conftest import free_port
 from tests.node.nodes import running_nodes
 
@@ -38,6 +39,7 @@ def test_sigterm_drains_a_400_token_stream_and_sheds_new_requests():
             health = httpx.get(f"{node.url}/health", timeout=60)
             data = [first[6:]] + [line[6:] for line in lines if line.startswith("data: ")]
         assert shed.status_code == 503 and shed.headers.get("retry-after"), shed.text
+        assert shed.headers.get(DRAINING_HEADER) == "1"  # a router re-places it (router/admission.py)
         assert shed.json()["error"]["code"] == 503
         assert health.status_code == 503 and health.headers.get("retry-after")
         assert data[-1] == "[DONE]"

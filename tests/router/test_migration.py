@@ -15,6 +15,7 @@ import json
 import pytest
 
 from router.config import PoolSpec
+from serving.errors import DRAINING_HEADER
 from tests.router.fakes import FakeNode
 from tests.router.harness import completion, router_harness
 
@@ -265,3 +266,30 @@ async def _test_a_refused_move_is_recomputed_elsewhere() -> None:
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "t0 t1 t2 t3 t4 t5 "
     assert refuses.bodies[0]["kv_transfer_params"] == MOVED
     assert "kv_transfer_params" not in other.bodies[0] and other.bodies[0]["resume_token_ids"] == [100, 101]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_draining_instances_refusal_is_placed_on_another_instance(stream: bool) -> None:
+    asyncio.run(_test_a_draining_instances_refusal_is_placed_on_another_instance(stream))
+
+
+async def _test_a_draining_instances_refusal_is_placed_on_another_instance(stream: bool) -> None:
+    """A decode node that refuses a request because it is shutting down (503, Retry-After, the draining header)
+    computed nothing: the request goes to another instance instead of back to the client (chaos.py saw 4 such
+    503s reach clients in the second between a SIGTERM and the router's next health probe). A busy node's 503
+    is still the client's (tests/router/test_admission.py)."""
+    draining = FakeNode("d1", "decode", engine_label="reference", fail_status=503,
+                        fail_headers={"Retry-After": "1", DRAINING_HEADER: "1"})
+    other = FakeNode("d2", "decode", engine_label="reference")
+    async with router_harness([draining, other], specs=_decodes(draining, other)) as (client, _):
+        if stream:
+            chunks, events = await _stream(client, completion(temperature=0))
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        else:
+            resp = await client.post("/v1/completions", json=completion(temperature=0))
+            assert resp.status_code == 200, resp.text
+            text = resp.json()["choices"][0]["text"]
+        metrics = (await client.get("/metrics")).text
+    assert draining.bodies and other.bodies  # d1 (first by name) refused it, d2 answered
+    assert text == "t0 t1 t2 t3 "
+    assert 'pdcluster_migrations_total{reason="error_status"} 1.0' in metrics
