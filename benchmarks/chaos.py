@@ -293,7 +293,8 @@ def main() -> int:
     alone = oracle.check_alone()  # a few batched answers again, one at a time: the batch changed no bit
     f, b = sides["faults"], sides["baseline"]
     report = {"headline": {
-        "requests_failed": f["failed"], "answers_mismatched": f["mismatched"], "rows_leaked": f["rows_leaked"],
+        "metric": "requests_failed", "value": f["failed"], "goal": 0,
+        "answers_mismatched": f["mismatched"], "answers_mismatched_goal": 0, "rows_leaked": f["rows_leaked"],
         "leaking_nodes": f["leaking_nodes"], "faults_during_load": f["faults_during_load"], "moves": f["moves"],
         "resume_latency_s": f["resume_latency_s"],
         **{f"{m}_{q}_ratio": ratio(f[m][q], b[m][q]) for m in ("ttft_s", "tpot_s") for q in ("p50", "p99")}},
