@@ -63,27 +63,48 @@ class Flight:
 
 
 class HostCores:
-    """Ranks computing now on a host of `cores` cores (None: no sharing); a step's stretch factor at its start.
-    When the count changes, every other instance's decode segment is cut at its next step boundary, so the steps
-    after it are timed with the new count (a segment's steps all share the factor of its start)."""
+    """The ranks computing now on a host of `cores` cores (None: no sharing), per core, and a step's stretch factor
+    at its start. Each node pins its rank r to core r mod cores (node/executor.py `_rank_main`, `pin_cores`), so
+    every instance's rank 0 shares core 0: an instance of W ranks runs on cores {r mod cores : r < W}. A core
+    shared by k busy ranks gives each 1/k of its time, and an instance's ranks step in lockstep (collectives every
+    layer), so its step stretches by the most busy ranks on any of its cores, its own included: one rank's step
+    beside a two-rank instance's on two cores stretches by 2, where the pooled count (3 ranks / 2 cores) says 1.5.
+    When a count changes, every other instance's decode segment is cut at its next step boundary, so the steps
+    after it are timed with the new counts (a segment's steps all share the factor of its start)."""
 
     def __init__(self, cores: int | None) -> None:
         self.cores = cores
-        self.busy = 0
+        self.busy = [0] * (cores or 0)
+        """Busy ranks per core."""
         self.instances: list[SimInstance] = []
 
+    def cores_of(self, ranks: int) -> range:
+        """The cores an instance of `ranks` ranks is pinned to."""
+        assert self.cores is not None
+        return range(min(ranks, self.cores))
+
+    def stretch(self, ranks: int) -> float:
+        """The stretch of a step of an instance of `ranks` ranks that is counted busy now."""
+        if self.cores is None:
+            return 1.0
+        return float(max(self.busy[c] for c in self.cores_of(ranks)))
+
     def start(self, ranks: int, who: SimInstance | None = None) -> float:
-        self.busy += ranks
+        if self.cores is None:
+            return 1.0
+        for r in range(ranks):
+            self.busy[r % self.cores] += 1
         self._changed(who)
-        return 1.0 if self.cores is None else max(1.0, self.busy / self.cores)
+        return self.stretch(ranks)
 
     def end(self, ranks: int, who: SimInstance | None = None) -> None:
-        self.busy -= ranks
+        if self.cores is None:
+            return
+        for r in range(ranks):
+            self.busy[r % self.cores] -= 1
         self._changed(who)
 
     def _changed(self, who: SimInstance | None) -> None:
-        if self.cores is None:
-            return
         for inst in self.instances:
             if inst is not who and inst.segment is not None:
                 inst._cut_segment()

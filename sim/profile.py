@@ -14,7 +14,7 @@ Only time is modelled from a profile; every decision comes from the product code
 - `stream`: how a node's stream splits into SSE chunks: a chunk goes out when a token completes text (see
   `StreamModel`); a client's TTFT is its first chunk's time and its TPOT spans its first to its last chunk.
 - `template`: how a prompt becomes tokens (sim/tokens.py `Template`).
-- `host_cores`: on one CPU host, the cores every instance's ranks share (first-order contention; see the field).
+- `host_cores`: on one CPU host, the cores every instance's ranks share, pinned rank r to core r mod host_cores.
 - `sources`: where every number came from; `fit`: for fitted profiles, which measured points were used for
   fitting and which are predictions (with their errors).
 Bad input raises ValueError naming the field.
@@ -115,8 +115,9 @@ class Profile(_Strict):
     http: HttpCost = Field(default_factory=HttpCost)
     stream: StreamModel = Field(default_factory=StreamModel)
     host_cores: int | None = Field(None, ge=1)
-    """CPU profiles: every instance's ranks share this many cores (a step stretches by the ranks busy at its start,
-    its own included, over host_cores, when that is above 1). None: instances do not share compute (GPUs)."""
+    """CPU profiles: every instance's ranks share this many cores, rank r of each on core r mod host_cores, as the
+    nodes pin them (a step stretches by the busy ranks on the most loaded of its cores at its start, its own
+    included: sim/instance.py `HostCores`). None: instances do not share compute (GPUs)."""
     sources: list[str] = Field(min_length=1)
     fit: list[FitPoint] = Field(default_factory=list)
     notes: str = ""
