@@ -14,6 +14,8 @@ isolates the prefill and TPOT the decode batch; three untimed requests first war
   half the TP=1 pool's (each rank holds half the tokens): an assumption the profile states.
 - the TP=1 decode node's own prefill (colocated turns, skipped P legs): the `COLOCATED` points on a second cluster
   of the same pools whose router never sends a P leg, fitted like the P pool's (its chunks, its base).
+A point's prompt may start with tokens the prefill node has cached (the points' words share a prefix): each
+point records its mean cached tokens and the fit prefills only the rest.
 Not measured (stated in the profile's notes): the DCP pool's own prefill (set to the P pool's: both are two-rank
 SPMD prefills). Transfer costs come from benchmarks/RESULTS.md (CPU loopback).
 Every measured point and what the fitted model gives for it are written to the profile's `fit` list.
@@ -157,9 +159,10 @@ def _random_point(real, point: Point, out_dir: Path, repeat: int = 1) -> dict:  
     level = summary.levels[0]
     if not level.num_ok:
         raise RuntimeError(f"calibration point {point.name}: no request succeeded ({level.errors_by_kind})")
+    ok = [r for r in level.records if r.is_ok]
     return {"ttft_s": level.ttft_ms.p50 / 1000, "tpot_s": (level.tpot_ms.p50 or 0) / 1000,
             "prompt_tokens": level.input_tokens // level.num_ok, "num_ok": level.num_ok,
-            **chunk_counts(level.records)}
+            "cached_tokens": round(sum(r.cached_tokens or 0 for r in ok) / len(ok)), **chunk_counts(level.records)}
 
 
 def chunk_counts(records: list) -> dict[str, int]:
@@ -328,7 +331,8 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                   "DCP decode_ctx_s is half the TP=1 pool's (assumed); http.decode_leg_s is the colocated path's "
                   "fitted constant less the router's work, http.prefill_leg_s what the disaggregated path's has "
                   "beyond both (the READ's setup included); TPOT points are divided by the share of steps a "
-                  "chunk-level TPOT spans (sim/calibrate.py first_chunk_share) before fitting."),
+                  "chunk-level TPOT spans (sim/calibrate.py first_chunk_share) before fitting; a point's cached "
+                  "tokens (the points share their words' prefix) are not prefilled."),
     }
 
 
