@@ -14,6 +14,8 @@ isolates the prefill and TPOT the decode batch; three untimed requests first war
   half the TP=1 pool's (each rank holds half the tokens): an assumption the profile states.
 - the TP=1 decode node's own prefill (colocated turns, skipped P legs): the `COLOCATED` points on a second cluster
   of the same pools whose router never sends a P leg, fitted like the P pool's (its chunks, its base).
+- core sharing (`StepCost.contention`): the `BESIDE` points, each measured while a background load keeps one
+  other instance busy, against the same shape measured alone (`contention`).
 A point's prompt may start with tokens the prefill node has cached (the points' words share a prefix): each
 point records its mean cached tokens and the fit prefills only the rest.
 Not measured (stated in the profile's notes): the DCP pool's own prefill (set to the P pool's: both are two-rank
@@ -68,6 +70,31 @@ COLOCATED = (Point("colo_ttft_w20", 20, 2, 1, 3), Point("colo_ttft_w300", 300, 2
 turn's TTFT is a prefill of the new tokens attending over the cached prefix (its `output` is the new words). Both
 turns stay within the TP pool's 8,192 tokens with the router's growth allowance, so the second turn goes where
 the first left its cache; `_append_point` refuses a run whose second turns found nothing cached."""
+@dataclass(frozen=True)
+class Beside:
+    """A point measured while a background load keeps another instance busy (sim/measure.py `background`: one
+    request at a time, `words` fresh words, `max_tokens` out), against the point `alone` of the same shape measured
+    without it: how much sharing the cores lengthens a step (sim/profile.py `StepCost.contention`)."""
+
+    point: Point
+    alone: str
+    words: int
+    max_tokens: int
+
+
+BESIDE = (
+    Beside(Point("tpot_tp_beside_prefill", 20, 33, 1, 2), "tpot_tp_b1_short", 1400, 2),
+    Beside(Point("ttft_beside_tp_decode", 300, 2, 1, 2), "ttft_w300", 20, 400),
+    Beside(Point("tpot_dcp_beside_prefill", 1400, 33, 1, 2), "tpot_dcp_b1", 1000, 2),
+)
+"""The TP=1 decode beside the P prefill (the background's 1,400-word prompts go to the DCP pool: P prefills them
+and the DCP pool decodes two tokens each); the P prefill beside the TP=1 decode (400-token answers to 20-word
+prompts); the DCP decode beside the P prefill (1,000-word prompts that go to the TP=1 pool for two tokens).
+Each point's own words come from another seed than the points', so its prompts are not cached."""
+BESIDE_NAMES = frozenset(b.point.name for b in BESIDE)
+BESIDE_SEED = 13
+BACKGROUND_SEED = 17
+"""The background's words: another stream than every point's, so neither finds the other's prompts cached."""
 QUICK = ("ttft_w20", "ttft_w300", "ttft_w700", "tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long",
          "tpot_dcp_b1", "tpot_dcp_b2", "ttft_append_w600_w300")
 
@@ -138,6 +165,13 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, rep
                 continue
             found[point.name] = _random_point(real, point, out_dir, repeat)
             print(f"{point.name}: {found[point.name]}", file=sys.stderr)
+        for beside in BESIDE:
+            if beside.alone not in names:
+                continue
+            with real.background(beside.words, beside.max_tokens, BACKGROUND_SEED) as done:
+                found[beside.point.name] = _random_point(real, beside.point, out_dir, repeat, seed=BESIDE_SEED)
+            found[beside.point.name]["background_done"] = len(done)
+            print(f"{beside.point.name}: {found[beside.point.name]}", file=sys.stderr)
     colocated = config.model_copy(update={"router": config.router.model_copy(update={
         "settings": {**config.router.settings, "disagg_min_uncached_tokens": 10**9}})})
     with RealCluster(colocated, out_dir / "logs-colocated") as real:
@@ -151,8 +185,9 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, rep
     return found
 
 
-def _random_point(real, point: Point, out_dir: Path, repeat: int = 1) -> dict:  # noqa: ANN001 - sim.measure.RealCluster
-    workload = RandomWorkload(RandomConfig(seed=7, input_len=parse_dist(str(point.words)),
+def _random_point(real, point: Point, out_dir: Path, repeat: int = 1,  # noqa: ANN001 - sim.measure.RealCluster
+                  seed: int = 7) -> dict:
+    workload = RandomWorkload(RandomConfig(seed=seed, input_len=parse_dist(str(point.words)),
                                            output_len=parse_dist(str(point.output))))
     summary = real.sweep(workload, "random", [point.concurrency], 1e6, out_dir / point.name,
                          max_requests=point.requests * repeat, drain_s=600.0)
@@ -222,6 +257,15 @@ ROUTER_S = 0.0005
 """The router's own work per request (benchmarks/RESULTS.md 2026-12-03, evening)."""
 
 
+def contention(beside_s: float, alone_s: float, step_s: float) -> float:
+    """`StepCost.contention` from a point measured beside a busy instance (one more busy rank on the step's most
+    loaded core) and alone: the time it gained over the part of it that stretches (`step_s`: the whole TPOT, the
+    prefill step of a TTFT), at least 0."""
+    if step_s <= 0:
+        raise ValueError(f"contention: the stretching part of the point must be positive, got {step_s}")
+    return max(0.0, (beside_s - alone_s) / step_s)
+
+
 def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, command: str) -> dict:
     """The profile JSON (a dict) fitted to `measured` (see the module docstring for the model).
 
@@ -254,7 +298,7 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     # prefill: a step's fixed cost is the decode pool's base (a constant per request cannot be told apart from
     # it when prompts take one step); the fit weighs every point by 1/TTFT (relative error)
     p_base = d_base
-    ttft = [(k, v) for k, v in measured.items() if k.startswith("ttft_")]
+    ttft = [(k, v) for k, v in measured.items() if k.startswith("ttft_") and k not in BESIDE_NAMES]
     rows = [[1.0, *chunk_features(v["prompt_tokens"], p_eng.max_step_tokens, v.get("cached_tokens", 0))]
             for _, v in ttft]
     y = np.array([v["ttft_s"] - p_base * row[1] - d_step(v["prompt_tokens"]) for (_, v), row in zip(ttft, rows)])
@@ -311,6 +355,20 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
         fit.append({"name": k, "measured": measured[k]["tpot_s"], "used_for_fit": True,
                     "source": "TPOT p50 (first to last chunk), s",
                     "modelled": float((dcp_base + dcp_seq * b + dcp_ctx * ctx(k, b)) * share(k))})
+    n300 = measured["ttft_w300"]["prompt_tokens"] - measured["ttft_w300"].get("cached_tokens", 0)
+    alone_s = {"tpot_tp_beside_prefill": measured["tpot_tp_b1_short"]["tpot_s"],
+               "ttft_beside_tp_decode": p_base + p_tok * n300 + p_attn * n300 * n300 / 2,
+               "tpot_dcp_beside_prefill": measured["tpot_dcp_b1"]["tpot_s"]}
+    for index, beside in zip((1, 0, 2), BESIDE):  # the step each point stretches: tp, P, dcp
+        got = measured.get(beside.point.name)
+        if got is None:
+            continue
+        key = "tpot_s" if beside.point.name.startswith("tpot") else "ttft_s"
+        c = contention(got[key], measured[beside.alone][key], alone_s[beside.point.name])
+        steps[index]["contention"] = c
+        fit.append({"name": beside.point.name, "measured": got[key], "used_for_fit": True,
+                    "source": f"{'TPOT' if key == 'tpot_s' else 'TTFT'} p50 beside a busy instance, s",
+                    "modelled": measured[beside.alone][key] + c * alone_s[beside.point.name]})
     return {
         "name": name, "model": config.model, "device": "cpu (this machine, reference engine)",
         "template": {"kind": "bytes", "tokens_per_message": 4}, "steps": steps,

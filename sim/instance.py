@@ -63,14 +63,15 @@ class Flight:
 
 
 class HostCores:
-    """The ranks computing now on a host of `cores` cores (None: no sharing), per core, and a step's stretch factor
-    at its start. Each node pins its rank r to core r mod cores (node/executor.py `_rank_main`, `pin_cores`), so
-    every instance's rank 0 shares core 0: an instance of W ranks runs on cores {r mod cores : r < W}. A core
-    shared by k busy ranks gives each 1/k of its time, and an instance's ranks step in lockstep (collectives every
-    layer), so its step stretches by the most busy ranks on any of its cores, its own included: one rank's step
-    beside a two-rank instance's on two cores stretches by 2, where the pooled count (3 ranks / 2 cores) says 1.5.
-    When a count changes, every other instance's decode segment is cut at its next step boundary, so the steps
-    after it are timed with the new counts (a segment's steps all share the factor of its start)."""
+    """The ranks computing now on a host of `cores` cores (None: no sharing), per core. Each node pins its rank r
+    to core r mod cores (node/executor.py `_rank_main`, `pin_cores`), so every instance's rank 0 shares core 0: an
+    instance of W ranks runs on cores {r mod cores : r < W}, and its ranks step in lockstep (collectives every
+    layer), so what slows its step is its most loaded core: `start` answers the busy ranks there, its own
+    included (k), and the step takes `StepCost.stretched(k)` times its time (k with contention 1: the core's time
+    split evenly). One rank's step beside a two-rank instance's on two cores has k = 2, where the pooled count
+    (3 ranks / 2 cores) said 1.5. When a count changes, every other instance's decode segment is cut at its next
+    step boundary, so the steps after it are timed with the new counts (a segment's steps all share the factor of
+    its start)."""
 
     def __init__(self, cores: int | None) -> None:
         self.cores = cores
@@ -83,8 +84,8 @@ class HostCores:
         assert self.cores is not None
         return range(min(ranks, self.cores))
 
-    def stretch(self, ranks: int) -> float:
-        """The stretch of a step of an instance of `ranks` ranks that is counted busy now."""
+    def sharing(self, ranks: int) -> float:
+        """The busy ranks on the most loaded core of an instance of `ranks` ranks that is counted busy now."""
         if self.cores is None:
             return 1.0
         return float(max(self.busy[c] for c in self.cores_of(ranks)))
@@ -95,7 +96,7 @@ class HostCores:
         for r in range(ranks):
             self.busy[r % self.cores] += 1
         self._changed(who)
-        return self.stretch(ranks)
+        return self.sharing(ranks)
 
     def end(self, ranks: int, who: SimInstance | None = None) -> None:
         if self.cores is None:
@@ -256,7 +257,7 @@ class SimInstance:
             return
         req, end = plan.prefill, plan.prefill_end
         duration = self.cost.step_s(end - req.num_computed, end, len(self.batch), self.batch.context())
-        duration *= self.host.start(self.ranks, self)
+        duration *= self.cost.stretched(self.host.start(self.ranks, self))
         has_decode = bool(plan.decode)
         self.loop.after(duration, lambda: self._end_step(req, end, has_decode, now))
 
@@ -360,7 +361,7 @@ class SimInstance:
         next_event = batch.next_event_step()
         assert next_event is not None and next_event > batch.steps
         steps = next_event - batch.steps
-        stretch = self.host.start(self.ranks, self)
+        stretch = self.cost.stretched(self.host.start(self.ranks, self))
         first = self.cost.step_s(batch=len(batch), sum_context=batch.context()) * stretch
         growth = self.cost.decode_ctx_s * len(batch) * stretch
         quarantine = [q.until for q in self.pool._quarantine]

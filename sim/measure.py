@@ -9,6 +9,10 @@ benchmarks/sim_validation.py: the measured side of every comparison.
 from __future__ import annotations
 
 import asyncio
+import random
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from cluster.config import ClusterConfig
@@ -47,6 +51,45 @@ class RealCluster:
                             seed=seed, slo=slo or SLO(), gpus=gpus, drain_s=drain_s, max_requests=max_requests,
                             plots=False, command=["sim.measure", scenario])
         return asyncio.run(run_sweep(workload, opts, scenario, []))
+
+
+    @contextmanager
+    def background(self, words: int, max_tokens: int, seed: int) -> Iterator[list[float]]:
+        """Keep one request at a time running through the router (a prompt of `words` fresh random words, each a
+        new prefix), from entry until exit, which waits for the one in flight; yields the list of the finished
+        requests' latencies (s). What a calibration point measures beside it is the cost of sharing the cores."""
+        import time
+
+        import httpx
+
+        from loadgen.text import words as draw_words
+
+        stop, done, failed = threading.Event(), [], []
+        rng = random.Random(seed)
+        body = {"model": self.cluster.model_name, "max_tokens": max_tokens, "ignore_eos": True, "stream": False}
+
+        def run() -> None:
+            with httpx.Client(base_url=self.cluster.router_url, timeout=600.0) as client:
+                while not stop.is_set():
+                    started = time.monotonic()
+                    reply = client.post("/v1/chat/completions", json={
+                        **body, "messages": [{"role": "user", "content": draw_words(rng, words)}]})
+                    if reply.status_code != 200:
+                        failed.append(f"{reply.status_code}: {reply.text[:200]}")
+                        return
+                    done.append(time.monotonic() - started)
+
+        thread = threading.Thread(target=run, name="calibrate-background", daemon=True)
+        thread.start()
+        while not done and not failed and thread.is_alive():  # the background is running before the point starts
+            time.sleep(0.05)
+        try:
+            yield done
+        finally:
+            stop.set()
+            thread.join(timeout=600.0)
+        if failed:
+            raise RuntimeError(f"background load ({words} words, {max_tokens} tokens) failed: {failed[0]}")
 
 
 def measure(config: ClusterConfig, workload: Workload, scenario: str, levels: list[int], duration_s: float,

@@ -43,6 +43,11 @@ class StepCost(_Strict):
     prefill_ctx_s: float = Field(0.0, ge=0)
     decode_seq_s: float = Field(0.0, ge=0)
     decode_ctx_s: float = Field(0.0, ge=0)
+    contention: float = Field(1.0, ge=0)
+    """On a shared host (`host_cores`): how much longer a step gets, as a share of its time, per other busy rank on
+    its most loaded core: it takes `1 + contention * (k - 1)` times its time beside k - 1 others. 1.0: the core's
+    time is split evenly and all of the step needs it; below: part of the step waits on peers, which a shared core
+    does not lengthen; above: it loses more than its share (`pdcluster sim calibrate`'s `*_beside_*` points)."""
 
     def prefill_part(self, num_tokens: int, end: int) -> float:
         cached = end - num_tokens
@@ -50,6 +55,10 @@ class StepCost(_Strict):
 
     def decode_part(self, batch: int, sum_context: int) -> float:
         return self.decode_seq_s * batch + self.decode_ctx_s * sum_context
+
+    def stretched(self, num_sharing: int) -> float:
+        """The factor a step takes when its most loaded core holds `num_sharing` busy ranks (its own included)."""
+        return 1.0 + self.contention * (num_sharing - 1)
 
     def step_s(self, prefill_tokens: int = 0, prefill_end: int = 0, batch: int = 0, sum_context: int = 0) -> float:
         t = self.base_s

@@ -24,3 +24,50 @@ def test_a_point_records_its_cached_tokens() -> None:
     assert got["cached_tokens"] == 1536 and got["prompt_tokens"] == 3518
     steps, new_tokens, within, ctx = chunk_features(got["prompt_tokens"], None, got["cached_tokens"])
     assert (steps, new_tokens, within, ctx) == (1, 1982, 1982 * 1982 / 2, 1982 * 1536)
+
+
+def test_contention_from_a_point_beside_a_busy_instance() -> None:
+    """A TPOT of 30 ms beside the prefill against 12 ms alone: the decode step gained 1.5 of itself (contention
+    1.5); a TTFT that gained 0.3 s over a prefill step of 0.6 s: 0.5; a point faster beside than alone: 0."""
+    import pytest
+
+    from sim.calibrate import contention
+
+    assert contention(0.030, 0.012, 0.012) == pytest.approx(1.5)
+    assert contention(1.25, 0.95, 0.6) == pytest.approx(0.5)
+    assert contention(0.9, 0.95, 0.6) == 0.0
+    with pytest.raises(ValueError, match="positive"):
+        contention(1.0, 0.5, 0.0)
+
+
+def test_the_fit_sets_each_steps_contention_from_its_point() -> None:
+    """Refit the shipped measurement with three `*_beside_*` points added: the TP=1 decode twice as slow beside
+    the prefill (contention 1.0), the DCP decode 1.2 times (0.2), the prefill's TTFT longer by half its modelled
+    prefill step (0.5); a measurement without them leaves every contention at 1.0 (the default)."""
+    import json
+
+    import pytest
+
+    from cluster.config import DEFAULT_CONFIG_PATH, load_config
+    from sim.calibrate import fit_profile
+    from sim.profile import PROFILE_DIR, Profile
+
+    measured = json.loads((PROFILE_DIR / "cpu-mini-reference.measured.json").read_text())
+    config = load_config(DEFAULT_CONFIG_PATH)
+    plain = Profile.model_validate(fit_profile(config, measured, "plain", "test"))
+    assert {s.contention for s in plain.steps} == {1.0}
+    p_step = plain.step(2, 1)
+    n = measured["ttft_w300"]["prompt_tokens"] - measured["ttft_w300"].get("cached_tokens", 0)
+    prefill_s = p_step.base_s + p_step.prefill_token_s * n + p_step.prefill_attn_s * n * n / 2
+    no_chunks = {"later_chunks": 0, "later_tokens": 0}  # the stream model's evidence stays as it was
+    measured["tpot_tp_beside_prefill"] = {**measured["tpot_tp_b1_short"], **no_chunks,
+                                          "tpot_s": 2.0 * measured["tpot_tp_b1_short"]["tpot_s"]}
+    measured["tpot_dcp_beside_prefill"] = {**measured["tpot_dcp_b1"], **no_chunks,
+                                           "tpot_s": 1.2 * measured["tpot_dcp_b1"]["tpot_s"]}
+    measured["ttft_beside_tp_decode"] = {**measured["ttft_w300"], **no_chunks,
+                                         "ttft_s": measured["ttft_w300"]["ttft_s"] + 0.5 * prefill_s}
+    fitted = Profile.model_validate(fit_profile(config, measured, "beside", "test"))
+    assert fitted.step(1, 1).contention == pytest.approx(1.0)
+    assert fitted.step(1, 2).contention == pytest.approx(0.2)
+    assert fitted.step(2, 1).contention == pytest.approx(0.5)
+    assert fitted.step(2, 1).prefill_token_s == plain.step(2, 1).prefill_token_s  # the TTFT fit leaves it out
