@@ -69,26 +69,33 @@ class RealCluster:
         body = {"model": self.cluster.model_name, "max_tokens": max_tokens, "ignore_eos": True, "stream": False}
 
         def run() -> None:
-            with httpx.Client(base_url=self.cluster.router_url, timeout=600.0) as client:
-                while not stop.is_set():
-                    started = time.monotonic()
-                    reply = client.post("/v1/chat/completions", json={
-                        **body, "messages": [{"role": "user", "content": draw_words(rng, words)}]})
-                    if reply.status_code != 200:
-                        failed.append(f"{reply.status_code}: {reply.text[:200]}")
-                        return
-                    done.append(time.monotonic() - started)
+            try:
+                with httpx.Client(base_url=self.cluster.router_url, timeout=600.0) as client:
+                    while not stop.is_set():
+                        started = time.monotonic()
+                        reply = client.post("/v1/chat/completions", json={
+                            **body, "messages": [{"role": "user", "content": draw_words(rng, words)}]})
+                        if reply.status_code != 200:
+                            failed.append(f"{reply.status_code}: {reply.text[:200]}")
+                            return
+                        done.append(time.monotonic() - started)
+            except httpx.HTTPError as exc:
+                failed.append(f"{type(exc).__name__}: {exc}")
 
         thread = threading.Thread(target=run, name="calibrate-background", daemon=True)
         thread.start()
         while not done and not failed and thread.is_alive():  # the background is running before the point starts
             time.sleep(0.05)
+        why = "no request finished" if not failed else failed[0]
+        if failed or not done:
+            stop.set()
+            raise RuntimeError(f"background load ({words} words, {max_tokens} tokens) failed: {why}")
         try:
             yield done
         finally:
             stop.set()
             thread.join(timeout=600.0)
-        if failed:
+        if failed:  # the point ran beside a load that stopped part way
             raise RuntimeError(f"background load ({words} words, {max_tokens} tokens) failed: {failed[0]}")
 
 
