@@ -135,6 +135,11 @@ class EngineConfig:
     max_step_tokens: int | None = None
     """Chunked prefill: tokens one step computes, running decodes first, then a chunk of the prompt being
     prefilled (at least scheduler.MIN_CHUNK). None: every prompt prefills in one step."""
+    decode_first_tokens: int | None = None
+    """Decode priority: while every running request is at most this many tokens from its max_tokens, a prompt
+    waiting to prefill here lets them finish first (one step each, for at most this many steps in all per prompt),
+    so their last tokens come at decode-step pace instead of each sharing a step with a prefill chunk; a batch with
+    a longer answer to go shares every step with a chunk, as without it. None: a chunk joins every step."""
     kernels: str | None = "auto"
     """Kernel set asked for: "reference" (engine/model/), "fast" (engine/fast/) or "auto" (None: auto);
     engine/kernels.py `resolve` decides (what each set runs per parallelism and phase, where auto picks fast, and
@@ -143,6 +148,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_step_tokens is not None and self.max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be positive, got {self.max_step_tokens}")
+        if self.decode_first_tokens is not None and self.decode_first_tokens < 0:
+            raise ValueError(f"decode_first_tokens must be >= 0, got {self.decode_first_tokens}")
         if self.num_rows < 1 or self.max_batch < 1:
             raise ValueError(f"num_rows and max_batch must be positive, got {self.num_rows}, {self.max_batch}")
         if self.kernels is not None and self.kernels not in REQUESTS:

@@ -138,7 +138,8 @@ class Engine:
         self.cache = PrefixCache(self.pool, self.layout.block_size, self.fingerprint.encode(), config.prefix_cache)
         self.pool.spare = self.cache
         self.scheduler = Scheduler(self.pool, config.max_batch, self.cache, config.max_step_tokens,
-                                   resume=getattr(self.model, "supports_resume", True))
+                                   resume=getattr(self.model, "supports_resume", True),
+                                   decode_first_tokens=config.decode_first_tokens)
         self.runner = ModelRunner(self.model, self.pool, make_cache)
         self.sessions: OrderedDict[str, tuple[list[bytes], list[CachedTail]]] = OrderedDict()
         """Session key -> (block keys of its last finished turn (prompt + answer), that turn's tails), most recent

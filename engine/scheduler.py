@@ -16,7 +16,9 @@ evictable cache blocks, has rows for its prompt + `reserve_ahead_tokens` of its 
 lets at most MAX_HEAD_BYPASS later requests that do go first, nor is it starved) computes its next
 `max_step_tokens - decodes`
 tokens (at least MIN_CHUNK; all of them when the budget is None). A chunk also ends at the prompt's last block
-boundary, where the KDA state is snapshotted for the prefix cache.
+boundary, where the KDA state is snapshotted for the prefix cache. Decode priority (`decode_first_tokens`): while
+every running request is that close to its max_tokens, the prompt next in line lets them decode alone, for at most
+that many steps in all (`Request.num_deferred`).
 Prefix cache (engine/prefix_cache.py): admission reuses the longest resumable cached prefix (its attention rows
 shared, its KDA snapshot copied into the request's own KDA rows) and computes only the rest; an import reuses
 the longest held prefix of attention blocks and reads only the others. Finished blocks are published as they
@@ -106,6 +108,8 @@ class Request:
     """Chunk logits of a request that asked for prompt log-probs."""
     num_bypassed: int = 0
     """Later requests admitted ahead of this one while it headed the queue and did not fit."""
+    num_deferred: int = 0
+    """Steps this request, ready to prefill, let the running requests decode alone (`decode_first_tokens`)."""
     num_folded: int = 0
     """Outputs that preemptions moved into the prompt (already emitted; recomputed as prompt on re-admission)."""
     first_cached_tokens: int | None = None
@@ -163,12 +167,15 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pool: RowPool, max_batch: int = 64, cache: PrefixCache | None = None,
                  max_step_tokens: int | None = None, resume: bool = True,
-                 reserve_ahead_tokens: int | None = RESERVE_AHEAD_TOKENS) -> None:
+                 reserve_ahead_tokens: int | None = RESERVE_AHEAD_TOKENS,
+                 decode_first_tokens: int | None = None) -> None:
         """`cache`: the prefix cache (None: none); `max_step_tokens`: tokens per step shared by decodes and a
         prefill chunk (None: a prompt prefills in one step); `resume`: the model can prefill from a position
         past 0 (chunks and cache hits of local prefills need it); `reserve_ahead_tokens`: answer tokens reserved
-        at admission, rows growing as the answer does (None: all of max_tokens at admission, no preemption)."""
+        at admission, rows growing as the answer does (None: all of max_tokens at admission, no preemption);
+        `decode_first_tokens`: decode priority (engine/api.py `EngineConfig.decode_first_tokens`; None: off)."""
         self.pool = pool
+        self.decode_first_tokens = decode_first_tokens
         self.reserve_ahead_tokens = reserve_ahead_tokens
         self.num_preemptions = 0
         """Running requests preempted by recompute (their rows given back, their outputs recomputed as prompt)."""
@@ -332,8 +339,23 @@ class Scheduler:
                 return req
         return None
 
+    def _decode_first(self, decode: tuple[Request, ...]) -> bool:
+        """Whether this step decodes alone while a prompt waits to prefill (decode priority): every running
+        request is within `decode_first_tokens` of its max_tokens, and the prompt next in line has not yet let
+        them go first that many steps."""
+        limit = self.decode_first_tokens
+        nxt = self.prefilling or (self.waiting[0] if self.waiting else None)
+        if limit is None or not decode or nxt is None or nxt.num_deferred >= limit:
+            return False
+        if any(req.sampling.max_tokens - len(req.output_token_ids) > limit for req in self.running):
+            return False
+        nxt.num_deferred += 1
+        return True
+
     def schedule(self) -> SchedulerOutput:
         decode = self._grow()
+        if self._decode_first(decode):
+            return SchedulerOutput(None, decode)
         if self.prefilling is None and self.waiting:
             self.prefilling = self._admit_next()
             if self.prefilling is not None:

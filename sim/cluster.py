@@ -119,7 +119,8 @@ class SimCluster:
         for name in instance_names(pool):
             spec = InstanceSpec(name=name, role=pool.role, pool=pool.name, tp=pool.tp, dcp=pool.dcp,
                                 num_rows=num_rows, max_batch=eng.max_batch, max_step_tokens=eng.max_step_tokens,
-                                prefix_cache=eng.prefix_cache, max_context=settings.max_context or cfg.max_context)
+                                prefix_cache=eng.prefix_cache, max_context=settings.max_context or cfg.max_context,
+                                decode_first_tokens=eng.decode_first_tokens)
             self.instances[name] = SimInstance(spec, cfg, layout, cost, self.loop, record_chunks, self.host)
             nodes.append(_Node(name, pool.role, f"http://sim-{name}:8000", pool.name, "reference", pool.tp, pool.dcp))
 

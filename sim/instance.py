@@ -136,6 +136,9 @@ class InstanceSpec:
     max_context: int
     engine: str = "reference"
     fingerprint: str = "sim"
+    decode_first_tokens: int | None = None
+    """The pool's decode priority (engine/api.py `EngineConfig.decode_first_tokens`); a deferred prompt's wait counts
+    one step per decode segment here (a segment runs to the batch's next event, within the bound's tokens)."""
 
 
 class SimInstance:
@@ -157,7 +160,7 @@ class SimInstance:
         # Rows for prompt + max_tokens at admission (no growth, no preemption): the simulation advances a request
         # by many tokens per event, so it cannot take rows token by token as the engine does.
         self.scheduler = Scheduler(self.pool, spec.max_batch, self.cache, spec.max_step_tokens,
-                                   reserve_ahead_tokens=None)
+                                   reserve_ahead_tokens=None, decode_first_tokens=spec.decode_first_tokens)
         self.inbox: deque[Callable[[], None]] = deque()
         self.import_queue: deque[tuple[Request, Flight]] = deque()
         self.flights: dict[str, Flight] = {}

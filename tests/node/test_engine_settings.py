@@ -99,8 +99,9 @@ def test_the_node_completes_the_engine_config():
 @pytest.mark.parametrize("settings,needle", [({"tp_size": 2}, "engine.tp_size"), ({"engine": {"nums_rows": 8}},
                                                                                     "engine.nums_rows"),
                                              ({"device": "cuda:1"}, "device"), ({"kernels": "triton"}, "kernels"),
-                                             ({"max_step_tokens": 0}, "max_step_tokens")],
-                         ids=["node-decides", "unknown", "device", "kernels", "max-step-tokens"])
+                                             ({"max_step_tokens": 0}, "max_step_tokens"),
+                                             ({"decode_first_tokens": -1}, "decode_first_tokens")],
+                         ids=["node-decides", "unknown", "device", "kernels", "max-step-tokens", "decode-first-tokens"])
 def test_bad_engine_settings_name_the_field(settings, needle):
     with pytest.raises(ValueError, match=needle):
         PrefillSettings.model_validate(settings)
