@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from loadgen.records import RequestRecord
 from loadgen.schedule import Fork, RequestSpec, Session, Step, Workload
 from sim.cluster import SimCluster
+from sim.prefetch import PrefetchedSessions
 
 
 @dataclass
@@ -156,12 +157,19 @@ def _open_loop(lv: _Level) -> None:
 
 
 def run_level(cluster: SimCluster, workload: Workload, concurrency: int, duration_s: float, drain_s: float,
-              max_requests: int | None = None) -> LevelRun:
-    """One level on the cluster's clock, from its current time."""
+              max_requests: int | None = None, session_workers: int = 0) -> LevelRun:
+    """One level on the cluster's clock, from its current time. `session_workers` > 0: a closed loop's sessions are
+    drawn ahead by that many worker processes (sim/prefetch.py; the same sessions, so the same records)."""
     loop = cluster.loop
-    lv = _Level(cluster, workload, concurrency, loop.now, duration_s, max_requests)
-    (_open_loop if workload.is_open_loop else _closed_loop)(lv)
-    loop.run(until=lv.t0 + duration_s + drain_s)
+    if workload.is_open_loop or session_workers <= 0:
+        lv = _Level(cluster, workload, concurrency, loop.now, duration_s, max_requests)
+        (_open_loop if workload.is_open_loop else _closed_loop)(lv)
+        loop.run(until=lv.t0 + duration_s + drain_s)
+    else:
+        with PrefetchedSessions(workload, session_workers) as prefetched:
+            lv = _Level(cluster, prefetched, concurrency, loop.now, duration_s, max_requests)
+            _closed_loop(lv)
+            loop.run(until=lv.t0 + duration_s + drain_s)
     lv.is_closed = True
     end = loop.now - lv.t0
     for spec, started in lv.pending.values():

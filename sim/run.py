@@ -41,6 +41,8 @@ class SimOptions:
     schedule_units: int = 64
     plots: bool = False
     record_chunks: bool = True
+    session_workers: int = 0
+    """Worker processes drawing a closed loop's sessions ahead (sim/prefetch.py; 0: drawn in this process)."""
     command: list[str] | None = None
     config_name: str = "config"
 
@@ -89,7 +91,8 @@ def simulate(config: ClusterConfig, profile: Profile, workload: Workload, scenar
     summary = new_summary(workload, sweep, scenario)
     for conc in opts.concurrency_levels:
         with _collector_paused():
-            level = run_level(cluster, workload, conc, opts.duration_s, opts.drain_s, opts.max_requests)
+            level = run_level(cluster, workload, conc, opts.duration_s, opts.drain_s, opts.max_requests,
+                                  opts.session_workers)
         summary.levels.append(summarize_level(conc, level.records, level.duration_s, sweep.slo, opts.gpus,
                                               level.started_s, opts.gpu_split))
     summary.refresh()
