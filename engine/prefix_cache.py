@@ -222,9 +222,10 @@ class PrefixCache:
 
     def add_tail(self, tail: CachedTail) -> None:
         """Keep a finished turn's tail (its rows now belong to the cache). Tails it extends are dropped."""
+        starts = getattr(tail.tokens, "startswith", None)  # a sequence that checks a prefix without slicing
         for key in list(self._tail_groups.get((tail.parent, tail.index), ())):
             old = self.tails[key]
-            if tail.tokens[:len(old.tokens)] == old.tokens:
+            if starts(old.tokens) if starts is not None else tail.tokens[:len(old.tokens)] == old.tokens:
                 self._tail_drop(key)
                 self.pool.free(old.rows)
         self._tail_put(tail)

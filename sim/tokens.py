@@ -150,6 +150,20 @@ class TokenRuns(Sequence[int]):
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, TokenRuns) and self.runs == other.runs)
 
+    def startswith(self, prefix: Sequence[int]) -> bool:
+        """`self[:len(prefix)] == prefix` without building the slice: both canonical, so `prefix`'s runs are this
+        sequence's first runs, its last run possibly cut short (engine/prefix_cache.py `add_tail` asks)."""
+        if not isinstance(prefix, TokenRuns):
+            return self[:len(prefix)] == prefix
+        theirs, mine = prefix.runs, self.runs
+        count = len(theirs)
+        if not count:
+            return True
+        if count > len(mine) or theirs[:count - 1] != mine[:count - 1]:
+            return False
+        (uid, offset, length), (my_uid, my_offset, my_length) = theirs[-1], mine[count - 1]
+        return uid == my_uid and offset == my_offset and length <= my_length
+
     def __hash__(self) -> int:
         return hash(self.runs)
 
@@ -261,18 +275,22 @@ class Interner:
 
     def __init__(self) -> None:
         self._uids: dict[object, int] = {}
+        self._count = 0
+        """Uids given so far (texts and fresh ones; a fresh uid is never looked up, so it is not kept)."""
         self.message_runs: dict[Template, dict[tuple, tuple[tuple[int, int, int], ...]]] = {}
         """Per template: (role, hash of content, tokens) -> the message's runs (header, content, end; none empty)."""
 
     def uid(self, key: object) -> int:
         found = self._uids.get(key)
         if found is None:
-            found = self._uids[key] = len(self._uids) + 1
+            self._count += 1
+            found = self._uids[key] = self._count
         return found
 
     def fresh(self) -> int:
         """A uid no text shares (a request's own sampled output)."""
-        return self.uid(("fresh", len(self._uids)))
+        self._count += 1
+        return self._count
 
 
 def extends(messages: Sequence[Message], earlier: Sequence[Message]) -> bool:

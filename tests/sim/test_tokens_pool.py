@@ -49,6 +49,29 @@ def test_slices_concatenation_and_items_agree_with_lists() -> None:
                 assert list(runs[a:b]) == tokens[a:b], (a, b)
 
 
+def test_startswith_is_the_slice_comparison() -> None:
+    """`TokenRuns.startswith` (engine/prefix_cache.py `add_tail` asks it) answers as slicing and comparing does: on
+    random sequences, on their own prefixes (cut inside a run and at a run's end) and on prefixes one token off."""
+    rng = random.Random(3)
+    num_true = 0
+    for _ in range(400):
+        a = TokenRuns(_random_runs(rng))
+        cut = rng.randrange(len(a) + 1)
+        candidates = [TokenRuns(_random_runs(rng)), a[:cut], a[:cut] + TokenRuns([(9, 0, 1)]), a, TokenRuns(),
+                      a + TokenRuns([(rng.randrange(3), rng.randrange(8), 1)]), tuple(a[:cut])]
+        for b in candidates:
+            assert a.startswith(b) == (a[:len(b)] == b), (a.runs, b)
+            num_true += a.startswith(b)
+    assert num_true > 800
+
+
+def test_fresh_uids_are_numbered_as_texts_are() -> None:
+    interner = Interner()
+    got = [interner.uid("a"), interner.fresh(), interner.uid("b"), interner.uid("a"), interner.fresh(),
+           interner.uid("c")]
+    assert got == [1, 2, 3, 1, 4, 5]
+
+
 def test_byte_template_counts_what_the_router_estimates() -> None:
     msgs = (Message("system", "kalo mine", 2), Message("user", "héllo", 1), Message("assistant", "ta", 1))
     body = {"messages": [{"role": m.role, "content": m.content} for m in msgs]}
