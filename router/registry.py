@@ -35,6 +35,9 @@ class InstanceState:
     last_error: str | None = None
     geometry: Geometry | None = None
     """geometry_of(self) as of the last recompute_matrix()."""
+    last_view: tuple[InstanceView, InstanceSpec, ModelFacts] | None = field(default=None, repr=False, compare=False)
+    """The view `Registry.view` last built of this state, with the spec and model facts it copied (it is handed out
+    again while every field it copied is unchanged)."""
 
 
 # Not frozen: built per request, and a frozen dataclass's __init__ (object.__setattr__ per field) costs about
@@ -146,11 +149,23 @@ class Registry:
         return self._matrix
 
     def view(self, state: InstanceState) -> InstanceView:
-        return InstanceView(name=state.spec.name, role=state.spec.role, url=state.spec.url,
+        """A copy of what policies see of `state`. Views are never changed once built, so the last one is handed
+        out again while every field it copied is the same (the spec, geometry and facts are replaced whole, never
+        changed in place): a snapshot per request then builds views only of the instances that changed."""
+        if state.last_view is not None:
+            last, spec, models = state.last_view
+            if last.num_inflight == state.num_inflight and last.load is state.load and spec is state.spec \
+                    and last.is_healthy == state.is_healthy and last.is_draining == state.is_draining \
+                    and last.geometry is state.geometry and models is state.models:
+                return last
+        view = InstanceView(name=state.spec.name, role=state.spec.role, url=state.spec.url,
                             pool=state.spec.pool, geometry=state.geometry or geometry_of(state),
                             is_healthy=state.is_healthy,
                             is_draining=state.is_draining, num_inflight=state.num_inflight, load=state.load,
                             max_model_len=state.models.max_model_len)
+        if state.geometry is not None:  # else the view's geometry was computed here, and is new each time
+            state.last_view = (view, state.spec, state.models)
+        return view
 
     def snapshot(self) -> list[InstanceView]:
         return [self.view(s) for s in self._states]
