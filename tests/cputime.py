@@ -15,7 +15,8 @@ two cores). `others_cpu_s` is what every other process on the machine used meanw
 contention the figures were taken under, and `idle_s` the CPU time no process used (cores x wall - both): a
 test with idle CPU beside it was waiting, not starved. Under pytest-xdist each worker writes FILE.<worker id>, and
 each worker's tree holds only its own tests' processes. The report is tab-separated, slowest first: wall_s, cpu_s,
-cpu/wall, others_cpu_s, idle_s, nodeid; a per-file sum follows.
+cpu/wall, others_cpu_s, idle_s, start_unix_s (when the test's set-up began: lines up the workers' files), nodeid; a
+per-file sum follows.
 """
 
 from __future__ import annotations
@@ -83,29 +84,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 class _Recorder:
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.rows: list[tuple[float, float, float, str]] = []
+        self.rows: list[tuple[float, float, float, float, str]] = []
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-        wall0, cpu0, busy0 = time.monotonic(), tree_cpu_s(), machine_busy_s()
+        start, wall0, cpu0, busy0 = time.time(), time.monotonic(), tree_cpu_s(), machine_busy_s()
         try:
             return (yield)
         finally:
             cpu_s = tree_cpu_s() - cpu0
-            self.rows.append((time.monotonic() - wall0, cpu_s, machine_busy_s() - busy0 - cpu_s, item.nodeid))
+            self.rows.append((time.monotonic() - wall0, cpu_s, machine_busy_s() - busy0 - cpu_s, start, item.nodeid))
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self.path is None or not self.rows:
             return
         per_file: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
-        for wall, cpu, others, nodeid in self.rows:
+        for wall, cpu, others, _, nodeid in self.rows:
             acc = per_file[nodeid.split("::")[0]]
             for i, value in enumerate((wall, cpu, others, 1)):
                 acc[i] += value
         cores = sum(line[3:4].isdigit() for line in Path("/proc/stat").read_text().splitlines())  # cpuN lines
-        lines = ["wall_s\tcpu_s\tcpu/wall\tothers_cpu_s\tidle_s\tnodeid"]
-        lines += [f"{w:.2f}\t{c:.2f}\t{c / w if w else 0:.2f}\t{o:.2f}\t{cores * w - c - o:.2f}\t{n}"
-                  for w, c, o, n in sorted(self.rows, reverse=True)]
+        lines = ["wall_s\tcpu_s\tcpu/wall\tothers_cpu_s\tidle_s\tstart_unix_s\tnodeid"]
+        lines += [f"{w:.2f}\t{c:.2f}\t{c / w if w else 0:.2f}\t{o:.2f}\t{cores * w - c - o:.2f}\t{t:.1f}\t{n}"
+                  for w, c, o, t, n in sorted(self.rows, reverse=True)]
         lines += ["", "wall_s\tcpu_s\tcpu/wall\tothers_cpu_s\tidle_s\tnum_tests\tfile"]
         lines += [f"{w:.2f}\t{c:.2f}\t{c / w if w else 0:.2f}\t{o:.2f}\t{cores * w - c - o:.2f}\t{k}\t{f}"
                   for f, (w, c, o, k) in sorted(per_file.items(), key=lambda kv: -kv[1][0])]
