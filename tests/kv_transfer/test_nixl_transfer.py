@@ -37,47 +37,48 @@ CASES = {  # id: (P layout kwargs, D layout kwargs, tokens)
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def nixl():
+    """The harness's P and D rank processes and side channel (not tests/topologies.py's shared `cluster`)."""
     cl = Cluster()
     yield cl
     cl.close()
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_import_is_byte_exact_and_frees_the_lease(cluster, case):
+def test_import_is_byte_exact_and_frees_the_lease(nixl, case):
     p_kw, d_kw, n = CASES[case]
-    req = export(cluster, p_kw, d_kw, n, seed=len(case))
-    plan = plan_import(cluster.cfg, req.d, req.params, cluster.side.meta, req.d_attn, req.d_kda)
-    start_import(cluster, req, d_kw)
-    results = {r: cluster.d[r].recv(240) for r in range(req.d.tp_size)}
+    req = export(nixl, p_kw, d_kw, n, seed=len(case))
+    plan = plan_import(nixl.cfg, req.d, req.params, nixl.side.meta, req.d_attn, req.d_kda)
+    start_import(nixl, req, d_kw)
+    results = {r: nixl.d[r].recv(240) for r in range(req.d.tp_size)}
     for r, res in results.items():
         assert [x[0] for x in res] == ["DONE"] * len(plan.by_source(r))
         assert sum(x[2] for x in res) == len(plan.reads[r])  # one descriptor per merged op, one READ per source
-        got = np.frombuffer(cluster.d[r].call("pool"), dtype=np.uint8)
+        got = np.frombuffer(nixl.d[r].call("pool"), dtype=np.uint8)
         want = expected_d_pool(req, r)
         assert np.array_equal(got, want), f"D rank {r}: {int((got != want).sum())} bytes differ"
     counts = {}
     for d_rank, p_rank in plan.consumers():
         counts[p_rank] = counts.get(p_rank, 0) + 1
-    assert drain_notifications(cluster, req, counts) == len(plan.consumers())
+    assert drain_notifications(nixl, req, counts) == len(plan.consumers())
     assert req.leases.outstanding == 0 and req.leases.outcomes["notified"] == 1
     assert len(req.free.free) == req.free.idle
 
 
-def _assert_untouched(cluster, req, ranks):
+def _assert_untouched(nixl, req, ranks):
     for r in ranks:
-        assert not np.frombuffer(cluster.d[r].call("pool"), dtype=np.uint8).any(), f"D rank {r} pool was written"
-    assert cluster.p[0].notifs(1, 0.3) == []  # P heard nothing
+        assert not np.frombuffer(nixl.d[r].call("pool"), dtype=np.uint8).any(), f"D rank {r} pool was written"
+    assert nixl.p[0].notifs(1, 0.3) == []  # P heard nothing
     assert req.leases.outstanding == 1 and len(req.free.free) == req.free.idle - len(req.p_attn) - len(req.p_kda)
 
 
-def test_incompatible_pair_refused_before_transfer(cluster):
+def test_incompatible_pair_refused_before_transfer(nixl):
     p_kw, d_kw = {"tp_size": 1}, {"tp_size": 1, "index_key_format": "mxfp4"}
-    req = export(cluster, p_kw, {"tp_size": 1}, 2048, seed=3)
-    start_import(cluster, req, d_kw, ranks=[0])
+    req = export(nixl, p_kw, {"tp_size": 1}, 2048, seed=3)
+    start_import(nixl, req, d_kw, ranks=[0])
     with pytest.raises(RuntimeError, match="does not match D's"):
-        cluster.d[0].recv(240)
-    _assert_untouched(cluster, req, [0])
+        nixl.d[0].recv(240)
+    _assert_untouched(nixl, req, [0])
 
 
 @pytest.mark.parametrize("change,match", [
@@ -86,13 +87,13 @@ def test_incompatible_pair_refused_before_transfer(cluster):
     ({"remote_block_ids": [[0, 99999]]}, r"out of range"),
     ({"lease_expiry": 1.0}, "expired"),
 ])
-def test_bad_params_clear_error_no_memory_touched(cluster, change, match):
-    req = export(cluster, {"tp_size": 1}, {"tp_size": 1}, 2048, seed=5)
+def test_bad_params_clear_error_no_memory_touched(nixl, change, match):
+    req = export(nixl, {"tp_size": 1}, {"tp_size": 1}, 2048, seed=5)
     wire = req.params.to_wire() | change
-    start_import(cluster, req, {"tp_size": 1}, params=wire, ranks=[0])
+    start_import(nixl, req, {"tp_size": 1}, params=wire, ranks=[0])
     with pytest.raises(RuntimeError, match=match):
-        cluster.d[0].recv(240)
-    _assert_untouched(cluster, req, [0])
+        nixl.d[0].recv(240)
+    _assert_untouched(nixl, req, [0])
 
 
 class SteppedClock:
@@ -105,9 +106,9 @@ class SteppedClock:
         return self.now
 
 
-def test_abort_over_side_channel_frees_rows(cluster):
-    req = export(cluster, {"tp_size": 2}, {"tp_size": 1}, 1024, seed=12)
-    url = f"http://127.0.0.1:{cluster.side.port}/kv/leases/{req.params.lease_id}/abort"
+def test_abort_over_side_channel_frees_rows(nixl):
+    req = export(nixl, {"tp_size": 2}, {"tp_size": 1}, 1024, seed=12)
+    url = f"http://127.0.0.1:{nixl.side.port}/kv/leases/{req.params.lease_id}/abort"
     anonymous = httpx.post(url, json={"reader": "decode-a"}, timeout=10)  # anyone on the pod network: refused
     assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"
     assert req.leases.outstanding == 1
@@ -124,51 +125,51 @@ def test_abort_over_side_channel_frees_rows(cluster):
     assert again.status_code == 404 and "has ended" in again.json()["error"]["message"]
 
 
-def test_metadata_needs_the_cluster_secret(cluster):
+def test_metadata_needs_the_cluster_secret(nixl):
     """The agent metadata opens the pools to NIXL READs: only a member of the cluster gets it."""
-    export(cluster, {"tp_size": 1}, {"tp_size": 1}, 1024, seed=13)
-    url = f"http://127.0.0.1:{cluster.side.port}/kv/metadata"
+    export(nixl, {"tp_size": 1}, {"tp_size": 1}, 1024, seed=13)
+    url = f"http://127.0.0.1:{nixl.side.port}/kv/metadata"
     for auth in (None, ClusterAuth(ClusterSecret(b"not-the-cluster-secret-000"))):
         refused = httpx.get(url, timeout=10, auth=auth)
         assert refused.status_code == 401 and "agent_metadata" not in refused.text
     assert httpx.get(url, timeout=10, auth=ClusterAuth(ClusterSecret(SECRET))).json()["ranks"]
 
 
-def test_forged_done_ends_no_lease(cluster):
+def test_forged_done_ends_no_lease(nixl):
     """An agent with P's metadata sends DONE notifications over NIXL for another request's lease: unsigned, and
     signed with a key of its own. P ends nothing; the reader's own signed DONEs still end the lease."""
     p_kw, d_kw = {"tp_size": 1}, {"tp_size": 1}
-    req = export(cluster, p_kw, d_kw, 2048, seed=14)
-    endpoint = cluster.side.meta.endpoints()[0]
+    req = export(nixl, p_kw, d_kw, 2048, seed=14)
+    endpoint = nixl.side.meta.endpoints()[0]
     forged = [done_message(req.params.lease_id, "0.0", 1),
               done_message(req.params.lease_id, "0.0", 1, key=b"attacker-key-0123456789abcdef0")]
     for message in forged:
-        cluster.d[3].call("send_notif", endpoint=endpoint, message=message)
-    for _src, msg in cluster.p[0].notifs(len(forged), 30):
+        nixl.d[3].call("send_notif", endpoint=endpoint, message=message)
+    for _src, msg in nixl.p[0].notifs(len(forged), 30):
         with pytest.raises(ValueError, match="does not verify"):
             req.leases.apply_message(msg)
     assert req.leases.outstanding == 1 and req.leases.rejected_notifications == len(forged)
     assert len(req.free.free) == req.free.idle - len(req.p_attn) - len(req.p_kda)  # nothing freed early
-    plan = plan_import(cluster.cfg, req.d, req.params, cluster.side.meta, req.d_attn, req.d_kda)
-    start_import(cluster, req, d_kw)
-    assert [x[0] for x in cluster.d[0].recv(240)] == ["DONE"] * len(plan.by_source(0))
-    assert drain_notifications(cluster, req, {0: len(plan.consumers())}) == len(plan.consumers())
+    plan = plan_import(nixl.cfg, req.d, req.params, nixl.side.meta, req.d_attn, req.d_kda)
+    start_import(nixl, req, d_kw)
+    assert [x[0] for x in nixl.d[0].recv(240)] == ["DONE"] * len(plan.by_source(0))
+    assert drain_notifications(nixl, req, {0: len(plan.consumers())}) == len(plan.consumers())
     assert req.leases.outcomes["notified"] == 1 and len(req.free.free) == req.free.idle
 
 
-def test_reader_killed_mid_request_rows_freed_after_expiry(cluster):
+def test_reader_killed_mid_request_rows_freed_after_expiry(nixl):
     """Runs last: it kills D3 (the module's processes are shared; teardown copes with a dead one)."""
     clock = SteppedClock()
-    req = export(cluster, {"tp_size": 1}, {"tp_size": 1}, 4096, seed=9, ttl_s=60.0, clock=clock)
-    doomed = cluster.d[3]
+    req = export(nixl, {"tp_size": 1}, {"tp_size": 1}, 4096, seed=9, ttl_s=60.0, clock=clock)
+    doomed = nixl.d[3]
     doomed.send("import", model="kimi-k3.1-mini", layout={"tp_size": 1}, d_rank=0, params=req.params.to_wire(),
-                host="127.0.0.1", port=cluster.side.port, d_attn=req.d_attn, d_kda=req.d_kda, die_after_post=True,
+                host="127.0.0.1", port=nixl.side.port, d_attn=req.d_attn, d_kda=req.d_kda, die_after_post=True,
                 secret=SECRET, notify_key=b"")
     doomed.proc.join(120)
     if doomed.proc.exitcode is None and doomed.conn.poll(0):
         pytest.fail(f"the reader answered instead of dying: {doomed.conn.recv()}")
     assert doomed.proc.exitcode == 3
-    assert cluster.p[0].notifs(1, 0.5) == []  # no completion notification
+    assert nixl.p[0].notifs(1, 0.5) == []  # no completion notification
     expiry = req.leases.get(req.params.lease_id).expiry
     clock.now = expiry - 0.01
     assert req.leases.expire() == [] and req.leases.outstanding == 1  # still inside the lease: nothing freed
