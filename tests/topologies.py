@@ -103,15 +103,21 @@ _stoppers: dict[str, Callable[[], None]] = {}
 """Shared fixture -> how to stop it, while it runs."""
 
 
+def _uses(item: pytest.Item, name: str) -> bool:
+    """Whether `item` gets this module's shared fixture `name` (a module's own fixture of that name is not it)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.get(name) if info is not None else None
+    return bool(defs) and defs[-1].func.__module__ == __name__
+
+
 def _group(item: pytest.Item) -> int:
-    names = getattr(item, "fixturenames", ())
     if item.name == VLLM_STOP_TEST:
         return 1
-    if "vllm_cluster" in names:
+    if _uses(item, "vllm_cluster"):
         return 0
-    if "cluster" in names:
+    if _uses(item, "cluster"):
         return 3 if Path(str(item.fspath)).stem == FAULT_MODULE else 2
-    if "checkpoint_cluster" in names:
+    if _uses(item, "checkpoint_cluster"):
         return 4
     return 5
 
@@ -144,7 +150,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     for item in session.items:
         for name in SHARED:
-            if name in getattr(item, "fixturenames", ()):
+            if _uses(item, name):
                 _last_user[name] = item.nodeid
 
 
