@@ -20,6 +20,11 @@ ORACLE_TOKENS = 16384
 """Prompt + answer tokens the oracle engine's row pool holds (one request at a time)."""
 
 _engines: dict[tuple[str, str, int | None, str], object] = {}
+_answers: dict[tuple, dict] = {}
+"""Answers already computed, by (prompt ids, model, device, weights seed, kernels, SamplingParams): a greedy or seeded
+request's answer is a function of them, so each is computed once per run (e2e modules ask for the same ones many
+times). An unseeded sampled request draws from a seed derived from its request id (engine/sampling.py), a new one
+per call: never kept."""
 _lock = threading.Lock()
 _ids = itertools.count()
 
@@ -48,15 +53,24 @@ def generate(prompt_ids: list[int] | tuple[int, ...], max_tokens: int, *, model:
     from engine.api import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, **sampling)
+    key = (tuple(prompt_ids), model, device, weights_seed, kernels, repr(params))
     with _lock:  # one request at a time: the engine is not shared between threads
-        engine = _engine(model, device, weights_seed, kernels)
-        result = engine.generate(f"oracle-{next(_ids)}", list(prompt_ids), params)
-        text = engine.tokenizer.decode(result.token_ids)
+        answer = _answers.get(key)
+        if answer is None:
+            answer = _generate(_engine(model, device, weights_seed, kernels), list(prompt_ids), params)
+            if params.temperature == 0 or params.seed is not None:
+                _answers[key] = answer
+    return {**answer, "model": model, "token_ids": list(answer["token_ids"]), "prompt_token_ids": list(prompt_ids),
+            "logprobs": list(answer["logprobs"])}
+
+
+def _generate(engine, prompt_ids: list[int], params) -> dict:  # noqa: ANN001 (engine.engine.Engine)
+    result = engine.generate(f"oracle-{next(_ids)}", prompt_ids, params)
+    text = engine.tokenizer.decode(result.token_ids)
     for stop in params.stop:  # the CLI cuts the text before a stop string, as a node does
         if stop and stop in text:
             text = text[: text.index(stop)]
-    return {"model": model, "text": text, "token_ids": list(result.token_ids),
-            "prompt_token_ids": list(prompt_ids), "logprobs": list(result.logprobs),
+    return {"text": text, "token_ids": tuple(result.token_ids), "logprobs": tuple(result.logprobs),
             "finish_reason": result.finish_reason}
 
 
