@@ -8,7 +8,6 @@ client; a client's own kv_transfer_params never reach a node. The pair starts on
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from router.app import create_app
@@ -125,6 +124,8 @@ def test_chat_equals_a_single_instance(router_url, vllm_pd_pair, stream):
 
 
 def test_openai_client(router_url, vllm_pd_pair):
+    import openai  # here, not atop the module: the fast tier collects this module and runs none of it
+
     _, decode = vllm_pd_pair
     client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0, timeout=120)
     assert [m.id for m in client.models.list().data] == [SERVED_MODEL]
