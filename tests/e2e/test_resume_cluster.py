@@ -3,9 +3,9 @@
 completes with the uninterrupted oracle's tokens and log-probs (one id, no duplicate or missing token, usage
 counted once), and every surviving node returns to its idle row counts.
 
-Own topology (not the shared `cluster`): these tests kill and restart decode nodes, and resuming needs a second
-decode instance of the same pool: one prefill instance (TP=1) and two decode instances (TP=1) behind a router,
-on the reference engine, so every pairing gives the oracle's bits.
+Own topology (not the shared `cluster`): these tests kill, drain and restart decode nodes, and resuming needs a second
+decode instance of the same pool: one prefill instance (TP=1) and two decode instances (TP=1, NUM_ROWS rows a rank)
+behind a router, on the reference engine, so every pairing gives the oracle's bits.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.process, pytest.mark.timeout(1500)]
 
 MODEL = "kimi-k3.1-mini"
 ADMIN_TOKEN = "resume-admin-token"
+NUM_ROWS = 24
+"""Packed rows per decode rank: one stream of PROMPT takes 3 (an attention row and two KDA group rows, kimi-k3.1-mini
+at TP=1), so 8 streams run on an instance and the next imports wait in its import queue."""
 CONFIG = {
     "model": MODEL,
     "engine": "reference",
@@ -35,9 +38,12 @@ CONFIG = {
         "prefill_timeout_s": 180.0, "first_token_timeout_s": 180.0, "stream_idle_timeout_s": 120.0,
         "breaker_recovery_s": 2.0}},
     "startup_timeout_s": 300,
-    "pools": [{"name": "prefill", "role": "prefill", "tp": 1},
-              # a SIGTERM hands the running streams off at once (the router moves them)
-              {"name": "tp", "role": "decode", "tp": 1, "count": 2, "settings": {"drain_hand_off_s": 0}}],
+    "pools": [{"name": "prefill", "role": "prefill", "tp": 1,
+               "settings": {"lease_seconds": 300.0}},  # an import queued for rows keeps its lease up to the expiry
+              # a SIGTERM hands the running streams off at once (the router moves them); NUM_ROWS rows a rank, and
+              # imports wait that long for rows (the drain test queues two)
+              {"name": "tp", "role": "decode", "tp": 1, "count": 2,
+               "settings": {"drain_hand_off_s": 0, "num_rows": NUM_ROWS, "import_queue_wait_s": 300.0}}],
 }
 PROMPT = "Streams that survive: the router resumes a request on another decode instance, bit for bit. " * 3
 MAX_TOKENS = 48
@@ -218,138 +224,83 @@ def _admin(cluster, name: str, action: str) -> None:
     assert resp.status_code == 200, resp.text
 
 
-def test_sigterm_on_a_decode_node_moves_its_8_streams(resume_cluster) -> None:
-    """Drain by SIGTERM (`drain_hand_off_s: 0`): the node moves its 8 running streams with their KV
-    (decode_node/moves.py): the other instance READs each stream's rows and KDA state and continues it (no P
-    leg, no recompute); all 8 end as their oracle (4 greedy, 4 seeded with their own seeds), the node exits 0;
-    the longest pause a client saw is printed."""
+def test_sigterm_moves_8_streams_and_hands_back_2_queued_imports(resume_cluster) -> None:
+    """Drain by SIGTERM (`drain_hand_off_s: 0`) of a decode node running 8 streams (all its rows) with 2 more imports
+    queued for rows. The 8 running streams move with their KV (decode_node/moves.py): the other instance READs each
+    stream's rows and KDA state and continues it (no P leg, no recompute; `migrations_total{drain}`). The 2 queued
+    imports, which hold no rows there, are handed back at once with a plain 503 and placed again on the other
+    instance with a new P leg (`migrations_total{error_status}`), not started on the draining node after the moves
+    free its rows. All 10 end as their oracle (greedy and seeded, each running stream with its own seed), the node
+    exits 0; the longest pause a client saw is printed."""
     cluster = resume_cluster
     _wait_healthy(cluster)
     victim, other = (node.name for node in cluster.nodes_of(role="decode"))
     before = cluster.metrics("router")
     moved_before = before.get("pdcluster_migrations_total", reason="drain") or 0.0
+    handed_back_before = before.get("pdcluster_migrations_total", reason="error_status") or 0.0
     reader_before = cluster.metrics(other)
     reads_before = reader_before.get("pdcluster_kv_moved_requests_total") or 0.0
     bytes_before = reader_before.get("pdcluster_kv_moved_bytes_total") or 0.0
-    _admin(cluster, other, "drain")  # every stream starts on the victim
+    _admin(cluster, other, "drain")  # every request starts on the victim
     results: dict[int, list[dict]] = {}
-    arrivals: dict[int, list[float]] = {i: [] for i in range(8)}
+    arrivals: dict[int, list[float]] = {i: [] for i in range(10)}
     placed: dict[int, str] = {}
     counts: dict[int, int] = {}
 
-    def case_of(index: int) -> tuple[str, dict]:
-        return ("greedy", {}) if index % 2 == 0 else ("seeded", {"seed": 100 + index})
+    def request_of(index: int) -> tuple[str, dict, int]:
+        """(case, further sampling, max_tokens): 0-7 the running streams, greedy or seeded with their own seeds;
+        8 and 9 the imports queued for rows."""
+        if index >= 8:
+            return ("greedy" if index == 8 else "seeded"), {}, MAX_TOKENS
+        return ("greedy", {}, DRAIN_TOKENS) if index % 2 == 0 else ("seeded", {"seed": 100 + index}, DRAIN_TOKENS)
 
     def run(index: int) -> None:
         def on_tokens(num_tokens: int, headers) -> None:
             counts[index] = num_tokens
             placed.setdefault(index, headers["x-pdcluster-decode"])
-        case, extra = case_of(index)
-        body = {**_body(case), **extra, "max_tokens": DRAIN_TOKENS}
+        case, extra, max_tokens = request_of(index)
+        body = {**_body(case), **extra, "max_tokens": max_tokens}
         results[index] = _stream(cluster, body, on_tokens, arrivals[index])[0]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for thread in threads:
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(10)]
+    for thread in threads[:8]:
         thread.start()
     cluster.wait_until(lambda: len(placed) == 8, 600, "all 8 streams to send a token", poll_s=0.05)
     assert set(placed.values()) == {victim}
     prefill = cluster.nodes_of(role="prefill")[0].name
     exported_at_drain = cluster.metrics(prefill).value("pdcluster_node_rows_exported_total")
+    for thread in threads[8:]:
+        thread.start()
+    cluster.wait_until(lambda: cluster.metrics(victim).value("pdcluster_node_import_queue_depth") == 2, 600,
+                       "2 imports queued for rows beside the 8 streams", poll_s=0.1)
+    queued_rows = cluster.metrics(prefill).value("pdcluster_node_rows_exported_total") - exported_at_drain
+    assert queued_rows > 0  # the queued imports' P legs
     _admin(cluster, other, "undrain")
     process = cluster.cluster.children[victim].popen
     os.kill(process.pid, signal.SIGTERM)
-    streamed = [counts[i] for i in range(8)]  # tokens each client had when the SIGTERM was sent
-    # 8 running streams: each streamed a token and none had ended (its last chunk comes after its last token)
-    assert all(0 < n < DRAIN_TOKENS for n in streamed), f"not 8 running streams at the SIGTERM: {streamed}"
+    streamed = dict(counts)  # tokens each client had when the SIGTERM was sent
+    # 8 running streams: each streamed a token and none had ended (its last chunk comes after its last token); the
+    # 2 queued imports streamed nothing
+    assert sorted(streamed) == list(range(8)) and all(0 < n < DRAIN_TOKENS for n in streamed.values()), (
+        f"not 8 running streams and 2 queued imports at the SIGTERM: {streamed}")
     for thread in threads:
         thread.join(900)
-    for index in range(8):
-        case, extra = case_of(index)
-        _check_against_oracle(results[index], case, DRAIN_TOKENS, **extra)
+    for index in range(10):
+        case, extra, max_tokens = request_of(index)
+        _check_against_oracle(results[index], case, max_tokens, **extra)
     assert process.wait(120) == 0
     after = cluster.metrics("router")
     assert after.value("pdcluster_migrations_total", reason="drain") == moved_before + 8
-    assert cluster.metrics(prefill).value("pdcluster_node_rows_exported_total") == exported_at_drain  # no P leg
-    reader = cluster.metrics(other)  # the KV was READ decode-to-decode, once per stream
+    assert after.value("pdcluster_migrations_total", reason="error_status") == handed_back_before + 2
+    # P legs after the 8 streams started: the queued imports' first and their second, none for a moved stream
+    assert cluster.metrics(prefill).value("pdcluster_node_rows_exported_total") == exported_at_drain + 2 * queued_rows
+    reader = cluster.metrics(other)  # the KV was READ decode-to-decode, once per moved stream
     assert reader.value("pdcluster_kv_moved_requests_total") == reads_before + 8
     moved_bytes = reader.value("pdcluster_kv_moved_bytes_total") - bytes_before
     assert moved_bytes > 0
-    pause = max(max(b - a for a, b in zip(times, times[1:])) for times in arrivals.values())
-    print(f"drain of {victim} with 8 streams ({streamed} tokens streamed at the SIGTERM): moved with their KV "
-          f"({moved_bytes:.0f} bytes READ), longest pause a client saw {pause:.2f} s")
-    cluster.restart(victim)
-    _wait_healthy(cluster)
-
-
-SMALL_ROWS = 6
-"""Packed rows per decode rank in `small_cluster`: one stream of this prompt takes 3 (an attention row and two KDA
-group rows, kimi-k3.1-mini at TP=1), so 2 streams run and the next imports wait in the import queue."""
-
-
-@pytest.fixture(scope="module")
-def small_cluster(tmp_path_factory: pytest.TempPathFactory):
-    """Own processes (not `resume_cluster`): decode nodes whose row pools hold 2 streams, so that a SIGTERM finds
-    imports queued for rows beside running streams; imports wait for rows long enough (queue and P leases) for the
-    SIGTERM, and on the other instance for the moved streams to end."""
-    from cluster.config import parse_config
-    from cluster.launcher import Cluster
-    from tests.e2e.harness import ClusterHandle
-
-    pools = [{**CONFIG["pools"][0], "settings": {"lease_seconds": 300.0}},  # imports wait for rows up to its expiry
-             {**CONFIG["pools"][1], "settings": {"drain_hand_off_s": 0, "num_rows": SMALL_ROWS,
-                                                  "import_queue_wait_s": 300.0}}]
-    config = parse_config({**CONFIG, "pools": pools}, "tests/e2e/test_resume_cluster.py")
-    handle = ClusterHandle(Cluster(config, tmp_path_factory.mktemp("small-logs"), python=sys.executable).start())
-    try:
-        yield handle
-    finally:
-        handle.stop()
-
-
-def test_sigterm_hands_back_the_imports_still_queued_for_rows(small_cluster) -> None:
-    """A SIGTERM on a decode node running 2 streams with 2 more imports queued for rows: the 2 running streams move
-    with their KV (`migrations_total{drain}`), the 2 queued imports, which hold no rows there, are handed back at once
-    with a plain 503 and placed again on the other instance with a new P leg (`migrations_total{error_status}`), not
-    started on the draining node after the moves free its rows; all 4 end as their oracle, the node exits 0."""
-    cluster = small_cluster
-    _wait_healthy(cluster)
-    victim, other = (node.name for node in cluster.nodes_of(role="decode"))
-    before = cluster.metrics("router")
-    drained_before = before.get("pdcluster_migrations_total", reason="drain") or 0.0
-    failed_before = before.get("pdcluster_migrations_total", reason="error_status") or 0.0
-    _admin(cluster, other, "drain")  # every request starts on the victim
-    results: dict[int, list[dict]] = {}
-    counts: dict[int, int] = {}
-
-    def case_of(index: int) -> tuple[str, dict]:
-        return ("greedy", {}) if index % 2 == 0 else ("seeded", {"seed": 200 + index})
-
-    def run(index: int) -> None:
-        def on_tokens(num_tokens: int, headers) -> None:
-            counts[index] = num_tokens
-        case, extra = case_of(index)
-        body = {**_body(case), **extra, "max_tokens": DRAIN_TOKENS}
-        results[index] = _stream(cluster, body, on_tokens)[0]
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    cluster.wait_until(lambda: len(counts) == 2 and cluster.metrics(victim).value(
-        "pdcluster_node_import_queue_depth") == 2, 600, "2 streams running, 2 imports queued for rows", poll_s=0.1)
-    _admin(cluster, other, "undrain")
-    process = cluster.cluster.children[victim].popen
-    os.kill(process.pid, signal.SIGTERM)
-    streamed = dict(counts)
-    assert len(streamed) == 2 and all(0 < n < DRAIN_TOKENS for n in streamed.values()), streamed
-    for thread in threads:
-        thread.join(900)
-    for index in range(4):
-        case, extra = case_of(index)
-        _check_against_oracle(results[index], case, DRAIN_TOKENS, **extra)
-    assert process.wait(120) == 0
-    after = cluster.metrics("router")
-    assert after.value("pdcluster_migrations_total", reason="drain") == drained_before + 2
-    assert after.value("pdcluster_migrations_total", reason="error_status") == failed_before + 2
-    print(f"drain of {victim} with 2 running streams ({streamed} tokens) and 2 queued imports: 2 moved, 2 handed back")
+    pause = max(max(b - a for a, b in zip(times, times[1:])) for times in list(arrivals.values())[:8])
+    print(f"drain of {victim} with 8 streams ({streamed} tokens streamed at the SIGTERM) and 2 queued imports: "
+          f"8 moved with their KV ({moved_bytes:.0f} bytes READ), 2 handed back; longest pause a client saw "
+          f"{pause:.2f} s")
     cluster.restart(victim)
     _wait_healthy(cluster)
