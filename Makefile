@@ -22,8 +22,9 @@ up: setup-python
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/python -m pytest
 # Tests that start no process run on both cores (pytest-xdist). Those that start processes run in the order
 # tests/topologies.py gives them, sharing the topologies it starts once per run: the vLLM pair's users first and
-# alone (both vLLM servers busy-poll the cores), then the rest on two workers, every cluster on one of them in
-# order (xdist group `topologies`) while the other takes the light tests a module at a time.
+# alone (both vLLM servers busy-poll the cores), then the rest on two workers: the shared topologies' users on one
+# in order (xdist group `topologies`), the e2e tests with clusters of their own on the other (group `own_clusters`),
+# then the light tests a module at a time on whichever worker is free.
 PARALLEL := -n 2 --dist worksteal
 PROCESS_PARALLEL := -n 2 --dist loadgroup
 

@@ -19,10 +19,11 @@ its decode nodes as from the router. `PDCLUSTER_E2E_CONFIG=FILE.yaml` runs anoth
 
 Order (`pytest_collection_modifyitems`): the vLLM pair's users first and VLLM_STOP_TEST last among them (so the
 vLLM servers never share the two cores with our nodes), then `cluster`'s users with the fault tests last (they
-kill and restart nodes), then `checkpoint_cluster`'s (so no two clusters run at once), then every other test in
-collection order. `make test` runs the vLLM pair's users alone first (marker `vllm_pair`), then the rest on two
-xdist workers: every test that runs a cluster on one of them in this order (group TOPOLOGY_GROUP), the light tests
-on the other (tests/worker_groups.py). A shared topology stops in the teardown of
+kill and restart nodes), then `checkpoint_cluster`'s (so no two shared topologies run at once), then every other
+test in collection order. `make test` runs the vLLM pair's users alone first (marker `vllm_pair`), then the rest on
+two xdist workers (tests/worker_groups.py): the shared topologies' users on one of them in this order (group
+TOPOLOGY_GROUP), the other tests/e2e/ modules, which start clusters of their own, on the other (group
+OWN_CLUSTERS_GROUP), then the light tests on whichever worker is free. A shared topology stops in the teardown of
 its last test (the session's end otherwise), so no idle cluster sits beside the tests that follow. Tests that
 kill, drain or reconfigure nodes beyond what they restore start their own (tests/node/nodes.py).
 """
@@ -123,18 +124,23 @@ def _group(item: pytest.Item) -> int:
 
 
 TOPOLOGY_GROUP = "topologies"
-"""The xdist group of every test that runs a cluster: the shared topologies' users and tests/e2e/ (whose other
-tests start clusters of their own). Under `pytest -n 2 --dist loadgroup` (`make test`) they run on one worker, in
-the order above, so no two clusters share the two cores; the other worker takes the light tests (helm renders,
-routers with fake upstreams, single nodes, rank groups), one module at a time (tests/worker_groups.py) so a
-module-scoped fixture starts once."""
+"""The xdist group of the shared topologies' users. Under `pytest -n 2 --dist loadgroup` (`make test`) they run on
+one worker, in the order above, so no two shared topologies run at once."""
+OWN_CLUSTERS_GROUP = "own_clusters"
+"""The xdist group of the other tests of tests/e2e/, which start clusters of their own to kill, drain or saturate
+(most of their time waits for restarts, drains and timeouts). Under `make test` it is the other worker's first unit,
+beside the shared topologies' users; that worker then takes the light tests (helm renders, routers with fake
+upstreams, single nodes, rank groups), one module at a time (tests/worker_groups.py) so a module-scoped fixture
+starts once."""
 VLLM_MARK = "vllm_pair"
 """Marker given to the vLLM pair's users: `make test` runs them first and alone (-m vllm_pair), as both vLLM
 servers busy-poll the two cores."""
 
 
-def _runs_a_cluster(item: pytest.Item) -> bool:
-    return _group(item) < 5 or "tests/e2e/" in item.nodeid
+def _xdist_group(item: pytest.Item) -> str | None:
+    if _group(item) < 5:
+        return TOPOLOGY_GROUP
+    return OWN_CLUSTERS_GROUP if "tests/e2e/" in item.nodeid else None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the xdist_group marks and before -m selects
@@ -143,8 +149,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _group(item) < 2:
             item.add_marker(VLLM_MARK)
-        if _runs_a_cluster(item):
-            item.add_marker(pytest.mark.xdist_group(TOPOLOGY_GROUP))
+        group = _xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -5,7 +5,9 @@ pytest-xdist 3.8 tells its scheduler a test's group by appending "@name" to `ite
 reads (a node's id is `item._id`): its loadgroup silently ran every test as its own unit, so a module-scoped or
 shared fixture started once per worker. Here each worker writes {node id: group} after collection and selection
 to a file the controller named, and the controller's scheduler (xdist's LoadScopeScheduling, largest unit first)
-reads it once every worker has collected, which is before it splits the run into units.
+reads it once every worker has collected, which is before it splits the run into units. Units start in xdist's order
+(most tests first), except that the named groups start before every module: with two workers and two groups, each
+worker starts with one of them.
 """
 
 from __future__ import annotations
@@ -79,5 +81,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, AN
             if self._groups is None:  # first called once every worker has collected (schedule())
                 self._groups = json.loads(path.read_text())
             return self._groups[nodeid]
+
+        def _assign_work_unit(self, node) -> None:  # noqa: ANN001 (xdist's WorkerController)
+            # Named groups first (xdist orders units by their number of tests): they hold the clusters, the
+            # longest units, so each starts on a worker of its own at once and the modules fill in around them.
+            for scope in [scope for scope in self.workqueue if not scope.endswith(".py")][::-1]:
+                self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     return GroupScheduling()
