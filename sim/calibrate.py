@@ -80,12 +80,14 @@ class Beside:
     alone: str
     words: int
     max_tokens: int
+    step: int
+    """The fitted step whose contention it measures: 0 the P prefill, 1 the TP=1 decode, 2 the DCP decode."""
 
 
 BESIDE = (
-    Beside(Point("tpot_tp_beside_prefill", 20, 33, 1, 2), "tpot_tp_b1_short", 1400, 2),
-    Beside(Point("ttft_beside_tp_decode", 300, 2, 1, 2), "ttft_w300", 20, 400),
-    Beside(Point("tpot_dcp_beside_prefill", 1400, 33, 1, 2), "tpot_dcp_b1", 1000, 2),
+    Beside(Point("tpot_tp_beside_prefill", 20, 33, 1, 2), "tpot_tp_b1_short", 1400, 2, step=1),
+    Beside(Point("ttft_beside_tp_decode", 300, 2, 1, 2), "ttft_w300", 20, 400, step=0),
+    Beside(Point("tpot_dcp_beside_prefill", 1400, 33, 1, 2), "tpot_dcp_b1", 1000, 2, step=2),
 )
 """The TP=1 decode beside the P prefill (the background's 1,400-word prompts go to the DCP pool: P prefills them
 and the DCP pool decodes two tokens each); the P prefill beside the TP=1 decode (400-token answers to 20-word
@@ -359,13 +361,13 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     alone_s = {"tpot_tp_beside_prefill": measured["tpot_tp_b1_short"]["tpot_s"],
                "ttft_beside_tp_decode": p_base + p_tok * n300 + p_attn * n300 * n300 / 2,
                "tpot_dcp_beside_prefill": measured["tpot_dcp_b1"]["tpot_s"]}
-    for index, beside in zip((1, 0, 2), BESIDE):  # the step each point stretches: tp, P, dcp
+    for beside in BESIDE:
         got = measured.get(beside.point.name)
         if got is None:
             continue
         key = "tpot_s" if beside.point.name.startswith("tpot") else "ttft_s"
         c = contention(got[key], measured[beside.alone][key], alone_s[beside.point.name])
-        steps[index]["contention"] = c
+        steps[beside.step]["contention"] = c
         fit.append({"name": beside.point.name, "measured": got[key], "used_for_fit": True,
                     "source": f"{'TPOT' if key == 'tpot_s' else 'TTFT'} p50 beside a busy instance, s",
                     "modelled": measured[beside.alone][key] + c * alone_s[beside.point.name]})
