@@ -16,6 +16,9 @@ isolates the prefill and TPOT the decode batch; three untimed requests first war
   of the same pools whose router never sends a P leg, fitted like the P pool's (its chunks, its base).
 - core sharing (`StepCost.contention`): the `BESIDE` points, each measured while a background load keeps one
   other instance busy, against the same shape measured alone (`contention`).
+Every point is measured in `--rounds` rounds (default ROUNDS), round after round over the whole calibration, each
+with words of its own; a point's figures are its median round's (`combine_rounds`), and the profile's `fit` list
+keeps each round's figure and their spread, so a calibration says how far its own points moved.
 A point's prompt may start with tokens the prefill node has cached (the points' words share a prefix): each
 point records its mean cached tokens and the fit prefills only the rest.
 Not measured (stated in the profile's notes): the DCP pool's own prefill (set to the P pool's: both are two-rank
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -94,9 +98,19 @@ and the DCP pool decodes two tokens each); the P prefill beside the TP=1 decode 
 prompts); the DCP decode beside the P prefill (1,000-word prompts that go to the TP=1 pool for two tokens).
 Each point's own words come from another seed than the points', so its prompts are not cached."""
 BESIDE_NAMES = frozenset(b.point.name for b in BESIDE)
+POINT_SEED = 7
+APPEND_SEED = 11
 BESIDE_SEED = 13
 BACKGROUND_SEED = 17
 """The background's words: another stream than every point's, so neither finds the other's prompts cached."""
+ROUNDS = 3
+"""Rounds of the points per calibration (the median round per point). The quiet calibrations of 2026-12-05 23:34
+and 2026-12-06 00:53 measured ttft_w300 at 0.95 s and 1.30 s, and in the second, the same shape beside a busy
+decode instance at 1.07 s, faster than alone: a disturbance of a minute or two moved every point it overlapped by
+a third, and the validation's random levels at c1 came out 20% under and 20% over the real ones with the two."""
+ROUND_SEED_STEP = 100
+"""Round r draws its words from each point's seed plus r times this: no round finds another's prompts cached,
+and within a round the points share their words' prefix as in the first."""
 QUICK = ("ttft_w20", "ttft_w300", "ttft_w700", "tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long",
          "tpot_dcp_b1", "tpot_dcp_b2", "ttft_append_w600_w300")
 
@@ -147,48 +161,84 @@ def _pools(config: ClusterConfig) -> tuple:
     return prefill[0], tp[0], dcp[0]
 
 
-def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, repeat: int = 1) -> dict[str, dict]:
-    """Measure each point on one started cluster: median TTFT (s) and TPOT (s) per point, over `repeat` times the
-    point's requests."""
+def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, repeat: int = 1,
+               rounds: int = ROUNDS) -> dict[str, dict]:
+    """Measure each point `rounds` times on one started cluster, round after round (every round sends each point
+    `repeat` times its requests, with words of its own: the points' seeds plus ROUND_SEED_STEP times the round),
+    and combine each point's rounds (`combine_rounds`: the median round, each round's figures kept). A disturbance
+    of the machine that lasts a minute then moves one round of the points it overlaps, not the point."""
     if repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {repeat}")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {rounds}")
     from sim.measure import RealCluster
 
-    found: dict[str, dict] = {}
+    found: dict[str, list[dict]] = {}
+
+    def keep(name: str, got: dict, r: int) -> None:
+        found.setdefault(name, []).append(got)
+        print(f"{name} (round {r + 1} of {rounds}): {got}", file=sys.stderr)
+
     with RealCluster(config, out_dir / "logs") as real:
         warm = RandomWorkload(RandomConfig(seed=3, input_len=parse_dist("300"), output_len=parse_dist("8")))
         real.sweep(warm, "random", [1], 1e6, out_dir / "warmup", max_requests=3, drain_s=600.0)  # first READs, caches
-        for point in POINTS:
-            if point.name not in names:
-                continue
-            if point.name.startswith("ttft_append"):
-                found[point.name] = _append_point(real, point, out_dir, repeat)
-                print(f"{point.name}: {found[point.name]}", file=sys.stderr)
-                continue
-            found[point.name] = _random_point(real, point, out_dir, repeat)
-            print(f"{point.name}: {found[point.name]}", file=sys.stderr)
-        for beside in BESIDE:
-            if beside.alone not in names:
-                continue
-            with real.background(beside.words, beside.max_tokens, BACKGROUND_SEED) as done:
-                found[beside.point.name] = _random_point(real, beside.point, out_dir, repeat, seed=BESIDE_SEED)
-            found[beside.point.name]["background_done"] = len(done)
-            print(f"{beside.point.name}: {found[beside.point.name]}", file=sys.stderr)
+        for r in range(rounds):
+            shift, where = ROUND_SEED_STEP * r, out_dir / f"round{r + 1}"
+            for point in POINTS:
+                if point.name not in names:
+                    continue
+                if point.name.startswith("ttft_append"):
+                    keep(point.name, _append_point(real, point, where, repeat, APPEND_SEED + shift), r)
+                else:
+                    keep(point.name, _random_point(real, point, where, repeat, POINT_SEED + shift), r)
+            for beside in BESIDE:
+                if beside.alone not in names:
+                    continue
+                with real.background(beside.words, beside.max_tokens, BACKGROUND_SEED + shift) as done:
+                    got = _random_point(real, beside.point, where, repeat, seed=BESIDE_SEED + shift)
+                got["background_done"] = len(done)
+                keep(beside.point.name, got, r)
     colocated = config.model_copy(update={"router": config.router.model_copy(update={
         "settings": {**config.router.settings, "disagg_min_uncached_tokens": 10**9}})})
     with RealCluster(colocated, out_dir / "logs-colocated") as real:
         real.sweep(warm, "random", [1], 1e6, out_dir / "warmup-colocated", max_requests=3, drain_s=600.0)
-        for point in COLOCATED:
-            if "append" in point.name:
-                found[point.name] = _append_point(real, point, out_dir, repeat)
-            else:
-                found[point.name] = _random_point(real, point, out_dir, repeat)
-            print(f"{point.name}: {found[point.name]}", file=sys.stderr)
-    return found
+        for r in range(rounds):
+            shift, where = ROUND_SEED_STEP * r, out_dir / f"round{r + 1}"
+            for point in COLOCATED:
+                if "append" in point.name:
+                    keep(point.name, _append_point(real, point, where, repeat, APPEND_SEED + shift), r)
+                else:
+                    keep(point.name, _random_point(real, point, where, repeat, POINT_SEED + shift), r)
+    return {name: combine_rounds(got) for name, got in found.items()}
+
+
+SUMMED = frozenset({"num_ok", "later_chunks", "later_tokens", "background_done"})
+"""Counts a point's rounds add up (the stream model pools chunks over every stream)."""
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One point over its rounds: each figure the median of the rounds' (token counts rounded to whole tokens),
+    the counts in SUMMED added up; `ttft_rounds` / `tpot_rounds` keep every round's TTFT and TPOT (the fit writes
+    their spread into the profile). One round: that round's figures."""
+    if not rounds:
+        raise ValueError("combine_rounds: a point without a round")
+    out: dict = {}
+    for key in rounds[0]:
+        values = [r[key] for r in rounds]
+        if key in SUMMED:
+            out[key] = sum(values)
+        elif isinstance(values[0], int):
+            out[key] = round(statistics.median(values))
+        else:
+            out[key] = statistics.median(values)
+    for key in ("ttft_s", "tpot_s"):
+        if key in out:
+            out[key.replace("_s", "_rounds")] = [r[key] for r in rounds]
+    return out
 
 
 def _random_point(real, point: Point, out_dir: Path, repeat: int = 1,  # noqa: ANN001 - sim.measure.RealCluster
-                  seed: int = 7) -> dict:
+                  seed: int = POINT_SEED) -> dict:
     workload = RandomWorkload(RandomConfig(seed=seed, input_len=parse_dist(str(point.words)),
                                            output_len=parse_dist(str(point.output))))
     summary = real.sweep(workload, "random", [point.concurrency], 1e6, out_dir / point.name,
@@ -234,11 +284,12 @@ def first_chunk_share(num_tokens: int, p: float, first_with_second: bool = True)
     return total / n1
 
 
-def _append_point(real, point: Point, out_dir: Path, repeat: int = 1) -> dict:  # noqa: ANN001 - sim.measure.RealCluster
+def _append_point(real, point: Point, out_dir: Path, repeat: int = 1,  # noqa: ANN001 - sim.measure.RealCluster
+                  seed: int = APPEND_SEED) -> dict:
     """Second turns of two-turn agent sessions: median TTFT, their prompt and cached tokens."""
     from loadgen.scenarios.agentx import AgentXConfig, AgentXWorkload
 
-    cfg = AgentXConfig(seed=11, system_len=parse_dist(str(point.words)), task_len=parse_dist("20"),
+    cfg = AgentXConfig(seed=seed, system_len=parse_dist(str(point.words)), task_len=parse_dist("20"),
                        tool_len=parse_dist(str(point.output)), output_len=parse_dist("2"), turns=parse_dist("2"),
                        think_s=parse_dist("0"), subagent_prob=0.0, max_context=10**6)
     summary = real.sweep(AgentXWorkload(cfg), "agentx", [point.concurrency], 1e6, out_dir / point.name,
@@ -367,10 +418,16 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
             continue
         key = "tpot_s" if beside.point.name.startswith("tpot") else "ttft_s"
         c = contention(got[key], measured[beside.alone][key], alone_s[beside.point.name])
+        if got[key] < measured[beside.alone][key]:
+            print(f"{PROG}: warning: {beside.point.name} ({got[key]:.4f} s) came out faster beside a busy instance "
+                  f"than {beside.alone} alone ({measured[beside.alone][key]:.4f} s): one of them was disturbed "
+                  "(contention set to 0); measure again on a quiet machine", file=sys.stderr)
         steps[beside.step]["contention"] = c
         fit.append({"name": beside.point.name, "measured": got[key], "used_for_fit": True,
                     "source": f"{'TPOT' if key == 'tpot_s' else 'TTFT'} p50 beside a busy instance, s",
                     "modelled": measured[beside.alone][key] + c * alone_s[beside.point.name]})
+    for entry in fit:
+        entry.update(_rounds_of(measured[entry["name"]], "tpot_s" if entry["source"].startswith("TPOT") else "ttft_s"))
     return {
         "name": name, "model": config.model, "device": "cpu (this machine, reference engine)",
         "template": {"kind": "bytes", "tokens_per_message": 4}, "steps": steps,
@@ -396,6 +453,15 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     }
 
 
+def _rounds_of(point: dict, key: str) -> dict:
+    """A fit entry's per-round figures and their spread, (max - min) / median, where the point has two or more."""
+    got = point.get(key.replace("_s", "_rounds"))
+    if not got or len(got) < 2:
+        return {}
+    mid = statistics.median(got)
+    return {"rounds": got, "spread": (max(got) - min(got)) / mid if mid else 0.0}
+
+
 def main_calibrate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH)
@@ -404,13 +470,16 @@ def main_calibrate(argv: list[str]) -> int:
     p.add_argument("--work-dir", type=Path, default=Path("sim-calibrate"), help="loadgen outputs and node logs")
     p.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} points (no 1200-word TTFT)")
     p.add_argument("--repeat", type=int, default=None,
-                   help="times each point's requests are sent (default 2: twice POINTS' counts, steadier medians)")
+                   help="times each point's requests are sent per round (default 1: POINTS' counts)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"rounds of every point, the median round kept (default {ROUNDS})")
     p.add_argument("--measured", type=Path, default=None, help="refit from a measured.json of an earlier run")
     p.add_argument("--figures", choices=("h200", "gb300"), default=None,
                    help="no measurement: fit a GPU profile to published figures (sim/figures.py)")
     args = p.parse_args(argv)
-    if args.repeat is not None and (args.figures or args.measured):
-        p.error("--repeat sets how many requests each point measures; --figures and --measured measure nothing")
+    for flag, value in (("--repeat", args.repeat), ("--rounds", args.rounds)):
+        if value is not None and (args.figures or args.measured):
+            p.error(f"{flag} sets how many requests each point measures; --figures and --measured measure nothing")
     try:
         if args.figures:
             from sim.figures import build
@@ -422,7 +491,8 @@ def main_calibrate(argv: list[str]) -> int:
             measured = json.loads(args.measured.read_text())
         else:
             measured = run_points(config, QUICK if args.quick else tuple(pt.name for pt in POINTS), args.work_dir,
-                                  2 if args.repeat is None else args.repeat)
+                                  1 if args.repeat is None else args.repeat,
+                                  ROUNDS if args.rounds is None else args.rounds)
             args.work_dir.mkdir(parents=True, exist_ok=True)
             (args.work_dir / "measured.json").write_text(json.dumps(measured, indent=1))
         profile = fit_profile(config, measured, args.name, "pdcluster sim calibrate " + " ".join(argv))
@@ -440,7 +510,8 @@ def _write(profile: dict, out: Path) -> int:
     for point in profile["fit"]:
         kind = "fit" if point["used_for_fit"] else "predicted"
         err = abs(point["modelled"] - point["measured"]) / point["measured"]
+        spread = f", rounds {100 * point['spread']:.0f}% apart" if point.get("spread") is not None else ""
         print(f"{point['name']:>22}: measured {point['measured']:.4f}  modelled {point['modelled']:.4f}  "
-              f"({kind}, {100 * err:.1f}%)")
+              f"({kind}, {100 * err:.1f}%{spread})")
     print(f"wrote {out}")
     return 0

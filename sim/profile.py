@@ -103,6 +103,11 @@ class FitPoint(_Strict):
     modelled: float
     used_for_fit: bool
     source: str
+    rounds: list[float] = Field(default_factory=list)
+    """The point's figure in each round of the calibration (`pdcluster sim calibrate --rounds`), when it had more
+    than one; `measured` is their median."""
+    spread: float | None = Field(None, ge=0)
+    """(max - min) / median of `rounds`: how far the point moved between rounds of one calibration."""
 
     @property
     def relative_error(self) -> float:

@@ -71,3 +71,79 @@ def test_the_fit_sets_each_steps_contention_from_its_point() -> None:
     assert fitted.step(1, 2).contention == pytest.approx(0.2)
     assert fitted.step(2, 1).contention == pytest.approx(0.5)
     assert fitted.step(2, 1).prefill_token_s == plain.step(2, 1).prefill_token_s  # the TTFT fit leaves it out
+
+
+def test_a_points_rounds_combine_to_the_median_round() -> None:
+    """Three rounds of a point, the second disturbed (its TTFT a third longer, as ttft_w300 moved between the quiet
+    calibrations of 2026-12-05): the point's TTFT is the median round's, token counts the median, chunk counts the
+    sum (the stream model pools them), each round's TTFT kept; a single round is that round."""
+    from sim.calibrate import combine_rounds
+
+    rounds = [{"ttft_s": 1.00, "tpot_s": 0.020, "prompt_tokens": 1518, "cached_tokens": 0, "num_ok": 2,
+               "later_chunks": 3, "later_tokens": 4},
+              {"ttft_s": 1.33, "tpot_s": 0.024, "prompt_tokens": 1518, "cached_tokens": 512, "num_ok": 2,
+               "later_chunks": 1, "later_tokens": 4},
+              {"ttft_s": 0.98, "tpot_s": 0.019, "prompt_tokens": 1518, "cached_tokens": 0, "num_ok": 2,
+               "later_chunks": 2, "later_tokens": 4}]
+    got = combine_rounds(rounds)
+    assert got == {"ttft_s": 1.00, "tpot_s": 0.020, "prompt_tokens": 1518, "cached_tokens": 0, "num_ok": 6,
+                   "later_chunks": 6, "later_tokens": 12, "ttft_rounds": [1.00, 1.33, 0.98],
+                   "tpot_rounds": [0.020, 0.024, 0.019]}
+    assert combine_rounds(rounds[:1]) == {**rounds[0], "ttft_rounds": [1.00], "tpot_rounds": [0.020]}
+
+
+def test_each_round_draws_its_own_words_and_the_median_round_wins(monkeypatch, tmp_path) -> None:
+    """`run_points` on a stand-in cluster whose TTFTs depend on the words' seed: round r sends every point with its
+    seed plus 100 r (no round finds another's prompts cached), and one disturbed round (+50%) moves no point."""
+    import sim.measure
+    from cluster.config import DEFAULT_CONFIG_PATH, load_config
+    from sim.calibrate import COLOCATED, ROUND_SEED_STEP, run_points
+
+    seeds: list[int] = []
+
+    class Stand:
+        def __init__(self, *args) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def sweep(self, workload, scenario, levels, duration_s, out_dir, **kw):
+            seed = workload.config.seed
+            seeds.append(seed)
+            slow = 1.5 if seed // ROUND_SEED_STEP == 1 else 1.0
+            records = [SimpleNamespace(is_ok=True, cached_tokens=50, completion_tokens=2, chunk_s=[1.0],
+                                       request_id="s.t1", ttft_s=slow, prompt_tokens=100)]
+            level = SimpleNamespace(num_ok=1, input_tokens=100, ttft_ms=SimpleNamespace(p50=1000.0 * slow),
+                                    tpot_ms=SimpleNamespace(p50=None), records=records)
+            return SimpleNamespace(levels=[level])
+
+    monkeypatch.setattr(sim.measure, "RealCluster", Stand)
+    got = run_points(load_config(DEFAULT_CONFIG_PATH), ("ttft_w20",), tmp_path, rounds=3)
+    assert set(got) == {"ttft_w20"} | {p.name for p in COLOCATED}
+    assert got["ttft_w20"]["ttft_s"] == 1.0 and got["ttft_w20"]["ttft_rounds"] == [1.0, 1.5, 1.0]
+    point_seeds = [s for s in seeds if s % ROUND_SEED_STEP == 7]  # ttft_w20 and colo_ttft_* (POINT_SEED 7)
+    assert sorted(set(point_seeds)) == [7, 107, 207]
+
+
+def test_the_fit_writes_each_points_rounds_and_their_spread() -> None:
+    """A refit of the shipped measurement with ttft_w300's rounds: its fit entry carries them and their spread,
+    (max - min) / median; a point of one round carries none."""
+    import json
+
+    import pytest
+
+    from cluster.config import DEFAULT_CONFIG_PATH, load_config
+    from sim.calibrate import fit_profile
+    from sim.profile import PROFILE_DIR, Profile
+
+    measured = json.loads((PROFILE_DIR / "cpu-mini-reference.measured.json").read_text())
+    mid = measured["ttft_w300"]["ttft_s"]
+    measured["ttft_w300"]["ttft_rounds"] = [0.8 * mid, mid, 1.3 * mid]
+    fitted = Profile.model_validate(fit_profile(load_config(DEFAULT_CONFIG_PATH), measured, "rounds", "test"))
+    entry = next(f for f in fitted.fit if f.name == "ttft_w300")
+    assert entry.rounds == [0.8 * mid, mid, 1.3 * mid] and entry.spread == pytest.approx(0.5)
+    assert next(f for f in fitted.fit if f.name == "ttft_w20").spread is None

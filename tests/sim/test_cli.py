@@ -62,3 +62,8 @@ def test_calibrate_refuses_repeat_where_nothing_is_measured(tmp_path, capsys) ->
     assert "--repeat" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--repeat must be at least 1, got 0"):
         run_points(load_config(DEFAULT_CONFIG_PATH), (), tmp_path, repeat=0)
+    with pytest.raises(ValueError, match="--rounds must be at least 1, got 0"):
+        run_points(load_config(DEFAULT_CONFIG_PATH), (), tmp_path, rounds=0)
+    with pytest.raises(SystemExit):
+        main_calibrate(["--figures", "gb300", "--rounds", "3", "--out", str(tmp_path / "p.json")])
+    assert "--rounds" in capsys.readouterr().err
