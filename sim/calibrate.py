@@ -21,8 +21,10 @@ with words of its own; a point's figures are its median round's (`combine_rounds
 keeps each round's figure and their spread, so a calibration says how far its own points moved.
 A point's prompt may start with tokens the prefill node has cached (the points' words share a prefix): each
 point records its mean cached tokens and the fit prefills only the rest.
-Not measured (stated in the profile's notes): the DCP pool's own prefill (set to the P pool's: both are two-rank
-SPMD prefills). Transfer costs come from benchmarks/RESULTS.md (CPU loopback).
+- the DCP prefill's gather (`StepCost.prefill_prefix_s`): `DCP_RESUME`, second turns that skip the P leg and
+  prefill a few tokens on the DCP pool after about 7,100 cached ones (`fit_prefix`).
+Not measured (stated in the profile's notes): the DCP pool's own per-token prefill (set to the P pool's: both are
+two-rank SPMD prefills). Transfer costs come from benchmarks/RESULTS.md (CPU loopback).
 Every measured point and what the fitted model gives for it are written to the profile's `fit` list.
 """
 
@@ -74,6 +76,15 @@ COLOCATED = (Point("colo_ttft_w20", 20, 2, 1, 3), Point("colo_ttft_w300", 300, 2
 turn's TTFT is a prefill of the new tokens attending over the cached prefix (its `output` is the new words). Both
 turns stay within the TP pool's 8,192 tokens with the router's growth allowance, so the second turn goes where
 the first left its cache; `_append_point` refuses a run whose second turns found nothing cached."""
+DCP_RESUME = Point("dcp_resume_w1400_w2", 1400, 2, 1, 2)
+"""A two-turn agent session on the DCP pool (a 1,400-word system prompt: past the TP pool's 8,192 tokens with the
+router's growth allowance) whose second turn adds a 2-word tool result: fewer uncached tokens than the router's
+`disagg_min_uncached_tokens`, so it skips the P leg and the DCP instance prefills them in one small step after
+about 7,100 cached tokens. The DCP prefill all-gathers the whole prefix before every chunk (engine/parallel/spmd.py
+`DCPModel.prefill`); with a chunk this small that gather is most of the step: the point fits the DCP step's
+`prefill_prefix_s` (`fit_prefix`)."""
+
+
 @dataclass(frozen=True)
 class Beside:
     """A point measured while a background load keeps another instance busy (sim/measure.py `background`: one
@@ -112,7 +123,7 @@ ROUND_SEED_STEP = 100
 """Round r draws its words from each point's seed plus r times this: no round finds another's prompts cached,
 and within a round the points share their words' prefix as in the first."""
 QUICK = ("ttft_w20", "ttft_w300", "ttft_w700", "tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long",
-         "tpot_dcp_b1", "tpot_dcp_b2", "ttft_append_w600_w300")
+         "tpot_dcp_b1", "tpot_dcp_b2", "ttft_append_w600_w300", DCP_RESUME.name)
 
 
 def prompt_tokens(words: int) -> int:
@@ -191,6 +202,8 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, rep
                     keep(point.name, _append_point(real, point, where, repeat, APPEND_SEED + shift), r)
                 else:
                     keep(point.name, _random_point(real, point, where, repeat, POINT_SEED + shift), r)
+            if DCP_RESUME.name in names:
+                keep(DCP_RESUME.name, _append_point(real, DCP_RESUME, where, repeat, APPEND_SEED + shift), r)
             for beside in BESIDE:
                 if beside.alone not in names:
                     continue
@@ -426,6 +439,18 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
         fit.append({"name": beside.point.name, "measured": got[key], "used_for_fit": True,
                     "source": f"{'TPOT' if key == 'tpot_s' else 'TTFT'} p50 beside a busy instance, s",
                     "modelled": measured[beside.alone][key] + c * alone_s[beside.point.name]})
+    resume = measured.get(DCP_RESUME.name)
+    if resume is not None:
+        from router.settings import Settings as RouterSettings
+
+        min_uncached = RouterSettings.model_validate(config.router.settings).disagg_min_uncached_tokens
+        constant_s = ROUTER_S + decode_leg
+        prefix_s = fit_prefix(resume, steps[2], text_p, constant_s, min_uncached)
+        if prefix_s is not None:
+            steps[2]["prefill_prefix_s"] = prefix_s
+            fit.append({"name": DCP_RESUME.name, "measured": resume["ttft_s"], "used_for_fit": True,
+                        "source": "TTFT p50 of second turns prefilled on the DCP pool (no P leg), s",
+                        "modelled": constant_s + _resume_step_s(resume, steps[2], text_p)})
     for entry in fit:
         entry.update(_rounds_of(measured[entry["name"]], "tpot_s" if entry["source"].startswith("TPOT") else "ttft_s"))
     return {
@@ -445,12 +470,40 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
         "fit": fit,
         "notes": ("the TP=1 decode node's prefill costs are fitted to the colo_* points (the router sending no P "
                   "leg) when measured; the DCP pool's are the P pool's (both two-rank SPMD prefills, not measured); "
-                  "DCP decode_ctx_s is half the TP=1 pool's (assumed); http.decode_leg_s is the colocated path's "
+                  "DCP decode_ctx_s is half the TP=1 pool's (assumed); the DCP step's prefill_prefix_s (its prefill's gather "
+                  "of the prefix before every chunk) is fitted to the dcp_resume point when measured, 0 elsewhere; http.decode_leg_s is the colocated path's "
                   "fitted constant less the router's work, http.prefill_leg_s what the disaggregated path's has "
                   "beyond both (the READ's setup included); TPOT points are divided by the share of steps a "
                   "chunk-level TPOT spans (sim/calibrate.py first_chunk_share) before fitting; a point's cached "
                   "tokens (the points share their words' prefix) are not prefilled."),
     }
+
+
+def _resume_step_s(point: dict, step: dict, text_p: float) -> float:
+    """A resumed turn's engine time on the DCP pool: the step prefilling its new tokens after its cached ones and,
+    when its first token releases no text (1 - text_p), the decode step that follows."""
+    from sim.profile import StepCost
+
+    cost = StepCost.model_validate(step)
+    prompt = point["prompt_tokens"]
+    return (cost.step_s(prompt - point["cached_tokens"], prompt)
+            + (1.0 - text_p) * cost.step_s(batch=1, sum_context=prompt + 1))
+
+
+def fit_prefix(point: dict, step: dict, text_p: float, constant_s: float, min_uncached: int) -> float | None:
+    """The DCP step's `prefill_prefix_s` from DCP_RESUME's second turns (one small prefill step after `cached`
+    tokens): what their TTFT has beyond the request's constant (router, decode leg: `constant_s`) and the step's
+    other terms (`_resume_step_s` with no prefix cost), per cached token, at least 0. None, with a warning, when
+    the turns found nothing cached or had the router's `min_uncached` tokens or more to prefill (they took a P
+    leg: the point measured something else)."""
+    new = point["prompt_tokens"] - point["cached_tokens"]
+    if point["cached_tokens"] <= 0 or new >= min_uncached:
+        print(f"{PROG}: warning: {DCP_RESUME.name}: second turns with {point['cached_tokens']} cached and {new} new "
+              f"tokens (the router skips the P leg under {min_uncached}): prefill_prefix_s not measured, left 0",
+              file=sys.stderr)
+        return None
+    rest = _resume_step_s(point, {**step, "prefill_prefix_s": 0.0}, text_p)
+    return max(0.0, (point["ttft_s"] - constant_s - rest) / point["cached_tokens"])
 
 
 def _rounds_of(point: dict, key: str) -> dict:

@@ -4,10 +4,12 @@ Only time is modelled from a profile; every decision comes from the product code
 - `steps`: one `StepCost` per instance parallelism (tp, dcp). An engine step that prefills a chunk of T prompt
   tokens after C tokens already in the cache (a cached prefix, earlier chunks) and decodes b requests whose
   contexts sum to S costs
-  `base_s + prefill_token_s*T + prefill_attn_s*T*T/2 + prefill_ctx_s*T*C + decode_seq_s*b + decode_ctx_s*S`
-  (each part only when the step has it): attention among the chunk's own tokens and attention to cached ones
-  are separate terms (the engine reads the cached part from the row pool). A step is the node's whole round: the
-  rank IPC is in `base_s`.
+  `base_s + prefill_token_s*T + prefill_attn_s*T*T/2 + prefill_ctx_s*T*C + prefill_prefix_s*C + decode_seq_s*b
+  + decode_ctx_s*S` (each part only when the step has it): attention among the chunk's own tokens and attention to
+  cached ones are separate terms (the engine reads the cached part from the row pool); `prefill_prefix_s*C` is
+  what a step pays per cached token whatever the chunk's size (a DCP instance all-gathers the whole prefix into a
+  whole-sequence cache before every chunk: engine/parallel/spmd.py `DCPModel.prefill`). A step is the node's
+  whole round: the rank IPC is in `base_s`.
 - `transfer`: a P->D READ of R rows (descriptors) and N bytes takes `setup_s + per_descriptor_s*R + N / bytes_per_s`.
 - `http`: the prefill leg's round trip besides its engine time (`prefill_leg_s`), the decode leg's dispatch until
   the node starts on it (`decode_leg_s`), and what the router adds to a request (`router_s`), all per request.
@@ -41,6 +43,9 @@ class StepCost(_Strict):
     prefill_token_s: float = Field(0.0, ge=0)
     prefill_attn_s: float = Field(0.0, ge=0)
     prefill_ctx_s: float = Field(0.0, ge=0)
+    prefill_prefix_s: float = Field(0.0, ge=0)
+    """Per cached token, once per step that prefills a chunk after them, whatever the chunk's size (the DCP
+    prefill's gather of the prefix; 0 where a chunk reads its prefix in place)."""
     decode_seq_s: float = Field(0.0, ge=0)
     decode_ctx_s: float = Field(0.0, ge=0)
     contention: float = Field(1.0, ge=0)
@@ -51,7 +56,10 @@ class StepCost(_Strict):
 
     def prefill_part(self, num_tokens: int, end: int) -> float:
         cached = end - num_tokens
-        return num_tokens * (self.prefill_token_s + self.prefill_attn_s * num_tokens / 2 + self.prefill_ctx_s * cached)
+        t = num_tokens * (self.prefill_token_s + self.prefill_attn_s * num_tokens / 2 + self.prefill_ctx_s * cached)
+        if self.prefill_prefix_s:
+            t += self.prefill_prefix_s * cached
+        return t
 
     def decode_part(self, batch: int, sum_context: int) -> float:
         return self.decode_seq_s * batch + self.decode_ctx_s * sum_context

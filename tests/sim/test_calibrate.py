@@ -147,3 +147,35 @@ def test_the_fit_writes_each_points_rounds_and_their_spread() -> None:
     entry = next(f for f in fitted.fit if f.name == "ttft_w300")
     assert entry.rounds == [0.8 * mid, mid, 1.3 * mid] and entry.spread == pytest.approx(0.5)
     assert next(f for f in fitted.fit if f.name == "ttft_w20").spread is None
+
+
+def test_the_dcp_resume_point_fits_the_prefix_gather(capsys) -> None:
+    """Refit the shipped measurement with a dcp_resume point made by the model itself (second turns of 7,118
+    tokens, 7,100 of them cached, their TTFT the router and decode leg, one DCP step with a prefix cost of 2e-5 s
+    per cached token and, when the first token releases no text, a decode step): the fit gives back 2e-5 and
+    models the point exactly; second turns with 32 new tokens (the router's threshold: they took a P leg) leave
+    it at 0 and say so."""
+    import json
+
+    import pytest
+
+    from cluster.config import DEFAULT_CONFIG_PATH, load_config
+    from sim.calibrate import DCP_RESUME, ROUTER_S, _resume_step_s, fit_profile
+    from sim.profile import PROFILE_DIR, Profile
+
+    config = load_config(DEFAULT_CONFIG_PATH)
+    measured = json.loads((PROFILE_DIR / "cpu-mini-reference.measured.json").read_text())
+    plain = fit_profile(config, measured, "plain", "test")
+    step, text_p = plain["steps"][2], plain["stream"]["text_token_p"]
+    point = {"prompt_tokens": 7118, "cached_tokens": 7100, "num_ok": 3, "later_chunks": 0, "later_tokens": 0}
+    truth = {**step, "prefill_prefix_s": 2e-5}
+    point["ttft_s"] = ROUTER_S + plain["http"]["decode_leg_s"] + _resume_step_s(point, truth, text_p)
+    fitted = Profile.model_validate(fit_profile(config, {**measured, DCP_RESUME.name: point}, "resume", "test"))
+    assert fitted.step(1, 2).prefill_prefix_s == pytest.approx(2e-5, rel=1e-9)
+    assert fitted.step(1, 1).prefill_prefix_s == 0.0 and fitted.step(2, 1).prefill_prefix_s == 0.0
+    entry = next(f for f in fitted.fit if f.name == DCP_RESUME.name)
+    assert entry.modelled == pytest.approx(entry.measured, rel=1e-9)
+    took_p = {**point, "cached_tokens": 7118 - 32}
+    again = Profile.model_validate(fit_profile(config, {**measured, DCP_RESUME.name: took_p}, "p-leg", "test"))
+    assert again.step(1, 2).prefill_prefix_s == 0.0
+    assert "prefill_prefix_s not measured" in capsys.readouterr().err

@@ -53,6 +53,19 @@ def test_step_cost_is_linear_in_prompt_tokens() -> None:
     assert level.ttft_ms.p50 / 1000 == pytest.approx(0.002 + 0.003 + 0.01 + 0.001 * 101, abs=1e-12)
 
 
+def test_a_chunk_pays_for_its_cached_prefix() -> None:
+    """One request alone on a DCP=2 decode instance prefilling its 1,024 tokens (words template: BOS + 1,023
+    words) in chunks of 256: every step pays base + prefix_s per token before its chunk (the DCP prefill gathers
+    the whole prefix first), so TTFT = 4 base + prefix_s * 256 * (0 + 1 + 2 + 3)."""
+    d, g = 0.05, 2e-5
+    prof = profile(base_s=d, prefix_s=g)
+    settings = {"max_step_tokens": 256, "prefix_cache": False, "num_rows": 4096}
+    opts = SimOptions(concurrency_levels=[1], duration_s=100, out_dir=None, drain_s=1e6)
+    config = cluster(settings, NO_PLEG, decode_pools=(("dcp", 1, 2),))
+    level = simulate(config, prof, _trace(1.0, 1, 1023), "poisson", opts).summary.levels[0]
+    assert level.ttft_ms.p50 / 1000 == pytest.approx(4 * d + g * 256 * 6, abs=1e-12)
+
+
 def test_closed_loop_decode_batch_throughput() -> None:
     """N closed-loop users, no think time, T output tokens each, every step (prefill, decode or both) D seconds.
     The N first prefills take one step each, so the users run staggered by one step; a request's prefill step
