@@ -11,7 +11,8 @@ TTFT p99. Headline: the median absolute relative error over TTFT p50, TPOT p50 a
     python benchmarks/sim_validation.py --profile sim/profiles/cpu-mini-reference.json --json /tmp/simval.json
     python benchmarks/sim_validation.py --only default-random-low,default-agentx-on-low --duration 20   # quick look
 
-Each real side starts its own cluster (a free router port) and writes loadgen's summary.json under --work-dir;
+Each real side starts its own cluster (a free router port), sends it WARMUP's untimed requests (what a fresh
+cluster pays once, the simulator does not model) and writes loadgen's summary.json under --work-dir;
 the simulated side writes its own beside it, so `pdcluster loadgen compare REAL SIM` shows every metric. The real
 side also keeps the cluster it ran (`real/cluster.json`); `--reuse-real` simulates that cluster, so a later change
 of cluster/default.yaml does not pair a saved real run with a different simulated one.
@@ -33,6 +34,7 @@ from cluster.config import DEFAULT_CONFIG_PATH, ClusterConfig, load_config, pars
 from loadgen.lengths import parse_dist  # noqa: E402
 from loadgen.scenarios.agentx import AgentXConfig, AgentXWorkload  # noqa: E402
 from loadgen.scenarios.random_requests import RandomConfig, RandomWorkload  # noqa: E402
+from sim.measure import Warmup  # noqa: E402
 
 AGENTX = dict(system_len=parse_dist("512"), task_len=parse_dist("lognormal:256,0.5"),
               tool_len=parse_dist("lognormal:96,0.5"), output_len=parse_dist("16"), turns=parse_dist("uniform:4,8"),
@@ -78,6 +80,13 @@ CONFIGS = (
     Config("colocated-agentx", "colocated", "agentx", True, (2,)),
 )
 
+WARMUP = (Warmup(300, 2), Warmup(1400, 1))
+"""Before each real configuration's levels (`--no-warmup`: none): two 300-word prompts and one of 1,400 words (past
+the TP pool's context with the router's growth allowance, so the default topology's P -> DCP pair reads once
+too). The first READ of a P -> D pair costs 1-2 s, and the first request of the quiet runs of 2026-12-06 (random,
+c1) took 1.05-1.09 s where a later one of the same 1,038 tokens took 0.74-0.81 s: costs a fresh cluster pays
+once, which the simulator does not model."""
+
 METRICS = (("ttft_p50", "ttft_ms", "p50"), ("tpot_p50", "tpot_ms", "p50"), ("throughput", "output_tok_s", None),
            ("ttft_p99", "ttft_ms", "p99"))
 
@@ -102,7 +111,8 @@ class Row:
         return abs(self.sim - self.real) / abs(self.real)
 
 
-def run_config(cfg: Config, profile, work: Path, duration_s: float, seed: int, reuse: bool) -> list[Row]:
+def run_config(cfg: Config, profile, work: Path, duration_s: float, seed: int, reuse: bool,
+               warmup: bool = True) -> list[Row]:
     from loadgen.summary import load_summary
     from sim.measure import measure
     from sim.run import SimOptions, simulate
@@ -118,7 +128,7 @@ def run_config(cfg: Config, profile, work: Path, duration_s: float, seed: int, r
             print(f"{cfg.name}: {used} is missing: simulating today's {cfg.topology} topology", file=sys.stderr)
     else:
         real = measure(cluster, cfg.workload(seed), cfg.scenario, list(cfg.levels), duration_s, real_dir, seed=seed,
-                       drain_s=300.0)
+                       drain_s=300.0, warmups=WARMUP if warmup else ())
         used.write_text(json.dumps(cluster.model_dump(mode="json", by_alias=True, exclude_none=True), indent=1))
     sim = simulate(cluster, profile, cfg.workload(seed), cfg.scenario,
                    SimOptions(list(cfg.levels), duration_s, work / cfg.name / "sim", seed=seed, drain_s=300.0,
@@ -143,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", type=Path, default=Path("sim-validation"))
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--no-warmup", action="store_true", help="measure each real configuration from a cold start")
     p.add_argument("--reuse-real", action="store_true",
                    help="take a configuration's real side from --work-dir when a run of the same duration is there")
     args = p.parse_args(argv)
@@ -162,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.name in names:
             print(f"== {cfg.name}", file=sys.stderr)
             try:
-                rows += run_config(cfg, profile, args.work_dir, args.duration, args.seed, args.reuse_real)
+                rows += run_config(cfg, profile, args.work_dir, args.duration, args.seed, args.reuse_real,
+                                   warmup=not args.no_warmup)
             except ClusterStartError as exc:  # the real cluster did not start: say so, go on
                 failed[cfg.name] = str(exc).splitlines()[0]
                 print(f"{cfg.name}: real cluster failed to start: {failed[cfg.name]}", file=sys.stderr)

@@ -182,7 +182,9 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, rep
         raise ValueError(f"--repeat must be at least 1, got {repeat}")
     if rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {rounds}")
-    from sim.measure import RealCluster
+    from sim.measure import RealCluster, Warmup
+
+    warmup = (Warmup(300, 3),)  # on each cluster: its first READs, its caches
 
     found: dict[str, list[dict]] = {}
 
@@ -191,8 +193,7 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, rep
         print(f"{name} (round {r + 1} of {rounds}): {got}", file=sys.stderr)
 
     with RealCluster(config, out_dir / "logs") as real:
-        warm = RandomWorkload(RandomConfig(seed=3, input_len=parse_dist("300"), output_len=parse_dist("8")))
-        real.sweep(warm, "random", [1], 1e6, out_dir / "warmup", max_requests=3, drain_s=600.0)  # first READs, caches
+        real.warm_up(warmup, out_dir)
         for r in range(rounds):
             shift, where = ROUND_SEED_STEP * r, out_dir / f"round{r + 1}"
             for point in POINTS:
@@ -214,7 +215,7 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, rep
     colocated = config.model_copy(update={"router": config.router.model_copy(update={
         "settings": {**config.router.settings, "disagg_min_uncached_tokens": 10**9}})})
     with RealCluster(colocated, out_dir / "logs-colocated") as real:
-        real.sweep(warm, "random", [1], 1e6, out_dir / "warmup-colocated", max_requests=3, drain_s=600.0)
+        real.warm_up(warmup, out_dir / "colocated")
         for r in range(rounds):
             shift, where = ROUND_SEED_STEP * r, out_dir / f"round{r + 1}"
             for point in COLOCATED:

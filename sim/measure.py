@@ -2,7 +2,7 @@
 
 `RealCluster(config, log_dir)` starts the cluster of `config` (its router on a free port) and `sweep(...)` runs
 loadgen's sweep against the router exactly as `pdcluster loadgen` does, returning the Summary (also written to its
-`out_dir`); `measure(...)` is one sweep on a cluster of its own. Used by `pdcluster sim calibrate` and
+`out_dir`); `measure(...)` is one sweep on a cluster of its own, after its `Warmup` requests. Used by `pdcluster sim calibrate` and
 benchmarks/sim_validation.py: the measured side of every comparison.
 """
 
@@ -13,15 +13,34 @@ import random
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 from loadgen.client import Target
+from loadgen.lengths import parse_dist
+from loadgen.scenarios.random_requests import RandomConfig, RandomWorkload
 from loadgen.schedule import Workload
 from loadgen.slo import SLO
 from loadgen.summary import Summary
 from loadgen.sweep import SweepOptions, run_sweep
+
+
+WARMUP_SEED = 3
+"""The warm-up's words: a stream of their own (no measured prompt finds them cached)."""
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """Untimed requests before a measurement, one at a time: `requests` prompts of `words` fresh words, `max_tokens`
+    out each. What a fresh cluster pays once (the first READ of each P -> D pair costs 1-2 s on this machine; the
+    first request of a validation level took 0.3 s longer than a later one of the same length) is paid here, as
+    the simulator, which models none of it, assumes."""
+
+    words: int
+    requests: int
+    max_tokens: int = 8
 
 
 def with_free_router_port(config: ClusterConfig) -> ClusterConfig:
@@ -52,6 +71,14 @@ class RealCluster:
                             plots=False, command=["sim.measure", scenario])
         return asyncio.run(run_sweep(workload, opts, scenario, []))
 
+
+    def warm_up(self, warmups: tuple[Warmup, ...], out_dir: Path) -> None:
+        """Send each `Warmup`'s requests (loadgen summaries under `out_dir`/warmup-WORDS)."""
+        for w in warmups:
+            workload = RandomWorkload(RandomConfig(seed=WARMUP_SEED, input_len=parse_dist(str(w.words)),
+                                                   output_len=parse_dist(str(w.max_tokens))))
+            self.sweep(workload, "random", [1], 1e6, Path(out_dir) / f"warmup-{w.words}", max_requests=w.requests,
+                       drain_s=600.0)
 
     @contextmanager
     def background(self, words: int, max_tokens: int, seed: int) -> Iterator[list[float]]:
@@ -100,8 +127,9 @@ class RealCluster:
 
 
 def measure(config: ClusterConfig, workload: Workload, scenario: str, levels: list[int], duration_s: float,
-            out_dir: Path, **kw) -> Summary:
-    """Start the cluster, sweep once, stop it."""
+            out_dir: Path, warmups: tuple[Warmup, ...] = (), **kw) -> Summary:
+    """Start the cluster, send the warm-up requests, sweep once, stop it."""
     out_dir = Path(out_dir)
     with RealCluster(config, out_dir / "logs") as real:
+        real.warm_up(warmups, out_dir)
         return real.sweep(workload, scenario, levels, duration_s, out_dir, **kw)

@@ -111,6 +111,9 @@ def test_each_round_draws_its_own_words_and_the_median_round_wins(monkeypatch, t
         def __exit__(self, *exc) -> None:
             pass
 
+        def warm_up(self, warmups, out_dir) -> None:
+            pass
+
         def sweep(self, workload, scenario, levels, duration_s, out_dir, **kw):
             seed = workload.config.seed
             seeds.append(seed)
