@@ -5,15 +5,11 @@ once; remote writers/readers move whole rows or sub-block ranges of it). A row h
 of a request (sub-block-major pages of every DSA layer, see engine/layout.py) or one KDA group's state of one
 request (head-major). Rows of both kinds come from one free list.
 
-- `RowPool.allocate(n)` / `free(ids)` / `num_free`: lowest ids first, so ranks that see the same commands make the
-  same allocations (SPMD lockstep). `allocate_request(num_tokens)` returns a `BlockTable`. When free rows run
-  out, allocation first evicts unreferenced prefix-cache blocks (`spare`, engine/prefix_cache.py);
-  `num_available` counts those as available.
-- Quarantine: `quarantine(ids, until, key)` takes rows out of use without making them free: a remote READ may
-  still target them (an export a lease gave up, an import that was abandoned). `reclaim(now)` frees the rows
-  whose time is up; `hold(key)` keeps a key's rows out for good (a READ into them could not be cancelled).
-  Quarantined rows are neither free nor allocated; times come from the caller's clock (in a node, the round's
-  time that every rank shares), so every rank reclaims the same rows in the same round.
+- Bookkeeping (engine/rows.py `RowBook`, which `RowPool` extends with the bytes): `allocate(n)` / `free(ids)` /
+  `num_free`, lowest ids first (SPMD lockstep); eviction of unreferenced prefix-cache blocks when free rows run
+  out; quarantine (`quarantine(ids, until, key)`, `reclaim(now)`, `hold(key)`: rows a remote READ may still
+  target, neither free nor allocated); `reserve_request`. It imports no torch (the scheduler and the simulator
+  use it alone).
 - `BlockTable`: a request's attention row ids (block k holds request tokens [k*B, (k+1)*B), or under DCP this
   rank's owned tokens of that block) and its KDA row ids (one per KDA group).
 - Page-address translation (`page_table`): the fixed-size kernel pages of a request for one DSA layer, as byte
@@ -28,9 +24,7 @@ Cached formats: FP8 latent (per-tensor static scale, kv_lora + rope bytes), FP8 
 
 from __future__ import annotations
 
-import heapq
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,20 +32,9 @@ from engine.layout import RowLayout
 from engine.model.config import ModelConfig
 from engine.model.state import CachedAttention, KDAState
 from engine.parallel.dcp_layout import DCPLayout
+from engine.rows import BlockTable, OutOfRows, RowBook
 
-
-class OutOfRows(RuntimeError):
-    """The pool has fewer free rows than asked for."""
-
-
-@dataclass
-class BlockTable:
-    attn_row_ids: list[int] = field(default_factory=list)
-    kda_row_ids: list[int] = field(default_factory=list)
-
-    @property
-    def row_ids(self) -> list[int]:
-        return self.attn_row_ids + self.kda_row_ids
+__all__ = ["BlockTable", "DCPRowCache", "OutOfRows", "PageTable", "RowPool", "RowSequenceCache"]
 
 
 @dataclass(frozen=True)
@@ -63,14 +46,9 @@ class PageTable:
     page_tokens: int
 
 
-@dataclass
-class _Quarantined:
-    key: str
-    until: float
-    row_ids: tuple[int, ...]
+class RowPool(RowBook):
+    """The rows' bytes, `buffer`, over engine/rows.py's bookkeeping (allocation, quarantine, reserve, eviction)."""
 
-
-class RowPool:
     def __init__(self, layout: RowLayout, cfg: ModelConfig, num_rows: int, device: str | torch.device = "cpu") -> None:
         if (cfg.latent_dtype, cfg.index_key_dtype) != (layout.latent_format, layout.index_key_format) or \
                 cfg.latent_dtype not in ("fp8", "fp32") or cfg.index_key_dtype not in ("fp8", "fp32"):
@@ -82,121 +60,9 @@ class RowPool:
                              "state in fp32 or bf16 (conv_state_bytes = 4 or 2)")
         self.conv_dtype = torch.float32 if cfg.conv_state_bytes == 4 else torch.bfloat16
         """The stored conv state's dtype: read back as fp32, written rounded to it (K3.1 keeps it in bf16)."""
-        if num_rows < 1:
-            raise ValueError(f"num_rows must be positive, got {num_rows}")
-        self.layout = layout
-        self.cfg = cfg
-        self.num_rows = num_rows
+        super().__init__(layout, cfg, num_rows)
         self.buffer = torch.zeros(num_rows, layout.row_bytes, dtype=torch.uint8, device=device)
         self._flat = self.buffer.view(-1)
-        self._free = list(range(num_rows))
-        heapq.heapify(self._free)
-        self._used: set[int] = set()
-        self._reserved: list[int] = []
-        self._quarantine: list[_Quarantined] = []
-        self.spare = None
-        """The prefix cache (engine/prefix_cache.PrefixCache) whose unreferenced blocks make room on demand."""
-
-    # ---- allocation ----
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_usable(self) -> int:
-        """Rows requests can have: all but those `reserve_request` set aside."""
-        return self.num_rows - len(self._reserved)
-
-    @property
-    def num_quarantined(self) -> int:
-        return sum(len(q.row_ids) for q in self._quarantine)
-
-    @property
-    def num_available(self) -> int:
-        """Free rows plus the rows the prefix cache would give up now (`spare`, engine/prefix_cache.py)."""
-        return len(self._free) + (self.spare.evictable_rows() if self.spare is not None else 0)
-
-    def make_room(self, count: int) -> None:
-        """Evict unreferenced cache blocks (least recently used first) until `count` rows are free, if possible."""
-        if count > len(self._free) and self.spare is not None:
-            self.spare.evict(count - len(self._free))
-
-    def copy_rows(self, dst: list[int], src: list[int] | tuple[int, ...]) -> None:
-        """Whole rows src[i] -> dst[i] (a KDA snapshot taken or resumed)."""
-        self.buffer[list(dst)] = self.buffer[list(src)]
-
-    def allocate(self, count: int) -> list[int]:
-        self.make_room(count)
-        if count > len(self._free):
-            raise OutOfRows(f"need {count} rows, {len(self._free)} free of {self.num_rows}")
-        ids = [heapq.heappop(self._free) for _ in range(count)]
-        self._used.update(ids)
-        return ids
-
-    def free(self, row_ids: list[int] | tuple[int, ...]) -> None:
-        for row in row_ids:
-            if row not in self._used:
-                raise ValueError(f"row {row} is not allocated")
-            self._used.remove(row)
-            heapq.heappush(self._free, row)
-
-    def quarantine(self, row_ids: list[int] | tuple[int, ...], until: float, key: str) -> None:
-        """Take allocated rows out of use until `until` (then `reclaim` frees them); `key` names them for `hold`."""
-        for row in row_ids:
-            if row not in self._used:
-                raise ValueError(f"row {row} is not allocated")
-            self._used.remove(row)
-        self._quarantine.append(_Quarantined(key, until, tuple(row_ids)))
-
-    def reclaim(self, now: float) -> list[int]:
-        """Free every quarantined row whose time is up; the rows freed."""
-        due = [q for q in self._quarantine if q.until <= now]
-        if not due:
-            return []
-        self._quarantine = [q for q in self._quarantine if q.until > now]
-        freed = [row for q in due for row in q.row_ids]
-        for row in freed:
-            heapq.heappush(self._free, row)
-        return freed
-
-    def hold(self, key: str) -> bool:
-        """Keep the rows quarantined under `key` out of the pool for good; False if there are none."""
-        found = False
-        for q in self._quarantine:
-            if q.key == key:
-                q.until, found = math.inf, True
-        return found
-
-    def rows_for(self, num_tokens: int) -> tuple[int, int]:
-        """(attention rows, KDA rows) a request of num_tokens needs on this rank."""
-        return self.layout.rows_per_request(num_tokens)
-
-    def allocate_request(self, num_tokens: int, zero_kda: bool = True) -> BlockTable:
-        """Rows for a request of up to num_tokens tokens; KDA rows zeroed (a fresh state) unless told not to."""
-        num_attn, num_kda = self.rows_for(num_tokens)
-        self.make_room(num_attn + num_kda)
-        if num_attn + num_kda > len(self._free):
-            raise OutOfRows(f"a request of {num_tokens} tokens needs {num_attn + num_kda} rows, {self.num_free} free")
-        table = BlockTable(self.allocate(num_attn), self.allocate(num_kda))
-        if zero_kda:
-            self.buffer[table.kda_row_ids] = 0
-        return table
-
-    def reserve_request(self, num_tokens: int) -> BlockTable:
-        """Rows of a request of num_tokens set aside for the engine's own use for the pool's life (the padding
-        slots of the fast decode's CUDA graphs, engine/fast/graphs.py): they leave the capacity (`num_usable`)
-        instead of counting as used, and cannot be freed."""
-        table = self.allocate_request(num_tokens)
-        rows = [*table.attn_row_ids, *table.kda_row_ids]
-        self._used.difference_update(rows)
-        self._reserved.extend(rows)
-        return table
-
-    def extend(self, table: BlockTable, num_tokens: int) -> None:
-        """Grow a block table so it covers num_tokens tokens."""
-        need = self.rows_for(num_tokens)[0] - len(table.attn_row_ids)
-        if need > 0:
-            table.attn_row_ids.extend(self.allocate(need))
 
     # ---- page-address translation ----
     def page_table(self, table: BlockTable, dsa_layer: int, num_local_tokens: int) -> PageTable:

@@ -8,7 +8,7 @@ An export is named by its request id AND its `generation` (a per-scheduler count
 done): `release(request_id, generation)` ends only that export, so a stale release of an earlier request with the
 same id, or of rows that have since been reused, frees nothing. Ending a request whose rows a remote READ may
 still target (EXPORTED or IMPORTING; `finish(..., quarantine_until=t)`) quarantines its own rows instead of
-freeing them (engine.cache.RowPool.quarantine) and pins the shared cache blocks it used until t; a `held`
+freeing them (engine/rows.py `RowBook.quarantine`) and pins the shared cache blocks it used until t; a `held`
 request's rows stay quarantined for good.
 `Scheduler.schedule()` picks, per engine step, every running request (up to max_batch) to decode and one prefill
 chunk: the request being prefilled (first in, first out; the head of the queue is admitted when the pool, counting
@@ -45,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from engine.api import SamplingParams
-from engine.cache import BlockTable, OutOfRows, RowPool
+from engine.rows import BlockTable, OutOfRows, RowBook
 from engine.prefix_cache import CachedBlock, CachedTail, PrefixCache, cache_root, chain_keys, frozen_tokens
 
 MIN_CHUNK = 16
@@ -165,7 +165,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: RowPool, max_batch: int = 64, cache: PrefixCache | None = None,
+    def __init__(self, pool: RowBook, max_batch: int = 64, cache: PrefixCache | None = None,
                  max_step_tokens: int | None = None, resume: bool = True,
                  reserve_ahead_tokens: int | None = RESERVE_AHEAD_TOKENS,
                  decode_first_tokens: int | None = None) -> None:
@@ -283,7 +283,7 @@ class Scheduler:
     def add_imported(self, req: Request, num_tokens: int, zero_kda: bool = False) -> BlockTable:
         """Admit a request whose prompt KV arrives from elsewhere; rows are allocated at once, the longest held
         prefix of whole prompt blocks shared from the cache (`req.num_cached_tokens`: the tokens not to read).
-        Raises engine.cache.OutOfRows when the pool is short."""
+        Raises engine.rows.OutOfRows when the pool is short."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         keys: list[bytes] = []

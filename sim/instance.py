@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.api import SamplingParams
-from engine.cache import OutOfRows
 from engine.layout import RowLayout
 from engine.model.config import ModelConfig
+from engine.rows import OutOfRows
 from engine.scheduler import Request, RequestState, Scheduler
 from router.cache_view import CacheReport
 from sim.cache_report import ObservedPrefixCache, SessionReports

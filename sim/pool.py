@@ -1,19 +1,18 @@
-"""The row pool without its bytes: the real `engine.cache.RowPool` bookkeeping (free heap, quarantine, reserve,
-eviction through the prefix cache) over a pool that stores nothing.
+"""The row pool without its bytes: the real row bookkeeping (engine/rows.py `RowBook`: free heap, quarantine,
+reserve, eviction through the prefix cache), which `engine.cache.RowPool` extends with a torch buffer, over a pool
+that stores nothing.
 
-`TimelessRowPool` subclasses RowPool and only replaces what touches memory: `__init__` allocates no buffer and
-`copy_rows` / writes to `buffer` do nothing. Every allocation decision (lowest ids first, `make_room` evicting
-cache blocks least recently used first, quarantine until a time) is RowPool's own code. tests/sim checks that it
-sets every attribute RowPool's own constructor sets, so a new field there shows up here.
+`TimelessRowPool` is a `RowBook` whose `buffer` stores nothing: `copy_rows` / writes to `buffer` do nothing. Every
+allocation decision (lowest ids first, `make_room` evicting cache blocks least recently used first, quarantine
+until a time) is RowBook's own code, as RowPool's is; no torch is imported (engine/cache.py is not). tests/sim
+checks that it sets every attribute RowPool's own constructor sets, so a new field there shows up here.
 """
 
 from __future__ import annotations
 
-import heapq
-
-from engine.cache import RowPool
 from engine.layout import RowLayout
 from engine.model.config import ModelConfig
+from engine.rows import RowBook
 
 
 class _NoBuffer:
@@ -23,22 +22,12 @@ class _NoBuffer:
         return None
 
 
-class TimelessRowPool(RowPool):
+class TimelessRowPool(RowBook):
     def __init__(self, layout: RowLayout, cfg: ModelConfig, num_rows: int) -> None:  # noqa: D107 - see class
-        if num_rows < 1:
-            raise ValueError(f"num_rows must be positive, got {num_rows}")
-        self.layout = layout
-        self.cfg = cfg
-        self.num_rows = num_rows
+        super().__init__(layout, cfg, num_rows)
         self.conv_dtype = None
         self.buffer = _NoBuffer()
         self._flat = None
-        self._free = list(range(num_rows))
-        heapq.heapify(self._free)
-        self._used: set[int] = set()
-        self._reserved: list[int] = []
-        self._quarantine = []
-        self.spare = None
 
     def copy_rows(self, dst, src) -> None:  # noqa: ANN001 - row ids; no bytes to copy
         return None
