@@ -21,8 +21,8 @@ with words of its own; a point's figures are its median round's (`combine_rounds
 keeps each round's figure and their spread, so a calibration says how far its own points moved.
 A point's prompt may start with tokens the prefill node has cached (the points' words share a prefix): each
 point records its mean cached tokens and the fit prefills only the rest.
-- the DCP prefill's gather (`StepCost.prefill_prefix_s`): `DCP_RESUME`, second turns that skip the P leg and
-  prefill a few tokens on the DCP pool after about 7,100 cached ones (`fit_prefix`).
+- the DCP prefill's gather (`StepCost.prefill_prefix_s`): `DCP_RESUME` on the colocated cluster, second turns
+  whose DCP instance prefills their new tokens after about 7,000 cached ones (`fit_prefix`).
 Not measured (stated in the profile's notes): the DCP pool's own per-token prefill (set to the P pool's: both are
 two-rank SPMD prefills). Transfer costs come from benchmarks/RESULTS.md (CPU loopback).
 Every measured point and what the fitted model gives for it are written to the profile's `fit` list.
@@ -77,12 +77,13 @@ turn's TTFT is a prefill of the new tokens attending over the cached prefix (its
 turns stay within the TP pool's 8,192 tokens with the router's growth allowance, so the second turn goes where
 the first left its cache; `_append_point` refuses a run whose second turns found nothing cached."""
 DCP_RESUME = Point("dcp_resume_w1400_w2", 1400, 2, 1, 2)
-"""A two-turn agent session on the DCP pool (a 1,400-word system prompt: past the TP pool's 8,192 tokens with the
-router's growth allowance) whose second turn adds a 2-word tool result: fewer uncached tokens than the router's
-`disagg_min_uncached_tokens`, so it skips the P leg and the DCP instance prefills them in one small step after
-about 7,100 cached tokens. The DCP prefill all-gathers the whole prefix before every chunk (engine/parallel/spmd.py
-`DCPModel.prefill`); with a chunk this small that gather is most of the step: the point fits the DCP step's
-`prefill_prefix_s` (`fit_prefix`)."""
+"""A two-turn agent session on the colocated cluster's DCP pool (a 1,400-word system prompt: past the TP pool's
+8,192 tokens with the router's growth allowance) whose second turn adds a 2-word tool result: the DCP instance
+prefills the tokens it does not hold (37 new ones, and its last partial block when it kept no tail: about 500)
+in one or two chunks after about 7,000 cached tokens. The DCP prefill all-gathers the whole prefix before every
+chunk (engine/parallel/spmd.py `DCPModel.prefill`), which is most of such a step: the point fits the DCP step's
+`prefill_prefix_s` (`fit_prefix`). On the disaggregated cluster the same turn takes a P leg (37 uncached tokens
+reach the router's `disagg_min_uncached_tokens` of 32), so it is measured where no P leg is sent."""
 
 
 @dataclass(frozen=True)
@@ -203,8 +204,6 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, rep
                     keep(point.name, _append_point(real, point, where, repeat, APPEND_SEED + shift), r)
                 else:
                     keep(point.name, _random_point(real, point, where, repeat, POINT_SEED + shift), r)
-            if DCP_RESUME.name in names:
-                keep(DCP_RESUME.name, _append_point(real, DCP_RESUME, where, repeat, APPEND_SEED + shift), r)
             for beside in BESIDE:
                 if beside.alone not in names:
                     continue
@@ -223,6 +222,8 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, rep
                     keep(point.name, _append_point(real, point, where, repeat, APPEND_SEED + shift), r)
                 else:
                     keep(point.name, _random_point(real, point, where, repeat, POINT_SEED + shift), r)
+            if DCP_RESUME.name in names:
+                keep(DCP_RESUME.name, _append_point(real, DCP_RESUME, where, repeat, APPEND_SEED + shift), r)
     return {name: combine_rounds(got) for name, got in found.items()}
 
 
@@ -300,7 +301,8 @@ def first_chunk_share(num_tokens: int, p: float, first_with_second: bool = True)
 
 def _append_point(real, point: Point, out_dir: Path, repeat: int = 1,  # noqa: ANN001 - sim.measure.RealCluster
                   seed: int = APPEND_SEED) -> dict:
-    """Second turns of two-turn agent sessions: median TTFT, their prompt and cached tokens."""
+    """Second turns of two-turn agent sessions: median TTFT, their prompt and cached tokens; the first turns'
+    median TTFT and prompt tokens beside them (`first_*`: what DCP_RESUME's prediction is checked against)."""
     from loadgen.scenarios.agentx import AgentXConfig, AgentXWorkload
 
     cfg = AgentXConfig(seed=seed, system_len=parse_dist(str(point.words)), task_len=parse_dist("20"),
@@ -314,10 +316,15 @@ def _append_point(real, point: Point, out_dir: Path, repeat: int = 1,  # noqa: A
     if not any(r.cached_tokens for r in second):
         raise RuntimeError(f"calibration point {point.name}: no second turn reused the first's cache (did the "
                            "session change pools?)")
+    first = [r for r in summary.levels[0].records if r.is_ok and r.request_id.endswith(".t0")]
     ttfts = sorted(r.ttft_s for r in second)
-    return {"ttft_s": ttfts[len(ttfts) // 2], "tpot_s": 0.0, "num_ok": len(second), **chunk_counts(second),
-            "prompt_tokens": round(sum(r.prompt_tokens or 0 for r in second) / len(second)),
-            "cached_tokens": round(sum(r.cached_tokens or 0 for r in second) / len(second))}
+    got = {"ttft_s": ttfts[len(ttfts) // 2], "tpot_s": 0.0, "num_ok": len(second), **chunk_counts(second),
+           "prompt_tokens": round(sum(r.prompt_tokens or 0 for r in second) / len(second)),
+           "cached_tokens": round(sum(r.cached_tokens or 0 for r in second) / len(second))}
+    if first:
+        got["first_ttft_s"] = statistics.median(r.ttft_s for r in first)
+        got["first_prompt_tokens"] = round(statistics.median(r.prompt_tokens or 0 for r in first))
+    return got
 
 
 ROUTER_S = 0.0005
@@ -442,18 +449,24 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                     "modelled": measured[beside.alone][key] + c * alone_s[beside.point.name]})
     resume = measured.get(DCP_RESUME.name)
     if resume is not None:
-        from router.settings import Settings as RouterSettings
-
-        min_uncached = RouterSettings.model_validate(config.router.settings).disagg_min_uncached_tokens
+        chunk = node_settings_class("decode").model_validate(dcp_pool.settings).engine.max_step_tokens
         constant_s = ROUTER_S + decode_leg
-        prefix_s = fit_prefix(resume, steps[2], text_p, constant_s, min_uncached)
+        prefix_s = fit_prefix(resume, steps[2], text_p, constant_s, chunk)
         if prefix_s is not None:
             steps[2]["prefill_prefix_s"] = prefix_s
             fit.append({"name": DCP_RESUME.name, "measured": resume["ttft_s"], "used_for_fit": True,
-                        "source": "TTFT p50 of second turns prefilled on the DCP pool (no P leg), s",
-                        "modelled": constant_s + _resume_step_s(resume, steps[2], text_p)})
+                        "source": "TTFT p50 of second turns prefilled on the DCP pool (colocated), s",
+                        "modelled": constant_s + _resume_s(resume, steps[2], text_p, chunk)})
+        if resume.get("first_ttft_s"):  # a prediction: the first turns, prefilled from nothing in ~28 chunks
+            first = {"prompt_tokens": resume["first_prompt_tokens"], "cached_tokens": 0}
+            fit.append({"name": DCP_RESUME.name + "_first_turn", "measured": resume["first_ttft_s"],
+                        "used_for_fit": False, "source": "TTFT p50 of first turns prefilled on the DCP pool "
+                        "(colocated, from no cache), s", "modelled": constant_s + _resume_s(first, steps[2], text_p,
+                                                                                             chunk)})
     for entry in fit:
-        entry.update(_rounds_of(measured[entry["name"]], "tpot_s" if entry["source"].startswith("TPOT") else "ttft_s"))
+        if entry["name"] in measured:
+            key = "tpot_s" if entry["source"].startswith("TPOT") else "ttft_s"
+            entry.update(_rounds_of(measured[entry["name"]], key))
     return {
         "name": name, "model": config.model, "device": "cpu (this machine, reference engine)",
         "template": {"kind": "bytes", "tokens_per_message": 4}, "steps": steps,
@@ -471,8 +484,9 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
         "fit": fit,
         "notes": ("the TP=1 decode node's prefill costs are fitted to the colo_* points (the router sending no P "
                   "leg) when measured; the DCP pool's are the P pool's (both two-rank SPMD prefills, not measured); "
-                  "DCP decode_ctx_s is half the TP=1 pool's (assumed); the DCP step's prefill_prefix_s (its prefill's gather "
-                  "of the prefix before every chunk) is fitted to the dcp_resume point when measured, 0 elsewhere; http.decode_leg_s is the colocated path's "
+                  "DCP decode_ctx_s is half the TP=1 pool's (assumed); the DCP step's prefill_prefix_s (its prefill's "
+                  "gather of the prefix before every chunk) is fitted to the dcp_resume point when measured, 0 elsewhere; "
+                  "http.decode_leg_s is the colocated path's "
                   "fitted constant less the router's work, http.prefill_leg_s what the disaggregated path's has "
                   "beyond both (the READ's setup included); TPOT points are divided by the share of steps a "
                   "chunk-level TPOT spans (sim/calibrate.py first_chunk_share) before fitting; a point's cached "
@@ -480,31 +494,36 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     }
 
 
-def _resume_step_s(point: dict, step: dict, text_p: float) -> float:
-    """A resumed turn's engine time on the DCP pool: the step prefilling its new tokens after its cached ones and,
-    when its first token releases no text (1 - text_p), the decode step that follows."""
+def _resume_s(point: dict, step: dict, text_p: float, chunk: int | None) -> float:
+    """A resumed turn's engine time on the DCP pool: the steps prefilling its new tokens after its cached ones in
+    chunks of `chunk` tokens and, when its first token releases no text (1 - text_p), the decode step after."""
     from sim.profile import StepCost
 
-    cost = StepCost.model_validate(step)
-    prompt = point["prompt_tokens"]
-    return (cost.step_s(prompt - point["cached_tokens"], prompt)
-            + (1.0 - text_p) * cost.step_s(batch=1, sum_context=prompt + 1))
+    cost, prompt, done = StepCost.model_validate(step), point["prompt_tokens"], point["cached_tokens"]
+    total = (1.0 - text_p) * cost.step_s(batch=1, sum_context=prompt + 1)
+    while done < prompt:
+        c = min(chunk or prompt, prompt - done)
+        total += cost.step_s(c, done + c)
+        done += c
+    return total
 
 
-def fit_prefix(point: dict, step: dict, text_p: float, constant_s: float, min_uncached: int) -> float | None:
-    """The DCP step's `prefill_prefix_s` from DCP_RESUME's second turns (one small prefill step after `cached`
-    tokens): what their TTFT has beyond the request's constant (router, decode leg: `constant_s`) and the step's
-    other terms (`_resume_step_s` with no prefix cost), per cached token, at least 0. None, with a warning, when
-    the turns found nothing cached or had the router's `min_uncached` tokens or more to prefill (they took a P
-    leg: the point measured something else)."""
-    new = point["prompt_tokens"] - point["cached_tokens"]
-    if point["cached_tokens"] <= 0 or new >= min_uncached:
-        print(f"{PROG}: warning: {DCP_RESUME.name}: second turns with {point['cached_tokens']} cached and {new} new "
-              f"tokens (the router skips the P leg under {min_uncached}): prefill_prefix_s not measured, left 0",
-              file=sys.stderr)
+def fit_prefix(point: dict, step: dict, text_p: float, constant_s: float, chunk: int | None) -> float | None:
+    """The DCP step's `prefill_prefix_s` from DCP_RESUME's second turns: what their TTFT has beyond the request's
+    constant (router, decode leg: `constant_s`) and the steps' other terms (`_resume_s` with no prefix cost), over
+    the cached tokens before each of their chunks, at least 0. None, with a warning, when they found nothing
+    cached (the point measured something else)."""
+    cached, prompt = point["cached_tokens"], point["prompt_tokens"]
+    if cached <= 0 or cached >= prompt:
+        print(f"{PROG}: warning: {DCP_RESUME.name}: second turns with {cached} of {prompt} tokens cached: "
+              "prefill_prefix_s not measured, left 0", file=sys.stderr)
         return None
-    rest = _resume_step_s(point, {**step, "prefill_prefix_s": 0.0}, text_p)
-    return max(0.0, (point["ttft_s"] - constant_s - rest) / point["cached_tokens"])
+    starts, done = 0, cached
+    while done < prompt:
+        starts += done
+        done += min(chunk or prompt, prompt - done)
+    rest = _resume_s(point, {**step, "prefill_prefix_s": 0.0}, text_p, chunk)
+    return max(0.0, (point["ttft_s"] - constant_s - rest) / starts)
 
 
 def _rounds_of(point: dict, key: str) -> dict:

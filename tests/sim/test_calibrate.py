@@ -153,32 +153,43 @@ def test_the_fit_writes_each_points_rounds_and_their_spread() -> None:
 
 
 def test_the_dcp_resume_point_fits_the_prefix_gather(capsys) -> None:
-    """Refit the shipped measurement with a dcp_resume point made by the model itself (second turns of 7,118
-    tokens, 7,100 of them cached, their TTFT the router and decode leg, one DCP step with a prefix cost of 2e-5 s
-    per cached token and, when the first token releases no text, a decode step): the fit gives back 2e-5 and
-    models the point exactly; second turns with 32 new tokens (the router's threshold: they took a P leg) leave
-    it at 0 and say so."""
+    """Refit the shipped measurement with a dcp_resume point made by the model itself (second turns of 7,163
+    tokens, 6,656 of them cached: two chunks of at most 256 new tokens after 6,656 and 6,912, each step paying
+    2e-5 s per token before its chunk, plus router, decode leg and, when the first token releases no text, a
+    decode step): the fit gives back 2e-5 and models the point exactly; turns that found nothing cached leave it
+    at 0 and say so."""
     import json
 
     import pytest
 
     from cluster.config import DEFAULT_CONFIG_PATH, load_config
-    from sim.calibrate import DCP_RESUME, ROUTER_S, _resume_step_s, fit_profile
-    from sim.profile import PROFILE_DIR, Profile
+    from sim.calibrate import DCP_RESUME, ROUTER_S, _resume_s, fit_profile
+    from sim.profile import PROFILE_DIR, Profile, StepCost
 
     config = load_config(DEFAULT_CONFIG_PATH)
     measured = json.loads((PROFILE_DIR / "cpu-mini-reference.measured.json").read_text())
     plain = fit_profile(config, measured, "plain", "test")
     step, text_p = plain["steps"][2], plain["stream"]["text_token_p"]
-    point = {"prompt_tokens": 7118, "cached_tokens": 7100, "num_ok": 3, "later_chunks": 0, "later_tokens": 0}
-    truth = {**step, "prefill_prefix_s": 2e-5}
-    point["ttft_s"] = ROUTER_S + plain["http"]["decode_leg_s"] + _resume_step_s(point, truth, text_p)
+    point = {"prompt_tokens": 7163, "cached_tokens": 6656, "num_ok": 3, "later_chunks": 0, "later_tokens": 0}
+    truth = StepCost.model_validate({**step, "prefill_prefix_s": 2e-5})
+    engine_s = (truth.step_s(256, 6912) + truth.step_s(251, 7163)
+                + (1 - text_p) * truth.step_s(batch=1, sum_context=7164))
+    assert _resume_s(point, truth.model_dump(), text_p, 256) == pytest.approx(engine_s, rel=1e-12)
+    point["ttft_s"] = ROUTER_S + plain["http"]["decode_leg_s"] + engine_s
     fitted = Profile.model_validate(fit_profile(config, {**measured, DCP_RESUME.name: point}, "resume", "test"))
     assert fitted.step(1, 2).prefill_prefix_s == pytest.approx(2e-5, rel=1e-9)
     assert fitted.step(1, 1).prefill_prefix_s == 0.0 and fitted.step(2, 1).prefill_prefix_s == 0.0
     entry = next(f for f in fitted.fit if f.name == DCP_RESUME.name)
     assert entry.modelled == pytest.approx(entry.measured, rel=1e-9)
-    took_p = {**point, "cached_tokens": 7118 - 32}
-    again = Profile.model_validate(fit_profile(config, {**measured, DCP_RESUME.name: took_p}, "p-leg", "test"))
+    first = {"prompt_tokens": 7126, "cached_tokens": 0}  # the first turns: a prediction, 28 chunks from nothing
+    point.update(first_ttft_s=8.0, first_prompt_tokens=7126)
+    fitted = Profile.model_validate(fit_profile(config, {**measured, DCP_RESUME.name: point}, "resume", "test"))
+    predicted = next(f for f in fitted.fit if f.name == DCP_RESUME.name + "_first_turn")
+    assert not predicted.used_for_fit and predicted.measured == 8.0
+    starts = sum(256 * k for k in range(28))
+    assert predicted.modelled == pytest.approx(ROUTER_S + plain["http"]["decode_leg_s"] + _resume_s(
+        first, step, text_p, 256) + 2e-5 * starts, rel=1e-9)
+    cold = {**point, "cached_tokens": 0}
+    again = Profile.model_validate(fit_profile(config, {**measured, DCP_RESUME.name: cold}, "cold", "test"))
     assert again.step(1, 2).prefill_prefix_s == 0.0
     assert "prefill_prefix_s not measured" in capsys.readouterr().err
