@@ -224,10 +224,12 @@ class _Flow:
         cluster._seq += 1
 
     def _record(self, outcome: str, **kw) -> RequestRecord:
-        return RequestRecord(
-            request_id=self.spec.request_id, session_id=self.spec.session_id, concurrency=self.concurrency,
-            outcome=outcome, start_s=self.start - self.origin, end_s=self.c.loop.now - self.origin,
-            queued_s=self.queued_s, num_input_tokens=self.spec.num_input_tokens, max_tokens=self.spec.max_tokens, **kw)
+        """The client's record, validated as `RequestRecord(**fields)` validates it (`model_validate` of the same
+        fields skips the constructor's keyword packing: about half the cost, once per simulated request)."""
+        kw.update(request_id=self.spec.request_id, session_id=self.spec.session_id, concurrency=self.concurrency,
+                  outcome=outcome, start_s=self.start - self.origin, end_s=self.c.loop.now - self.origin,
+                  queued_s=self.queued_s, num_input_tokens=self.spec.num_input_tokens, max_tokens=self.spec.max_tokens)
+        return RequestRecord.model_validate(kw)
 
     def _fail(self, status: int, message: str) -> None:
         self.c.num_inflight -= 1
