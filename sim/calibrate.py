@@ -262,7 +262,8 @@ def _random_point(real, point: Point, out_dir: Path, repeat: int = 1,  # noqa: A
     if not level.num_ok:
         raise RuntimeError(f"calibration point {point.name}: no request succeeded ({level.errors_by_kind})")
     ok = [r for r in level.records if r.is_ok]
-    return {"ttft_s": level.ttft_ms.p50 / 1000, "tpot_s": (level.tpot_ms.p50 or 0) / 1000,
+    tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
+    return {"ttft_s": level.ttft_ms.p50 / 1000, "tpot_s": statistics.mean(tpots) if tpots else 0.0,
             "prompt_tokens": level.input_tokens // level.num_ok, "num_ok": level.num_ok,
             "cached_tokens": round(sum(r.cached_tokens or 0 for r in ok) / len(ok)), **chunk_counts(level.records)}
 
@@ -343,9 +344,10 @@ def contention(beside_s: float, alone_s: float, step_s: float) -> float:
 def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, command: str) -> dict:
     """The profile JSON (a dict) fitted to `measured` (see the module docstring for the model).
 
-    What the client measures is chunks (sim/stream.py): every TPOT point is divided by the expected share of its
-    steps that its first-to-last chunk span covers (`first_chunk_share`, with the stream model's text_token_p,
-    itself measured from the points' chunk counts) before the step costs are fitted; a disaggregated TTFT ends
+    What the client measures is chunks (sim/stream.py): every TPOT point (the mean of its streams' TPOTs) is
+    divided by the expected share of its steps that its first-to-last chunk span covers (`first_chunk_share`, with
+    the stream model's text_token_p, itself measured from the points' chunk counts) before the step costs are
+    fitted; a disaggregated TTFT ends
     with the decode node's first step (the prefill node's token leaves with the second one), a colocated one
     with the prefill step plus, when the first token releases no text, a decode step."""
     prefill, tp_pool, dcp_pool = _pools(config)
@@ -418,7 +420,7 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                     "modelled": float(np.dot([c0, p_base, p_tok, p_attn, p_ctx], row) + d_step(v["prompt_tokens"]))})
     for k, row in zip(tp_names, tp_rows):
         fit.append({"name": k, "measured": measured[k]["tpot_s"], "used_for_fit": True,
-                    "source": "TPOT p50 (first to last chunk), s",
+                    "source": "TPOT mean over streams (first to last chunk), s",
                     "modelled": float((d_base + d_seq * row[1] + d_ctx * row[2]) * share(k))})
     for (k, v), row in zip(colo, colo_rows):
         if colo_fit is not None:
@@ -427,7 +429,7 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                                           + (1.0 - text_p) * d_step(v["prompt_tokens"]))})
     for k, b in dcp_names:
         fit.append({"name": k, "measured": measured[k]["tpot_s"], "used_for_fit": True,
-                    "source": "TPOT p50 (first to last chunk), s",
+                    "source": "TPOT mean over streams (first to last chunk), s",
                     "modelled": float((dcp_base + dcp_seq * b + dcp_ctx * ctx(k, b)) * share(k))})
     n300 = measured["ttft_w300"]["prompt_tokens"] - measured["ttft_w300"].get("cached_tokens", 0)
     alone_s = {"tpot_tp_beside_prefill": measured["tpot_tp_b1_short"]["tpot_s"],
@@ -445,7 +447,7 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                   "(contention set to 0); measure again on a quiet machine", file=sys.stderr)
         steps[beside.step]["contention"] = c
         fit.append({"name": beside.point.name, "measured": got[key], "used_for_fit": True,
-                    "source": f"{'TPOT' if key == 'tpot_s' else 'TTFT'} p50 beside a busy instance, s",
+                    "source": f"{'TPOT mean' if key == 'tpot_s' else 'TTFT p50'} beside a busy instance, s",
                     "modelled": measured[beside.alone][key] + c * alone_s[beside.point.name]})
     resume = measured.get(DCP_RESUME.name)
     if resume is not None:
