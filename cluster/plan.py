@@ -32,6 +32,10 @@ from cluster.config import ClusterConfig, ConfigError, PoolSpec, node_settings_c
 from engine.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+VLLM_SITE_DIR = Path(__file__).resolve().parent / "vllm_site"
+"""Put first on a vLLM instance's PYTHONPATH: its sitecustomize.py sets NIXL's progress-thread delay."""
+CPU_NIXL_PROGRESS_DELAY_US = 2000
+"""`vllm.nixl_progress_delay_us` of vLLM on CPU when the config leaves it unset."""
 ProcessRole = Literal["prefill", "decode", "router"]
 
 
@@ -220,13 +224,21 @@ def _vllm_env(config: ClusterConfig, side_channel_port: int, core: int) -> dict[
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
-    if vllm_on_cpu(config):
+    on_cpu = vllm_on_cpu(config)
+    if on_cpu:
         env |= {
             "VLLM_CPU_OMP_THREADS_BIND": str(core),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "VLLM_CPU_KVCACHE_SPACE": str(config.vllm.kvcache_space_gib),
             "OMP_NUM_THREADS": "1",
         }
+    delay_us = config.vllm.nixl_progress_delay_us
+    if delay_us is None and on_cpu:
+        delay_us = CPU_NIXL_PROGRESS_DELAY_US
+    if delay_us is not None:  # vllm_site/sitecustomize.py reads it in every process of the instance
+        inherited = os.environ.get("PYTHONPATH")
+        env["PYTHONPATH"] = os.pathsep.join([str(VLLM_SITE_DIR)] + ([inherited] if inherited else []))
+        env["PDCLUSTER_NIXL_PROGRESS_DELAY_US"] = str(delay_us)
     return env
 
 

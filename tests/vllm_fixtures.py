@@ -16,8 +16,11 @@ each bound to its own core (two instances that both bind every core stall the de
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +73,23 @@ def vllm_python() -> Path | None:
         if cand and Path(cand).is_file():
             return Path(cand)
     return None
+
+
+def cached_tiny_llama(python: Path) -> Path:
+    """`make_tiny_llama` into the run-to-run cache (.pytest_cache/pdcluster/, keyed by the script and the vLLM
+    venv's python): the model is a pure function of both, and building it costs a vLLM-venv interpreter start
+    with torch and transformers plus a tokenizer training, once per checkout instead of once per run."""
+    key = hashlib.sha256(f"{_MAKE_MODEL}\0{Path(python).resolve()}".encode()).hexdigest()[:16]
+    cache = REPO_ROOT / ".pytest_cache" / "pdcluster" / f"{SERVED_MODEL}-{key}"
+    if not (cache / "model.safetensors").is_file():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"{cache.name}.", dir=cache.parent))
+        make_tiny_llama(staging, python)
+        try:
+            staging.rename(cache)  # atomic: a concurrent builder's finished copy wins, this one is dropped
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+    return cache
 
 
 def make_tiny_llama(out_dir: Path, python: Path) -> Path:

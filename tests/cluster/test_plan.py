@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from cluster.config import DEFAULT_CONFIG_PATH, VLLM_CPU_CONFIG_PATH, load_config, parse_config
-from cluster.plan import assign_ports, plan_nodes, plan_router, router_config
+import pytest
+
+from cluster.config import DEFAULT_CONFIG_PATH, VLLM_CPU_CONFIG_PATH, ConfigError, load_config, parse_config
+from cluster.plan import VLLM_SITE_DIR, assign_ports, plan_nodes, plan_router, router_config
 
 
 def _by_name(plans):
@@ -85,8 +88,28 @@ def test_vllm_producer_consumer_on_cpu(tmp_path):
         assert plan.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
         assert plan.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and plan.env["HF_HUB_OFFLINE"] == "1"
         assert plan.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        # NIXL's progress thread waits between passes (cluster/vllm_site): no core spent idle per instance
+        assert plan.env["PDCLUSTER_NIXL_PROGRESS_DELAY_US"] == "2000"
+        assert plan.env["PYTHONPATH"].split(os.pathsep)[0] == str(VLLM_SITE_DIR)
     side = {prefill.env["VLLM_NIXL_SIDE_CHANNEL_PORT"], decode.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]}
     assert len(side) == 2 and not side & {str(p) for p in ports.http.values()}
+
+
+def test_vllm_nixl_progress_delay_is_a_setting(monkeypatch):
+    """Unset: NIXL's busy loop on GPUs; set: that delay on either device, the inherited PYTHONPATH kept after."""
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    pools = [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"}]
+    gpu = parse_config({"engine": "vllm", "model": "/m/x", "vllm": {"cpu": False}, "pools": pools})
+    assert all("PDCLUSTER_NIXL_PROGRESS_DELAY_US" not in plan.env and "PYTHONPATH" not in plan.env
+               for plan in plan_nodes(gpu, assign_ports(gpu)))
+    for cpu in (False, True):
+        config = parse_config({"engine": "vllm", "model": "/m/x", "pools": pools,
+                               "vllm": {"cpu": cpu, "nixlProgressDelayUs": 500}})
+        for plan in plan_nodes(config, assign_ports(config)):
+            assert plan.env["PDCLUSTER_NIXL_PROGRESS_DELAY_US"] == "500"
+            assert plan.env["PYTHONPATH"] == os.pathsep.join([str(VLLM_SITE_DIR), "/elsewhere"])
+    with pytest.raises(ConfigError):
+        parse_config({"engine": "vllm", "model": "/m/x", "pools": pools, "vllm": {"nixl_progress_delay_us": -1}})
 
 
 def test_vllm_dcp_and_gpu_settings():
