@@ -127,6 +127,10 @@ QUICK = ("ttft_w20", "ttft_w300", "ttft_w700", "tpot_tp_b1_short", "tpot_tp_b4_s
          "tpot_dcp_b1", "tpot_dcp_b2", "ttft_append_w600_w300", DCP_RESUME.name)
 
 
+ALL = (*(p.name for p in POINTS), DCP_RESUME.name)
+"""What a calibration measures without --quick (the BESIDE and COLOCATED points come with their POINTS)."""
+
+
 def prompt_tokens(words: int) -> int:
     return TEMPLATE_TOKENS + WORD_BYTES * words
 
@@ -565,7 +569,7 @@ def main_calibrate(argv: list[str]) -> int:
         if args.measured:
             measured = json.loads(args.measured.read_text())
         else:
-            measured = run_points(config, QUICK if args.quick else tuple(pt.name for pt in POINTS), args.work_dir,
+            measured = run_points(config, QUICK if args.quick else ALL, args.work_dir,
                                   1 if args.repeat is None else args.repeat,
                                   ROUNDS if args.rounds is None else args.rounds)
             args.work_dir.mkdir(parents=True, exist_ok=True)

@@ -67,3 +67,22 @@ def test_calibrate_refuses_repeat_where_nothing_is_measured(tmp_path, capsys) ->
     with pytest.raises(SystemExit):
         main_calibrate(["--figures", "gb300", "--rounds", "3", "--out", str(tmp_path / "p.json")])
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_calibrate_measures_every_point_by_default(monkeypatch, tmp_path) -> None:
+    """The full calibration and --quick both measure the DCP gather point (a full run of 2026-12-06 02:55 left it
+    out: only QUICK named it)."""
+    import sim.calibrate
+    from sim.calibrate import DCP_RESUME, POINTS
+
+    asked = []
+
+    def capture(config, names, *args):
+        asked.append(names)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(sim.calibrate, "run_points", capture)
+    for extra in ([], ["--quick"]):
+        assert main_calibrate(["--out", str(tmp_path / "p.json"), "--work-dir", str(tmp_path), *extra]) == 2
+    full, quick = asked
+    assert set(full) == {p.name for p in POINTS} | {DCP_RESUME.name} and DCP_RESUME.name in quick
