@@ -17,40 +17,46 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.fast.backend import interpreter_active
 from engine.fast.dot import bf16_rne
 from engine.layout import RowLayout
 from engine.model.kda import causal_conv_step, kda_recurrent_step
 from engine.model.state import KDAState
 
 BLOCK_V = 32
+"""Value dims per program of the recurrent step on a GPU. Under the Triton interpreter, which pays milliseconds of
+Python per program, one program takes every head of a request and all its value dims (and the conv kernel every
+head of a request's q, k or v): each head's sums run over the same elements in the same order either way, so the
+outputs are the same bits, and a CPU test's decode step runs a few programs per layer instead of dozens."""
 
 
 @triton.jit
 def _kda_step_kernel(state_ptr, rows_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
                      row_words, head_words, layer_words, num_heads,
-                     D: tl.constexpr, BV: tl.constexpr):
+                     D: tl.constexpr, BV: tl.constexpr, HB: tl.constexpr):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    hh = tl.program_id(1) * HB + tl.arange(0, HB)  # [HB] heads of this program
     vb = tl.program_id(2)
+    live = hh < num_heads
     row = tl.load(rows_ptr + b).to(tl.int64)
-    base = row * row_words + h * head_words + layer_words
+    base = row * row_words + hh.to(tl.int64) * head_words + layer_words  # [HB]
     kk = tl.arange(0, D)
     vv = vb * BV + tl.arange(0, BV)
-    ptrs = state_ptr + base + kk[:, None] * D + vv[None, :]
-    s = tl.load(ptrs)  # [D, BV]
-    vec = (b * num_heads + h) * D
-    q = tl.load(q_ptr + vec + kk)
-    k = tl.load(k_ptr + vec + kk)
-    g = tl.load(g_ptr + vec + kk)
-    v = tl.load(v_ptr + vec + vv)
-    beta = tl.load(beta_ptr + b * num_heads + h)
-    s = s * tl.exp(g)[:, None]
-    ks = tl.sum(k[:, None] * s, axis=0)
-    u = beta * (v - ks)
-    s = s + k[:, None] * u[None, :]
-    o = tl.sum(q[:, None] * s, axis=0)
-    tl.store(ptrs, s)
-    tl.store(o_ptr + vec + vv, o)
+    ptrs = state_ptr + base[:, None, None] + kk[None, :, None] * D + vv[None, None, :]
+    s = tl.load(ptrs, mask=live[:, None, None], other=0.0)  # [HB, D, BV]
+    vec = (b * num_heads + hh) * D  # [HB]
+    q = tl.load(q_ptr + vec[:, None] + kk[None, :], mask=live[:, None], other=0.0)  # [HB, D]
+    k = tl.load(k_ptr + vec[:, None] + kk[None, :], mask=live[:, None], other=0.0)
+    g = tl.load(g_ptr + vec[:, None] + kk[None, :], mask=live[:, None], other=0.0)
+    v = tl.load(v_ptr + vec[:, None] + vv[None, :], mask=live[:, None], other=0.0)  # [HB, BV]
+    beta = tl.load(beta_ptr + b * num_heads + hh, mask=live, other=0.0)  # [HB]
+    s = s * tl.exp(g)[:, :, None]
+    ks = tl.sum(k[:, :, None] * s, axis=1)  # [HB, BV]
+    u = beta[:, None] * (v - ks)
+    s = s + k[:, :, None] * u[:, None, :]
+    o = tl.sum(q[:, :, None] * s, axis=1)
+    tl.store(ptrs, s, mask=live[:, None, None])
+    tl.store(o_ptr + vec[:, None] + vv[None, :], o, mask=live[:, None])
 
 
 def kda_recurrent_step_rows(buffer: torch.Tensor, layout: RowLayout, rows: torch.Tensor, layer_in_group: int,
@@ -62,10 +68,11 @@ def kda_recurrent_step_rows(buffer: torch.Tensor, layout: RowLayout, rows: torch
     assert layout.row_bytes % 4 == 0 and layout.kda_head_bytes % 4 == 0 and dim % BLOCK_V == 0
     out = torch.empty(batch, heads, dim, dtype=torch.float32, device=buffer.device)
     args = [t.float().contiguous() for t in (q, k, v, g)]
-    _kda_step_kernel[(batch, heads, dim // BLOCK_V)](
+    hb, bv = (triton.next_power_of_2(heads), dim) if interpreter_active() else (1, BLOCK_V)
+    _kda_step_kernel[(batch, triton.cdiv(heads, hb), dim // bv)](
         buffer.view(-1).view(torch.float32), rows.contiguous(), *args, beta.float().contiguous(), out,
         layout.row_bytes // 4, layout.kda_head_bytes // 4, layout.kda_recurrent_offset(0, layer_in_group) // 4,
-        heads, D=dim, BV=BLOCK_V, num_warps=4,
+        heads, D=dim, BV=bv, HB=hb, num_warps=4,
     )
     return out
 
@@ -97,29 +104,34 @@ def kda_conv_step(buffer: torch.Tensor, layout: RowLayout, rows: torch.Tensor, l
 
 @triton.jit
 def _kda_conv_kernel(state_ptr, rows_ptr, x_ptr, w_ptr, y_ptr, batch, row_elems, head_elems, conv_off, num_heads,
-                     q_scale, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BF16_STATE: tl.constexpr):
+                     q_scale, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BF16_STATE: tl.constexpr,
+                     HB: tl.constexpr):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    hh = tl.program_id(1) * HB + tl.arange(0, HB)  # [HB] heads of this program
     part = tl.program_id(2)  # 0 q, 1 k, 2 v
+    live = hh < num_heads
     row = tl.load(rows_ptr + b).to(tl.int64)
     i = tl.arange(0, D)
     tap = tl.arange(0, WP)
-    ch = part * num_heads * D + h * D + i  # channel in x (q | k | v, head-major inside each)
-    x = tl.load(x_ptr + b * 3 * num_heads * D + ch).to(tl.float32)
-    states = state_ptr + row * row_elems + h * head_elems + conv_off + (part * D + i)[:, None] * (W - 1)
-    old = tl.load(states + tap[None, :], mask=tap[None, :] < W - 1, other=0.0).to(tl.float32)  # [D, WP]
-    taps = tl.load(w_ptr + ch[:, None] * W + tap[None, :], mask=tap[None, :] < W - 1, other=0.0).to(tl.float32)
-    acc = tl.sum(old * taps, axis=1) + x * tl.load(w_ptr + ch * W + W - 1).to(tl.float32)
-    shifted = tl.where(tap[None, :] == W - 2, x[:, None], tl.load(states + tap[None, :] + 1,
-                                                                 mask=tap[None, :] < W - 2, other=0.0))
+    ch = part * num_heads * D + hh[:, None] * D + i[None, :]  # [HB, D] channel in x (q | k | v, head-major inside)
+    x = tl.load(x_ptr + b * 3 * num_heads * D + ch, mask=live[:, None], other=0.0).to(tl.float32)
+    states = (state_ptr + row * row_elems + hh.to(tl.int64)[:, None, None] * head_elems + conv_off
+              + (part * D + i)[None, :, None] * (W - 1))  # [HB, D, 1]
+    keep = live[:, None, None] & (tap[None, None, :] < W - 1)
+    old = tl.load(states + tap[None, None, :], mask=keep, other=0.0).to(tl.float32)  # [HB, D, WP]
+    taps = tl.load(w_ptr + ch[:, :, None] * W + tap[None, None, :], mask=keep, other=0.0).to(tl.float32)
+    acc = tl.sum(old * taps, axis=2) + x * tl.load(w_ptr + ch * W + W - 1, mask=live[:, None], other=0.0).to(
+        tl.float32)
+    shifted = tl.where(tap[None, None, :] == W - 2, x[:, :, None], tl.load(
+        states + tap[None, None, :] + 1, mask=live[:, None, None] & (tap[None, None, :] < W - 2), other=0.0))
     if BF16_STATE:
-        tl.store(states + tap[None, :], bf16_rne(shifted), mask=tap[None, :] < W - 1)
+        tl.store(states + tap[None, None, :], bf16_rne(shifted), mask=keep)
     else:
-        tl.store(states + tap[None, :], shifted.to(state_ptr.dtype.element_ty), mask=tap[None, :] < W - 1)
+        tl.store(states + tap[None, None, :], shifted.to(state_ptr.dtype.element_ty), mask=keep)
     y = acc / (1.0 + tl.exp(-acc))  # SiLU
-    norm = tl.rsqrt(tl.sum(y * y, axis=0) + 1e-6)
+    norm = tl.rsqrt(tl.sum(y * y, axis=1) + 1e-6)[:, None]  # [HB, 1]: one norm per head
     y = tl.where(part == 0, y * norm * q_scale, tl.where(part == 1, y * norm, y))
-    tl.store(y_ptr + (part * batch + b) * num_heads * D + h * D + i, y)
+    tl.store(y_ptr + (part * batch + b) * num_heads * D + hh[:, None] * D + i[None, :], y, mask=live[:, None])
 
 
 def kda_conv_qkv_rows(buffer: torch.Tensor, layout: RowLayout, rows: torch.Tensor, layer_in_group: int,
@@ -135,11 +147,12 @@ def kda_conv_qkv_rows(buffer: torch.Tensor, layout: RowLayout, rows: torch.Tenso
     size = conv_dtype.itemsize
     assert layout.row_bytes % size == 0 and layout.kda_head_bytes % size == 0 and dim & (dim - 1) == 0
     y = torch.empty(3, batch, heads, dim, dtype=torch.float32, device=buffer.device)
-    _kda_conv_kernel[(batch, heads, 3)](
+    hb = triton.next_power_of_2(heads) if interpreter_active() else 1
+    _kda_conv_kernel[(batch, triton.cdiv(heads, hb), 3)](
         buffer.view(-1).view(conv_dtype), rows, x.contiguous(), weight.contiguous(), y, batch,
         layout.row_bytes // size, layout.kda_head_bytes // size, layout.kda_conv_offset(0, layer_in_group) // size,
         heads, dim**-0.5, D=dim, W=width, WP=triton.next_power_of_2(width), BF16_STATE=conv_dtype == torch.bfloat16,
-        num_warps=4,
+        HB=hb, num_warps=4,
     )
     return y[0], y[1], y[2]
 

@@ -29,6 +29,10 @@ MIN_SPLIT_KEYS = 64
 """Fewest selected keys a split of one request scores (`choose_splits`). On one H200 (pro-rank b1 / 32K graphed
 step) 64 took the kernel from 21 to 12 us per DSA layer against 128 (32: no faster); benchmarks/RESULTS.md."""
 LOG2E = 1.4426950408889634
+INTERPRETED_SMS = 1
+"""What `choose_splits` takes for the SM count under the Triton interpreter, which runs programs one at a time on
+one core, paying milliseconds of Python per program: a request at batch 1 still gets two splits (the merge runs),
+larger batches one, where a GPU's 132 SMs would give each request up to topk / MIN_SPLIT_KEYS programs."""
 
 
 @triton.jit
@@ -99,7 +103,10 @@ def sparse_mla_decode(buffer: torch.Tensor, layout: RowLayout, pages: PageBatch,
     rope = width - kv_lora_rank
     topk = selected.shape[1]
     assert rope & (rope - 1) == 0 and kv_lora_rank & (kv_lora_rank - 1) == 0
-    splits = choose_splits(batch, num_heads, topk) if num_splits is None else num_splits
+    if num_splits is None:
+        splits = choose_splits(batch, num_heads, topk, **({"num_sms": INTERPRETED_SMS} if interpreter_active() else {}))
+    else:
+        splits = num_splits
     per_split = triton.cdiv(triton.cdiv(topk, splits), block_n) * block_n
     q = q_absorbed.to(torch.bfloat16).contiguous()
     partial = torch.empty(batch, num_heads, splits, kv_lora_rank, dtype=torch.float32, device=buffer.device)

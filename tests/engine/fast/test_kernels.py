@@ -182,6 +182,38 @@ def test_fused_conv_step_matches_torch_conv_and_norms(conv_bytes, device) -> Non
     assert torch.equal(buffer.cpu(), torch_buffer.cpu())
 
 
+@pytest.mark.parametrize("conv_bytes", [4, 2], ids=["fp32-state", "bf16-state"])
+def test_kda_kernels_give_the_same_bits_at_every_launch_shape(  # type: ignore[no-untyped-def]
+        conv_bytes, device, monkeypatch) -> None:
+    """The conv and recurrent-step kernels at the launch a GPU runs (a head and BLOCK_V value dims per program)
+    and at the interpreter's (every head and value dim of a request per program): the same outputs and row
+    states, bit for bit, for heads that fill their program's block and heads that do not (3 of 4)."""
+    from engine.fast import kda as module
+
+    for heads in (MINI.kda_num_heads, 3):
+        cfg = dataclasses.replace(MINI, conv_state_bytes=conv_bytes, kda_num_heads=heads)
+        conv_dtype = {4: torch.float32, 2: torch.bfloat16}[conv_bytes]
+        lay, li = plan_layout(cfg), 1
+        gen = torch.Generator().manual_seed(11)
+        rows = torch.tensor([2, 0, 3], device=device)
+        d = cfg.kda_head_dim
+        start = torch.randn(4 * lay.row_bytes // conv_bytes, generator=gen).to(conv_dtype).view(torch.uint8).view(
+            4, lay.row_bytes)
+        x = torch.randn(3, 3 * heads * d, generator=gen).to(device)
+        weight = (torch.randn(3 * heads * d, cfg.kda_conv_size, generator=gen) * 0.5).to(device)
+        g = -torch.rand(3, heads, d, generator=gen).to(device)
+        beta = torch.rand(3, heads, generator=gen).to(device)
+        results = []
+        for wide in (True, False):
+            monkeypatch.setattr(module, "interpreter_active", lambda wide=wide: wide)
+            buffer = start.clone().to(device)
+            q, k, v = kda_conv_qkv_rows(buffer, lay, rows, li, x, weight, conv_dtype)
+            o = kda_recurrent_step_rows(buffer, lay, rows, li, q, k, v, g, beta)
+            results.append([t.cpu() for t in (q, k, v, o, buffer)])
+        for wide_t, gpu_t in zip(*results):
+            assert torch.equal(wide_t.contiguous().view(torch.uint8), gpu_t.contiguous().view(torch.uint8))
+
+
 def test_expert_gemv_matches_per_slot_reference(device, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Few-token routed experts read in place: within bf16 rounding of the fp32 per-slot reference (the hidden
     vector and the output are rounded to bf16 once each); shapes not multiples of the kernels' blocks. The rows
