@@ -17,10 +17,9 @@ Both come from `_shared_cluster(name, model)`, one running topology per model sp
 hand-offs without the router) use `cluster.node(...)` URLs; a hand-off signed by its prefill node is accepted by
 its decode nodes as from the router. `PDCLUSTER_E2E_CONFIG=FILE.yaml` runs another topology (same pool names).
 
-Order (`pytest_collection_modifyitems`): the vLLM pair's users first and VLLM_STOP_TEST last among them, then `cluster`'s users with the fault tests last (they
-kill and restart nodes), then `checkpoint_cluster`'s (so no two shared topologies run at once), then every other
-test in collection order. `make test` runs the vLLM pair's users (marker `vllm_pair`) in a pytest of their own beside the
-fast tier (an idle vLLM server costs no CPU: cluster/vllm_site), then the rest on
+Order (`pytest_collection_modifyitems`): the vLLM pair's users first and VLLM_STOP_TEST last among them, then
+`cluster`'s users with the fault tests last (they kill and restart nodes), then `checkpoint_cluster`'s (so no two shared topologies run at once), then every other
+test in collection order. `make test` runs the vLLM pair's users alone first (marker `vllm_pair`), then the rest on
 two xdist workers (tests/worker_groups.py): the shared topologies' users on one of them in this order (group
 TOPOLOGY_GROUP), the other tests/e2e/ modules, which start clusters of their own, on the other (group
 OWN_CLUSTERS_GROUP), then the light tests on whichever worker is free. A shared topology stops in the teardown of
@@ -82,8 +81,8 @@ VLLM_CONFIG = {
     "vllm": {"max_model_len": 1024, "served_model_name": SERVED_MODEL,
              "extra_args": ["--dtype", "float32", "--seed", "0", "--max-num-seqs", "8", "--no-enable-prefix-caching",
                             "--enable-prompt-tokens-details", "--enforce-eager"]},
-    # Both vLLM servers share the two cores with the router and with the fast tier's tests: connects and /health
-    # probes can stall for seconds, so the router connects within 30 s, waits 10 s per probe and takes an instance
+    # Both vLLM servers share the two cores with the router and the tests: connects and /health probes can stall
+    # for seconds, so the router connects within 30 s, waits 10 s per probe and takes an instance
     # out only after five missed probes in a row (as tests/router/test_vllm_e2e.py), not the default two.
     "router": {"port": None, "settings": {"disagg_min_uncached_tokens": 1, "connect_timeout_s": 30.0,
                                           "health_timeout_s": 10.0, "unhealthy_threshold": 5}},
@@ -133,8 +132,8 @@ beside the shared topologies' users; that worker then takes the light tests (hel
 upstreams, single nodes, rank groups), one module at a time (tests/worker_groups.py) so a module-scoped fixture
 starts once."""
 VLLM_MARK = "vllm_pair"
-"""Marker given to the vLLM pair's users: `make test` runs them (-m vllm_pair) in a pytest of their own beside the
-fast tier, before the other process tests."""
+"""Marker given to the vLLM pair's users: `make test` runs them first and alone (-m vllm_pair): their servers'
+start-up slows whatever shares the cores with it."""
 
 
 def _xdist_group(item: pytest.Item) -> str | None:

@@ -25,6 +25,11 @@ SETTINGS = E2E_CONFIG["router"]["settings"]
 REQUEST_BOUND_S = SETTINGS["prefill_timeout_s"] + SETTINGS["first_token_timeout_s"] + 30
 HEALTH_BOUND_S = 30
 RESUMED_TOKENS = 160
+CONCURRENT = 2
+LONG_BYTES = 5_000
+"""The prefill kill's requests: long enough that no P leg ends within the 1 s before the kill (one such prompt alone
+takes longer: tests/e2e/test_resume_cluster.py kills mid-prefill the same way), two at once so that more than one
+in-flight leg is placed again; each is prefilled twice more (the decode instance, the oracle)."""
 """Long enough that the stream still runs when the rank dies (the client reads behind the node)."""
 
 
@@ -52,7 +57,8 @@ def test_kill_prefill_mid_run_then_restart(cluster):
     async def run() -> list:
         client = cluster.async_client(timeout_s=REQUEST_BOUND_S)
         legs = _prefill_legs(cluster)
-        tasks = [asyncio.create_task(_complete(client, cluster.model, _long_prompt(i, 6_000), 8)) for i in range(4)]
+        tasks = [asyncio.create_task(_complete(client, cluster.model, _long_prompt(i, LONG_BYTES), 8))
+                 for i in range(CONCURRENT)]
         # Node gauges move only between engine steps: "mid-run" is 1 s after sending, before any P leg answered.
         await asyncio.sleep(1.0)
         assert _prefill_legs(cluster) == legs, "the prefill legs ended before the kill"
@@ -66,7 +72,7 @@ def test_kill_prefill_mid_run_then_restart(cluster):
     assert settle_s < REQUEST_BOUND_S
     # never a client error while a compatible instance lives: the decode instance prefills (decode_only)
     for index, result in enumerate(results):
-        assert result == list(cluster.oracle(_long_prompt(index, 6_000), 8).token_ids), (index, result)
+        assert result == list(cluster.oracle(_long_prompt(index, LONG_BYTES), 8).token_ids), (index, result)
     cluster.wait_until(lambda: cluster.router_sees_healthy(prefill) is False, HEALTH_BOUND_S,
                        f"the router to mark {prefill} unhealthy")
 
