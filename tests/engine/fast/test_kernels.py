@@ -190,6 +190,8 @@ def test_kda_kernels_give_the_same_bits_at_every_launch_shape(  # type: ignore[n
     states, bit for bit, for heads that fill their program's block and heads that do not (3 of 4)."""
     from engine.fast import kda as module
 
+    if device.type == "cuda":  # a GPU never runs the wide launch, and its compiled sums may run in another order
+        pytest.skip("the wide launch is the Triton interpreter's (numpy sums each head's elements in one order)")
     for heads in (MINI.kda_num_heads, 3):
         cfg = dataclasses.replace(MINI, conv_state_bytes=conv_bytes, kda_num_heads=heads)
         conv_dtype = {4: torch.float32, 2: torch.bfloat16}[conv_bytes]
