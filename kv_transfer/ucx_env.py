@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kv_transfer.nixl_delay import delayed_config_class
+
 log = logging.getLogger(__name__)
 
 RDMA_TLS = "rc_x,rc,ud_x,dc_x"
@@ -99,17 +101,7 @@ def progress_delay(api: Any, delay_us: int) -> Iterator[None]:
     """While NIXL (`api`, from nixl_api) builds an agent, its config class keeps `pthrDelay` at `delay_us` (the
     Python API writes 0)."""
     base = api.nixlBind.nixlAgentConfig
-
-    class _Config(base):  # type: ignore[misc, valid-type]
-        @property
-        def pthrDelay(self) -> int:  # noqa: N802 - NIXL's field name
-            return base.pthrDelay.__get__(self)
-
-        @pthrDelay.setter
-        def pthrDelay(self, _value: int) -> None:  # noqa: N802
-            base.pthrDelay.__set__(self, delay_us)
-
-    api.nixlBind.nixlAgentConfig = _Config
+    api.nixlBind.nixlAgentConfig = delayed_config_class(base, delay_us)
     try:
         yield
     finally:

@@ -18,13 +18,14 @@ hand-offs without the router) use `cluster.node(...)` URLs; a hand-off signed by
 its decode nodes as from the router. `PDCLUSTER_E2E_CONFIG=FILE.yaml` runs another topology (same pool names).
 
 Order (`pytest_collection_modifyitems`): the vLLM pair's users first and VLLM_STOP_TEST last among them, then
-`cluster`'s users with the fault tests last (they kill and restart nodes), then `checkpoint_cluster`'s (so no two shared topologies run at once), then every other
-test in collection order. `make test` runs the vLLM pair's users alone first (marker `vllm_pair`), then the rest on
-two xdist workers (tests/worker_groups.py): the shared topologies' users on one of them in this order (group
-TOPOLOGY_GROUP), the other tests/e2e/ modules, which start clusters of their own, on the other (group
-OWN_CLUSTERS_GROUP), then the light tests on whichever worker is free. A shared topology stops in the teardown of
-its last test (the session's end otherwise), so no idle cluster sits beside the tests that follow. Tests that
-kill, drain or reconfigure nodes beyond what they restore start their own (tests/node/nodes.py).
+`cluster`'s users with the fault tests last (they kill and restart nodes), then `checkpoint_cluster`'s (so no two
+shared topologies run at once), then every other test in collection order. `make test` runs the vLLM pair's users
+alone first (marker `vllm_pair`), then the rest on two xdist workers (tests/worker_groups.py): the shared
+topologies' users on one of them in this order (group TOPOLOGY_GROUP), the other tests/e2e/ modules, which start
+clusters of their own, on the other (group OWN_CLUSTERS_GROUP), then the light tests on whichever worker is free.
+A shared topology stops in the teardown of its last test (the session's end otherwise), so no idle cluster sits
+beside the tests that follow. Tests that kill, drain or reconfigure nodes beyond what they restore start their own
+(tests/node/nodes.py).
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ VLLM_CONFIG = {
              "extra_args": ["--dtype", "float32", "--seed", "0", "--max-num-seqs", "8", "--no-enable-prefix-caching",
                             "--enable-prompt-tokens-details", "--enforce-eager"]},
     # Both vLLM servers share the two cores with the router and the tests: connects and /health probes can stall
-    # for seconds, so the router connects within 30 s, waits 10 s per probe and takes an instance
-    # out only after five missed probes in a row (as tests/router/test_vllm_e2e.py), not the default two.
+    # for seconds, so the router connects within 30 s, waits 10 s per probe and takes an instance out only after
+    # five missed probes in a row (as tests/router/test_vllm_e2e.py), not the default two.
     "router": {"port": None, "settings": {"disagg_min_uncached_tokens": 1, "connect_timeout_s": 30.0,
                                           "health_timeout_s": 10.0, "unhealthy_threshold": 5}},
     "pools": [{"name": "prefill", "role": "prefill", "cores": [0]},

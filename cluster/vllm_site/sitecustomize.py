@@ -6,33 +6,33 @@ NIXL's Python API builds every agent with `pthrDelay = 0`: its progress thread t
 loop, a whole core per vLLM worker process even while the instance is idle (measured on the 2-core dev VM: an idle
 vLLM P/D pair kept both cores busy). With a delay the thread sleeps in poll() on the workers' event fds between
 passes and still wakes at once on traffic. `PDCLUSTER_NIXL_PROGRESS_DELAY_US` is the delay in microseconds; unset
-or empty, nothing is changed. This file imports nothing of the project: it runs in vLLM's own virtualenv.
+or empty, nothing is changed. It runs in vLLM's own virtualenv, so it imports nothing of the project; the config
+class itself is kv_transfer/nixl_delay.py's, loaded by path.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 _BACKENDS = ("nixl_cu12", "nixl_cu13", "nixl_rocm")
 
 
-def _with_delay(bindings, delay_us: int) -> None:
+DELAY_MODULE = Path(__file__).resolve().parents[2] / "kv_transfer" / "nixl_delay.py"
+"""The project's config class with the delay, loaded by path (the standard library only; the project's packages
+are not importable in vLLM's virtualenv)."""
+
+
+def _with_delay(bindings, delay_us: int) -> None:  # type: ignore[no-untyped-def]
     """Replace the bindings' agent config class by one whose `pthrDelay` always reads back `delay_us`."""
-    base = bindings.nixlAgentConfig
-
-    class _DelayedConfig(base):  # type: ignore[misc, valid-type]
-        @property
-        def pthrDelay(self) -> int:  # noqa: N802 - NIXL's field name
-            return base.pthrDelay.__get__(self)
-
-        @pthrDelay.setter
-        def pthrDelay(self, _value: int) -> None:  # noqa: N802
-            base.pthrDelay.__set__(self, delay_us)
-
-    bindings.nixlAgentConfig = _DelayedConfig
+    spec = importlib.util.spec_from_file_location("_pdcluster_nixl_delay", DELAY_MODULE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bindings.nixlAgentConfig = module.delayed_config_class(bindings.nixlAgentConfig, delay_us)
 
 
 class _PatchingLoader(importlib.abc.Loader):
