@@ -5,7 +5,8 @@ with loadgen's `random` scenario at fixed lengths (`POINTS`: one request shape a
 isolates the prefill and TPOT the decode batch; three untimed requests first warm the pairs and caches), and fits the profile's step costs:
 - prefill (the P pool's tp): TTFT(T) = C + sum over the chunks c of the T new tokens (after those cached) (the pool's max_step_tokens) of
   base + prefill_token_s*c + prefill_attn_s*c*c/2 + prefill_ctx_s*c*start (start: tokens before the chunk), with base the TP=1 decode fit's (a per-request constant
-  and a per-step one are the same unknown when a prompt takes one step), least squares over the `ttft_*` points
+  and a per-step one are the same unknown when a prompt takes one step) and one cost per attended (query, key)
+  pair, prefill_attn_s = prefill_ctx_s (`fit_prefill`), least squares over the `ttft_*` points
   weighted by 1/TTFT (a coefficient that comes out negative is dropped and the rest refitted); C, the request's
   path outside the engine (router, both legs, the READ), becomes `http.prefill_leg_s`;
 - decode, TP=1 pool: TPOT = base + decode_seq_s*b + decode_ctx_s*S (b requests, S their summed context) from
@@ -14,8 +15,13 @@ isolates the prefill and TPOT the decode batch; three untimed requests first war
   half the TP=1 pool's (each rank holds half the tokens): an assumption the profile states.
 - the TP=1 decode node's own prefill (colocated turns, skipped P legs): the `COLOCATED` points on a second cluster
   of the same pools whose router never sends a P leg, fitted like the P pool's (its chunks, its base).
-- core sharing (`StepCost.contention`): the `BESIDE` points, each measured while a background load keeps one
-  other instance busy, against the same shape measured alone (`contention`).
+- core sharing (`StepCost.contention`): not fitted. It is `TIME_SHARING` (1.0) for every step: the kernel splits
+  a core evenly between its runnable threads, and every rank runs one torch thread pinned to its core
+  (node/executor.py), so a step beside k - 1 busy ranks on its core takes k times its time. The `BESIDE` points,
+  each measured while a background load keeps one other instance busy, are predictions of that model reported in
+  the fit (`used_for_fit` false): as fitted parameters they moved 45-127% between the rounds of one calibration
+  (2026-12-06 03:50), which set the contention from noise (0.0 for the prefill in one calibration, 0.40 in the
+  next).
 Every point is measured in `--rounds` rounds (default ROUNDS), round after round over the whole calibration, each
 with words of its own; a point's figures are its median round's (`combine_rounds`), and the profile's `fit` list
 keeps each round's figure and their spread, so a calibration says how far its own points moved.
@@ -61,12 +67,22 @@ class Point:
     requests: int
 
 
+TPOT_TOKENS = 97
+"""Output tokens of the TPOT points. A client's TPOT spans its first to its last chunk, and the first chunk is the
+first token that releases text (about one in seven on the CPU presets: `first_chunk_share`), so a stream's span
+misses a geometric number of its first steps; over 32 steps that offset moved a point's mean of two streams by up
+to a third between rounds (tpot_tp_b1_short 10.8 / 16.1 / 16.7 ms on 2026-12-06 03:50). Over 96 steps the same
+offset is a third as large a share, and each stream averages three times the steps; the decode steps cost about
++1.5 min over a calibration of three rounds."""
+LEGACY_TPOT_TOKENS = 33
+"""The TPOT points' output before TPOT_TOKENS: a measured.json whose points carry no `output` was measured with it."""
+
 POINTS = (
     Point("ttft_w20", 20, 2, 1, 3), Point("ttft_w300", 300, 2, 1, 2), Point("ttft_w700", 700, 2, 1, 2),
     Point("ttft_w1200", 1200, 2, 1, 2),
-    Point("tpot_tp_b1_short", 20, 33, 1, 2), Point("tpot_tp_b4_short", 20, 33, 4, 8),
-    Point("tpot_tp_b1_long", 1000, 33, 1, 2),
-    Point("tpot_dcp_b1", 1400, 33, 1, 2), Point("tpot_dcp_b2", 1400, 33, 2, 4),
+    Point("tpot_tp_b1_short", 20, TPOT_TOKENS, 1, 2), Point("tpot_tp_b4_short", 20, TPOT_TOKENS, 4, 8),
+    Point("tpot_tp_b1_long", 1000, TPOT_TOKENS, 1, 2),
+    Point("tpot_dcp_b1", 1400, TPOT_TOKENS, 1, 2), Point("tpot_dcp_b2", 1400, TPOT_TOKENS, 2, 4),
     Point("ttft_append_w600_w300", 600, 300, 1, 6),
 )
 COLOCATED = (Point("colo_ttft_w20", 20, 2, 1, 3), Point("colo_ttft_w300", 300, 2, 1, 2),
@@ -97,13 +113,13 @@ class Beside:
     words: int
     max_tokens: int
     step: int
-    """The fitted step whose contention it measures: 0 the P prefill, 1 the TP=1 decode, 2 the DCP decode."""
+    """The step whose core sharing it checks: 0 the P prefill, 1 the TP=1 decode, 2 the DCP decode."""
 
 
 BESIDE = (
-    Beside(Point("tpot_tp_beside_prefill", 20, 33, 1, 2), "tpot_tp_b1_short", 1400, 2, step=1),
+    Beside(Point("tpot_tp_beside_prefill", 20, TPOT_TOKENS, 1, 2), "tpot_tp_b1_short", 1400, 2, step=1),
     Beside(Point("ttft_beside_tp_decode", 300, 2, 1, 2), "ttft_w300", 20, 400, step=0),
-    Beside(Point("tpot_dcp_beside_prefill", 1400, 33, 1, 2), "tpot_dcp_b1", 1000, 2, step=2),
+    Beside(Point("tpot_dcp_beside_prefill", 1400, TPOT_TOKENS, 1, 2), "tpot_dcp_b1", 1000, 2, step=2),
 )
 """The TP=1 decode beside the P prefill (the background's 1,400-word prompts go to the DCP pool: P prefills them
 and the DCP pool decodes two tokens each); the P prefill beside the TP=1 decode (400-token answers to 20-word
@@ -160,6 +176,19 @@ def nonneg_lstsq(features: np.ndarray, target: np.ndarray) -> np.ndarray:
         if not bad:
             return coef
         keep.remove(min(bad, key=lambda k: coef[k]))
+
+
+def fit_prefill(rows: list[list[float]], y: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """(constant, prefill_token_s, prefill_attn_s, prefill_ctx_s) from points' rows `[1, steps, new tokens, sum
+    c*c/2, sum c*start]` (`chunk_features`) and their times less the per-step base (`y`), weighted least squares,
+    every coefficient >= 0. Attention costs the same per (query, key) pair whether the key was cached or computed in
+    the same step, so `prefill_attn_s` and `prefill_ctx_s` are one unknown over c*c/2 + c*start pairs: fitted apart,
+    the points (whose largest uncached prompt is about 3,000 tokens after as many cached) put it all on one of them
+    (2026-12-06 03:50: prefill_attn_s 0 for the P pool), which a 6,000-token prompt prefilled from nothing (agentx
+    with the prefix cache off) then pays none of."""
+    feats = np.array([[row[0], row[2], row[3] + row[4]] for row in rows])
+    const, per_token, per_pair = nonneg_lstsq(feats * weights[:, None], y * weights)
+    return np.array([const, per_token, per_pair, per_pair])
 
 
 def host_cores() -> int:
@@ -268,7 +297,7 @@ def _random_point(real, point: Point, out_dir: Path, repeat: int = 1,  # noqa: A
     ok = [r for r in level.records if r.is_ok]
     tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
     return {"ttft_s": level.ttft_ms.p50 / 1000, "tpot_s": statistics.mean(tpots) if tpots else 0.0,
-            "prompt_tokens": level.input_tokens // level.num_ok, "num_ok": level.num_ok,
+            "prompt_tokens": level.input_tokens // level.num_ok, "num_ok": level.num_ok, "output": point.output,
             "cached_tokens": round(sum(r.cached_tokens or 0 for r in ok) / len(ok)), **chunk_counts(level.records)}
 
 
@@ -336,13 +365,16 @@ ROUTER_S = 0.0005
 """The router's own work per request (benchmarks/RESULTS.md 2026-12-03, evening)."""
 
 
-def contention(beside_s: float, alone_s: float, step_s: float) -> float:
-    """`StepCost.contention` from a point measured beside a busy instance (one more busy rank on the step's most
-    loaded core) and alone: the time it gained over the part of it that stretches (`step_s`: the whole TPOT, the
-    prefill step of a TTFT), at least 0."""
-    if step_s <= 0:
-        raise ValueError(f"contention: the stretching part of the point must be positive, got {step_s}")
-    return max(0.0, (beside_s - alone_s) / step_s)
+TIME_SHARING = 1.0
+"""`StepCost.contention` of every calibrated step: a core's time split evenly between its runnable threads (the
+kernel's fair scheduler), each rank one pinned torch thread, so a step beside k - 1 busy ranks takes k times its
+time (module docstring)."""
+
+
+def output_tokens(point: dict) -> int:
+    """The output tokens a measured TPOT point asked for (LEGACY_TPOT_TOKENS for a measured.json from before points
+    recorded it)."""
+    return int(point.get("output", LEGACY_TPOT_TOKENS))
 
 
 def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, command: str) -> dict:
@@ -359,12 +391,10 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     text_p = text_token_p(measured)
 
     def ctx(point: str, batch: int) -> float:
-        v = measured[point]
-        out = next(p.output for p in POINTS if p.name == point)
-        return batch * (v["prompt_tokens"] + out / 2)
+        return batch * (measured[point]["prompt_tokens"] + output_tokens(measured[point]) / 2)
 
     def share(point: str) -> float:
-        return first_chunk_share(next(p.output for p in POINTS if p.name == point), text_p)
+        return first_chunk_share(output_tokens(measured[point]), text_p)
 
     tp_names = ("tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long")
     tp_rows = [[1, 1, ctx(tp_names[0], 1)], [1, 4, ctx(tp_names[1], 4)], [1, 1, ctx(tp_names[2], 1)]]
@@ -383,8 +413,7 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
             for _, v in ttft]
     y = np.array([v["ttft_s"] - p_base * row[1] - d_step(v["prompt_tokens"]) for (_, v), row in zip(ttft, rows)])
     weights = np.array([1.0 / v["ttft_s"] for _, v in ttft])
-    feats = np.array([[row[0], row[2], row[3], row[4]] for row in rows])
-    c0, p_tok, p_attn, p_ctx = nonneg_lstsq(feats * weights[:, None], y * weights)
+    c0, p_tok, p_attn, p_ctx = fit_prefill(rows, y, weights)
     dcp_ctx = d_ctx / 2
     dcp_names = (("tpot_dcp_b1", 1), ("tpot_dcp_b2", 2))
     dcp_y = [measured[k]["tpot_s"] / share(k) - dcp_ctx * ctx(k, b) for k, b in dcp_names]
@@ -398,9 +427,7 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     if len(colo) >= 4:
         y = np.array([v["ttft_s"] - d_base * row[1] - (1.0 - text_p) * d_step(v["prompt_tokens"])
                       for (_, v), row in zip(colo, colo_rows)])
-        w = np.array([1.0 / v["ttft_s"] for _, v in colo])
-        feats = np.array([[row[0], row[2], row[3], row[4]] for row in colo_rows])
-        colo_fit = nonneg_lstsq(feats * w[:, None], y * w)
+        colo_fit = fit_prefill(colo_rows, y, np.array([1.0 / v["ttft_s"] for _, v in colo]))
     # the decode leg (router -> D, until the node starts on it) is the colocated path's constant; the prefill
     # leg is what the disaggregated path's constant has beyond it (the READ's setup stays in it)
     decode_leg = max(0.0, float(colo_fit[0]) - ROUTER_S) if colo_fit is not None else 0.0
@@ -439,20 +466,17 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     alone_s = {"tpot_tp_beside_prefill": measured["tpot_tp_b1_short"]["tpot_s"],
                "ttft_beside_tp_decode": p_base + p_tok * n300 + p_attn * n300 * n300 / 2,
                "tpot_dcp_beside_prefill": measured["tpot_dcp_b1"]["tpot_s"]}
-    for beside in BESIDE:
+    for beside in BESIDE:  # predictions of time-sharing: one more busy rank on the step's core
         got = measured.get(beside.point.name)
         if got is None:
             continue
         key = "tpot_s" if beside.point.name.startswith("tpot") else "ttft_s"
-        c = contention(got[key], measured[beside.alone][key], alone_s[beside.point.name])
-        if got[key] < measured[beside.alone][key]:
-            print(f"{PROG}: warning: {beside.point.name} ({got[key]:.4f} s) came out faster beside a busy instance "
-                  f"than {beside.alone} alone ({measured[beside.alone][key]:.4f} s): one of them was disturbed "
-                  "(contention set to 0); measure again on a quiet machine", file=sys.stderr)
-        steps[beside.step]["contention"] = c
-        fit.append({"name": beside.point.name, "measured": got[key], "used_for_fit": True,
-                    "source": f"{'TPOT mean' if key == 'tpot_s' else 'TTFT p50'} beside a busy instance, s",
-                    "modelled": measured[beside.alone][key] + c * alone_s[beside.point.name]})
+        fit.append({"name": beside.point.name, "measured": got[key], "used_for_fit": False,
+                    "source": f"{'TPOT mean' if key == 'tpot_s' else 'TTFT p50'} beside a busy instance, s "
+                              f"(time-sharing: contention {TIME_SHARING})",
+                    "modelled": measured[beside.alone][key] + TIME_SHARING * alone_s[beside.point.name]})
+    for entry in steps:
+        entry["contention"] = TIME_SHARING
     resume = measured.get(DCP_RESUME.name)
     if resume is not None:
         chunk = node_settings_class("decode").model_validate(dcp_pool.settings).engine.max_step_tokens
@@ -496,7 +520,8 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                   "fitted constant less the router's work, http.prefill_leg_s what the disaggregated path's has "
                   "beyond both (the READ's setup included); TPOT points are divided by the share of steps a "
                   "chunk-level TPOT spans (sim/calibrate.py first_chunk_share) before fitting; a point's cached "
-                  "tokens (the points share their words' prefix) are not prefilled."),
+                  "tokens (the points share their words' prefix) are not prefilled; every step's contention is "
+                  "time-sharing's 1.0, not fitted: the *_beside_* points are its predictions."),
     }
 
 

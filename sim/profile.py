@@ -51,8 +51,9 @@ class StepCost(_Strict):
     contention: float = Field(1.0, ge=0)
     """On a shared host (`host_cores`): how much longer a step gets, as a share of its time, per other busy rank on
     its most loaded core: it takes `1 + contention * (k - 1)` times its time beside k - 1 others. 1.0: the core's
-    time is split evenly and all of the step needs it; below: part of the step waits on peers, which a shared core
-    does not lengthen; above: it loses more than its share (`pdcluster sim calibrate`'s `*_beside_*` points)."""
+    time is split evenly and all of the step needs it (what `pdcluster sim calibrate` writes: the kernel's fair
+    share between pinned single-thread ranks; its `*_beside_*` points are reported as predictions of it); below:
+    part of the step waits on peers, which a shared core does not lengthen; above: it loses more than its share."""
 
     def prefill_part(self, num_tokens: int, end: int) -> float:
         cached = end - num_tokens

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+
 from sim.calibrate import POINTS, _random_point, chunk_features
 
 
@@ -41,52 +43,106 @@ def test_a_tpot_point_is_the_mean_of_its_streams() -> None:
     assert _random_point(real, point, Path("unused"))["tpot_s"] == pytest.approx(sum(tpots) / 4, rel=1e-12)
 
 
-def test_contention_from_a_point_beside_a_busy_instance() -> None:
-    """A TPOT of 30 ms beside the prefill against 12 ms alone: the decode step gained 1.5 of itself (contention
-    1.5); a TTFT that gained 0.3 s over a prefill step of 0.6 s: 0.5; a point faster beside than alone: 0."""
-    import pytest
-
-    from sim.calibrate import contention
-
-    assert contention(0.030, 0.012, 0.012) == pytest.approx(1.5)
-    assert contention(1.25, 0.95, 0.6) == pytest.approx(0.5)
-    assert contention(0.9, 0.95, 0.6) == 0.0
-    with pytest.raises(ValueError, match="positive"):
-        contention(1.0, 0.5, 0.0)
-
-
-def test_the_fit_sets_each_steps_contention_from_its_point() -> None:
-    """Refit the shipped measurement with three `*_beside_*` points added: the TP=1 decode twice as slow beside
-    the prefill (contention 1.0), the DCP decode 1.2 times (0.2), the prefill's TTFT longer by half its modelled
-    prefill step (0.5); a measurement without them leaves every contention at 1.0 (the default)."""
+def _shipped_measurement() -> dict:
     import json
 
+    from sim.profile import PROFILE_DIR
+
+    return json.loads((PROFILE_DIR / "cpu-mini-reference.measured.json").read_text())
+
+
+def test_every_step_shares_its_core_evenly_and_the_beside_points_are_predictions() -> None:
+    """Refit the shipped measurement (its `*_beside_*` points moved 45-127% between rounds): every step's contention
+    is time-sharing's 1.0 whatever they measured, and each is reported as a prediction: the point measured alone
+    plus the stretching part once more (one more busy rank on the step's core). Doubling what a beside point
+    measured changes no step."""
     import pytest
 
     from cluster.config import DEFAULT_CONFIG_PATH, load_config
     from sim.calibrate import fit_profile
-    from sim.profile import PROFILE_DIR, Profile
+    from sim.profile import Profile
 
-    measured = json.loads((PROFILE_DIR / "cpu-mini-reference.measured.json").read_text())
-    measured = {name: point for name, point in measured.items() if "_beside_" not in name}  # the shipped ones out
-    config = load_config(DEFAULT_CONFIG_PATH)
-    plain = Profile.model_validate(fit_profile(config, measured, "plain", "test"))
-    assert {s.contention for s in plain.steps} == {1.0}
-    p_step = plain.step(2, 1)
-    n = measured["ttft_w300"]["prompt_tokens"] - measured["ttft_w300"].get("cached_tokens", 0)
+    config, measured = load_config(DEFAULT_CONFIG_PATH), _shipped_measurement()
+    fitted = Profile.model_validate(fit_profile(config, measured, "shared", "test"))
+    assert [s.contention for s in fitted.steps] == [1.0, 1.0, 1.0]
+    beside = {f.name: f for f in fitted.fit if "_beside_" in f.name}
+    assert set(beside) == {"tpot_tp_beside_prefill", "ttft_beside_tp_decode", "tpot_dcp_beside_prefill"}
+    assert not any(f.used_for_fit for f in beside.values())
+    for name, alone in (("tpot_tp_beside_prefill", "tpot_tp_b1_short"), ("tpot_dcp_beside_prefill", "tpot_dcp_b1")):
+        assert beside[name].modelled == pytest.approx(2.0 * measured[alone]["tpot_s"], rel=1e-12)
+    p_step = fitted.step(2, 1)
+    n = measured["ttft_w300"]["prompt_tokens"] - measured["ttft_w300"]["cached_tokens"]
     prefill_s = p_step.base_s + p_step.prefill_token_s * n + p_step.prefill_attn_s * n * n / 2
-    no_chunks = {"later_chunks": 0, "later_tokens": 0}  # the stream model's evidence stays as it was
-    measured["tpot_tp_beside_prefill"] = {**measured["tpot_tp_b1_short"], **no_chunks,
-                                          "tpot_s": 2.0 * measured["tpot_tp_b1_short"]["tpot_s"]}
-    measured["tpot_dcp_beside_prefill"] = {**measured["tpot_dcp_b1"], **no_chunks,
-                                           "tpot_s": 1.2 * measured["tpot_dcp_b1"]["tpot_s"]}
-    measured["ttft_beside_tp_decode"] = {**measured["ttft_w300"], **no_chunks,
-                                         "ttft_s": measured["ttft_w300"]["ttft_s"] + 0.5 * prefill_s}
-    fitted = Profile.model_validate(fit_profile(config, measured, "beside", "test"))
-    assert fitted.step(1, 1).contention == pytest.approx(1.0)
-    assert fitted.step(1, 2).contention == pytest.approx(0.2)
-    assert fitted.step(2, 1).contention == pytest.approx(0.5)
-    assert fitted.step(2, 1).prefill_token_s == plain.step(2, 1).prefill_token_s  # the TTFT fit leaves it out
+    assert beside["ttft_beside_tp_decode"].modelled == pytest.approx(measured["ttft_w300"]["ttft_s"] + prefill_s,
+                                                                     rel=1e-12)
+    measured["tpot_tp_beside_prefill"] = {**measured["tpot_tp_beside_prefill"],
+                                          "tpot_s": 2.0 * measured["tpot_tp_beside_prefill"]["tpot_s"]}
+    again = Profile.model_validate(fit_profile(config, measured, "shared", "test"))
+    assert again.steps == fitted.steps
+
+
+def test_attention_costs_one_price_per_query_key_pair() -> None:
+    """Prefill points made by a model with 3e-8 s per attended (query, key) pair, cached or not, 4e-4 s per token
+    and 0.05 s per request (after the per-step base): the fit gives them back, with prefill_attn_s equal to
+    prefill_ctx_s, including for points whose new tokens follow a cached prefix."""
+    import pytest
+
+    from sim.calibrate import chunk_features, fit_prefill
+
+    shapes = [(118, 0, None), (1518, 0, None), (3518, 1024, None), (6018, 3072, None), (4653, 3072, 256)]
+    rows = [[1.0, *chunk_features(tokens, chunk, cached)] for tokens, cached, chunk in shapes]
+    y = np.array([0.05 + 4e-4 * row[2] + 3e-8 * (row[3] + row[4]) for row in rows])
+    const, per_token, attn, ctx = fit_prefill(rows, y, 1.0 / y)
+    assert (const, per_token, attn, ctx) == pytest.approx((0.05, 4e-4, 3e-8, 3e-8), rel=1e-6)
+    assert attn == ctx
+
+
+def test_the_shipped_measurement_refits_with_one_attention_price() -> None:
+    """The shipped measurement (no prompt prefilled from nothing past 1,518 tokens) fitted apart gave the P pool
+    prefill_attn_s 0: every profile step now prices both attention terms alike."""
+    from cluster.config import DEFAULT_CONFIG_PATH, load_config
+    from sim.calibrate import fit_profile
+    from sim.profile import Profile
+
+    fitted = Profile.model_validate(fit_profile(load_config(DEFAULT_CONFIG_PATH), _shipped_measurement(), "p",
+                                                "test"))
+    assert all(s.prefill_attn_s == s.prefill_ctx_s > 0 for s in fitted.steps)
+
+
+def test_tpot_points_record_their_output_and_older_ones_read_as_33() -> None:
+    """A TPOT point records the output it asked for (TPOT_TOKENS, 97: a third of the first chunk's offset per
+    step that 33 had), and the fit divides by that stream's share: the same measured TPOT read as 97 tokens or as
+    a legacy point of 33 gives step costs in the ratio of the two shares."""
+    import pytest
+
+    from cluster.config import DEFAULT_CONFIG_PATH, load_config
+    from sim.calibrate import LEGACY_TPOT_TOKENS, TPOT_TOKENS, fit_profile, first_chunk_share, output_tokens
+    from sim.profile import Profile
+
+    level = SimpleNamespace(num_ok=1, input_tokens=118, ttft_ms=SimpleNamespace(p50=280.0),
+                            tpot_ms=SimpleNamespace(p50=17.0), records=[_record(0, 0.017)])
+    real = SimpleNamespace(sweep=lambda *args, **kw: SimpleNamespace(levels=[level]))
+    point = next(p for p in POINTS if p.name == "tpot_tp_b1_short")
+    assert point.output == TPOT_TOKENS == 97
+    assert output_tokens(_random_point(real, point, Path("unused"))) == 97
+    assert output_tokens({}) == LEGACY_TPOT_TOKENS == 33
+    config, measured = load_config(DEFAULT_CONFIG_PATH), _shipped_measurement()
+    legacy = Profile.model_validate(fit_profile(config, measured, "legacy", "test"))
+    names = ("tpot_dcp_b1", "tpot_dcp_b2")
+    longer = {**measured, **{k: {**measured[k], "output": 97} for k in names}}
+    fitted = Profile.model_validate(fit_profile(config, longer, "longer", "test"))
+    text_p = legacy.stream.text_token_p
+    ratio = first_chunk_share(33, text_p) / first_chunk_share(97, text_p)
+    entry = {f.name: f for f in fitted.fit}
+    assert entry["tpot_dcp_b1"].modelled == pytest.approx(measured["tpot_dcp_b1"]["tpot_s"], rel=1e-9)
+    assert fitted.step(1, 2).decode_ctx_s == legacy.step(1, 2).decode_ctx_s
+    dcp_ctx = legacy.step(1, 2).decode_ctx_s
+    for k, b in (("tpot_dcp_b1", 1), ("tpot_dcp_b2", 2)):  # base + seq*b: the step less its context part
+        old = legacy.step(1, 2).base_s + legacy.step(1, 2).decode_seq_s * b
+        new = fitted.step(1, 2).base_s + fitted.step(1, 2).decode_seq_s * b
+        ctx_old = dcp_ctx * b * (measured[k]["prompt_tokens"] + 33 / 2)
+        ctx_new = dcp_ctx * b * (measured[k]["prompt_tokens"] + 97 / 2)
+        assert new + ctx_new == pytest.approx((old + ctx_old) * ratio, rel=1e-9)
 
 
 def test_a_points_rounds_combine_to_the_median_round() -> None:
