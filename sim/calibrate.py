@@ -71,9 +71,10 @@ TPOT_TOKENS = 97
 """Output tokens of the TPOT points. A client's TPOT spans its first to its last chunk, and the first chunk is the
 first token that releases text (about one in seven on the CPU presets: `first_chunk_share`), so a stream's span
 misses a geometric number of its first steps; over 32 steps that offset moved a point's mean of two streams by up
-to a third between rounds (tpot_tp_b1_short 10.8 / 16.1 / 16.7 ms on 2026-12-06 03:50). Over 96 steps the same
-offset is a third as large a share, and each stream averages three times the steps; the decode steps cost about
-+1.5 min over a calibration of three rounds."""
+to a third between rounds (tpot_tp_b1_short 10.8 / 16.1 / 16.7 ms on 2026-12-06 03:50). At text_token_p 0.14 the
+offset alone gives a two-stream mean a coefficient of variation of 17% at 33 tokens, 5% at 97 (drawn 20,000
+times); the longer streams cost about +1.5 min over a calibration of three rounds (a --quick calibration of one
+round took 5:21 at load 10)."""
 LEGACY_TPOT_TOKENS = 33
 """The TPOT points' output before TPOT_TOKENS: a measured.json whose points carry no `output` was measured with it."""
 
