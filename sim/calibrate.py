@@ -9,8 +9,10 @@ isolates the prefill and TPOT the decode batch; three untimed requests first war
   pair, prefill_attn_s = prefill_ctx_s (`fit_prefill`), least squares over the `ttft_*` points
   weighted by 1/TTFT (a coefficient that comes out negative is dropped and the rest refitted); C, the request's
   path outside the engine (router, both legs, the READ), becomes `http.prefill_leg_s`;
-- decode, TP=1 pool: TPOT = base + decode_seq_s*b + decode_ctx_s*S (b requests, S their summed context) from
-  batch 1 short, batch 4 short and batch 1 long;
+- decode, TP=1 pool: step = base + decode_seq_s*b + decode_ctx_s*S (b requests, S their summed context) from
+  batch 1 short, batch 4 short and batch 1 long; each point's step is what its decode node saw (`node_step`: the
+  node's token-gap histogram over the point, every token of every stream, a few hundred rounds), where a
+  measured.json from before it has only the client's TPOT (divided by `first_chunk_share`);
 - decode, DCP=2 pool: base and decode_seq_s from batch 1 and 2 at the same context; decode_ctx_s is taken as
   half the TP=1 pool's (each rank holds half the tokens): an assumption the profile states.
 - the TP=1 decode node's own prefill (colocated turns, skipped P legs): the `COLOCATED` points on a second cluster
@@ -237,12 +239,14 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, rep
                 if point.name.startswith("ttft_append"):
                     keep(point.name, _append_point(real, point, where, repeat, APPEND_SEED + shift), r)
                 else:
-                    keep(point.name, _random_point(real, point, where, repeat, POINT_SEED + shift), r)
+                    keep(point.name, _random_point(real, point, where, repeat, POINT_SEED + shift,
+                                                   decode_node(config, point.name)), r)
             for beside in BESIDE:
                 if beside.alone not in names:
                     continue
                 with real.background(beside.words, beside.max_tokens, BACKGROUND_SEED + shift) as done:
-                    got = _random_point(real, beside.point, where, repeat, seed=BESIDE_SEED + shift)
+                    got = _random_point(real, beside.point, where, repeat, BESIDE_SEED + shift,
+                                        decode_node(config, beside.point.name))
                 got["background_done"] = len(done)
                 keep(beside.point.name, got, r)
     colocated = config.model_copy(update={"router": config.router.model_copy(update={
@@ -261,7 +265,7 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, rep
     return {name: combine_rounds(got) for name, got in found.items()}
 
 
-SUMMED = frozenset({"num_ok", "later_chunks", "later_tokens", "background_done"})
+SUMMED = frozenset({"num_ok", "later_chunks", "later_tokens", "background_done", "node_gaps"})
 """Counts a point's rounds add up (the stream model pools chunks over every stream)."""
 
 
@@ -280,26 +284,56 @@ def combine_rounds(rounds: list[dict]) -> dict:
             out[key] = round(statistics.median(values))
         else:
             out[key] = statistics.median(values)
-    for key in ("ttft_s", "tpot_s"):
+    for key in ("ttft_s", "tpot_s", "step_s"):
         if key in out:
             out[key.replace("_s", "_rounds")] = [r[key] for r in rounds]
     return out
 
 
+def decode_node(config: ClusterConfig, point: str) -> str | None:
+    """The decode instance a TPOT point's streams run on (its pool's first; the points send one request shape
+    that the router places there): `tpot_tp_*` the TP=1 pool's, `tpot_dcp_*` the DCP pool's; None for others."""
+    from cluster.plan import instance_names
+
+    _, tp_pool, dcp_pool = _pools(config)
+    for prefix, pool in (("tpot_tp_", tp_pool), ("tpot_dcp_", dcp_pool)):
+        if point.startswith(prefix):
+            return instance_names(pool)[0]
+    return None
+
+
 def _random_point(real, point: Point, out_dir: Path, repeat: int = 1,  # noqa: ANN001 - sim.measure.RealCluster
-                  seed: int = POINT_SEED) -> dict:
+                  seed: int = POINT_SEED, node: str | None = None) -> dict:
+    """One point's figures; with `node` (a TPOT point's decode instance) also its decode step as the node saw it
+    (`node_step`)."""
     workload = RandomWorkload(RandomConfig(seed=seed, input_len=parse_dist(str(point.words)),
                                            output_len=parse_dist(str(point.output))))
+    before = real.token_gaps(node) if node else None
     summary = real.sweep(workload, "random", [point.concurrency], 1e6, out_dir / point.name,
                          max_requests=point.requests * repeat, drain_s=600.0)
     level = summary.levels[0]
     if not level.num_ok:
         raise RuntimeError(f"calibration point {point.name}: no request succeeded ({level.errors_by_kind})")
+    steps = node_step(before, real.token_gaps(node), level.num_ok) if before is not None else {}
     ok = [r for r in level.records if r.is_ok]
     tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
     return {"ttft_s": level.ttft_ms.p50 / 1000, "tpot_s": statistics.mean(tpots) if tpots else 0.0,
             "prompt_tokens": level.input_tokens // level.num_ok, "num_ok": level.num_ok, "output": point.output,
-            "cached_tokens": round(sum(r.cached_tokens or 0 for r in ok) / len(ok)), **chunk_counts(level.records)}
+            "cached_tokens": round(sum(r.cached_tokens or 0 for r in ok) / len(ok)), **chunk_counts(level.records),
+            **steps}
+
+
+def node_step(before: tuple[float, int], after: tuple[float, int], num_streams: int) -> dict:
+    """A TPOT point's decode step from its decode node's token gaps (sim/measure.py TOKEN_GAPS: (sum, count)
+    before and after it): the gaps' sum over the rounds they span, which is their count less one per stream (an
+    imported stream's first token leaves the node with its second, in one round: a gap of about 0). Every token
+    of every stream counts, not the client's chunks, so neither `text_token_p` nor the first chunk's offset enters
+    (`first_chunk_share`). {} when the node saw no gap (a node without the histogram)."""
+    total, count = after[0] - before[0], after[1] - before[1]
+    rounds = count - num_streams
+    if rounds <= 0 or total <= 0:
+        return {}
+    return {"step_s": total / rounds, "node_gaps": count}
 
 
 def chunk_counts(records: list) -> dict[str, int]:
@@ -372,6 +406,11 @@ kernel's fair scheduler), each rank one pinned torch thread, so a step beside k 
 time (module docstring)."""
 
 
+def decode_source(point: dict) -> str:
+    return ("Decode step from the node's token gaps (node_step), s" if "step_s" in point
+            else "TPOT mean over streams (first to last chunk), s")
+
+
 def output_tokens(point: dict) -> int:
     """The output tokens a measured TPOT point asked for (LEGACY_TPOT_TOKENS for a measured.json from before points
     recorded it)."""
@@ -395,11 +434,15 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
         return batch * (measured[point]["prompt_tokens"] + output_tokens(measured[point]) / 2)
 
     def share(point: str) -> float:
-        return first_chunk_share(output_tokens(measured[point]), text_p)
+        """What the point's figure is of its decode step: 1 for the node's step, the chunk share of a TPOT."""
+        return 1.0 if "step_s" in measured[point] else first_chunk_share(output_tokens(measured[point]), text_p)
+
+    def figure(point: str) -> float:
+        return measured[point]["step_s" if "step_s" in measured[point] else "tpot_s"]
 
     tp_names = ("tpot_tp_b1_short", "tpot_tp_b4_short", "tpot_tp_b1_long")
     tp_rows = [[1, 1, ctx(tp_names[0], 1)], [1, 4, ctx(tp_names[1], 4)], [1, 1, ctx(tp_names[2], 1)]]
-    tp_y = [measured[k]["tpot_s"] / share(k) for k in tp_names]
+    tp_y = [figure(k) / share(k) for k in tp_names]
     d_base, d_seq, d_ctx = nonneg_lstsq(np.array(tp_rows, dtype=float), np.array(tp_y))
 
     def d_step(prompt_tokens: float) -> float:
@@ -417,7 +460,7 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     c0, p_tok, p_attn, p_ctx = fit_prefill(rows, y, weights)
     dcp_ctx = d_ctx / 2
     dcp_names = (("tpot_dcp_b1", 1), ("tpot_dcp_b2", 2))
-    dcp_y = [measured[k]["tpot_s"] / share(k) - dcp_ctx * ctx(k, b) for k, b in dcp_names]
+    dcp_y = [figure(k) / share(k) - dcp_ctx * ctx(k, b) for k, b in dcp_names]
     dcp_base, dcp_seq = nonneg_lstsq(np.array([[1.0, 1.0], [1.0, 2.0]]), np.array(dcp_y))
     p_world = max(prefill.tp, prefill.dcp)
     d_eng = node_settings_class("decode").model_validate(tp_pool.settings).engine
@@ -451,8 +494,7 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
         fit.append({"name": k, "measured": v["ttft_s"], "used_for_fit": True, "source": "TTFT p50, s",
                     "modelled": float(np.dot([c0, p_base, p_tok, p_attn, p_ctx], row) + d_step(v["prompt_tokens"]))})
     for k, row in zip(tp_names, tp_rows):
-        fit.append({"name": k, "measured": measured[k]["tpot_s"], "used_for_fit": True,
-                    "source": "TPOT mean over streams (first to last chunk), s",
+        fit.append({"name": k, "measured": figure(k), "used_for_fit": True, "source": decode_source(measured[k]),
                     "modelled": float((d_base + d_seq * row[1] + d_ctx * row[2]) * share(k))})
     for (k, v), row in zip(colo, colo_rows):
         if colo_fit is not None:
@@ -460,22 +502,22 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                         "modelled": float(colo_fit[0] + d_base * row[1] + np.dot(colo_fit[1:], row[2:])
                                           + (1.0 - text_p) * d_step(v["prompt_tokens"]))})
     for k, b in dcp_names:
-        fit.append({"name": k, "measured": measured[k]["tpot_s"], "used_for_fit": True,
-                    "source": "TPOT mean over streams (first to last chunk), s",
+        fit.append({"name": k, "measured": figure(k), "used_for_fit": True, "source": decode_source(measured[k]),
                     "modelled": float((dcp_base + dcp_seq * b + dcp_ctx * ctx(k, b)) * share(k))})
     n300 = measured["ttft_w300"]["prompt_tokens"] - measured["ttft_w300"].get("cached_tokens", 0)
-    alone_s = {"tpot_tp_beside_prefill": measured["tpot_tp_b1_short"]["tpot_s"],
-               "ttft_beside_tp_decode": p_base + p_tok * n300 + p_attn * n300 * n300 / 2,
-               "tpot_dcp_beside_prefill": measured["tpot_dcp_b1"]["tpot_s"]}
     for beside in BESIDE:  # predictions of time-sharing: one more busy rank on the step's core
         got = measured.get(beside.point.name)
         if got is None:
             continue
-        key = "tpot_s" if beside.point.name.startswith("tpot") else "ttft_s"
+        alone = measured[beside.alone]
+        if beside.point.name.startswith("ttft"):
+            key, source, stretching = "ttft_s", "TTFT p50", p_base + p_tok * n300 + p_attn * n300 * n300 / 2
+        else:  # the node's step where both points have it, else the client's TPOT
+            key = "step_s" if "step_s" in got and "step_s" in alone else "tpot_s"
+            source, stretching = ("Decode step" if key == "step_s" else "TPOT mean"), alone[key]
         fit.append({"name": beside.point.name, "measured": got[key], "used_for_fit": False,
-                    "source": f"{'TPOT mean' if key == 'tpot_s' else 'TTFT p50'} beside a busy instance, s "
-                              f"(time-sharing: contention {TIME_SHARING})",
-                    "modelled": measured[beside.alone][key] + TIME_SHARING * alone_s[beside.point.name]})
+                    "source": f"{source} beside a busy instance, s (time-sharing: contention {TIME_SHARING})",
+                    "modelled": alone[key] + TIME_SHARING * stretching})
     for entry in steps:
         entry["contention"] = TIME_SHARING
     resume = measured.get(DCP_RESUME.name)
@@ -496,7 +538,7 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                                                                                              chunk)})
     for entry in fit:
         if entry["name"] in measured:
-            key = "tpot_s" if entry["source"].startswith("TPOT") else "ttft_s"
+            key = {"TPOT": "tpot_s", "Deco": "step_s"}.get(entry["source"][:4], "ttft_s")
             entry.update(_rounds_of(measured[entry["name"]], key))
     return {
         "name": name, "model": config.model, "device": "cpu (this machine, reference engine)",

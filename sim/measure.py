@@ -31,6 +31,26 @@ WARMUP_SEED = 3
 """The warm-up's words: a stream of their own (no measured prompt finds them cached)."""
 
 
+TOKEN_GAPS = "vllm:inter_token_latency_seconds"
+"""A node's histogram of the gaps between each request's consecutive tokens, stamped as its HTTP layer receives
+them (node/textgen.py, node/metrics.py): one gap per token after a request's first, every one a rank round."""
+
+
+def histogram_totals(text: str, name: str) -> tuple[float, int]:
+    """(sum, count) of the Prometheus histogram `name` in a /metrics page, over all its label sets; (0.0, 0) when
+    the page has none yet."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total, count = 0.0, 0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{name}_sum":
+                total += sample.value
+            elif sample.name == f"{name}_count":
+                count += int(sample.value)
+    return total, count
+
+
 @dataclass(frozen=True)
 class Warmup:
     """Untimed requests before a measurement, one at a time: `requests` prompts of `words` fresh words, `max_tokens`
@@ -79,6 +99,14 @@ class RealCluster:
                                                    output_len=parse_dist(str(w.max_tokens))))
             self.sweep(workload, "random", [1], 1e6, Path(out_dir) / f"warmup-{w.words}", max_requests=w.requests,
                        drain_s=600.0)
+
+    def token_gaps(self, node: str) -> tuple[float, int]:
+        """`histogram_totals` of the node's `TOKEN_GAPS` so far (its /metrics)."""
+        import httpx
+
+        reply = httpx.get(self.cluster.metrics_urls[node], timeout=60.0)
+        reply.raise_for_status()
+        return histogram_totals(reply.text, TOKEN_GAPS)
 
     @contextmanager
     def background(self, words: int, max_tokens: int, seed: int) -> Iterator[list[float]]:

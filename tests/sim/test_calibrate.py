@@ -267,3 +267,54 @@ def test_the_dcp_resume_point_fits_the_prefix_gather(capsys) -> None:
     again = Profile.model_validate(fit_profile(config, {**measured, DCP_RESUME.name: cold}, "cold", "test"))
     assert again.step(1, 2).prefill_prefix_s == 0.0
     assert "prefill_prefix_s not measured" in capsys.readouterr().err
+
+
+def test_a_tpot_point_takes_its_decode_step_from_the_nodes_token_gaps() -> None:
+    """A stand-in cluster whose decode node saw 4 streams of 97 tokens at 20 ms a round: 96 gaps each, the first
+    about 0 (an imported stream's first token leaves with its second), 95 of 20 ms: the point's step is 20 ms,
+    whatever the client's chunks said (its TPOT here: 5 ms), and a node without the histogram adds nothing."""
+    import pytest
+
+    from cluster.config import DEFAULT_CONFIG_PATH, load_config
+    from sim.calibrate import decode_node, node_step
+
+    gaps = iter([(1.5, 40), (1.5 + 4 * 95 * 0.020 + 4 * 0.0001, 40 + 4 * 96)])
+    level = SimpleNamespace(num_ok=4, input_tokens=4 * 118, ttft_ms=SimpleNamespace(p50=280.0),
+                            tpot_ms=SimpleNamespace(p50=5.0), records=[_record(0, 0.005) for _ in range(4)])
+    real = SimpleNamespace(sweep=lambda *args, **kw: SimpleNamespace(levels=[level]),
+                           token_gaps=lambda node: next(gaps))
+    point = next(p for p in POINTS if p.name == "tpot_tp_b4_short")
+    got = _random_point(real, point, Path("unused"), node="tp-0")
+    assert got["step_s"] == pytest.approx(0.020, rel=1e-3) and got["node_gaps"] == 4 * 96
+    assert node_step((2.0, 10), (2.0, 10), 1) == {}
+    config = load_config(DEFAULT_CONFIG_PATH)
+    assert [decode_node(config, n) for n in ("tpot_tp_b1_long", "tpot_dcp_b2", "tpot_dcp_beside_prefill",
+                                             "ttft_w300")] == ["tp-0", "dcp-0", "dcp-0", None]
+
+
+def test_node_steps_are_fitted_as_they_are() -> None:
+    """TPOT points carrying node steps made by a known TP=1 decode step (12 ms + 4 ms per stream + 1e-6 s per
+    context token) and DCP step (30 ms + 9 ms per stream + the TP pool's context cost / 2): the fit gives the
+    costs back with no chunk share applied, and each fit entry is the node's step; points without node steps
+    keep the client TPOT's path."""
+    import pytest
+
+    from cluster.config import DEFAULT_CONFIG_PATH, load_config
+    from sim.calibrate import fit_profile
+    from sim.profile import Profile
+
+    config, measured = load_config(DEFAULT_CONFIG_PATH), _shipped_measurement()
+    shapes = {"tpot_tp_b1_short": 1, "tpot_tp_b4_short": 4, "tpot_tp_b1_long": 1}
+    for k, b in shapes.items():
+        context = b * (measured[k]["prompt_tokens"] + 97 / 2)
+        measured[k] = {**measured[k], "output": 97, "step_s": 0.012 + 0.004 * b + 1e-6 * context}
+    for k, b in (("tpot_dcp_b1", 1), ("tpot_dcp_b2", 2)):
+        context = b * (measured[k]["prompt_tokens"] + 97 / 2)
+        measured[k] = {**measured[k], "output": 97, "step_s": 0.030 + 0.009 * b + 0.5e-6 * context}
+    fitted = Profile.model_validate(fit_profile(config, measured, "node", "test"))
+    tp, dcp = fitted.step(1, 1), fitted.step(1, 2)
+    assert (tp.base_s, tp.decode_seq_s, tp.decode_ctx_s) == pytest.approx((0.012, 0.004, 1e-6), rel=1e-6)
+    assert (dcp.base_s, dcp.decode_seq_s, dcp.decode_ctx_s) == pytest.approx((0.030, 0.009, 0.5e-6), rel=1e-6)
+    for entry in (f for f in fitted.fit if f.name in shapes):
+        assert entry.source.startswith("Decode step") and entry.measured == measured[entry.name]["step_s"]
+        assert entry.modelled == pytest.approx(entry.measured, rel=1e-6)
