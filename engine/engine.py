@@ -516,10 +516,11 @@ class Engine:
     def cache_report(self) -> CacheReport:
         cache, recent = self.cache, list(reversed(self.sessions.items()))
         counters = cache.counters
+        figures = [(s, cache.held_figures(keys, tails)) for s, (keys, tails) in recent]
         return CacheReport(
             block_tokens=self.layout.block_size, fingerprint=self.fingerprint,
-            sessions=tuple((s, cache.held_tokens(keys)) for s, (keys, _) in recent),
-            resumable=tuple((s, cache.held_tokens(keys, snapshot=True, tails=tails)) for s, (keys, tails) in recent),
+            sessions=tuple((s, held) for s, (held, _) in figures),
+            resumable=tuple((s, resumable) for s, (_, resumable) in figures),
             blocks_cached=cache.num_blocks, rows_free=self.pool.num_free, hits_tokens=counters.hit_tokens,
             queried_tokens=counters.queried_tokens, evicted_blocks=counters.evicted_blocks,
             blocks_read=counters.blocks_read, blocks_reused=counters.blocks_reused,

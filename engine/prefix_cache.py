@@ -129,6 +129,15 @@ def chain_keys(tokens: Sequence[int], block_tokens: int, num_blocks: int, finger
     return keys
 
 
+def resumable_of(held: list[CachedBlock]) -> list[CachedBlock]:
+    """The longest prefix of `held` (a `lookup`) whose last block has a KDA snapshot (a local prefill resumes
+    there); a new list."""
+    n = len(held)
+    while n and held[n - 1].kda_rows is None:
+        n -= 1
+    return held[:n]
+
+
 class PrefixCache:
     def __init__(self, pool, block_tokens: int, fingerprint: bytes, enabled: bool = True) -> None:  # noqa: ANN001
         self.pool = pool
@@ -200,10 +209,7 @@ class PrefixCache:
 
     def resumable(self, keys: Sequence[bytes]) -> list[CachedBlock]:
         """The longest held prefix of `keys` whose last block has a KDA snapshot (a local prefill resumes there)."""
-        held = self.lookup(keys)
-        while held and held[-1].kda_rows is None:
-            held.pop()
-        return held
+        return resumable_of(self.lookup(keys))
 
     def find_tail(self, tokens: Sequence[int], held: Sequence[CachedBlock], root: bytes = ROOT) -> CachedTail | None:
         """The tail ending furthest into `tokens` (and before its last token) whose blocks are the first ones of
@@ -344,3 +350,16 @@ class PrefixCache:
                 if len(held) == tail.index and (held[-1].key == tail.parent if held else tail.index == 0):
                     best = tail.end
         return best
+
+    def held_figures(self, keys: Sequence[bytes], tails: Sequence[CachedTail] = ()) -> tuple[int, int]:
+        """(`held_tokens(keys)`, `held_tokens(keys, snapshot=True, tails=tails)`) from one walk of the blocks: the
+        held prefix of `keys[:k]` is the first k blocks of the held prefix of `keys`, so each tail is checked
+        against that one walk (a cache report asks both figures of every session)."""
+        held = self.lookup(keys)
+        best = len(resumable_of(held)) * self.block_tokens
+        for tail in tails:
+            k = tail.index
+            if id(tail) in self.tails and tail.end > best and len(held) >= k \
+                    and (held[k - 1].key == tail.parent if k else True):
+                best = tail.end
+        return len(held) * self.block_tokens, best

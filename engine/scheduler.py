@@ -46,7 +46,8 @@ from dataclasses import dataclass, field, replace
 
 from engine.api import SamplingParams
 from engine.rows import BlockTable, OutOfRows, RowBook
-from engine.prefix_cache import CachedBlock, CachedTail, PrefixCache, cache_root, chain_keys, frozen_tokens
+from engine.prefix_cache import (CachedBlock, CachedTail, PrefixCache, cache_root, chain_keys, frozen_tokens,
+                                 resumable_of)
 
 MIN_CHUNK = 16
 """Fewest prompt tokens a step prefills while a prompt waits (so a full decode batch cannot starve it)."""
@@ -241,7 +242,7 @@ class Scheduler:
             root = req.cache_root
             keys = self.cache.keys(req.prompt_token_ids, (len(req.prompt_token_ids) - 1) // self.block_tokens, root)
             held = self.cache.lookup(keys)
-            reuse = self.cache.resumable(keys)
+            reuse = resumable_of(held)
             tail = self.cache.find_tail(req.prompt_token_ids, held, root)
             if tail is not None and tail.end > len(reuse) * self.block_tokens:
                 reuse = held[:tail.index]

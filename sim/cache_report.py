@@ -2,10 +2,10 @@
 
 `Engine.cache_report` walks the block keys of every remembered session (up to 1024) on each poll; a simulated hour
 of eight instances polled every second would spend most of its time there. The figures per session
-(`PrefixCache.held_tokens`, plain and with snapshots and tails) change only when the session's own record changes
-or when one of its blocks or tails is inserted, evicted or loses its snapshot. `ObservedPrefixCache` is the real
-PrefixCache whose block and tail tables note the keys and tails that change; `SessionReports` recomputes, with
-the real `held_tokens`, only the sessions those touch. tests/sim checks the report against the full recomputation.
+(`PrefixCache.held_figures`: `held_tokens`, plain and with snapshots and tails) change only when the session's own
+record changes or when one of its blocks or tails is inserted, evicted or loses its snapshot. `ObservedPrefixCache`
+is the real PrefixCache whose block and tail tables note the keys and tails that change; `SessionReports`
+recomputes, with the real `held_figures`, only the sessions those touch. tests/sim checks the report against the full recomputation.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class SessionReports:
             record = sessions.get(session)
             if record is not None:
                 keys, tails = record
-                now = (cache.held_tokens(keys), cache.held_tokens(keys, snapshot=True, tails=tails))
+                now = cache.held_figures(keys, tails)
                 if figures.get(session) != now:
                     figures[session] = now
                     changed.add(session)

@@ -352,6 +352,62 @@ def test_evictable_rows_counts_equal_the_walk_under_random_operations() -> None:
         assert cache.evictable_rows() == cache.naive_evictable_rows(), step
 
 
+def test_held_figures_equal_held_tokens_plain_and_resumable_under_random_operations() -> None:
+    """`held_figures` (one walk of the blocks for both figures of a cache report) against `held_tokens` plain and
+    with snapshots and tails, and `resumable_of(lookup)` against `resumable`, for random key chains after random
+    inserts (with and without snapshots), dropped snapshots, tails of any block (their parents matching the
+    chains or not), taken tails and evictions."""
+    import random
+
+    from engine.prefix_cache import CachedTail, PrefixCache, resumable_of
+
+    class Pool:
+        def __init__(self) -> None:
+            self.next = 0
+
+        def rows(self, n: int) -> tuple[int, ...]:
+            self.next += n
+            return tuple(range(self.next - n, self.next))
+
+        def free(self, rows) -> None:  # noqa: ANN001
+            pass
+
+    rng = random.Random(2)
+    pool = Pool()
+    cache = PrefixCache(pool, 4, b"fp")
+    universe = [bytes([i]) for i in range(6)]
+    made: list[CachedTail] = []
+    num_resumed_by_tail = 0
+    for step in range(2000):
+        op = rng.randrange(6)
+        if op <= 1:
+            block = cache.insert(rng.choice(universe), 0, pool.rows(1)[0], pool.rows(2) if rng.random() < 0.6 else None)
+            if block is not None:
+                cache.release([block])
+        elif op == 2 and cache.blocks:
+            cache.drop_snapshot(rng.choice(list(cache.blocks.values())))
+        elif op == 3:
+            index = rng.randrange(5)
+            parent = rng.choice(universe) if index else b"root"
+            tail = CachedTail(parent, index, (step,), index * 4 + rng.randrange(1, 4), pool.rows(1)[0], pool.rows(2))
+            cache.add_tail(tail)
+            made.append(tail)
+        elif op == 4 and made:
+            tail = rng.choice(made)
+            if id(tail) in cache.tails:
+                cache.take_tail(tail)
+        elif op == 5:
+            cache.evict(rng.randrange(1, 4))
+        for _ in range(3):
+            keys = rng.sample(universe, rng.randrange(len(universe) + 1))
+            tails = rng.sample(made, min(len(made), rng.randrange(4)))
+            expected = (cache.held_tokens(keys), cache.held_tokens(keys, snapshot=True, tails=tails))
+            assert cache.held_figures(keys, tails) == expected, step
+            assert resumable_of(cache.lookup(keys)) == cache.resumable(keys), step
+            num_resumed_by_tail += expected[1] > len(cache.resumable(keys)) * 4
+    assert num_resumed_by_tail > 0, "no tail ever extended a held prefix: the tails' branch went untested"
+
+
 def test_add_tail_drops_what_the_walk_over_every_tail_drops() -> None:
     """`add_tail` looks only at the tails of the new tail's start; against `naive_add_tail` (the walk over every
     tail) after random adds, uses (taken and put back, or put back while held), and evictions: the same tails in
