@@ -17,13 +17,15 @@ isolates the prefill and TPOT the decode batch; three untimed requests first war
   half the TP=1 pool's (each rank holds half the tokens): an assumption the profile states.
 - the TP=1 decode node's own prefill (colocated turns, skipped P legs): the `COLOCATED` points on a second cluster
   of the same pools whose router never sends a P leg, fitted like the P pool's (its chunks, its base).
-- core sharing (`StepCost.contention`): not fitted. It is `TIME_SHARING` (1.0) for every step: the kernel splits
-  a core evenly between its runnable threads, and every rank runs one torch thread pinned to its core
-  (node/executor.py), so a step beside k - 1 busy ranks on its core takes k times its time. The `BESIDE` points,
-  each measured while a background load keeps one other instance busy, are predictions of that model reported in
-  the fit (`used_for_fit` false): as fitted parameters they moved 45-127% between the rounds of one calibration
-  (2026-12-06 03:50), which set the contention from noise (0.0 for the prefill in one calibration, 0.40 in the
-  next).
+- core sharing (`StepCost.contention`): the decode steps' from their `BESIDE` points (each measured while a
+  background load keeps the P instance busy) with node figures only (`fit_contention`): the decode node's step from
+  its token gaps beside and alone, and the share of the point's wall time the P node computed prefills (its
+  `pdcluster_node_prefill_seconds` sum over the point), per round, the median round's kept and every round's in
+  the fit. From clients' TTFT and TPOT the same points moved 45-127% between the rounds of one calibration
+  (2026-12-06 03:50), so a point without node figures (a measured.json from before them) and the P prefill (its
+  node's prefill histogram beside a decode load also holds the background's own prefills) keep `TIME_SHARING`
+  (1.0: the kernel splits a core evenly between its runnable threads, every rank one torch thread pinned to its
+  core, node/executor.py), whose predictions those beside points are then reported as (`used_for_fit` false).
 Every point is measured in `--rounds` rounds (default ROUNDS), round after round over the whole calibration, each
 with words of its own; a point's figures are its median round's (`combine_rounds`), and the profile's `fit` list
 keeps each round's figure and their spread, so a calibration says how far its own points moved.
@@ -117,6 +119,12 @@ class Beside:
     max_tokens: int
     step: int
     """The step whose core sharing it checks: 0 the P prefill, 1 the TP=1 decode, 2 the DCP decode."""
+
+    @property
+    def busy_role(self) -> str:
+        """The pool the background keeps busy beside the point: the P pool for a decode point, the TP=1 decode pool
+        for the prefill point."""
+        return "decode" if self.step == 0 else "prefill"
 
 
 BESIDE = (
@@ -246,7 +254,7 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, rep
                     continue
                 with real.background(beside.words, beside.max_tokens, BACKGROUND_SEED + shift) as done:
                     got = _random_point(real, beside.point, where, repeat, BESIDE_SEED + shift,
-                                        decode_node(config, beside.point.name))
+                                        decode_node(config, beside.point.name), busy_node(config, beside))
                 got["background_done"] = len(done)
                 keep(beside.point.name, got, r)
     colocated = config.model_copy(update={"router": config.router.model_copy(update={
@@ -284,9 +292,10 @@ def combine_rounds(rounds: list[dict]) -> dict:
             out[key] = round(statistics.median(values))
         else:
             out[key] = statistics.median(values)
-    for key in ("ttft_s", "tpot_s", "step_s"):
+    for key, kept in (("ttft_s", "ttft_rounds"), ("tpot_s", "tpot_rounds"), ("step_s", "step_rounds"),
+                      ("busy_share", "busy_share_rounds")):
         if key in out:
-            out[key.replace("_s", "_rounds")] = [r[key] for r in rounds]
+            out[kept] = [r[key] for r in rounds]
     return out
 
 
@@ -302,19 +311,38 @@ def decode_node(config: ClusterConfig, point: str) -> str | None:
     return None
 
 
+def busy_node(config: ClusterConfig, beside: Beside) -> tuple[str, str]:
+    """(instance, histogram) whose sum over a beside point is how long the background kept its pool computing: the
+    P instance's prefill steps (PREFILL_SECONDS) beside a decode point, the TP=1 decode instance's token gaps
+    (TOKEN_GAPS: one per round while a stream runs) beside the prefill point."""
+    from cluster.plan import instance_names
+    from sim.measure import PREFILL_SECONDS, TOKEN_GAPS
+
+    prefill, tp_pool, _ = _pools(config)
+    if beside.busy_role == "prefill":
+        return instance_names(prefill)[0], PREFILL_SECONDS
+    return instance_names(tp_pool)[0], TOKEN_GAPS
+
+
 def _random_point(real, point: Point, out_dir: Path, repeat: int = 1,  # noqa: ANN001 - sim.measure.RealCluster
-                  seed: int = POINT_SEED, node: str | None = None) -> dict:
+                  seed: int = POINT_SEED, node: str | None = None, busy: tuple[str, str] | None = None) -> dict:
     """One point's figures; with `node` (a TPOT point's decode instance) also its decode step as the node saw it
-    (`node_step`)."""
+    (`node_step`); with `busy` (`busy_node`) also the share of the point's wall time that instance computed
+    (`busy_share`)."""
     workload = RandomWorkload(RandomConfig(seed=seed, input_len=parse_dist(str(point.words)),
                                            output_len=parse_dist(str(point.output))))
     before = real.token_gaps(node) if node else None
+    busy_before = real.node_totals(*busy) if busy else None
+    started = time.monotonic()
     summary = real.sweep(workload, "random", [point.concurrency], 1e6, out_dir / point.name,
                          max_requests=point.requests * repeat, drain_s=600.0)
+    wall = time.monotonic() - started
     level = summary.levels[0]
     if not level.num_ok:
         raise RuntimeError(f"calibration point {point.name}: no request succeeded ({level.errors_by_kind})")
     steps = node_step(before, real.token_gaps(node), level.num_ok) if before is not None else {}
+    if busy_before is not None and wall > 0:
+        steps["busy_share"] = min(1.0, (real.node_totals(*busy)[0] - busy_before[0]) / wall)
     ok = [r for r in level.records if r.is_ok]
     tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
     return {"ttft_s": level.ttft_ms.p50 / 1000, "tpot_s": statistics.mean(tpots) if tpots else 0.0,
@@ -401,9 +429,28 @@ ROUTER_S = 0.0005
 
 
 TIME_SHARING = 1.0
-"""`StepCost.contention` of every calibrated step: a core's time split evenly between its runnable threads (the
-kernel's fair scheduler), each rank one pinned torch thread, so a step beside k - 1 busy ranks takes k times its
-time (module docstring)."""
+"""`StepCost.contention` of a calibrated step whose beside point carries no node figures (`fit_contention`), and of
+the P prefill's: a core's time split evenly between its runnable threads (the kernel's fair scheduler), each rank
+one pinned torch thread, so a step beside k - 1 busy ranks takes k times its time (module docstring)."""
+
+
+def fit_contention(beside: dict, alone: dict) -> list[float] | None:
+    """A decode step's `StepCost.contention`, one per round, from its beside point and the point `alone` of the
+    same shape, both with the node's step (`step_s`) and the beside point with the share of its wall time the
+    background's instance computed (`busy_share`, u). Beside one busy instance on its cores the step has k = 2
+    (sim/instance.py `HostCores`: the P instance's two ranks and the decode instance's rank 0 share core 0), so a
+    step takes `1 + c` times its time alone for a share u of the point and its time for the rest:
+    beside = alone * (1 + c * u), c = (beside / alone - 1) / u, at least 0. Round r of the beside point pairs with
+    round r of the alone point. None (the caller keeps TIME_SHARING) when a figure is missing or u is 0."""
+    betas, alones = beside.get("step_rounds"), alone.get("step_rounds")
+    shares = beside.get("busy_share_rounds")
+    if not (betas and alones and shares) or not len(betas) == len(alones) == len(shares):
+        if not all(k in p for p, k in ((beside, "step_s"), (alone, "step_s"), (beside, "busy_share"))):
+            return None
+        betas, alones, shares = [beside["step_s"]], [alone["step_s"]], [beside["busy_share"]]
+    if min(shares) <= 0 or min(alones) <= 0:
+        return None
+    return [max(0.0, (b / a - 1.0) / u) for b, a, u in zip(betas, alones, shares)]
 
 
 def decode_source(point: dict) -> str:
@@ -505,11 +552,26 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
         fit.append({"name": k, "measured": figure(k), "used_for_fit": True, "source": decode_source(measured[k]),
                     "modelled": float((dcp_base + dcp_seq * b + dcp_ctx * ctx(k, b)) * share(k))})
     n300 = measured["ttft_w300"]["prompt_tokens"] - measured["ttft_w300"].get("cached_tokens", 0)
-    for beside in BESIDE:  # predictions of time-sharing: one more busy rank on the step's core
+    contention = [TIME_SHARING] * len(steps)
+    for beside in BESIDE:  # a decode step's contention from node figures; else predictions of time-sharing
         got = measured.get(beside.point.name)
         if got is None:
             continue
         alone = measured[beside.alone]
+        per_round = fit_contention(got, alone) if beside.step > 0 else None
+        if per_round is not None:
+            c = statistics.median(per_round)
+            contention[beside.step] = c
+            fit.append({"name": beside.point.name, "measured": got["step_s"], "used_for_fit": True,
+                        "source": f"Decode step beside a busy instance, s (contention {c:.3f} over a busy share "
+                                  f"{got['busy_share']:.3f})",
+                        "modelled": alone["step_s"] * (1.0 + c * got["busy_share"])})
+            entry = {"name": f"{beside.point.name}_contention", "measured": c, "modelled": c, "used_for_fit": True,
+                     "source": "Contention of the step, the median round's (fit_contention)"}
+            if len(per_round) > 1:
+                entry.update(rounds=per_round, spread=(max(per_round) - min(per_round)) / c if c else 0.0)
+            fit.append(entry)
+            continue
         if beside.point.name.startswith("ttft"):
             key, source, stretching = "ttft_s", "TTFT p50", p_base + p_tok * n300 + p_attn * n300 * n300 / 2
         else:  # the node's step where both points have it, else the client's TPOT
@@ -518,8 +580,8 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
         fit.append({"name": beside.point.name, "measured": got[key], "used_for_fit": False,
                     "source": f"{source} beside a busy instance, s (time-sharing: contention {TIME_SHARING})",
                     "modelled": alone[key] + TIME_SHARING * stretching})
-    for entry in steps:
-        entry["contention"] = TIME_SHARING
+    for entry, c in zip(steps, contention):
+        entry["contention"] = c
     resume = measured.get(DCP_RESUME.name)
     if resume is not None:
         chunk = node_settings_class("decode").model_validate(dcp_pool.settings).engine.max_step_tokens
@@ -563,8 +625,9 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                   "fitted constant less the router's work, http.prefill_leg_s what the disaggregated path's has "
                   "beyond both (the READ's setup included); TPOT points are divided by the share of steps a "
                   "chunk-level TPOT spans (sim/calibrate.py first_chunk_share) before fitting; a point's cached "
-                  "tokens (the points share their words' prefix) are not prefilled; every step's contention is "
-                  "time-sharing's 1.0, not fitted: the *_beside_* points are its predictions."),
+                  "tokens (the points share their words' prefix) are not prefilled; a decode step's contention is "
+                  "fitted to its *_beside_* point where both it and its alone point carry node steps (fit_contention), "
+                  "else, and for the P prefill, time-sharing's 1.0, of which those points are then predictions."),
     }
 
 
@@ -656,7 +719,7 @@ def _write(profile: dict, out: Path) -> int:
     out.write_text(json.dumps(profile, indent=1) + "\n")
     for point in profile["fit"]:
         kind = "fit" if point["used_for_fit"] else "predicted"
-        err = abs(point["modelled"] - point["measured"]) / point["measured"]
+        err = abs(point["modelled"] - point["measured"]) / point["measured"] if point["measured"] else 0.0
         spread = f", rounds {100 * point['spread']:.0f}% apart" if point.get("spread") is not None else ""
         print(f"{point['name']:>22}: measured {point['measured']:.4f}  modelled {point['modelled']:.4f}  "
               f"({kind}, {100 * err:.1f}%{spread})")

@@ -36,6 +36,11 @@ TOKEN_GAPS = "vllm:inter_token_latency_seconds"
 them (node/textgen.py, node/metrics.py): one gap per token after a request's first, every one a rank round."""
 
 
+PREFILL_SECONDS = "pdcluster_node_prefill_seconds"
+"""A prefill node's histogram of its prefill steps (node/metrics.py): its sum over a stretch of time is how long the
+node computed prefills in it."""
+
+
 def histogram_totals(text: str, name: str) -> tuple[float, int]:
     """(sum, count) of the Prometheus histogram `name` in a /metrics page, over all its label sets; (0.0, 0) when
     the page has none yet."""
@@ -102,11 +107,15 @@ class RealCluster:
 
     def token_gaps(self, node: str) -> tuple[float, int]:
         """`histogram_totals` of the node's `TOKEN_GAPS` so far (its /metrics)."""
+        return self.node_totals(node, TOKEN_GAPS)
+
+    def node_totals(self, node: str, name: str) -> tuple[float, int]:
+        """`histogram_totals` of the node's histogram `name` so far (its /metrics)."""
         import httpx
 
         reply = httpx.get(self.cluster.metrics_urls[node], timeout=60.0)
         reply.raise_for_status()
-        return histogram_totals(reply.text, TOKEN_GAPS)
+        return histogram_totals(reply.text, name)
 
     @contextmanager
     def background(self, words: int, max_tokens: int, seed: int) -> Iterator[list[float]]:

@@ -52,8 +52,8 @@ def _shipped_measurement() -> dict:
 
 
 def test_every_step_shares_its_core_evenly_and_the_beside_points_are_predictions() -> None:
-    """Refit the shipped measurement (its `*_beside_*` points moved 45-127% between rounds): every step's contention
-    is time-sharing's 1.0 whatever they measured, and each is reported as a prediction: the point measured alone
+    """Refit the shipped measurement (its `*_beside_*` points moved 45-127% between rounds and carry no node figures):
+    every step's contention is time-sharing's 1.0 whatever they measured, and each is reported as a prediction: the point measured alone
     plus the stretching part once more (one more busy rank on the step's core). Doubling what a beside point
     measured changes no step."""
     import pytest
@@ -318,3 +318,104 @@ def test_node_steps_are_fitted_as_they_are() -> None:
     for entry in (f for f in fitted.fit if f.name in shapes):
         assert entry.source.startswith("Decode step") and entry.measured == measured[entry.name]["step_s"]
         assert entry.modelled == pytest.approx(entry.measured, rel=1e-6)
+
+
+def test_contention_is_fitted_in_closed_form_from_node_figures() -> None:
+    """A decode step of 20 ms alone that measures 20 * (1 + c * u) ms beside a P instance busy a share u of the
+    point gives back c per round (beside = alone * (1 + c u), k = 2): three rounds made with c = 1.6, 1.8, 2.1 at
+    u = 0.5, 0.4, 0.6; a figure missing, or u = 0, gives None (time-sharing kept)."""
+    import pytest
+
+    from sim.calibrate import fit_contention
+
+    cs, us, alones = [1.6, 1.8, 2.1], [0.5, 0.4, 0.6], [0.020, 0.021, 0.019]
+    beside = {"step_s": 0.0, "busy_share": 0.5, "step_rounds": [a * (1 + c * u) for a, c, u in zip(alones, cs, us)],
+              "busy_share_rounds": us}
+    assert fit_contention(beside, {"step_s": 0.02, "step_rounds": alones}) == pytest.approx(cs, rel=1e-12)
+    one = {"step_s": 0.020 * (1 + 1.8 * 0.5), "busy_share": 0.5}
+    assert fit_contention(one, {"step_s": 0.020}) == pytest.approx([1.8], rel=1e-12)
+    assert fit_contention({**one, "busy_share": 0.0}, {"step_s": 0.020}) is None
+    assert fit_contention({"step_s": 0.03}, {"step_s": 0.020}) is None
+    assert fit_contention(one, {"tpot_s": 0.020}) is None
+    assert fit_contention({**one, "step_s": 0.015}, {"step_s": 0.020}) == [0.0]
+
+
+def _synthetic_rounds(measured: dict, rounds: int = 3) -> dict:
+    """The shipped measurement as `rounds` rounds of a calibration with node figures (what `run_points` combines):
+    every TPOT point with a node step 20 ms + 1e-6 s per prompt token, each beside point with a step made by
+    contention 1.8 (TP) and 1.3 (DCP) at a busy share of 0.5, 0.4 and 0.6, round r 5 % slower than round r - 1."""
+    from sim.calibrate import combine_rounds
+
+    made = {"tpot_tp_beside_prefill": ("tpot_tp_b1_short", 1.8), "tpot_dcp_beside_prefill": ("tpot_dcp_b1", 1.3)}
+    shares = [0.5, 0.4, 0.6]
+    out = {}
+    for name, point in measured.items():
+        got = []
+        for r in range(rounds):
+            slow = 1.05 ** r
+            one = {k: v for k, v in point.items() if not k.endswith("_rounds")}
+            if name.startswith("tpot_"):
+                alone = made[name][0] if name in made else name
+                one["output"] = 97
+                one["step_s"] = slow * (0.020 + 1e-6 * measured[alone]["prompt_tokens"])
+                if name in made:
+                    one["step_s"] *= 1 + made[name][1] * shares[r]
+                    one["busy_share"] = shares[r]
+            got.append(one)
+        out[name] = combine_rounds(got)
+    return out
+
+
+def test_a_calibration_with_node_figures_fits_each_decode_steps_contention() -> None:
+    """A full calibration's points (every POINTS, BESIDE, COLOCATED and DCP_RESUME name, three rounds) with node
+    figures: the TP=1 and DCP decode steps get the contention their beside points were made with (1.8, 1.3, every
+    round's kept with its spread, 0 here), the P prefill keeps time-sharing's 1.0, the beside points are used for
+    the fit and modelled as alone * (1 + c * u) (each figure its median round's); the profile validates. On the tree before fit_contention every
+    step's contention was 1.0."""
+    import pytest
+
+    from cluster.config import DEFAULT_CONFIG_PATH, load_config
+    from sim.calibrate import ALL, BESIDE, COLOCATED, QUICK, fit_profile
+    from sim.profile import Profile
+
+    config, shipped = load_config(DEFAULT_CONFIG_PATH), _shipped_measurement()
+    names = {*ALL, *(b.point.name for b in BESIDE), *(p.name for p in COLOCATED)}
+    assert names == set(shipped)
+    assert all(b.alone in ALL and b.alone in QUICK for b in BESIDE)
+    measured = _synthetic_rounds(shipped)
+    fitted = Profile.model_validate(fit_profile(config, measured, "node", "test"))
+    assert [s.contention for s in fitted.steps] == pytest.approx([1.0, 1.8, 1.3], rel=1e-9)
+    fit = {f.name: f for f in fitted.fit}
+    for name, c in (("tpot_tp_beside_prefill", 1.8), ("tpot_dcp_beside_prefill", 1.3)):
+        assert fit[name + "_contention"].rounds == pytest.approx([c] * 3, rel=1e-9)
+        assert fit[name + "_contention"].spread == pytest.approx(0.0, abs=1e-9)
+        alone = measured[{"tpot_tp_beside_prefill": "tpot_tp_b1_short"}.get(name, "tpot_dcp_b1")]["step_s"]
+        assert fit[name].used_for_fit and fit[name].modelled == pytest.approx(
+            alone * (1 + c * measured[name]["busy_share"]), rel=1e-9)
+        assert len(fit[name].rounds) == 3
+    assert not fit["ttft_beside_tp_decode"].used_for_fit
+
+
+def test_a_beside_point_records_how_busy_the_background_kept_its_instance() -> None:
+    """A beside point reads the busy instance's histogram (the P node's prefill steps beside a decode point, the TP=1
+    decode node's token gaps beside the prefill point) before and after it: the point records that sum's growth
+    over its wall time as `busy_share` (at most 1)."""
+    from cluster.config import DEFAULT_CONFIG_PATH, load_config
+    from sim.calibrate import BESIDE, busy_node
+    from sim.measure import PREFILL_SECONDS, TOKEN_GAPS
+
+    config = load_config(DEFAULT_CONFIG_PATH)
+    assert [busy_node(config, b) for b in BESIDE] == [("prefill-0", PREFILL_SECONDS), ("tp-0", TOKEN_GAPS),
+                                                      ("prefill-0", PREFILL_SECONDS)]
+    asked, totals = [], iter([(3.0, 5), (3.0 + 1e6, 9)])
+    level = SimpleNamespace(num_ok=2, input_tokens=2 * 118, ttft_ms=SimpleNamespace(p50=280.0),
+                            tpot_ms=SimpleNamespace(p50=5.0), records=[_record(0, 0.005) for _ in range(2)])
+    real = SimpleNamespace(sweep=lambda *args, **kw: SimpleNamespace(levels=[level]),
+                           token_gaps=lambda node: (0.0, 0),
+                           node_totals=lambda node, name: asked.append((node, name)) or next(totals))
+    point = next(p for p in POINTS if p.name == "tpot_tp_b1_short")
+    got = _random_point(real, point, Path("unused"), node="tp-0", busy=("prefill-0", PREFILL_SECONDS))
+    assert asked == [("prefill-0", PREFILL_SECONDS)] * 2 and got["busy_share"] == 1.0
+    totals = iter([(3.0, 5), (3.0, 5)])
+    assert _random_point(real, point, Path("unused"), node="tp-0",
+                         busy=("prefill-0", PREFILL_SECONDS))["busy_share"] == 0.0
