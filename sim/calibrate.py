@@ -248,13 +248,15 @@ def run_points(config: ClusterConfig, names: tuple[str, ...], out_dir: Path, rep
                     keep(point.name, _append_point(real, point, where, repeat, APPEND_SEED + shift), r)
                 else:
                     keep(point.name, _random_point(real, point, where, repeat, POINT_SEED + shift,
-                                                   decode_node(config, point.name)), r)
+                                                   decode_node(config, point.name),
+                                                   prefill=prefill_node(config, point.name)), r)
             for beside in BESIDE:
                 if beside.alone not in names:
                     continue
                 with real.background(beside.words, beside.max_tokens, BACKGROUND_SEED + shift) as done:
                     got = _random_point(real, beside.point, where, repeat, BESIDE_SEED + shift,
-                                        decode_node(config, beside.point.name), busy_node(config, beside))
+                                        decode_node(config, beside.point.name), busy_node(config, beside),
+                                        prefill_node(config, beside.point.name))
                 got["background_done"] = len(done)
                 keep(beside.point.name, got, r)
     colocated = config.model_copy(update={"router": config.router.model_copy(update={
@@ -277,6 +279,12 @@ SUMMED = frozenset({"num_ok", "later_chunks", "later_tokens", "background_done",
 """Counts a point's rounds add up (the stream model pools chunks over every stream)."""
 
 
+ROUND_KEYS = {"ttft_s": "ttft_rounds", "tpot_s": "tpot_rounds", "step_s": "step_rounds",
+              "busy_share": "busy_share_rounds", "prefill_step_s": "prefill_step_rounds",
+              "prefill_steps": "prefill_steps_rounds"}
+"""A point's figures whose every round `combine_rounds` keeps, and the key it keeps them under."""
+
+
 def combine_rounds(rounds: list[dict]) -> dict:
     """One point over its rounds: each figure the median of the rounds' (token counts rounded to whole tokens),
     the counts in SUMMED added up; `ttft_rounds` / `tpot_rounds` keep every round's TTFT and TPOT (the fit writes
@@ -292,8 +300,7 @@ def combine_rounds(rounds: list[dict]) -> dict:
             out[key] = round(statistics.median(values))
         else:
             out[key] = statistics.median(values)
-    for key, kept in (("ttft_s", "ttft_rounds"), ("tpot_s", "tpot_rounds"), ("step_s", "step_rounds"),
-                      ("busy_share", "busy_share_rounds")):
+    for key, kept in ROUND_KEYS.items():
         if key in out:
             out[kept] = [r[key] for r in rounds]
     return out
@@ -311,6 +318,15 @@ def decode_node(config: ClusterConfig, point: str) -> str | None:
     return None
 
 
+def prefill_node(config: ClusterConfig, point: str) -> str | None:
+    """The P instance whose prefill steps a point records (`_random_point`'s `prefill`): the prefill point beside a
+    decode load and its alone point (`Beside` with step 0); None for others."""
+    from cluster.plan import instance_names
+
+    wanted = {name for b in BESIDE if b.step == 0 for name in (b.point.name, b.alone)}
+    return instance_names(_pools(config)[0])[0] if point in wanted else None
+
+
 def busy_node(config: ClusterConfig, beside: Beside) -> tuple[str, str]:
     """(instance, histogram) whose sum over a beside point is how long the background kept its pool computing: the
     P instance's prefill steps (PREFILL_SECONDS) beside a decode point, the TP=1 decode instance's token gaps
@@ -325,14 +341,19 @@ def busy_node(config: ClusterConfig, beside: Beside) -> tuple[str, str]:
 
 
 def _random_point(real, point: Point, out_dir: Path, repeat: int = 1,  # noqa: ANN001 - sim.measure.RealCluster
-                  seed: int = POINT_SEED, node: str | None = None, busy: tuple[str, str] | None = None) -> dict:
+                  seed: int = POINT_SEED, node: str | None = None, busy: tuple[str, str] | None = None,
+                  prefill: str | None = None) -> dict:
     """One point's figures; with `node` (a TPOT point's decode instance) also its decode step as the node saw it
     (`node_step`); with `busy` (`busy_node`) also the share of the point's wall time that instance computed
-    (`busy_share`)."""
+    (`busy_share`); with `prefill` (the P instance) also its prefill steps over the point and their mean
+    (`prefill_steps`, `prefill_step_s`)."""
+    from sim.measure import PREFILL_SECONDS
+
     workload = RandomWorkload(RandomConfig(seed=seed, input_len=parse_dist(str(point.words)),
                                            output_len=parse_dist(str(point.output))))
     before = real.token_gaps(node) if node else None
     busy_before = real.node_totals(*busy) if busy else None
+    prefill_before = real.node_totals(prefill, PREFILL_SECONDS) if prefill else None
     started = time.monotonic()
     summary = real.sweep(workload, "random", [point.concurrency], 1e6, out_dir / point.name,
                          max_requests=point.requests * repeat, drain_s=600.0)
@@ -343,6 +364,11 @@ def _random_point(real, point: Point, out_dir: Path, repeat: int = 1,  # noqa: A
     steps = node_step(before, real.token_gaps(node), level.num_ok) if before is not None else {}
     if busy_before is not None and wall > 0:
         steps["busy_share"] = min(1.0, (real.node_totals(*busy)[0] - busy_before[0]) / wall)
+    if prefill_before is not None:
+        total, count = real.node_totals(prefill, PREFILL_SECONDS)
+        if count > prefill_before[1]:
+            steps["prefill_steps"] = count - prefill_before[1]
+            steps["prefill_step_s"] = (total - prefill_before[0]) / steps["prefill_steps"]
     ok = [r for r in level.records if r.is_ok]
     tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
     return {"ttft_s": level.ttft_ms.p50 / 1000, "tpot_s": statistics.mean(tpots) if tpots else 0.0,
@@ -434,23 +460,36 @@ the P prefill's: a core's time split evenly between its runnable threads (the ke
 one pinned torch thread, so a step beside k - 1 busy ranks takes k times its time (module docstring)."""
 
 
-def fit_contention(beside: dict, alone: dict) -> list[float] | None:
-    """A decode step's `StepCost.contention`, one per round, from its beside point and the point `alone` of the
-    same shape, both with the node's step (`step_s`) and the beside point with the share of its wall time the
-    background's instance computed (`busy_share`, u). Beside one busy instance on its cores the step has k = 2
-    (sim/instance.py `HostCores`: the P instance's two ranks and the decode instance's rank 0 share core 0), so a
-    step takes `1 + c` times its time alone for a share u of the point and its time for the rest:
-    beside = alone * (1 + c * u), c = (beside / alone - 1) / u, at least 0. Round r of the beside point pairs with
-    round r of the alone point. None (the caller keeps TIME_SHARING) when a figure is missing or u is 0."""
-    betas, alones = beside.get("step_rounds"), alone.get("step_rounds")
-    shares = beside.get("busy_share_rounds")
+def _per_round(point: dict, key: str) -> list | None:
+    """A point's figure `key` in each round (`combine_rounds`' lists), or its one figure, or None."""
+    got = point.get(ROUND_KEYS.get(key, ""))
+    return list(got) if got else ([point[key]] if key in point else None)
+
+
+def fit_contention(beside: dict, alone: dict, figure: str = "step_s", count: str | None = None) -> list[float] | None:
+    """A step's `StepCost.contention`, one per round, from its beside point and the point `alone` of the same shape,
+    both with the node's figure of the step (`figure`: `step_s` a decode step from the token gaps, `prefill_step_s`
+    a P prefill step from its histogram) and the beside point with the share of its wall time the background's
+    instance computed (`busy_share`, u). Beside one busy instance on its cores the step has k = 2 (sim/instance.py
+    `HostCores`: the P instance's two ranks and a decode instance's rank 0 share core 0), so a step takes `1 + c`
+    times its time alone for a share u of the point and its time for the rest: beside = alone * (1 + c * u),
+    c = (beside / alone - 1) / u, at least 0. Round r of the beside point pairs with round r of the alone point;
+    with `count` (the figure's number of steps), a round whose beside point counted other steps than the alone
+    one's (the background's own prefills among the point's) is left out. None (the caller keeps TIME_SHARING) when
+    a figure is missing, u is 0, or no round is left."""
+    betas, alones, shares = _per_round(beside, figure), _per_round(alone, figure), _per_round(beside, "busy_share")
     if not (betas and alones and shares) or not len(betas) == len(alones) == len(shares):
-        if not all(k in p for p, k in ((beside, "step_s"), (alone, "step_s"), (beside, "busy_share"))):
-            return None
-        betas, alones, shares = [beside["step_s"]], [alone["step_s"]], [beside["busy_share"]]
-    if min(shares) <= 0 or min(alones) <= 0:
         return None
-    return [max(0.0, (b / a - 1.0) / u) for b, a, u in zip(betas, alones, shares)]
+    keep = [True] * len(betas)
+    if count is not None:
+        got, want = _per_round(beside, count), _per_round(alone, count)
+        if not got or not want or len(got) != len(betas) or len(want) != len(betas):
+            return None
+        keep = [g == w for g, w in zip(got, want)]
+    rounds = [(b, a, u) for b, a, u, k in zip(betas, alones, shares, keep) if k and a > 0 and u > 0]
+    if not rounds:
+        return None
+    return [max(0.0, (b / a - 1.0) / u) for b, a, u in rounds]
 
 
 def decode_source(point: dict) -> str:
@@ -558,14 +597,16 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
         if got is None:
             continue
         alone = measured[beside.alone]
-        per_round = fit_contention(got, alone) if beside.step > 0 else None
+        figure, count, what = (("prefill_step_s", "prefill_steps", "Prefill step (the P node's)") if beside.step == 0
+                               else ("step_s", None, "Decode step"))
+        per_round = fit_contention(got, alone, figure, count)
         if per_round is not None:
             c = statistics.median(per_round)
             contention[beside.step] = c
-            fit.append({"name": beside.point.name, "measured": got["step_s"], "used_for_fit": True,
-                        "source": f"Decode step beside a busy instance, s (contention {c:.3f} over a busy share "
+            fit.append({"name": beside.point.name, "measured": got[figure], "used_for_fit": True,
+                        "source": f"{what} beside a busy instance, s (contention {c:.3f} over a busy share "
                                   f"{got['busy_share']:.3f})",
-                        "modelled": alone["step_s"] * (1.0 + c * got["busy_share"])})
+                        "modelled": alone[figure] * (1.0 + c * got["busy_share"])})
             entry = {"name": f"{beside.point.name}_contention", "measured": c, "modelled": c, "used_for_fit": True,
                      "source": "Contention of the step, the median round's (fit_contention)"}
             if len(per_round) > 1:
@@ -600,7 +641,7 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                                                                                              chunk)})
     for entry in fit:
         if entry["name"] in measured:
-            key = {"TPOT": "tpot_s", "Deco": "step_s"}.get(entry["source"][:4], "ttft_s")
+            key = {"TPOT": "tpot_s", "Deco": "step_s", "Pref": "prefill_step_s"}.get(entry["source"][:4], "ttft_s")
             entry.update(_rounds_of(measured[entry["name"]], key))
     return {
         "name": name, "model": config.model, "device": "cpu (this machine, reference engine)",
@@ -665,7 +706,7 @@ def fit_prefix(point: dict, step: dict, text_p: float, constant_s: float, chunk:
 
 def _rounds_of(point: dict, key: str) -> dict:
     """A fit entry's per-round figures and their spread, (max - min) / median, where the point has two or more."""
-    got = point.get(key.replace("_s", "_rounds"))
+    got = point.get(ROUND_KEYS[key])
     if not got or len(got) < 2:
         return {}
     mid = statistics.median(got)

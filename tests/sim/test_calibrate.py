@@ -338,15 +338,24 @@ def test_contention_is_fitted_in_closed_form_from_node_figures() -> None:
     assert fit_contention({"step_s": 0.03}, {"step_s": 0.020}) is None
     assert fit_contention(one, {"tpot_s": 0.020}) is None
     assert fit_contention({**one, "step_s": 0.015}, {"step_s": 0.020}) == [0.0]
+    # prefill steps: a round whose beside point counted more steps (the background's prefills) is left out
+    prefill = {"prefill_step_rounds": [1.0 * (1 + 0.5 * u) for u in us], "busy_share_rounds": us,
+               "prefill_steps_rounds": [2, 3, 2]}
+    alone = {"prefill_step_rounds": [1.0, 1.0, 1.0], "prefill_steps_rounds": [2, 2, 2]}
+    assert fit_contention(prefill, alone, "prefill_step_s", "prefill_steps") == pytest.approx([0.5, 0.5], rel=1e-12)
+    assert fit_contention({**prefill, "prefill_steps_rounds": [3, 3, 3]}, alone, "prefill_step_s",
+                          "prefill_steps") is None
 
 
 def _synthetic_rounds(measured: dict, rounds: int = 3) -> dict:
     """The shipped measurement as `rounds` rounds of a calibration with node figures (what `run_points` combines):
     every TPOT point with a node step 20 ms + 1e-6 s per prompt token, each beside point with a step made by
-    contention 1.8 (TP) and 1.3 (DCP) at a busy share of 0.5, 0.4 and 0.6, round r 5 % slower than round r - 1."""
+    contention 1.8 (TP), 1.3 (DCP) and 0.45 (the P prefill: ttft_w300's 1 s prefill steps, two a round) at a busy
+    share of 0.5, 0.4 and 0.6, round r 5 % slower than round r - 1."""
     from sim.calibrate import combine_rounds
 
-    made = {"tpot_tp_beside_prefill": ("tpot_tp_b1_short", 1.8), "tpot_dcp_beside_prefill": ("tpot_dcp_b1", 1.3)}
+    made = {"tpot_tp_beside_prefill": ("tpot_tp_b1_short", 1.8), "tpot_dcp_beside_prefill": ("tpot_dcp_b1", 1.3),
+            "ttft_beside_tp_decode": ("ttft_w300", 0.45)}
     shares = [0.5, 0.4, 0.6]
     out = {}
     for name, point in measured.items():
@@ -354,6 +363,11 @@ def _synthetic_rounds(measured: dict, rounds: int = 3) -> dict:
         for r in range(rounds):
             slow = 1.05 ** r
             one = {k: v for k, v in point.items() if not k.endswith("_rounds")}
+            if name in ("ttft_w300", "ttft_beside_tp_decode"):
+                one.update(prefill_steps=2, prefill_step_s=slow * 1.0)
+                if name in made:
+                    one["prefill_step_s"] *= 1 + made[name][1] * shares[r]
+                    one["busy_share"] = shares[r]
             if name.startswith("tpot_"):
                 alone = made[name][0] if name in made else name
                 one["output"] = 97
@@ -368,8 +382,8 @@ def _synthetic_rounds(measured: dict, rounds: int = 3) -> dict:
 
 def test_a_calibration_with_node_figures_fits_each_decode_steps_contention() -> None:
     """A full calibration's points (every POINTS, BESIDE, COLOCATED and DCP_RESUME name, three rounds) with node
-    figures: the TP=1 and DCP decode steps get the contention their beside points were made with (1.8, 1.3, every
-    round's kept with its spread, 0 here), the P prefill keeps time-sharing's 1.0, the beside points are used for
+    figures: the P prefill, TP=1 and DCP decode steps get the contention their beside points were made with (0.45,
+    1.8, 1.3, every round's kept with its spread, 0 here), the beside points are used for
     the fit and modelled as alone * (1 + c * u) (each figure its median round's); the profile validates. On the tree before fit_contention every
     step's contention was 1.0."""
     import pytest
@@ -384,16 +398,22 @@ def test_a_calibration_with_node_figures_fits_each_decode_steps_contention() -> 
     assert all(b.alone in ALL and b.alone in QUICK for b in BESIDE)
     measured = _synthetic_rounds(shipped)
     fitted = Profile.model_validate(fit_profile(config, measured, "node", "test"))
-    assert [s.contention for s in fitted.steps] == pytest.approx([1.0, 1.8, 1.3], rel=1e-9)
+    assert [s.contention for s in fitted.steps] == pytest.approx([0.45, 1.8, 1.3], rel=1e-9)
     fit = {f.name: f for f in fitted.fit}
-    for name, c in (("tpot_tp_beside_prefill", 1.8), ("tpot_dcp_beside_prefill", 1.3)):
+    alones = {"tpot_tp_beside_prefill": ("tpot_tp_b1_short", "step_s"), "tpot_dcp_beside_prefill": ("tpot_dcp_b1",
+              "step_s"), "ttft_beside_tp_decode": ("ttft_w300", "prefill_step_s")}
+    for name, c in (("tpot_tp_beside_prefill", 1.8), ("tpot_dcp_beside_prefill", 1.3), ("ttft_beside_tp_decode", 0.45)):
         assert fit[name + "_contention"].rounds == pytest.approx([c] * 3, rel=1e-9)
         assert fit[name + "_contention"].spread == pytest.approx(0.0, abs=1e-9)
-        alone = measured[{"tpot_tp_beside_prefill": "tpot_tp_b1_short"}.get(name, "tpot_dcp_b1")]["step_s"]
+        alone = measured[alones[name][0]][alones[name][1]]
         assert fit[name].used_for_fit and fit[name].modelled == pytest.approx(
             alone * (1 + c * measured[name]["busy_share"]), rel=1e-9)
         assert len(fit[name].rounds) == 3
-    assert not fit["ttft_beside_tp_decode"].used_for_fit
+    del measured["ttft_beside_tp_decode"]["prefill_step_s"]
+    del measured["ttft_beside_tp_decode"]["prefill_step_rounds"]
+    again = Profile.model_validate(fit_profile(config, measured, "node", "test"))
+    assert again.steps[0].contention == 1.0
+    assert not {f.name: f for f in again.fit}["ttft_beside_tp_decode"].used_for_fit
 
 
 def test_a_beside_point_records_how_busy_the_background_kept_its_instance() -> None:
@@ -419,3 +439,26 @@ def test_a_beside_point_records_how_busy_the_background_kept_its_instance() -> N
     totals = iter([(3.0, 5), (3.0, 5)])
     assert _random_point(real, point, Path("unused"), node="tp-0",
                          busy=("prefill-0", PREFILL_SECONDS))["busy_share"] == 0.0
+
+
+def test_the_prefill_beside_point_and_its_alone_point_record_the_p_nodes_prefill_steps() -> None:
+    """ttft_w300 and ttft_beside_tp_decode read the P node's prefill histogram before and after them: two steps
+    of 2.5 s in all give prefill_steps 2, prefill_step_s 1.25; other points read nothing."""
+    import pytest
+
+    from cluster.config import DEFAULT_CONFIG_PATH, load_config
+    from sim.calibrate import POINTS, prefill_node
+    from sim.measure import PREFILL_SECONDS
+
+    config = load_config(DEFAULT_CONFIG_PATH)
+    assert [prefill_node(config, n) for n in ("ttft_w300", "ttft_beside_tp_decode", "ttft_w20",
+                                              "tpot_tp_beside_prefill")] == ["prefill-0", "prefill-0", None, None]
+    asked, totals = [], iter([(3.0, 5), (5.5, 7)])
+    level = SimpleNamespace(num_ok=2, input_tokens=2 * 1518, ttft_ms=SimpleNamespace(p50=1300.0),
+                            tpot_ms=SimpleNamespace(p50=0.0), records=[_record(0) for _ in range(2)])
+    real = SimpleNamespace(sweep=lambda *args, **kw: SimpleNamespace(levels=[level]),
+                           node_totals=lambda node, name: asked.append((node, name)) or next(totals))
+    point = next(p for p in POINTS if p.name == "ttft_w300")
+    got = _random_point(real, point, Path("unused"), prefill="prefill-0")
+    assert asked == [("prefill-0", PREFILL_SECONDS)] * 2
+    assert got["prefill_steps"] == 2 and got["prefill_step_s"] == pytest.approx(1.25, rel=1e-12)
