@@ -17,15 +17,16 @@ isolates the prefill and TPOT the decode batch; three untimed requests first war
   half the TP=1 pool's (each rank holds half the tokens): an assumption the profile states.
 - the TP=1 decode node's own prefill (colocated turns, skipped P legs): the `COLOCATED` points on a second cluster
   of the same pools whose router never sends a P leg, fitted like the P pool's (its chunks, its base).
-- core sharing (`StepCost.contention`): the decode steps' from their `BESIDE` points (each measured while a
-  background load keeps the P instance busy) with node figures only (`fit_contention`): the decode node's step from
-  its token gaps beside and alone, and the share of the point's wall time the P node computed prefills (its
-  `pdcluster_node_prefill_seconds` sum over the point), per round, the median round's kept and every round's in
-  the fit. From clients' TTFT and TPOT the same points moved 45-127% between the rounds of one calibration
-  (2026-12-06 03:50), so a point without node figures (a measured.json from before them) and the P prefill (its
-  node's prefill histogram beside a decode load also holds the background's own prefills) keep `TIME_SHARING`
-  (1.0: the kernel splits a core evenly between its runnable threads, every rank one torch thread pinned to its
-  core, node/executor.py), whose predictions those beside points are then reported as (`used_for_fit` false).
+- core sharing (`StepCost.contention`): each step kind's from its `BESIDE` point (measured while a background load
+  keeps one other instance busy) with node figures only (`fit_contention`), per round, the median round's kept and
+  every round's in the fit: a decode step from its node's token gaps beside and alone, over the share of the
+  point's wall time the P node computed prefills (its `pdcluster_node_prefill_seconds` sum over the point); the P
+  prefill from that histogram's mean step beside and alone, in rounds where no background prefill fell among the
+  point's (the background's decode then ran throughout). From clients' TTFT and TPOT the same points moved 45-127%
+  between the rounds of one calibration (2026-12-06 03:50), so a point without node figures (a measured.json from
+  before them) keeps `TIME_SHARING` (1.0: the kernel splits a core evenly between its runnable threads, every rank
+  one torch thread pinned to its core, node/executor.py), and its beside point is reported as a prediction of it
+  (`used_for_fit` false).
 Every point is measured in `--rounds` rounds (default ROUNDS), round after round over the whole calibration, each
 with words of its own; a point's figures are its median round's (`combine_rounds`), and the profile's `fit` list
 keeps each round's figure and their spread, so a calibration says how far its own points moved.
@@ -327,17 +328,18 @@ def prefill_node(config: ClusterConfig, point: str) -> str | None:
     return instance_names(_pools(config)[0])[0] if point in wanted else None
 
 
-def busy_node(config: ClusterConfig, beside: Beside) -> tuple[str, str]:
-    """(instance, histogram) whose sum over a beside point is how long the background kept its pool computing: the
-    P instance's prefill steps (PREFILL_SECONDS) beside a decode point, the TP=1 decode instance's token gaps
-    (TOKEN_GAPS: one per round while a stream runs) beside the prefill point."""
+def busy_node(config: ClusterConfig, beside: Beside) -> tuple[str, str] | None:
+    """(instance, histogram) whose sum over a beside decode point is how long the background kept the P instance
+    computing: its prefill steps (PREFILL_SECONDS, observed as each step ends). None for the prefill point: a
+    decode node observes its token gaps when a request finishes (node/metrics.py `observe_request`), not as they
+    pass, so they say nothing of a window shorter than a request; that point's busy share is 1 by construction
+    (`fit_contention`)."""
     from cluster.plan import instance_names
-    from sim.measure import PREFILL_SECONDS, TOKEN_GAPS
+    from sim.measure import PREFILL_SECONDS
 
-    prefill, tp_pool, _ = _pools(config)
-    if beside.busy_role == "prefill":
-        return instance_names(prefill)[0], PREFILL_SECONDS
-    return instance_names(tp_pool)[0], TOKEN_GAPS
+    if beside.busy_role != "prefill":
+        return None
+    return instance_names(_pools(config)[0])[0], PREFILL_SECONDS
 
 
 def _random_point(real, point: Point, out_dir: Path, repeat: int = 1,  # noqa: ANN001 - sim.measure.RealCluster
@@ -455,8 +457,7 @@ ROUTER_S = 0.0005
 
 
 TIME_SHARING = 1.0
-"""`StepCost.contention` of a calibrated step whose beside point carries no node figures (`fit_contention`), and of
-the P prefill's: a core's time split evenly between its runnable threads (the kernel's fair scheduler), each rank
+"""`StepCost.contention` of a calibrated step whose beside point carries no node figures (`fit_contention`): a core's time split evenly between its runnable threads (the kernel's fair scheduler), each rank
 one pinned torch thread, so a step beside k - 1 busy ranks takes k times its time (module docstring)."""
 
 
@@ -474,10 +475,14 @@ def fit_contention(beside: dict, alone: dict, figure: str = "step_s", count: str
     `HostCores`: the P instance's two ranks and a decode instance's rank 0 share core 0), so a step takes `1 + c`
     times its time alone for a share u of the point and its time for the rest: beside = alone * (1 + c * u),
     c = (beside / alone - 1) / u, at least 0. Round r of the beside point pairs with round r of the alone point;
-    with `count` (the figure's number of steps), a round whose beside point counted other steps than the alone
-    one's (the background's own prefills among the point's) is left out. None (the caller keeps TIME_SHARING) when
-    a figure is missing, u is 0, or no round is left."""
+    with `count` (the figure's number of steps: the prefill point beside a decode load), a round whose beside point
+    counted other steps than the alone one's (the background's own prefills among the point's) is left out, and a
+    kept round has u = 1 unless the point says otherwise: no background request started during it, so the one
+    decoding when it started decoded throughout. None (the caller keeps TIME_SHARING) when a figure is missing, u
+    is 0, or no round is left."""
     betas, alones, shares = _per_round(beside, figure), _per_round(alone, figure), _per_round(beside, "busy_share")
+    if shares is None and count is not None and betas:
+        shares = [1.0] * len(betas)
     if not (betas and alones and shares) or not len(betas) == len(alones) == len(shares):
         return None
     keep = [True] * len(betas)
@@ -605,8 +610,8 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
             contention[beside.step] = c
             fit.append({"name": beside.point.name, "measured": got[figure], "used_for_fit": True,
                         "source": f"{what} beside a busy instance, s (contention {c:.3f} over a busy share "
-                                  f"{got['busy_share']:.3f})",
-                        "modelled": alone[figure] * (1.0 + c * got["busy_share"])})
+                                  f"{got.get('busy_share', 1.0):.3f})",
+                        "modelled": alone[figure] * (1.0 + c * got.get("busy_share", 1.0))})
             entry = {"name": f"{beside.point.name}_contention", "measured": c, "modelled": c, "used_for_fit": True,
                      "source": "Contention of the step, the median round's (fit_contention)"}
             if len(per_round) > 1:
@@ -666,9 +671,9 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                   "fitted constant less the router's work, http.prefill_leg_s what the disaggregated path's has "
                   "beyond both (the READ's setup included); TPOT points are divided by the share of steps a "
                   "chunk-level TPOT spans (sim/calibrate.py first_chunk_share) before fitting; a point's cached "
-                  "tokens (the points share their words' prefix) are not prefilled; a decode step's contention is "
+                  "tokens (the points share their words' prefix) are not prefilled; a step kind's contention is "
                   "fitted to its *_beside_* point where both it and its alone point carry node steps (fit_contention), "
-                  "else, and for the P prefill, time-sharing's 1.0, of which those points are then predictions."),
+                  "else time-sharing's 1.0, of which the point is then a prediction."),
     }
 
 

@@ -338,11 +338,13 @@ def test_contention_is_fitted_in_closed_form_from_node_figures() -> None:
     assert fit_contention({"step_s": 0.03}, {"step_s": 0.020}) is None
     assert fit_contention(one, {"tpot_s": 0.020}) is None
     assert fit_contention({**one, "step_s": 0.015}, {"step_s": 0.020}) == [0.0]
-    # prefill steps: a round whose beside point counted more steps (the background's prefills) is left out
-    prefill = {"prefill_step_rounds": [1.0 * (1 + 0.5 * u) for u in us], "busy_share_rounds": us,
-               "prefill_steps_rounds": [2, 3, 2]}
+    # prefill steps: a round whose beside point counted more steps (the background's prefills) is left out, and a
+    # kept round's background decoded throughout it (u = 1) unless the point measured its share
+    prefill = {"prefill_step_rounds": [1.45, 1.3, 1.4], "prefill_steps_rounds": [2, 3, 2]}
     alone = {"prefill_step_rounds": [1.0, 1.0, 1.0], "prefill_steps_rounds": [2, 2, 2]}
-    assert fit_contention(prefill, alone, "prefill_step_s", "prefill_steps") == pytest.approx([0.5, 0.5], rel=1e-12)
+    assert fit_contention(prefill, alone, "prefill_step_s", "prefill_steps") == pytest.approx([0.45, 0.4], rel=1e-12)
+    assert fit_contention({**prefill, "busy_share_rounds": [0.5, 0.5, 0.8]}, alone, "prefill_step_s",
+                          "prefill_steps") == pytest.approx([0.9, 0.5], rel=1e-12)
     assert fit_contention({**prefill, "prefill_steps_rounds": [3, 3, 3]}, alone, "prefill_step_s",
                           "prefill_steps") is None
 
@@ -350,8 +352,8 @@ def test_contention_is_fitted_in_closed_form_from_node_figures() -> None:
 def _synthetic_rounds(measured: dict, rounds: int = 3) -> dict:
     """The shipped measurement as `rounds` rounds of a calibration with node figures (what `run_points` combines):
     every TPOT point with a node step 20 ms + 1e-6 s per prompt token, each beside point with a step made by
-    contention 1.8 (TP), 1.3 (DCP) and 0.45 (the P prefill: ttft_w300's 1 s prefill steps, two a round) at a busy
-    share of 0.5, 0.4 and 0.6, round r 5 % slower than round r - 1."""
+    contention 1.8 (TP) and 1.3 (DCP) at a busy share of 0.5, 0.4 and 0.6, and 0.45 (the P prefill: ttft_w300's 1 s
+    prefill steps, two a round, beside a decode busy throughout), round r 5 % slower than round r - 1."""
     from sim.calibrate import combine_rounds
 
     made = {"tpot_tp_beside_prefill": ("tpot_tp_b1_short", 1.8), "tpot_dcp_beside_prefill": ("tpot_dcp_b1", 1.3),
@@ -365,9 +367,8 @@ def _synthetic_rounds(measured: dict, rounds: int = 3) -> dict:
             one = {k: v for k, v in point.items() if not k.endswith("_rounds")}
             if name in ("ttft_w300", "ttft_beside_tp_decode"):
                 one.update(prefill_steps=2, prefill_step_s=slow * 1.0)
-                if name in made:
-                    one["prefill_step_s"] *= 1 + made[name][1] * shares[r]
-                    one["busy_share"] = shares[r]
+                if name in made:  # its background decodes throughout (u = 1: no busy share measured)
+                    one["prefill_step_s"] *= 1 + made[name][1]
             if name.startswith("tpot_"):
                 alone = made[name][0] if name in made else name
                 one["output"] = 97
@@ -407,7 +408,7 @@ def test_a_calibration_with_node_figures_fits_each_decode_steps_contention() -> 
         assert fit[name + "_contention"].spread == pytest.approx(0.0, abs=1e-9)
         alone = measured[alones[name][0]][alones[name][1]]
         assert fit[name].used_for_fit and fit[name].modelled == pytest.approx(
-            alone * (1 + c * measured[name]["busy_share"]), rel=1e-9)
+            alone * (1 + c * measured[name].get("busy_share", 1.0)), rel=1e-9)
         assert len(fit[name].rounds) == 3
     del measured["ttft_beside_tp_decode"]["prefill_step_s"]
     del measured["ttft_beside_tp_decode"]["prefill_step_rounds"]
@@ -417,15 +418,15 @@ def test_a_calibration_with_node_figures_fits_each_decode_steps_contention() -> 
 
 
 def test_a_beside_point_records_how_busy_the_background_kept_its_instance() -> None:
-    """A beside point reads the busy instance's histogram (the P node's prefill steps beside a decode point, the TP=1
-    decode node's token gaps beside the prefill point) before and after it: the point records that sum's growth
-    over its wall time as `busy_share` (at most 1)."""
+    """A beside decode point reads the P node's prefill histogram before and after it: the point records that sum's
+    growth over its wall time as `busy_share` (at most 1). The prefill point reads none (a decode node observes
+    its token gaps as requests finish, so they say nothing of a shorter window)."""
     from cluster.config import DEFAULT_CONFIG_PATH, load_config
     from sim.calibrate import BESIDE, busy_node
-    from sim.measure import PREFILL_SECONDS, TOKEN_GAPS
+    from sim.measure import PREFILL_SECONDS
 
     config = load_config(DEFAULT_CONFIG_PATH)
-    assert [busy_node(config, b) for b in BESIDE] == [("prefill-0", PREFILL_SECONDS), ("tp-0", TOKEN_GAPS),
+    assert [busy_node(config, b) for b in BESIDE] == [("prefill-0", PREFILL_SECONDS), None,
                                                       ("prefill-0", PREFILL_SECONDS)]
     asked, totals = [], iter([(3.0, 5), (3.0 + 1e6, 9)])
     level = SimpleNamespace(num_ok=2, input_tokens=2 * 118, ttft_ms=SimpleNamespace(p50=280.0),
