@@ -12,8 +12,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engine.kernels import interpreter_active
 
-@triton.jit
+
+def _helper(fn):
+    """A function the kernels call: jitted for the GPU compiler; under the Triton interpreter the plain function,
+    run as Python by the interpreted kernel, whose launch has already patched triton.language. The interpreter
+    patches the language again on every call of a jitted helper: about 5 ms of Python a call, 13.6 s of the 40 s
+    one fast prefill test spent under cProfile (2,508 calls of `mm`). For the same reason the kernels write
+    `tl.full(shape, 0.0, dtype)` where `tl.zeros(shape, dtype)` (a jitted library function doing just that) would
+    do."""
+    return fn if interpreter_active() else triton.jit(fn)
+
+
+@_helper
 def mm(a, b, INTERPRET: tl.constexpr):
     if INTERPRET:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -21,7 +33,7 @@ def mm(a, b, INTERPRET: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
+@_helper
 def bf16_rne(x):
     """fp32 -> bf16 rounded to nearest even, by hand: the same bits on the GPU and under the Triton interpreter
     (whose own cast truncates). Finite inputs only."""

@@ -43,8 +43,8 @@ def _gate_up_kernel(z_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, top_k, inter, lat,
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     token = pair // top_k
     base = expert * inter * lat + rows[:, None].to(tl.int64) * lat
-    acc1 = tl.zeros([BI], tl.float32)
-    acc3 = tl.zeros([BI], tl.float32)
+    acc1 = tl.full([BI], 0.0, tl.float32)
+    acc3 = tl.full([BI], 0.0, tl.float32)
     for k0 in range(0, lat, BK):
         k = k0 + tl.arange(0, BK)
         kmask = k < lat
@@ -64,7 +64,7 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, inter, lat, BL: tl.constexpr, 
     rows = tl.program_id(1) * BL + tl.arange(0, BL)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     base = expert * lat * inter + rows[:, None].to(tl.int64) * inter
-    acc = tl.zeros([BL], tl.float32)
+    acc = tl.full([BL], 0.0, tl.float32)
     for k0 in range(0, inter, BK):
         k = k0 + tl.arange(0, BK)
         kmask = k < inter

@@ -59,7 +59,7 @@ def _gemv_kernel(x_ptr, w_ptr, part_ptr, out_ptr, count_ptr, M, N, k_per_split, 
     k_first = split * k_per_split
     rm = tl.arange(0, BM)
     if ONE_ROW:  # one row: products summed along K in registers, one reduction at the end
-        acc1 = tl.zeros([BN, BK], tl.float32)
+        acc1 = tl.full([BN, BK], 0.0, tl.float32)
         for k0 in range(k_first, k_first + k_per_split, BK):
             rk = k0 + tl.arange(0, BK)
             w = tl.load(w_rows + rk[None, :], mask=nmask[:, None], other=0.0)
@@ -68,7 +68,7 @@ def _gemv_kernel(x_ptr, w_ptr, part_ptr, out_ptr, count_ptr, M, N, k_per_split, 
         acc = tl.sum(acc1, axis=1)[None, :]  # [1, BN]
         rows = tl.arange(0, 1)
     else:  # 2-8 rows padded to BM: tensor-core dots
-        acc = tl.zeros([BM, BN], tl.float32)
+        acc = tl.full([BM, BN], 0.0, tl.float32)
         for k0 in range(k_first, k_first + k_per_split, BK):
             rk = k0 + tl.arange(0, BK)
             w = tl.load(w_rows + rk[None, :], mask=nmask[:, None], other=0.0)  # [BN, BK]
@@ -85,7 +85,7 @@ def _gemv_kernel(x_ptr, w_ptr, part_ptr, out_ptr, count_ptr, M, N, k_per_split, 
         tl.store(part_ptr + (split * M + rows[:, None]).to(tl.int64) * N + rn[None, :], acc, mask=mask)
         done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if done == SPLITS - 1:
-            total = tl.zeros(acc.shape, tl.float32)
+            total = tl.full(acc.shape, 0.0, tl.float32)
             for s in tl.static_range(SPLITS):
                 total += tl.load(part_ptr + (s * M + rows[:, None]).to(tl.int64) * N + rn[None, :], mask=mask,
                                  other=0.0, cache_modifier=".cg")

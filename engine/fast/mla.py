@@ -52,8 +52,8 @@ def _sparse_mla_kernel(q_ptr, pool_ptr, sb_ptr, sel_ptr, o_ptr, lse_ptr,
     qc = tl.load(q_ptr + q_row[:, None] + cdim[None, :], mask=hmask[:, None], other=0.0)  # [BH, C] bf16
     qr = tl.load(q_ptr + q_row[:, None] + C + rdim[None, :], mask=hmask[:, None], other=0.0)  # [BH, R]
     m = tl.full([BH], float("-inf"), tl.float32)
-    denom = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, C], tl.float32)
+    denom = tl.full([BH], 0.0, tl.float32)
+    acc = tl.full([BH, C], 0.0, tl.float32)
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, topk)
     for k0 in range(start, end, BN):

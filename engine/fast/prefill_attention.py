@@ -83,8 +83,8 @@ def _prefill_index_kernel(pool8_ptr, pool32_ptr, sb_ptr, q_ptr, w_ptr, out_ptr,
     n = kb * BK + tl.arange(0, BK)  # key positions
     kmask = n < num_keys
     last_q = first_pos + tl.minimum(qb * BQ + BQ, num_queries) - 1
-    acc = tl.zeros([BQ, BK], tl.float32)
-    scale = tl.zeros([BK], tl.float32)
+    acc = tl.full([BQ, BK], 0.0, tl.float32)
+    scale = tl.full([BK], 0.0, tl.float32)
     if kb * BK <= last_q:
         sb = tl.load(sb_ptr + n // B0, mask=kmask, other=0).to(tl.int64)
         base = sb * subblock_bytes + index_base + (n % B0).to(tl.int64) * index_bytes
