@@ -457,8 +457,9 @@ ROUTER_S = 0.0005
 
 
 TIME_SHARING = 1.0
-"""`StepCost.contention` of a calibrated step whose beside point carries no node figures (`fit_contention`): a core's time split evenly between its runnable threads (the kernel's fair scheduler), each rank
-one pinned torch thread, so a step beside k - 1 busy ranks takes k times its time (module docstring)."""
+"""`StepCost.contention` of a calibrated step whose beside point carries no node figures (`fit_contention`): a core's
+time split evenly between its runnable threads (the kernel's fair scheduler), each rank one pinned torch thread, so
+a step beside k - 1 busy ranks takes k times its time (module docstring)."""
 
 
 def _per_round(point: dict, key: str) -> list | None:

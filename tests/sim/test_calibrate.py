@@ -53,9 +53,9 @@ def _shipped_measurement() -> dict:
 
 def test_every_step_shares_its_core_evenly_and_the_beside_points_are_predictions() -> None:
     """Refit the shipped measurement (its `*_beside_*` points moved 45-127% between rounds and carry no node figures):
-    every step's contention is time-sharing's 1.0 whatever they measured, and each is reported as a prediction: the point measured alone
-    plus the stretching part once more (one more busy rank on the step's core). Doubling what a beside point
-    measured changes no step."""
+    every step's contention is time-sharing's 1.0 whatever they measured, and each is reported as a prediction: the
+    point measured alone plus the stretching part once more (one more busy rank on the step's core). Doubling what a
+    beside point measured changes no step."""
     import pytest
 
     from cluster.config import DEFAULT_CONFIG_PATH, load_config
@@ -384,9 +384,9 @@ def _synthetic_rounds(measured: dict, rounds: int = 3) -> dict:
 def test_a_calibration_with_node_figures_fits_each_decode_steps_contention() -> None:
     """A full calibration's points (every POINTS, BESIDE, COLOCATED and DCP_RESUME name, three rounds) with node
     figures: the P prefill, TP=1 and DCP decode steps get the contention their beside points were made with (0.45,
-    1.8, 1.3, every round's kept with its spread, 0 here), the beside points are used for
-    the fit and modelled as alone * (1 + c * u) (each figure its median round's); the profile validates. On the tree before fit_contention every
-    step's contention was 1.0."""
+    1.8, 1.3, every round's kept with its spread, 0 here), the beside points are used for the fit and modelled as
+    alone * (1 + c * u) (each figure its median round's); the profile validates. On the tree before fit_contention
+    every step's contention was 1.0."""
     import pytest
 
     from cluster.config import DEFAULT_CONFIG_PATH, load_config
