@@ -19,10 +19,11 @@ its decode nodes as from the router. `PDCLUSTER_E2E_CONFIG=FILE.yaml` runs anoth
 
 Order (`pytest_collection_modifyitems`): the vLLM pair's users first and VLLM_STOP_TEST last among them, then
 `cluster`'s users with the fault tests last (they kill and restart nodes), then `checkpoint_cluster`'s (so no two
-shared topologies run at once), then every other test in collection order. `make test` runs the vLLM pair's users
-alone first (marker `vllm_pair`), then the rest on two xdist workers (tests/worker_groups.py): the shared
-topologies' users on one of them in this order (group TOPOLOGY_GROUP), the other tests/e2e/ modules, which start
-clusters of their own, on the other (group OWN_CLUSTERS_GROUP), then the light tests on whichever worker is free.
+shared topologies run at once), then every other test in collection order. `make test` runs them on three xdist
+workers (tests/worker_groups.py): the vLLM pair's users on one (group VLLM_GROUP, marker `vllm_pair`), the shared
+reference topologies' users on another in this order (group TOPOLOGY_GROUP), the other tests/e2e/ modules, which
+start clusters of their own, on the third (group OWN_CLUSTERS_GROUP), then the light tests on whichever worker is
+free.
 A shared topology stops in the teardown of its last test (the session's end otherwise), so no idle cluster sits
 beside the tests that follow. Tests that kill, drain or reconfigure nodes beyond what they restore start their own
 (tests/node/nodes.py).
@@ -128,16 +129,19 @@ TOPOLOGY_GROUP = "topologies"
 one worker, in the order above, so no two shared topologies run at once."""
 OWN_CLUSTERS_GROUP = "own_clusters"
 """The xdist group of the other tests of tests/e2e/, which start clusters of their own to kill, drain or saturate
-(most of their time waits for restarts, drains and timeouts). Under `make test` it is the other worker's first unit,
-beside the shared topologies' users; that worker then takes the light tests (helm renders, routers with fake
+(most of their time waits for restarts, drains and timeouts). Under `make test` it is a worker's first unit,
+beside the shared topologies' users and the vLLM pair's; that worker then takes the light tests (helm renders, routers with fake
 upstreams, single nodes, rank groups), one module at a time (tests/worker_groups.py) so a module-scoped fixture
 starts once."""
+VLLM_GROUP = "vllm_pair"
+"""The xdist group of the vLLM pair's users: under `make test` a worker's first unit, so the pair runs once."""
 VLLM_MARK = "vllm_pair"
-"""Marker given to the vLLM pair's users: `make test` runs them first and alone (-m vllm_pair): their servers'
-start-up slows whatever shares the cores with it."""
+"""Marker given to the vLLM pair's users (`-m vllm_pair` selects them)."""
 
 
 def _xdist_group(item: pytest.Item) -> str | None:
+    if _group(item) < 2:
+        return VLLM_GROUP
     if _group(item) < 5:
         return TOPOLOGY_GROUP
     return OWN_CLUSTERS_GROUP if "tests/e2e/" in item.nodeid else None

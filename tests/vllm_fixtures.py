@@ -92,6 +92,31 @@ def cached_tiny_llama(python: Path) -> Path:
     return cache
 
 
+def vllm_install(python: Path) -> str:
+    """Which vLLM the venv of `python` holds, read without starting it: its resolved interpreter and the names (package
+    and version) of its vllm dist-info folders."""
+    venv = Path(python).absolute().parent.parent  # VENV/bin/python, a link to the interpreter the venv was made from
+    infos = sorted(p.name for p in venv.glob("lib/python*/site-packages/vllm*.dist-info"))
+    if not infos:
+        raise RuntimeError(f"no vllm*.dist-info under {venv}/lib/python*/site-packages: is {python} a vLLM venv's?")
+    return f"{venv}\0{Path(python).resolve()}\0{','.join(infos)}"
+
+
+def cached_answer(name: str, key_parts: list[str], compute) -> str:  # noqa: ANN001 (a callable returning text)
+    """`compute()`'s text from the run-to-run cache (.pytest_cache/pdcluster/NAME-KEY), computed on a miss: for an
+    oracle's answer that is a pure function of `key_parts` (its script, its input, `vllm_install`)."""
+    key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()[:16]
+    path = REPO_ROOT / ".pytest_cache" / "pdcluster" / f"{name}-{key}"
+    if path.is_file():
+        return path.read_text()
+    text = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f"{path.name}.{os.getpid()}")
+    staging.write_text(text)
+    os.replace(staging, path)  # atomic: a reader never sees half an answer
+    return text
+
+
 def make_tiny_llama(out_dir: Path, python: Path) -> Path:
     """Write the seeded tiny Llama + tokenizer into `out_dir` (skips work if already there)."""
     if (out_dir / "model.safetensors").is_file() and (out_dir / "tokenizer.json").is_file():

@@ -104,7 +104,8 @@ def _prefill_answers(cluster) -> float:
 def test_disconnect_between_legs(cluster):
     """The client leaves once the prefill node answered its leg (or holds a lease for it): the router is then
     in the transfer/decode leg. The router records leg durations only when a request ends, and a short decode
-    leg could finish between two polls, so the decode leg here is long (400 tokens)."""
+    leg could finish between two polls, so the decode leg here is long (400 tokens); the prompt need not be (the
+    long one's prefill ran to its end here, about 20 s of the suite's two cores)."""
     idle = cluster.idle_snapshot()
     before = _cancelled(cluster)
     answered = _prefill_answers(cluster)
@@ -112,8 +113,8 @@ def test_disconnect_between_legs(cluster):
     def prefill_leg_done() -> bool:
         return _prefill_load(cluster).leases >= 1 or _prefill_answers(cluster) > answered
 
-    seen = asyncio.run(_cancel_when(cluster, [_body(cluster.model, 200, _long_prompt_bytes(cluster), max_tokens=400)],
-                                    prefill_leg_done, timeout_s=300))
+    seen = asyncio.run(_cancel_when(cluster, [_body(cluster.model, 200, 2_000, max_tokens=400)], prefill_leg_done,
+                                    timeout_s=300))
     assert seen, "the prefill leg never finished"
     _check_idle_after(cluster, idle, before, 1)
 

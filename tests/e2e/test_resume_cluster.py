@@ -122,6 +122,18 @@ def _body(case: str) -> dict:
             **CASES[case]}
 
 
+_left_down: list[str] = []
+"""Nodes a test killed or drained: the next test restarts them before it starts (`_ready`), so the module's last
+victim is not restarted only to be stopped with the cluster."""
+
+
+def _ready(cluster) -> None:
+    """Restart what the test before left down, then wait until the router sees every node healthy."""
+    while _left_down:
+        cluster.restart(_left_down.pop())
+    _wait_healthy(cluster)
+
+
 def _wait_healthy(cluster) -> None:
     for node in cluster.nodes:
         cluster.wait_until(lambda node=node: cluster.router_sees_healthy(node.name) is True, HEALTH_BOUND_S,
@@ -132,7 +144,7 @@ def _wait_healthy(cluster) -> None:
 @pytest.mark.parametrize("fault", ["node_sigkill", "rank_sigkill"])
 def test_a_stream_survives_its_decode_instance(resume_cluster, case: str, fault: str) -> None:
     cluster = resume_cluster
-    _wait_healthy(cluster)
+    _ready(cluster)
     idle = cluster.idle_snapshot()
     before = cluster.metrics("router")
     moved_before = before.get("pdcluster_migrations_total") or 0.0
@@ -150,15 +162,14 @@ def test_a_stream_survives_its_decode_instance(resume_cluster, case: str, fault:
     survivors = {name: load for name, load in idle.items() if name != killed[0]}
     cluster.wait_until(lambda: {n: cluster.node_load(n) for n in survivors} == survivors, 120,
                        f"surviving nodes back to their idle counts {survivors}")
-    cluster.restart(killed[0])
-    _wait_healthy(cluster)
+    _left_down.append(killed[0])
 
 
 def test_a_rows_count_and_oracle_hold_for_concurrent_streams_when_one_instance_dies(resume_cluster) -> None:
     """Three streams at once (both instances busy), one instance killed: every stream still ends as the
     oracle's, and no node keeps rows."""
     cluster = resume_cluster
-    _wait_healthy(cluster)
+    _ready(cluster)
     idle = cluster.idle_snapshot()
     results: dict[int, list[dict]] = {}
     victim = cluster.nodes_of(role="decode")[0].name
@@ -182,8 +193,7 @@ def test_a_rows_count_and_oracle_hold_for_concurrent_streams_when_one_instance_d
     survivors = {name: load for name, load in idle.items() if name != victim}
     cluster.wait_until(lambda: {n: cluster.node_load(n) for n in survivors} == survivors, 120,
                        "surviving nodes back to their idle counts")
-    cluster.restart(victim)
-    _wait_healthy(cluster)
+    _left_down.append(victim)
 
 
 def _prefill_legs(cluster) -> float:
@@ -195,7 +205,7 @@ def test_a_prefill_node_killed_mid_prefill_costs_the_client_nothing(resume_clust
     """The only prefill instance dies while it prefills: the decode instance computes the prefill itself
     (`prefill_fallback: decode_only`) and the stream is the oracle's."""
     cluster = resume_cluster
-    _wait_healthy(cluster)
+    _ready(cluster)
     prefill = cluster.nodes_of(role="prefill")[0].name
     prompt = ("job: the prefill rank computes the whole prompt before the decode instance reads it. " * 80)[:5000]
     legs = _prefill_legs(cluster)
@@ -215,8 +225,7 @@ def test_a_prefill_node_killed_mid_prefill_costs_the_client_nothing(resume_clust
     assert not [c for c in chunks if "error" in c], chunks
     token_ids = [t for c in chunks if c.get("choices") for t in c["choices"][0].get("token_ids") or ()]
     assert token_ids == oracle["token_ids"]
-    cluster.restart(prefill)
-    _wait_healthy(cluster)
+    _left_down.append(prefill)
 
 
 def _admin(cluster, name: str, action: str) -> None:
@@ -234,7 +243,7 @@ def test_sigterm_moves_8_streams_and_hands_back_2_queued_imports(resume_cluster)
     free its rows. All 10 end as their oracle (greedy and seeded, each running stream with its own seed), the node
     exits 0; the longest pause a client saw is printed."""
     cluster = resume_cluster
-    _wait_healthy(cluster)
+    _ready(cluster)
     victim, other = (node.name for node in cluster.nodes_of(role="decode"))
     before = cluster.metrics("router")
     moved_before = before.get("pdcluster_migrations_total", reason="drain") or 0.0
@@ -303,5 +312,4 @@ def test_sigterm_moves_8_streams_and_hands_back_2_queued_imports(resume_cluster)
     print(f"drain of {victim} with 8 streams ({streamed} tokens streamed at the SIGTERM) and 2 queued imports: "
           f"8 moved with their KV ({moved_bytes:.0f} bytes READ), 2 handed back; longest pause a client saw "
           f"{pause:.2f} s")
-    cluster.restart(victim)
-    _wait_healthy(cluster)
+    _left_down.append(victim)

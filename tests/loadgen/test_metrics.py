@@ -18,7 +18,7 @@ from loadgen.metrics import (
 )
 from loadgen.slo import SLO
 from tests.loadgen.helpers import record
-from tests.vllm_fixtures import vllm_python
+from tests.vllm_fixtures import cached_answer, vllm_install, vllm_python
 
 VLLM_METRICS = Path(__file__).with_name("vllm_metrics.py")
 SEEDS = range(3)
@@ -161,16 +161,24 @@ def _as_vllm(rec) -> RequestOutput:
 
 @pytest.fixture(scope="module")
 def vllm_metrics() -> dict[int, SimpleNamespace]:
-    """vLLM's BenchmarkMetrics for each seed's records (one vLLM-venv process for all seeds)."""
+    """vLLM's BenchmarkMetrics for each seed's records (one vLLM-venv process for all seeds; its answer, a function
+    of the script, the records and the installed vLLM, is kept from run to run: importing vLLM costs ~18 s)."""
     python = vllm_python()
     if python is None:
         pytest.fail("the vLLM venv is missing: scripts/setup/vllm.sh builds .venv-vllm (make test runs it)")
     cases = [{"outputs": [asdict(_as_vllm(r)) for r in _random_records(seed)], "dur_s": DURATION_S,
               "percentiles": [50.0, 90.0, 99.0], "goodput": SLO_MS} for seed in SEEDS]
-    proc = subprocess.run([str(python), str(VLLM_METRICS)], input=json.dumps({"cases": cases}), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, f"{VLLM_METRICS.name} failed:\n{proc.stderr[-4000:]}"
-    answer = json.loads(proc.stdout)
+    request = json.dumps({"cases": cases})
+
+    def run_vllm() -> str:
+        proc = subprocess.run([str(python), str(VLLM_METRICS)], input=request, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, f"{VLLM_METRICS.name} failed:\n{proc.stderr[-4000:]}"
+        json.loads(proc.stdout)  # only a whole answer is kept
+        return proc.stdout
+
+    answer = json.loads(cached_answer("vllm-metrics", [VLLM_METRICS.read_text(), request, vllm_install(python)],
+                                      run_vllm))
     return {seed: SimpleNamespace(**metrics) for seed, metrics in zip(SEEDS, answer["metrics"], strict=True)}
 
 
