@@ -7,7 +7,8 @@ authenticated DONE per READ). Then:
   deadline (`timeout_s`, default settings.timeout_s, from the post) passed. A READ still running after
   `settings.repost_after_s` is cancelled and posted once more on a fresh endpoint (NixlTransport.repost). A READ
   the transport could not post yet (`PeerBusy`: its peer's entry is reloaded once the READs from that peer now
-  running end, kv_transfer/nixl_agent.py) is posted by a later `poll()`, within the same deadline.
+  running end, kv_transfer/nixl_agent.py) is posted by a later `poll()`, within the same deadline; none is posted
+  after it.
 - `close()` releases every handle, cancelling READs still running, and is called exactly once whatever the
   outcome. `uncancelled` is then True if NIXL refused to release a handle whose READ may still be running
   (a stalled READ dropped at a repost counts too): its late bytes may land in the destination rows, so the
@@ -63,7 +64,10 @@ class PendingReads:
             raise
 
     def _post_waiting(self) -> bool:
-        """Post the READs not posted yet; True when none is left waiting."""
+        """Post the READs not posted yet; True when none is left waiting. None is posted once the request's deadline
+        has passed: its import is failed by the next `poll()` anyway, and a READ posted then only moves bytes."""
+        if self._unposted and time.monotonic() >= self.deadline:
+            return False
         for i, (peer, ops, notif) in list(self._unposted.items()):
             try:
                 self.handles[i] = self.transport.post_read(peer, ops, notif)
@@ -99,8 +103,8 @@ class PendingReads:
         if not done and now >= self.deadline:
             running = [h for h in self.handles if h is not None and h.state is TransferState.PROC]
             if not running:
-                raise TransferError(f"{len(self._unposted)} read(s) could not be posted within {self.timeout_s:.1f} s "
-                                    "(their peer's entry stayed busy)")
+                raise TransferError(f"{len(self._unposted)} read(s) could not be posted within {self.timeout_s:.3g} s "
+                                    "(their peer's entry stayed busy, or the deadline passed before the post)")
             raise TransferError(f"{len(running)} read(s) from {running[0].peer.agent_name} "
                                 f"({sum(h.nbytes for h in running)} B) still running after {self.timeout_s:.1f} s")
         return done

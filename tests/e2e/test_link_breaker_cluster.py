@@ -3,8 +3,9 @@ router/state.py `usable_pairs`, router/placement.py).
 
 Own topology (not the shared `cluster`): the link must fail while both of its ends stay healthy, so one decode
 node is configured to fail its hand-offs: `near` (TP=1, the pool short requests fit) bounds a KV import at
-1 microsecond (`kv.timeout_s`), so its claim at the prefill node times out, and answers 502 instead of
-prefilling itself (`kv_load_failure_policy: fail`). A request with a P leg placed there fails on that link (and
+1 microsecond (`kv.timeout_s`), so its claim at the prefill node times out (or, when a preempted client finds the
+answer already there, its READs are past their deadline and never posted: kv_transfer/reads.py), and answers 502
+instead of prefilling itself (`kv_load_failure_policy: fail`). A request with a P leg placed there fails on that link (and
 the router moves it to `far`, router/migration.py); a colocated request there succeeds. `far` (TP=1, no
 capacity bound: long requests) imports normally. The router opens the (prefill, near) link after
 `breaker_failure_threshold` (2) failures on it, and then:

@@ -128,3 +128,15 @@ def test_a_read_whose_peer_stays_busy_fails_at_the_deadline():
     with pytest.raises(TransferError, match="could not be posted"):
         reads.poll()
     assert reads.close() and len(transport.released) == 1
+
+
+def test_no_read_is_posted_once_the_deadline_has_passed():
+    """A READ that completes inline (a small CMA read on an idle host) would succeed however short the deadline:
+    past it, nothing is posted and the import fails (tests/e2e/test_link_breaker_cluster.py's `near` node relies
+    on it to fail every hand-off)."""
+    transport = ScriptedTransport(KVTransferSettings())
+    reads = _reads(transport, timeout_s=1e-9)
+    assert transport.posted == []
+    with pytest.raises(TransferError, match="could not be posted"):
+        reads.poll()
+    assert transport.posted == [] and reads.close() and not reads.uncancelled
