@@ -10,13 +10,16 @@ what=${1:-all}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# The stamp holds the checkout the editable install points at: a .venv shared with another checkout (a git
+# worktree linking it) that installed itself last is installed again for this one.
 stamp=.venv/.installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+here=$(pwd -P)
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$here" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # The CPU wheel first: a range that 2.13.0 satisfies then installs nothing more.
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[test,plot]"
-  touch "$stamp"
+  echo "$here" > "$stamp"
 fi
 
 if [ "$what" = all ]; then
