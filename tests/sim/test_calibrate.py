@@ -51,8 +51,19 @@ def _shipped_measurement() -> dict:
     return json.loads((PROFILE_DIR / "cpu-mini-reference.measured.json").read_text())
 
 
+NODE_FIGURES = ("step_s", "node_gaps", "step_rounds", "busy_share", "busy_share_rounds", "prefill_step_s",
+                "prefill_step_rounds", "prefill_steps", "prefill_steps_rounds")
+"""What a calibration reads from its nodes beside the client's figures (a measured.json from before had none)."""
+
+
+def _client_only(measured: dict) -> dict:
+    """The shipped measurement as a calibration without node figures would have recorded it."""
+    return {name: {k: v for k, v in point.items() if k not in NODE_FIGURES} if isinstance(point, dict) else point
+            for name, point in measured.items()}
+
+
 def test_every_step_shares_its_core_evenly_and_the_beside_points_are_predictions() -> None:
-    """Refit the shipped measurement (its `*_beside_*` points moved 45-127% between rounds and carry no node figures):
+    """Refit the shipped measurement without its node figures (its `*_beside_*` points moved 45-127% between rounds):
     every step's contention is time-sharing's 1.0 whatever they measured, and each is reported as a prediction: the
     point measured alone plus the stretching part once more (one more busy rank on the step's core). Doubling what a
     beside point measured changes no step."""
@@ -62,7 +73,7 @@ def test_every_step_shares_its_core_evenly_and_the_beside_points_are_predictions
     from sim.calibrate import fit_profile
     from sim.profile import Profile
 
-    config, measured = load_config(DEFAULT_CONFIG_PATH), _shipped_measurement()
+    config, measured = load_config(DEFAULT_CONFIG_PATH), _client_only(_shipped_measurement())
     fitted = Profile.model_validate(fit_profile(config, measured, "shared", "test"))
     assert [s.contention for s in fitted.steps] == [1.0, 1.0, 1.0]
     beside = {f.name: f for f in fitted.fit if "_beside_" in f.name}
@@ -126,9 +137,11 @@ def test_tpot_points_record_their_output_and_older_ones_read_as_33() -> None:
     assert point.output == TPOT_TOKENS == 97
     assert output_tokens(_random_point(real, point, Path("unused"))) == 97
     assert output_tokens({}) == LEGACY_TPOT_TOKENS == 33
-    config, measured = load_config(DEFAULT_CONFIG_PATH), _shipped_measurement()
-    legacy = Profile.model_validate(fit_profile(config, measured, "legacy", "test"))
     names = ("tpot_dcp_b1", "tpot_dcp_b2")
+    config, shipped = load_config(DEFAULT_CONFIG_PATH), _client_only(_shipped_measurement())
+    # the DCP points as a calibration from before TPOT_TOKENS recorded them: no `output`, read as 33 tokens
+    measured = {**shipped, **{k: {f: v for f, v in shipped[k].items() if f != "output"} for k in names}}
+    legacy = Profile.model_validate(fit_profile(config, measured, "legacy", "test"))
     longer = {**measured, **{k: {**measured[k], "output": 97} for k in names}}
     fitted = Profile.model_validate(fit_profile(config, longer, "longer", "test"))
     text_p = legacy.stream.text_token_p
