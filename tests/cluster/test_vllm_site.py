@@ -47,9 +47,11 @@ def test_an_idle_vllm_nixl_agent_sleeps_with_the_delay_and_spins_without():
     delayed, plain = _start_idle_agent("2000"), _start_idle_agent(None)
     (patched, with_delay), (plain_class, without) = _said(delayed), _said(plain)
     assert patched == "_DelayedConfig" and plain_class == "nixlAgentConfig"
-    # NIXL's own busy loop keeps a core busy (a loaded machine still gives it a good share of IDLE_S); the delayed
-    # thread sleeps in poll() between passes
-    assert with_delay < 0.25 * IDLE_S < without, (with_delay, without)
+    # The delayed thread sleeps in poll() between passes; NIXL's own busy loop spins, and gets what share of a core
+    # the machine leaves it: 0.41 s of the 2 s beside `make test`'s three process-test workers (load ~5), so the
+    # spin is told by its ratio to the delayed agent's CPU, not by a share of a core
+    assert with_delay < 0.25 * IDLE_S, (with_delay, without)
+    assert without > 10 * max(with_delay, 0.01), (with_delay, without)
 
 
 @pytest.mark.parametrize("value", ["-5", "2ms"])
