@@ -56,6 +56,20 @@ def _accounted(engine: Engine) -> None:
     assert sorted(everything) == list(range(pool.num_rows))
 
 
+
+class _CountingPool:
+    """Rows handed out in order, never reused (the random-operation tests' pool)."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def rows(self, n: int) -> tuple[int, ...]:
+        self.next += n
+        return tuple(range(self.next - n, self.next))
+
+    def free(self, rows) -> None:  # noqa: ANN001
+        pass
+
 def test_session_turns_hit_and_equal_scratch(scratch: Engine, tiny_model: str) -> None:
     engine = Engine(EngineConfig(model=tiny_model, num_rows=48))
     prompt = _prompt(70)
@@ -302,19 +316,8 @@ def test_evictable_rows_counts_equal_the_walk_under_random_operations() -> None:
 
     from engine.prefix_cache import CachedTail, PrefixCache
 
-    class Pool:
-        def __init__(self) -> None:
-            self.next = 0
-
-        def rows(self, n: int) -> tuple[int, ...]:
-            self.next += n
-            return tuple(range(self.next - n, self.next))
-
-        def free(self, rows) -> None:  # noqa: ANN001
-            pass
-
     rng = random.Random(0)
-    pool = Pool()
+    pool = _CountingPool()
     cache = PrefixCache(pool, 4, b"fp")
     held: list = []
     tails: list = []
@@ -361,19 +364,8 @@ def test_held_figures_equal_held_tokens_plain_and_resumable_under_random_operati
 
     from engine.prefix_cache import CachedTail, PrefixCache, resumable_of
 
-    class Pool:
-        def __init__(self) -> None:
-            self.next = 0
-
-        def rows(self, n: int) -> tuple[int, ...]:
-            self.next += n
-            return tuple(range(self.next - n, self.next))
-
-        def free(self, rows) -> None:  # noqa: ANN001
-            pass
-
     rng = random.Random(2)
-    pool = Pool()
+    pool = _CountingPool()
     cache = PrefixCache(pool, 4, b"fp")
     universe = [bytes([i]) for i in range(6)]
     made: list[CachedTail] = []
