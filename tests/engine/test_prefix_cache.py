@@ -56,7 +56,6 @@ def _accounted(engine: Engine) -> None:
     assert sorted(everything) == list(range(pool.num_rows))
 
 
-
 class _CountingPool:
     """Rows handed out in order, never reused (the random-operation tests' pool)."""
 
@@ -69,6 +68,7 @@ class _CountingPool:
 
     def free(self, rows) -> None:  # noqa: ANN001
         pass
+
 
 def test_session_turns_hit_and_equal_scratch(scratch: Engine, tiny_model: str) -> None:
     engine = Engine(EngineConfig(model=tiny_model, num_rows=48))
