@@ -21,8 +21,10 @@ isolates the prefill and TPOT the decode batch; three untimed requests first war
   keeps one other instance busy) with node figures only (`fit_contention`), per round, the median round's kept and
   every round's in the fit: a decode step from its node's token gaps beside and alone, over the share of the
   point's wall time the P node computed prefills (its `pdcluster_node_prefill_seconds` sum over the point); the P
-  prefill from that histogram's mean step beside and alone, in rounds where no background prefill fell among the
-  point's (the background's decode then ran throughout). From clients' TTFT and TPOT the same points moved 45-127%
+  prefill from that histogram's mean step beside and alone, with the background's own prefills among the point's
+  steps (each background request's short prompt, one or more a round) taken out at the fitted prefill's price for
+  their length (every round of the calibration of 2026-12-06 07:00 counted one: leaving such rounds out left none,
+  and the prefill kept 1.0, which the point measured as 0.16). From clients' TTFT and TPOT the same points moved 45-127%
   between the rounds of one calibration (2026-12-06 03:50), so a point without node figures (a measured.json from
   before them) keeps `TIME_SHARING` (1.0: the kernel splits a core evenly between its runnable threads, every rank
   one torch thread pinned to its core, node/executor.py), and its beside point is reported as a prediction of it
@@ -400,27 +402,51 @@ def chunk_counts(records: list) -> dict[str, int]:
             "later_tokens": sum(r.completion_tokens - 1 for r in ok)}
 
 
-def text_token_p(measured: dict[str, dict]) -> float:
-    """The share of tokens (all but each stream's last) that released text, pooled over the points."""
+def stream_probabilities(measured: dict[str, dict]) -> tuple[float, float]:
+    """(first_token_p, text_token_p) of the stream model (sim/profile.py `StreamModel`), pooled over the points. A
+    point whose streams are two tokens long (later_tokens == num_ok) has one chunk after its first exactly when its
+    first token released text (the last token always ends a chunk): those give first_token_p. A longer stream's
+    chunks after its first are its first token's (first_token_p) and those of the tokens between its first and its
+    last (text_token_p each): text_token_p = (their later chunks - first_token_p * streams) / (later tokens -
+    streams). Without one kind of point, both are the pooled share of all (chunks after the first over tokens after
+    the first). The first token is far likelier to release text on the CPU presets: 34 of 75 two-token streams
+    against about 0.12 of later tokens in the calibration of 2026-12-06 07:00 (the random-weight model's first
+    sampled id is often an ASCII byte, later ones mostly specials or bytes >= 0x80)."""
     chunks = sum(v.get("later_chunks", 0) for v in measured.values())
     tokens = sum(v.get("later_tokens", 0) for v in measured.values())
     if chunks <= 0 or tokens <= 0:
         raise ValueError("the measured points carry no chunk counts (later_chunks, later_tokens): measure again "
                          "(a measured.json from before they were kept cannot fit the stream model)")
-    return min(1.0, chunks / tokens)
+    pooled = min(1.0, chunks / tokens)
+    short = [v for v in measured.values() if v.get("later_tokens", 0) > 0 and v["later_tokens"] == v.get("num_ok")]
+    long = [v for v in measured.values() if v.get("later_tokens", 0) > v.get("num_ok", 0) > 0]
+    if not short or not long:
+        return pooled, pooled
+    first = sum(v["later_chunks"] for v in short) / sum(v["num_ok"] for v in short)
+    streams = sum(v["num_ok"] for v in long)
+    rest = (sum(v["later_chunks"] for v in long) - first * streams) / (sum(v["later_tokens"] for v in long) - streams)
+    return min(1.0, max(first, 1e-3)), min(1.0, max(rest, 1e-3))
 
 
-def first_chunk_share(num_tokens: int, p: float, first_with_second: bool = True) -> float:
+def text_token_p(measured: dict[str, dict]) -> float:
+    """The stream model's text_token_p: the share of the tokens between a stream's first and its last that
+    released text (`stream_probabilities`)."""
+    return stream_probabilities(measured)[1]
+
+
+def first_chunk_share(num_tokens: int, p: float, first_with_second: bool = True, first_p: float | None = None) -> float:
     """The expected client TPOT of a steady stream of `num_tokens` tokens over its step time: the span from the
     first chunk to the last, over num_tokens - 1 steps. The first chunk is the first token that releases text
-    (each with probability p; the last always flushes); an imported request's first token leaves with its second
-    (`first_with_second`), so the span never starts before the second token."""
+    (the first with probability `first_p`, default p, each later one with p; the last always flushes); an imported
+    request's first token leaves with its second (`first_with_second`), so the span never starts before the second
+    token."""
     if num_tokens <= 1:
         return 1.0
     n1, stay, total = num_tokens - 1, 1.0, 0.0
     for k in range(n1):  # the first chunk is token k
-        total += stay * p * (n1 - max(k, 1 if first_with_second else 0))
-        stay *= 1.0 - p
+        q = p if k or first_p is None else first_p
+        total += stay * q * (n1 - max(k, 1 if first_with_second else 0))
+        stay *= 1.0 - q
     return total / n1
 
 
@@ -468,7 +494,8 @@ def _per_round(point: dict, key: str) -> list | None:
     return list(got) if got else ([point[key]] if key in point else None)
 
 
-def fit_contention(beside: dict, alone: dict, figure: str = "step_s", count: str | None = None) -> list[float] | None:
+def fit_contention(beside: dict, alone: dict, figure: str = "step_s", count: str | None = None,
+                   extra_step_s: float | None = None) -> list[float] | None:
     """A step's `StepCost.contention`, one per round, from its beside point and the point `alone` of the same shape,
     both with the node's figure of the step (`figure`: `step_s` a decode step from the token gaps, `prefill_step_s`
     a P prefill step from its histogram) and the beside point with the share of its wall time the background's
@@ -476,11 +503,13 @@ def fit_contention(beside: dict, alone: dict, figure: str = "step_s", count: str
     `HostCores`: the P instance's two ranks and a decode instance's rank 0 share core 0), so a step takes `1 + c`
     times its time alone for a share u of the point and its time for the rest: beside = alone * (1 + c * u),
     c = (beside / alone - 1) / u, at least 0. Round r of the beside point pairs with round r of the alone point;
-    with `count` (the figure's number of steps: the prefill point beside a decode load), a round whose beside point
-    counted other steps than the alone one's (the background's own prefills among the point's) is left out, and a
-    kept round has u = 1 unless the point says otherwise: no background request started during it, so the one
-    decoding when it started decoded throughout. None (the caller keeps TIME_SHARING) when a figure is missing, u
-    is 0, or no round is left."""
+    with `count` (the figure's number of steps: the prefill point beside a decode load), `figure` is the mean of
+    `count` steps, and a round whose beside point counted more steps than the alone one's counted the background's
+    own prefills among the point's: with `extra_step_s` (what the fitted prefill gives for one background prompt)
+    each extra step's time is taken out of the round's sum and the rest is the point's own steps, without it the
+    round is left out (as is a round that counted fewer). A kept round has u = 1 unless the point says otherwise:
+    the background's request decodes throughout the point (its prefill among the point's is one short step, taken
+    out). None (the caller keeps TIME_SHARING) when a figure is missing, u is 0, or no round is left."""
     betas, alones, shares = _per_round(beside, figure), _per_round(alone, figure), _per_round(beside, "busy_share")
     if shares is None and count is not None and betas:
         shares = [1.0] * len(betas)
@@ -491,7 +520,8 @@ def fit_contention(beside: dict, alone: dict, figure: str = "step_s", count: str
         got, want = _per_round(beside, count), _per_round(alone, count)
         if not got or not want or len(got) != len(betas) or len(want) != len(betas):
             return None
-        keep = [g == w for g, w in zip(got, want)]
+        keep = [g == w or (g > w and extra_step_s is not None) for g, w in zip(got, want)]
+        betas = [(b * g - (g - w) * (extra_step_s or 0.0)) / w if w else b for b, g, w in zip(betas, got, want)]
     rounds = [(b, a, u) for b, a, u, k in zip(betas, alones, shares, keep) if k and a > 0 and u > 0]
     if not rounds:
         return None
@@ -520,14 +550,15 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     with the prefill step plus, when the first token releases no text, a decode step."""
     prefill, tp_pool, dcp_pool = _pools(config)
     p_eng = node_settings_class("prefill").model_validate(prefill.settings).engine
-    text_p = text_token_p(measured)
+    first_p, text_p = stream_probabilities(measured)
 
     def ctx(point: str, batch: int) -> float:
         return batch * (measured[point]["prompt_tokens"] + output_tokens(measured[point]) / 2)
 
     def share(point: str) -> float:
         """What the point's figure is of its decode step: 1 for the node's step, the chunk share of a TPOT."""
-        return 1.0 if "step_s" in measured[point] else first_chunk_share(output_tokens(measured[point]), text_p)
+        return 1.0 if "step_s" in measured[point] else first_chunk_share(output_tokens(measured[point]), text_p,
+                                                                                        first_p=first_p)
 
     def figure(point: str) -> float:
         return measured[point]["step_s" if "step_s" in measured[point] else "tpot_s"]
@@ -561,7 +592,7 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
                  for _, v in colo]
     colo_fit = None
     if len(colo) >= 4:
-        y = np.array([v["ttft_s"] - d_base * row[1] - (1.0 - text_p) * d_step(v["prompt_tokens"])
+        y = np.array([v["ttft_s"] - d_base * row[1] - (1.0 - first_p) * d_step(v["prompt_tokens"])
                       for (_, v), row in zip(colo, colo_rows)])
         colo_fit = fit_prefill(colo_rows, y, np.array([1.0 / v["ttft_s"] for _, v in colo]))
     # the decode leg (router -> D, until the node starts on it) is the colocated path's constant; the prefill
@@ -592,7 +623,7 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
         if colo_fit is not None:
             fit.append({"name": k, "measured": v["ttft_s"], "used_for_fit": True, "source": "TTFT p50, s (colocated)",
                         "modelled": float(colo_fit[0] + d_base * row[1] + np.dot(colo_fit[1:], row[2:])
-                                          + (1.0 - text_p) * d_step(v["prompt_tokens"]))})
+                                          + (1.0 - first_p) * d_step(v["prompt_tokens"]))})
     for k, b in dcp_names:
         fit.append({"name": k, "measured": figure(k), "used_for_fit": True, "source": decode_source(measured[k]),
                     "modelled": float((dcp_base + dcp_seq * b + dcp_ctx * ctx(k, b)) * share(k))})
@@ -605,13 +636,21 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
         alone = measured[beside.alone]
         figure, count, what = (("prefill_step_s", "prefill_steps", "Prefill step (the P node's)") if beside.step == 0
                                else ("step_s", None, "Decode step"))
-        per_round = fit_contention(got, alone, figure, count)
+        extra_s = None
+        if beside.step == 0:  # the background's own prompts, prefilled among the point's steps
+            n = prompt_tokens(beside.words)
+            extra_s = p_base + p_tok * n + p_attn * n * n / 2
+        per_round = fit_contention(got, alone, figure, count, extra_s)
         if per_round is not None:
             c = statistics.median(per_round)
             contention[beside.step] = c
-            fit.append({"name": beside.point.name, "measured": got[figure], "used_for_fit": True,
+            own = got[figure]
+            if count is not None and got.get(count, 0) > alone.get(count, 0) > 0:  # the point's own steps' mean
+                own = (own * got[count] - (got[count] - alone[count]) * extra_s) / alone[count]
+            fit.append({"name": beside.point.name, "measured": own, "used_for_fit": True,
                         "source": f"{what} beside a busy instance, s (contention {c:.3f} over a busy share "
-                                  f"{got.get('busy_share', 1.0):.3f})",
+                                  f"{got.get('busy_share', 1.0):.3f}"
+                                  + (", the background's prefills taken out)" if own != got[figure] else ")"),
                         "modelled": alone[figure] * (1.0 + c * got.get("busy_share", 1.0))})
             entry = {"name": f"{beside.point.name}_contention", "measured": c, "modelled": c, "used_for_fit": True,
                      "source": "Contention of the step, the median round's (fit_contention)"}
@@ -633,17 +672,17 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     if resume is not None:
         chunk = node_settings_class("decode").model_validate(dcp_pool.settings).engine.max_step_tokens
         constant_s = ROUTER_S + decode_leg
-        prefix_s = fit_prefix(resume, steps[2], text_p, constant_s, chunk)
+        prefix_s = fit_prefix(resume, steps[2], first_p, constant_s, chunk)
         if prefix_s is not None:
             steps[2]["prefill_prefix_s"] = prefix_s
             fit.append({"name": DCP_RESUME.name, "measured": resume["ttft_s"], "used_for_fit": True,
                         "source": "TTFT p50 of second turns prefilled on the DCP pool (colocated), s",
-                        "modelled": constant_s + _resume_s(resume, steps[2], text_p, chunk)})
+                        "modelled": constant_s + _resume_s(resume, steps[2], first_p, chunk)})
         if resume.get("first_ttft_s"):  # a prediction: the first turns, prefilled from nothing in ~28 chunks
             first = {"prompt_tokens": resume["first_prompt_tokens"], "cached_tokens": 0}
             fit.append({"name": DCP_RESUME.name + "_first_turn", "measured": resume["first_ttft_s"],
                         "used_for_fit": False, "source": "TTFT p50 of first turns prefilled on the DCP pool "
-                        "(colocated, from no cache), s", "modelled": constant_s + _resume_s(first, steps[2], text_p,
+                        "(colocated, from no cache), s", "modelled": constant_s + _resume_s(first, steps[2], first_p,
                                                                                              chunk)})
     for entry in fit:
         if entry["name"] in measured:
@@ -655,14 +694,16 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
         "transfer": {"setup_s": 0.002, "per_descriptor_s": 5e-6, "bytes_per_s": 5.3e9},
         "host_cores": host_cores(),
         "http": {"router_s": ROUTER_S, "prefill_leg_s": prefill_leg, "decode_leg_s": decode_leg},
-        "stream": {"text_token_p": text_p},
+        "stream": {"text_token_p": text_p, "first_token_p": first_p},
         "sources": [f"fitted by `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} to loadgen "
                     "random points measured against the cluster of the config (sim/calibrate.py POINTS; with "
                     "--measured, an earlier run's measured.json)",
                     "transfer: benchmarks/RESULTS.md 2026-11-29 KV transfer over NIXL, CPU loopback (packed 5.3 GB/s, "
                     "a descriptor a few microseconds on CMA)",
                     "router_s: benchmarks/RESULTS.md 2026-12-03 (evening), the router's own work per request",
-                    "stream.text_token_p: the points' streams, chunks after the first over tokens after the first"],
+                    "stream: first_token_p from the two-token points' streams (a chunk after the first: the first "
+                    "token released text), text_token_p from the longer streams' later chunks less their first "
+                    "tokens' (sim/calibrate.py stream_probabilities)"],
         "fit": fit,
         "notes": ("the TP=1 decode node's prefill costs are fitted to the colo_* points (the router sending no P "
                   "leg) when measured; the DCP pool's are the P pool's (both two-rank SPMD prefills, not measured); "
@@ -678,13 +719,13 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
     }
 
 
-def _resume_s(point: dict, step: dict, text_p: float, chunk: int | None) -> float:
+def _resume_s(point: dict, step: dict, first_p: float, chunk: int | None) -> float:
     """A resumed turn's engine time on the DCP pool: the steps prefilling its new tokens after its cached ones in
-    chunks of `chunk` tokens and, when its first token releases no text (1 - text_p), the decode step after."""
+    chunks of `chunk` tokens and, when its first token releases no text (1 - first_p), the decode step after."""
     from sim.profile import StepCost
 
     cost, prompt, done = StepCost.model_validate(step), point["prompt_tokens"], point["cached_tokens"]
-    total = (1.0 - text_p) * cost.step_s(batch=1, sum_context=prompt + 1)
+    total = (1.0 - first_p) * cost.step_s(batch=1, sum_context=prompt + 1)
     while done < prompt:
         c = min(chunk or prompt, prompt - done)
         total += cost.step_s(c, done + c)
@@ -692,7 +733,7 @@ def _resume_s(point: dict, step: dict, text_p: float, chunk: int | None) -> floa
     return total
 
 
-def fit_prefix(point: dict, step: dict, text_p: float, constant_s: float, chunk: int | None) -> float | None:
+def fit_prefix(point: dict, step: dict, first_p: float, constant_s: float, chunk: int | None) -> float | None:
     """The DCP step's `prefill_prefix_s` from DCP_RESUME's second turns: what their TTFT has beyond the request's
     constant (router, decode leg: `constant_s`) and the steps' other terms (`_resume_s` with no prefix cost), over
     the cached tokens before each of their chunks, at least 0. None, with a warning, when they found nothing
@@ -706,7 +747,7 @@ def fit_prefix(point: dict, step: dict, text_p: float, constant_s: float, chunk:
     while done < prompt:
         starts += done
         done += min(chunk or prompt, prompt - done)
-    rest = _resume_s(point, {**step, "prefill_prefix_s": 0.0}, text_p, chunk)
+    rest = _resume_s(point, {**step, "prefill_prefix_s": 0.0}, first_p, chunk)
     return max(0.0, (point["ttft_s"] - constant_s - rest) / starts)
 
 

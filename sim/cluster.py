@@ -78,10 +78,10 @@ def _num_rows(config: ClusterConfig, pool, profile: Profile, layout, explicit: d
 class SimCluster:
     def __init__(self, config: ClusterConfig, profile: Profile, loop: EventLoop | None = None,
                  record_chunks: bool = True) -> None:
-        if not record_chunks and profile.stream.text_token_p < 1.0:
+        if not record_chunks and not profile.stream.is_every_token:
             raise ValueError(f"profile {profile.name!r} sends a chunk for some tokens only (stream.text_token_p "
-                             f"{profile.stream.text_token_p}): its TTFT needs every token's time, so it cannot run "
-                             "without chunk times (--no-chunk-times)")
+                             f"{profile.stream.text_token_p}, first_token_p {profile.stream.first_token_p}): its TTFT "
+                             "needs every token's time, so it cannot run without chunk times (--no-chunk-times)")
         self.config = config
         self.profile = profile
         self.loop = loop or EventLoop()
@@ -313,7 +313,8 @@ class _Flow:
         ctx = SimpleNamespace(placement=p, shape=self.shape, handoff=self.handoff, prefill_cached_tokens=cached)
         after_turn(state, ctx, usage, now)
         c.num_inflight -= 1
-        times = chunk_times(self.times, c.profile.stream.text_token_p, self.rid)
+        stream = c.profile.stream
+        times = chunk_times(self.times, stream.text_token_p, self.rid, stream.first_token_p)
         ttft, e2e = times[0] - self.start, times[-1] - self.start
         tpot = (e2e - ttft) / (completion - 1) if completion > 1 else None
         itl = [b - a for a, b in zip(times, times[1:])] if c.instances[p.decode].record_chunks else []

@@ -211,7 +211,7 @@ class Planner:
         workload, _ = build_workload(self.workload.args)
         opts = SimOptions([self.workload.concurrency], self.workload.duration_s, None, seed=self.workload.seed,
                           gpus=shape.gpus, slo=SLO(), drain_s=120.0,
-                          record_chunks=profile.stream.text_token_p < 1.0 or any(
+                          record_chunks=not profile.stream.is_every_token or any(
                               o.metric == "itl" for o in self.objectives))
         level = simulate(config, profile, workload, self.workload.scenario, opts).summary.levels[0]
         return self._score(shape, level)

@@ -98,12 +98,20 @@ class HttpCost(_Strict):
 class StreamModel(_Strict):
     """SSE chunks as a node sends them (node/textgen.py `generate_pieces`): a chunk is sent when the incremental
     detokeniser releases text, i.e. when a token leaves the text ending in a whole character; held tokens go out
-    with the next chunk, and the last token always flushes. Each token but the last releases text with
-    probability `text_token_p`, independently (drawn per request from a seeded generator): 1.0 for tokenizers
-    whose every token is text; about 0.14 for the CPU presets' random-weight byte-level model (most of its sampled
-    ids are bytes >= 0x80 or specials, which release nothing)."""
+    with the next chunk, and the last token always flushes. A stream's first token releases text with
+    probability `first_token_p` (None: `text_token_p`), each later one but the last with `text_token_p`,
+    independently (drawn per request from a seeded generator): 1.0 for tokenizers whose every token is text; on
+    the CPU presets' random-weight byte-level model about 0.45 for the first token and 0.12 for later ones (its
+    first sampled id is often an ASCII byte, later ones mostly bytes >= 0x80 or specials, which release
+    nothing)."""
 
     text_token_p: float = Field(1.0, gt=0, le=1)
+    first_token_p: float | None = Field(None, gt=0, le=1)
+
+    @property
+    def is_every_token(self) -> bool:
+        """Every token ends a chunk (no chunk times needed to tell TTFT and TPOT)."""
+        return self.text_token_p >= 1.0 and (self.first_token_p is None or self.first_token_p >= 1.0)
 
 
 class FitPoint(_Strict):

@@ -144,8 +144,8 @@ def test_tpot_points_record_their_output_and_older_ones_read_as_33() -> None:
     legacy = Profile.model_validate(fit_profile(config, measured, "legacy", "test"))
     longer = {**measured, **{k: {**measured[k], "output": 97} for k in names}}
     fitted = Profile.model_validate(fit_profile(config, longer, "longer", "test"))
-    text_p = legacy.stream.text_token_p
-    ratio = first_chunk_share(33, text_p) / first_chunk_share(97, text_p)
+    text_p, first_p = legacy.stream.text_token_p, legacy.stream.first_token_p
+    ratio = first_chunk_share(33, text_p, first_p=first_p) / first_chunk_share(97, text_p, first_p=first_p)
     entry = {f.name: f for f in fitted.fit}
     assert entry["tpot_dcp_b1"].modelled == pytest.approx(measured["tpot_dcp_b1"]["tpot_s"], rel=1e-9)
     assert fitted.step(1, 2).decode_ctx_s == legacy.step(1, 2).decode_ctx_s
@@ -256,12 +256,12 @@ def test_the_dcp_resume_point_fits_the_prefix_gather(capsys) -> None:
     measured = json.loads((PROFILE_DIR / "cpu-mini-reference.measured.json").read_text())
     measured.pop(DCP_RESUME.name, None)  # the shipped measurement's own point out: this test makes its own
     plain = fit_profile(config, measured, "plain", "test")
-    step, text_p = plain["steps"][2], plain["stream"]["text_token_p"]
+    step, first_p = plain["steps"][2], plain["stream"]["first_token_p"]
     point = {"prompt_tokens": 7163, "cached_tokens": 6656, "num_ok": 3, "later_chunks": 0, "later_tokens": 0}
     truth = StepCost.model_validate({**step, "prefill_prefix_s": 2e-5})
     engine_s = (truth.step_s(256, 6912) + truth.step_s(251, 7163)
-                + (1 - text_p) * truth.step_s(batch=1, sum_context=7164))
-    assert _resume_s(point, truth.model_dump(), text_p, 256) == pytest.approx(engine_s, rel=1e-12)
+                + (1 - first_p) * truth.step_s(batch=1, sum_context=7164))
+    assert _resume_s(point, truth.model_dump(), first_p, 256) == pytest.approx(engine_s, rel=1e-12)
     point["ttft_s"] = ROUTER_S + plain["http"]["decode_leg_s"] + engine_s
     fitted = Profile.model_validate(fit_profile(config, {**measured, DCP_RESUME.name: point}, "resume", "test"))
     assert fitted.step(1, 2).prefill_prefix_s == pytest.approx(2e-5, rel=1e-9)
@@ -275,7 +275,7 @@ def test_the_dcp_resume_point_fits_the_prefix_gather(capsys) -> None:
     assert not predicted.used_for_fit and predicted.measured == 8.0
     starts = sum(256 * k for k in range(28))
     assert predicted.modelled == pytest.approx(ROUTER_S + plain["http"]["decode_leg_s"] + _resume_s(
-        first, step, text_p, 256) + 2e-5 * starts, rel=1e-9)
+        first, step, first_p, 256) + 2e-5 * starts, rel=1e-9)
     cold = {**point, "cached_tokens": 0}
     again = Profile.model_validate(fit_profile(config, {**measured, DCP_RESUME.name: cold}, "cold", "test"))
     assert again.step(1, 2).prefill_prefix_s == 0.0
@@ -360,6 +360,12 @@ def test_contention_is_fitted_in_closed_form_from_node_figures() -> None:
                           "prefill_steps") == pytest.approx([0.9, 0.5], rel=1e-12)
     assert fit_contention({**prefill, "prefill_steps_rounds": [3, 3, 3]}, alone, "prefill_step_s",
                           "prefill_steps") is None
+    # with the background's step known (0.3 s), its time comes out of the round's sum: (1.3 * 3 - 0.3) / 2 = 1.8;
+    # a round that counted fewer steps than alone is left out
+    assert fit_contention(prefill, alone, "prefill_step_s", "prefill_steps", 0.3) == pytest.approx([0.45, 0.8, 0.4],
+                                                                                                   rel=1e-12)
+    assert fit_contention({**prefill, "prefill_steps_rounds": [2, 3, 1]}, alone, "prefill_step_s", "prefill_steps",
+                          0.3) == pytest.approx([0.45, 0.8], rel=1e-12)
 
 
 def _synthetic_rounds(measured: dict, rounds: int = 3) -> dict:
@@ -403,7 +409,7 @@ def test_a_calibration_with_node_figures_fits_each_decode_steps_contention() -> 
     import pytest
 
     from cluster.config import DEFAULT_CONFIG_PATH, load_config
-    from sim.calibrate import ALL, BESIDE, COLOCATED, QUICK, fit_profile
+    from sim.calibrate import ALL, BESIDE, COLOCATED, QUICK, fit_profile, prompt_tokens
     from sim.profile import Profile
 
     config, shipped = load_config(DEFAULT_CONFIG_PATH), _shipped_measurement()
@@ -423,6 +429,19 @@ def test_a_calibration_with_node_figures_fits_each_decode_steps_contention() -> 
         assert fit[name].used_for_fit and fit[name].modelled == pytest.approx(
             alone * (1 + c * measured[name].get("busy_share", 1.0)), rel=1e-9)
         assert len(fit[name].rounds) == 3
+    # the background's own 20-word prompt prefilled among the point's steps, in every round: a third step of what
+    # the fitted prefill gives for it; taken out, the same contention comes back (left out before, it was 1.0)
+    p, n = fitted.steps[0], prompt_tokens(BESIDE[1].words)
+    extra = p.base_s + p.prefill_token_s * n + p.prefill_attn_s * n * n / 2
+    point = measured["ttft_beside_tp_decode"]
+    with_background = {**point, "prefill_steps": 3, "prefill_steps_rounds": [3, 3, 3],
+                       "prefill_step_s": (2 * point["prefill_step_s"] + extra) / 3,
+                       "prefill_step_rounds": [(2 * b + extra) / 3 for b in point["prefill_step_rounds"]]}
+    refit = Profile.model_validate(fit_profile(config, {**measured, "ttft_beside_tp_decode": with_background}, "node",
+                                               "test"))
+    assert refit.steps[0].contention == pytest.approx(0.45, rel=1e-9)
+    assert {f.name: f for f in refit.fit}["ttft_beside_tp_decode"].measured == pytest.approx(point["prefill_step_s"],
+                                                                                             rel=1e-9)
     del measured["ttft_beside_tp_decode"]["prefill_step_s"]
     del measured["ttft_beside_tp_decode"]["prefill_step_rounds"]
     again = Profile.model_validate(fit_profile(config, measured, "node", "test"))

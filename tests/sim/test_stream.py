@@ -8,7 +8,7 @@ import random
 import pytest
 
 from loadgen.scenarios.trace import TraceEntry, TraceWorkload
-from sim.calibrate import first_chunk_share, text_token_p
+from sim.calibrate import first_chunk_share, stream_probabilities, text_token_p
 from sim.profile import HttpCost, StreamModel, TransferCost
 from sim.run import SimOptions, simulate
 from sim.stream import chunk_times
@@ -78,20 +78,46 @@ def test_a_chunking_profile_needs_chunk_times() -> None:
 
 @pytest.mark.parametrize("n_tokens", [2, 16, 33])
 @pytest.mark.parametrize("p", [0.1, 0.5, 1.0])
-def test_first_chunk_share_is_the_mean_span_of_simulated_streams(n_tokens: int, p: float) -> None:
+@pytest.mark.parametrize("first_p", [None, 0.45])
+def test_first_chunk_share_is_the_mean_span_of_simulated_streams(n_tokens: int, p: float, first_p: float | None) -> None:
     """calibrate's correction of a measured TPOT against sim/stream.py's chunks of an imported stream (its first
-    two tokens at one time, then one a step)."""
+    two tokens at one time, then one a step), the first token releasing text with its own probability or p."""
     times = [1.0] + [float(k) for k in range(1, n_tokens)]
     spans = []
     rng = random.Random(5)
     for _ in range(20_000):
-        chunks = chunk_times(times, p, str(rng.random()))
+        chunks = chunk_times(times, p, str(rng.random()), first_p)
         spans.append((chunks[-1] - chunks[0]) / (n_tokens - 1))
-    assert first_chunk_share(n_tokens, p) == pytest.approx(sum(spans) / len(spans), abs=0.01)
+    assert first_chunk_share(n_tokens, p, first_p=first_p) == pytest.approx(sum(spans) / len(spans), abs=0.01)
 
 
-def test_text_token_p_pools_the_points_and_needs_counts() -> None:
-    measured = {"a": {"later_chunks": 3, "later_tokens": 30}, "b": {"later_chunks": 7, "later_tokens": 70}}
+def test_the_first_token_releases_text_with_its_own_probability() -> None:
+    """Streams of 3 tokens at p = 0.1 and first_token_p = 0.6: the first token ends a chunk in about 60% of them, the
+    second in about 10%, the last in all; first_token_p None is text_token_p's."""
+    rng = random.Random(7)
+    firsts = seconds = 0
+    n = 20_000
+    for _ in range(n):
+        chunks = chunk_times([0.0, 1.0, 2.0], 0.1, str(rng.random()), 0.6)
+        assert chunks[-1] == 2.0
+        firsts += 0.0 in chunks
+        seconds += 1.0 in chunks
+    assert firsts / n == pytest.approx(0.6, abs=0.015) and seconds / n == pytest.approx(0.1, abs=0.01)
+    assert chunk_times([0.0, 1.0, 2.0], 0.3, "k") == chunk_times([0.0, 1.0, 2.0], 0.3, "k", None)
+    assert not StreamModel(text_token_p=1.0, first_token_p=0.5).is_every_token
+    assert StreamModel(text_token_p=1.0).is_every_token
+
+
+def test_stream_probabilities_split_the_first_token_from_later_ones_and_need_counts() -> None:
+    """Two-token streams measure the first token (a chunk after the first: it released text); longer streams'
+    later chunks less their first tokens' measure the rest. Without two-token points both are the pooled share."""
+    measured = {"a": {"later_chunks": 3, "later_tokens": 30, "num_ok": 1},
+                "b": {"later_chunks": 7, "later_tokens": 70, "num_ok": 1}}
+    assert stream_probabilities(measured) == pytest.approx((0.1, 0.1))
     assert text_token_p(measured) == pytest.approx(0.1)
+    # 10 two-token streams, 4 with a second chunk; 4 streams of 51 tokens with 0.4 * 4 + 0.1 * 49 * 4 later chunks
+    split = {"short": {"later_chunks": 4, "later_tokens": 10, "num_ok": 10},
+             "long": {"later_chunks": 0.4 * 4 + 0.1 * 49 * 4, "later_tokens": 50 * 4, "num_ok": 4}}
+    assert stream_probabilities(split) == pytest.approx((0.4, 0.1), rel=1e-12)
     with pytest.raises(ValueError, match="chunk counts"):
         text_token_p({"a": {"ttft_s": 1.0}})
