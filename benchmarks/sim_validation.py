@@ -16,6 +16,13 @@ cluster pays once, the simulator does not model) and writes loadgen's summary.js
 the simulated side writes its own beside it, so `pdcluster loadgen compare REAL SIM` shows every metric. The real
 side also keeps the cluster it ran (`real/cluster.json`); `--reuse-real` simulates that cluster, so a later change
 of cluster/default.yaml does not pair a saved real run with a different simulated one.
+
+`--requests` prints, after the table, every configuration's requests real and simulated side by side, joined by
+level and request id (the same seed sends the same requests): prompt and cached tokens, chunks, TTFT, TPOT and the
+span from the first chunk to the last. Where a headline figure is off, this says whether the decisions differ (cached
+tokens, which requests ran) or only their times, and in which part of a request.
+
+    python benchmarks/sim_validation.py --reuse-real --work-dir DIR --only default-agentx-on-low --requests
 """
 
 from __future__ import annotations
@@ -140,6 +147,39 @@ def run_config(cfg: Config, profile, work: Path, duration_s: float, seed: int, r
     return rows
 
 
+def request_pairs(real, sim) -> list[tuple[int, str, object, object]]:  # noqa: ANN001 - loadgen Summary
+    """(concurrency, request id, real record, simulated record) for every request both sides completed, level by
+    level in the real side's start order."""
+    pairs = []
+    for lv_real, lv_sim in zip(real.levels, sim.levels):
+        simulated = {r.request_id: r for r in lv_sim.records if r.is_ok}
+        for rec in sorted((r for r in lv_real.records if r.is_ok), key=lambda r: r.start_s):
+            if rec.request_id in simulated:
+                pairs.append((lv_real.concurrency, rec.request_id, rec, simulated[rec.request_id]))
+    return pairs
+
+
+def request_table(name: str, real, sim) -> list[str]:  # noqa: ANN001 - loadgen Summary
+    """`--requests`: one configuration's requests, real / simulated (markdown rows)."""
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{1000 * v:,.0f}"
+
+    def span(r) -> str:  # noqa: ANN001
+        return ms(r.chunk_s[-1] - r.chunk_s[0]) if r.chunk_s else "-"
+
+    lines = [f"### {name}", "", "| conc | request | prompt | cached real / sim | chunks | TTFT ms | TPOT ms | "
+             "first-to-last chunk ms |", "|---:|---|---:|---|---|---|---|---|"]
+    for conc, rid, a, b in request_pairs(real, sim):
+        tpot = lambda r: "-" if r.tpot_s is None else f"{1000 * r.tpot_s:.1f}"  # noqa: E731
+        lines.append(f"| {conc} | {rid} | {a.prompt_tokens} | {a.cached_tokens or 0} / {b.cached_tokens or 0} | "
+                     f"{len(a.chunk_s)} / {len(b.chunk_s)} | {ms(a.ttft_s)} / {ms(b.ttft_s)} | {tpot(a)} / {tpot(b)} | "
+                     f"{span(a)} / {span(b)} |")
+    num_real = sum(1 for lv in real.levels for r in lv.records if r.is_ok)
+    num_sim = sum(1 for lv in sim.levels for r in lv.records if r.is_ok)
+    lines.append(f"\n{len(lines) - 4} requests on both sides; {num_real} completed for real, {num_sim} simulated")
+    return lines
+
+
 def _median(rows: list[Row], metrics: tuple[str, ...]) -> float | None:
     errors = [r.error for r in rows if r.metric in metrics and r.error is not None]
     return statistics.median(errors) if errors else None
@@ -156,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warmup", action="store_true", help="measure each real configuration from a cold start")
     p.add_argument("--reuse-real", action="store_true",
                    help="take a configuration's real side from --work-dir when a run of the same duration is there")
+    p.add_argument("--requests", action="store_true",
+                   help="print each configuration's requests, real and simulated side by side, after the table")
     args = p.parse_args(argv)
     from sim.profile import resolve_profile
 
@@ -191,6 +233,14 @@ def main(argv: list[str] | None = None) -> int:
           f"configurations, {time.time() - started:.0f} s")
     for name, why in failed.items():
         print(f"not run: {name}: {why}")
+    if args.requests:
+        from loadgen.summary import load_summary
+
+        for cfg in CONFIGS:
+            side = args.work_dir / cfg.name
+            if cfg.name in names and cfg.name not in failed:
+                print("\n" + "\n".join(request_table(cfg.name, load_summary(side / "real" / "summary.json"),
+                                                     load_summary(side / "sim" / "summary.json"))))
     if args.json:
         args.json.write_text(json.dumps({
             "headline": {"metric": "median_abs_rel_error_ttft_p50_tpot_p50_throughput", "value": head, "goal": 0.10},
