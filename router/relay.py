@@ -225,6 +225,10 @@ async def relay(resp: UpstreamResponse, chunks: AsyncIterator[bytes], first: byt
     error event and `[DONE]`.
     """
     status = "cancelled"
+    # [DONE] (no error event before it) was relayed and the client's side asked for more: it has the whole stream,
+    # so leaving now (a client that stops reading at [DONE], racing D's own close) is a clean end, not a cancel
+    # that would skip the turn's session record, latency metrics and the legs' success
+    delivered = False
     watchdog = None
     pending: bytes | None = first
     to_client = resume.client_bytes if resume is not None else _same
@@ -235,6 +239,7 @@ async def relay(resp: UpstreamResponse, chunks: AsyncIterator[bytes], first: byt
             if pending is not None:
                 chunk, pending = pending, None
             else:
+                delivered = acct.is_done and acct.error is None
                 watchdog.wait()
                 try:
                     chunk = await anext(chunks)
@@ -286,6 +291,8 @@ async def relay(resp: UpstreamResponse, chunks: AsyncIterator[bytes], first: byt
     finally:
         if watchdog is not None:
             watchdog.stop()
+        if status == "cancelled" and delivered:
+            status = "ok"
         with anyio.CancelScope(shield=True):
             await resp.aclose()
             on_end(status)
