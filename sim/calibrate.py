@@ -428,12 +428,6 @@ def stream_probabilities(measured: dict[str, dict]) -> tuple[float, float]:
     return min(1.0, max(first, 1e-3)), min(1.0, max(rest, 1e-3))
 
 
-def text_token_p(measured: dict[str, dict]) -> float:
-    """The stream model's text_token_p: the share of the tokens between a stream's first and its last that
-    released text (`stream_probabilities`)."""
-    return stream_probabilities(measured)[1]
-
-
 def first_chunk_share(num_tokens: int, p: float, first_with_second: bool = True, first_p: float | None = None) -> float:
     """The expected client TPOT of a steady stream of `num_tokens` tokens over its step time: the span from the
     first chunk to the last, over num_tokens - 1 steps. The first chunk is the first token that releases text
@@ -494,6 +488,14 @@ def _per_round(point: dict, key: str) -> list | None:
     return list(got) if got else ([point[key]] if key in point else None)
 
 
+def own_steps_mean(mean_s: float, counted: int, own: int, extra_step_s: float) -> float:
+    """The mean of a point's `own` steps, where its node counted `counted` (> own: the background's, each
+    `extra_step_s`) with mean `mean_s`; `mean_s` as it is when the counts agree or `own` is 0."""
+    if counted <= own or own <= 0:
+        return mean_s
+    return (mean_s * counted - (counted - own) * extra_step_s) / own
+
+
 def fit_contention(beside: dict, alone: dict, figure: str = "step_s", count: str | None = None,
                    extra_step_s: float | None = None) -> list[float] | None:
     """A step's `StepCost.contention`, one per round, from its beside point and the point `alone` of the same shape,
@@ -521,7 +523,7 @@ def fit_contention(beside: dict, alone: dict, figure: str = "step_s", count: str
         if not got or not want or len(got) != len(betas) or len(want) != len(betas):
             return None
         keep = [g == w or (g > w and extra_step_s is not None) for g, w in zip(got, want)]
-        betas = [(b * g - (g - w) * (extra_step_s or 0.0)) / w if w else b for b, g, w in zip(betas, got, want)]
+        betas = [own_steps_mean(b, g, w, extra_step_s or 0.0) for b, g, w in zip(betas, got, want)]
     rounds = [(b, a, u) for b, a, u, k in zip(betas, alones, shares, keep) if k and a > 0 and u > 0]
     if not rounds:
         return None
@@ -639,14 +641,16 @@ def fit_profile(config: ClusterConfig, measured: dict[str, dict], name: str, com
         extra_s = None
         if beside.step == 0:  # the background's own prompts, prefilled among the point's steps
             n = prompt_tokens(beside.words)
-            extra_s = p_base + p_tok * n + p_attn * n * n / 2
+            from sim.profile import StepCost
+
+            extra_s = StepCost.model_validate(steps[0]).step_s(n, n)
         per_round = fit_contention(got, alone, figure, count, extra_s)
         if per_round is not None:
             c = statistics.median(per_round)
             contention[beside.step] = c
             own = got[figure]
-            if count is not None and got.get(count, 0) > alone.get(count, 0) > 0:  # the point's own steps' mean
-                own = (own * got[count] - (got[count] - alone[count]) * extra_s) / alone[count]
+            if count is not None:  # the point's own steps' mean
+                own = own_steps_mean(own, got.get(count, 0), alone.get(count, 0), extra_s or 0.0)
             fit.append({"name": beside.point.name, "measured": own, "used_for_fit": True,
                         "source": f"{what} beside a busy instance, s (contention {c:.3f} over a busy share "
                                   f"{got.get('busy_share', 1.0):.3f}"

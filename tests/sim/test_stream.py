@@ -8,7 +8,7 @@ import random
 import pytest
 
 from loadgen.scenarios.trace import TraceEntry, TraceWorkload
-from sim.calibrate import first_chunk_share, stream_probabilities, text_token_p
+from sim.calibrate import first_chunk_share, stream_probabilities
 from sim.profile import HttpCost, StreamModel, TransferCost
 from sim.run import SimOptions, simulate
 from sim.stream import chunk_times
@@ -114,10 +114,9 @@ def test_stream_probabilities_split_the_first_token_from_later_ones_and_need_cou
     measured = {"a": {"later_chunks": 3, "later_tokens": 30, "num_ok": 1},
                 "b": {"later_chunks": 7, "later_tokens": 70, "num_ok": 1}}
     assert stream_probabilities(measured) == pytest.approx((0.1, 0.1))
-    assert text_token_p(measured) == pytest.approx(0.1)
     # 10 two-token streams, 4 with a second chunk; 4 streams of 51 tokens with 0.4 * 4 + 0.1 * 49 * 4 later chunks
     split = {"short": {"later_chunks": 4, "later_tokens": 10, "num_ok": 10},
              "long": {"later_chunks": 0.4 * 4 + 0.1 * 49 * 4, "later_tokens": 50 * 4, "num_ok": 4}}
     assert stream_probabilities(split) == pytest.approx((0.4, 0.1), rel=1e-12)
     with pytest.raises(ValueError, match="chunk counts"):
-        text_token_p({"a": {"ttft_s": 1.0}})
+        stream_probabilities({"a": {"ttft_s": 1.0}})
