@@ -167,16 +167,19 @@ def request_table(name: str, real, sim) -> list[str]:  # noqa: ANN001 - loadgen 
     def span(r) -> str:  # noqa: ANN001
         return ms(r.chunk_s[-1] - r.chunk_s[0]) if r.chunk_s else "-"
 
+    def tpot(r) -> str:  # noqa: ANN001
+        return "-" if r.tpot_s is None else f"{1000 * r.tpot_s:.1f}"
+
+    pairs = request_pairs(real, sim)
     lines = [f"### {name}", "", "| conc | request | prompt | cached real / sim | chunks | TTFT ms | TPOT ms | "
              "first-to-last chunk ms |", "|---:|---|---:|---|---|---|---|---|"]
-    for conc, rid, a, b in request_pairs(real, sim):
-        tpot = lambda r: "-" if r.tpot_s is None else f"{1000 * r.tpot_s:.1f}"  # noqa: E731
+    for conc, rid, a, b in pairs:
         lines.append(f"| {conc} | {rid} | {a.prompt_tokens} | {a.cached_tokens or 0} / {b.cached_tokens or 0} | "
                      f"{len(a.chunk_s)} / {len(b.chunk_s)} | {ms(a.ttft_s)} / {ms(b.ttft_s)} | {tpot(a)} / {tpot(b)} | "
                      f"{span(a)} / {span(b)} |")
     num_real = sum(1 for lv in real.levels for r in lv.records if r.is_ok)
     num_sim = sum(1 for lv in sim.levels for r in lv.records if r.is_ok)
-    lines.append(f"\n{len(lines) - 4} requests on both sides; {num_real} completed for real, {num_sim} simulated")
+    lines.append(f"\n{len(pairs)} requests on both sides; {num_real} completed for real, {num_sim} simulated")
     return lines
 
 
